@@ -1,0 +1,111 @@
+"""Checkpoint IO: self-describing directories whose files are verified by sha256 before loading.
+
+Layout of a checkpoint dir:
+    model.safetensors        weights (safetensors only; never pickle)
+    config.json              the HF model config (so `from_pretrained` can rebuild the module)
+    tokenizer*.json ...      the tokenizer, saved with `save_pretrained`
+    dllm.json                strategy, mask id, step and anything a sampler needs
+    trainer_state.pt         optional: optimizer + scheduler state (loaded with weights_only=True)
+    digests.json             sha256 of every file above, written last
+
+A file whose digest does not match is never deserialized: `CorruptCheckpointError` names it.
+Checkpoints are written to a temp dir and renamed into place, so a crash never leaves a torn one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from dllm_common.store import fsync_tree, sha256_file
+
+DIGESTS = "digests.json"
+
+
+class CorruptCheckpointError(RuntimeError):
+    pass
+
+
+def write_checkpoint(dest: Path, model, tokenizer=None, meta: dict | None = None, trainer_state: dict | None = None) -> Path:
+    """Atomically (re)write checkpoint `dest` from a model (+ tokenizer, metadata, optimizer state)."""
+    import torch
+    from safetensors.torch import save_model
+
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".tmp-{dest.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        model.config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / "dllm.json").write_text(json.dumps(meta or {}, indent=2, sort_keys=True))
+        if trainer_state is not None:
+            torch.save(trainer_state, tmp / "trainer_state.pt")
+        digests = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / DIGESTS).write_text(json.dumps(digests, indent=2, sort_keys=True))
+        fsync_tree(tmp)
+        old = None
+        if dest.exists():
+            old = dest.parent / f".old-{dest.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(dest, old)
+        os.rename(tmp, dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def verify_checkpoint(path: Path) -> dict[str, str]:
+    """Check every recorded digest; raise `CorruptCheckpointError` naming the first bad file."""
+    path = Path(path)
+    digest_file = path / DIGESTS
+    if not digest_file.is_file():
+        raise CorruptCheckpointError(f"{path} is not a dllm-flow checkpoint (no {DIGESTS}); it may be incomplete")
+    try:
+        digests = json.loads(digest_file.read_text())
+    except json.JSONDecodeError:
+        raise CorruptCheckpointError(f"{digest_file} is unreadable; delete {path} and rerun to rebuild it") from None
+    for name, expected in digests.items():
+        f = path / name
+        if not f.is_file():
+            raise CorruptCheckpointError(f"checkpoint file {f} is missing; delete {path} and rerun to rebuild it")
+        if sha256_file(f) != expected:
+            raise CorruptCheckpointError(
+                f"checkpoint file {f} is corrupt (sha256 mismatch, not loaded); delete {path} and rerun to rebuild it"
+            )
+    return digests
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((Path(path) / "dllm.json").read_text())
+
+
+def load_weights_into(model, path: Path) -> None:
+    """Verify `path`, then load its safetensors weights into `model` (strict)."""
+    from safetensors.torch import load_model
+
+    verify_checkpoint(path)
+    load_model(model, str(Path(path) / "model.safetensors"), strict=True)
+
+
+def load_trainer_state(path: Path) -> dict[str, Any] | None:
+    import torch
+
+    f = Path(path) / "trainer_state.pt"
+    if not f.is_file():
+        return None
+    return torch.load(f, weights_only=True, map_location="cpu")
+
+
+def checkpoint_digest(path: Path) -> str:
+    """One sha256 over the checkpoint's digest table: a stable id for its content."""
+    import hashlib
+
+    return hashlib.sha256((Path(path) / DIGESTS).read_bytes()).hexdigest()

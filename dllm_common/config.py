@@ -1,0 +1,292 @@
+"""The declarative pipeline config: YAML → typed, frozen models with every default in one place.
+
+Unknown keys are rejected; every error names the dotted key path, the bad value and what is
+allowed (see `ConfigError`). `load_config(path, overrides)` is the single entry point.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+STRATEGY_NAMES = ("mdlm", "scdd", "hybrid", "idlm", "dflash", "block_diffusion")
+
+
+class ConfigError(ValueError):
+    """A config problem a person can fix; the message lists every offending key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PipelineConfig(_Section):
+    name: str = "dllm"
+    strategies: tuple[str, ...] = ("mdlm",)
+
+    @model_validator(mode="after")
+    def _known_strategies(self) -> "PipelineConfig":
+        if not self.strategies:
+            raise ValueError("pipeline.strategies is empty; list at least one of " f"{list(STRATEGY_NAMES)}")
+        for name in self.strategies:
+            if name not in STRATEGY_NAMES:
+                raise ValueError(f"unknown strategy {name!r}; allowed: {list(STRATEGY_NAMES)}")
+        if len(set(self.strategies)) != len(self.strategies):
+            raise ValueError(f"strategies must be unique, got {list(self.strategies)}")
+        return self
+
+
+class DataConfig(_Section):
+    """Where text comes from and how it becomes fixed-length training rows."""
+
+    source: Literal["shakespeare", "jsonl", "parquet", "hf"] = "shakespeare"
+    path: str | None = None  # local file/dir for jsonl/parquet; dataset name or path for hf
+    hf_config: str | None = None
+    hf_split: str = "train"
+    shape: Literal["pretrain", "dialogue"] = "pretrain"
+    text_field: str = "text"
+    messages_field: str = "messages"
+    document_field: str | None = None  # groups rows into documents for the train/val split
+    seq_len: int = Field(128, ge=8)
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    max_documents: int | None = Field(None, ge=2)
+    max_train_rows: int | None = Field(None, ge=1)
+    max_val_rows: int | None = Field(256, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> "DataConfig":
+        if self.source != "shakespeare" and not self.path:
+            raise ValueError(f"data.path is required when data.source is {self.source!r}")
+        return self
+
+
+class TokenizerConfig(_Section):
+    kind: Literal["train_bpe", "pretrained"] = "train_bpe"
+    vocab_size: int = Field(2048, ge=300)
+    min_frequency: int = Field(2, ge=1)
+    path: str | None = None  # local dir or hub id for kind=pretrained
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> "TokenizerConfig":
+        if self.kind == "pretrained" and not self.path:
+            raise ValueError("tokenizer.path is required when tokenizer.kind is 'pretrained'")
+        return self
+
+
+class ModelConfig(_Section):
+    kind: Literal["tiny", "pretrained"] = "tiny"
+    family: Literal["llama", "qwen3"] = "llama"
+    hidden_size: int = Field(128, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int | None = None
+    intermediate_size: int | None = None
+    tie_embeddings: bool = True
+    path: str | None = None  # local dir or hub id for kind=pretrained
+    gguf_file: str | None = None
+    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
+
+    @model_validator(mode="after")
+    def _shape(self) -> "ModelConfig":
+        if self.kind == "pretrained" and not self.path:
+            raise ValueError("model.path is required when model.kind is 'pretrained'")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})")
+        return self
+
+
+class TrainConfig(_Section):
+    steps: int = Field(200, ge=1)
+    global_batch_size: int = Field(32, ge=1)  # sequences per optimizer step, over all ranks and micro-batches
+    micro_batch_size: int = Field(32, ge=1)  # sequences per forward on one rank
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(20, ge=0)
+    schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = Field(1.0, gt=0)
+    seed: int = 0  # model init, data order and corruption noise
+    log_every: int = Field(10, ge=1)
+    val_every: int = Field(50, ge=1)
+    val_rows: int = Field(64, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    nproc_per_node: int = Field(1, ge=1)
+    threads: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> "TrainConfig":
+        per_rank = self.global_batch_size // self.nproc_per_node
+        if self.global_batch_size % self.nproc_per_node or per_rank % self.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"train.nproc_per_node × train.micro_batch_size ({self.nproc_per_node} × {self.micro_batch_size})"
+            )
+        return self
+
+
+class EvalConfig(_Section):
+    val_rows: int = Field(128, ge=1)  # validation rows scored by the NELBO
+    t_samples: int = Field(8, ge=1)  # stratified diffusion times per row
+    batch_size: int = Field(32, ge=1)
+    seed: int = 1234
+    num_samples: int = Field(4, ge=0)
+    sample_length: int = Field(48, ge=1)
+    sample_steps: int = Field(48, ge=1)
+    sample_block_size: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    prompts: tuple[str, ...] = ("To be, or not to be", "My lord,", "What say you", "O")
+
+
+class TrackingConfig(_Section):
+    uri: str | None = None  # None → sqlite database inside the workdir
+    experiment: str | None = None  # None → pipeline.name
+    register_model: bool = True
+    log_checkpoints: bool = True
+
+
+class DLLMConfig(_Section):
+    """Strategy options (spec §12.1). `mode` is set per strategy by the pipeline."""
+
+    mode: str = "mdlm"
+    mask_token_id: int | None = None
+    eps: float = Field(1e-3, ge=0, lt=1)
+    loss_weighting: Literal["elbo", "flat"] = "elbo"
+    block_size: int | None = Field(None, ge=1)
+    half_life_ratio: float | None = 0.25
+    pad_block_size: int | None = None
+    pad_seq_len_divisible: int | None = None
+    supervise_padding: bool = False
+    ar_loss_alpha: float = 1.0
+    vocab_size: int | None = None
+    num_timesteps: int = 1000
+    uniform_ratio: float = 0.1
+    schedule_shape: float = 1.0
+    schedule_peak: float = 0.5
+    chunk_size: int | None = 1024
+    block_length: int = 1
+    clean_loss_weight: float = 0.2
+    auto_balance_clean_loss: bool = False
+    self_conditioning_p: float = 0.5
+    encoder_loss_weight: float = 1.0
+
+
+class PipelineSpec(_Section):
+    """A whole pipeline: what `dllm-flow run CONFIG` executes."""
+
+    pipeline: PipelineConfig = PipelineConfig()
+    data: DataConfig = DataConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    dllm: DLLMConfig = DLLMConfig()
+
+
+# ---------------------------------------------------------------- loading and errors
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<top level>"
+        value = e.get("input")
+        if e["type"] == "extra_forbidden":
+            parent = _section_for(e["loc"][:-1])
+            allowed = sorted(parent.model_fields) if parent else []
+            lines.append(f"  {path}: unknown key (value {value!r}); allowed keys here: {allowed}")
+        else:
+            lines.append(f"  {path}: {e['msg']} (got {value!r})")
+    return "\n".join(lines)
+
+
+def _section_for(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = PipelineSpec
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return None
+        model = field.annotation
+    return model
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` → (['a','b','c'], value parsed as YAML)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like dotted.key=value")
+    key, raw = item.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"override {item!r} has an empty key")
+    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else ""
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    data = json.loads(json.dumps(raw))  # deep copy of plain data
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {k!r} is not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p} (pass the path of a YAML file, e.g. configs/quickstart.yaml)")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def validate_config(raw: dict, source: str = "<dict>") -> PipelineSpec:
+    try:
+        return PipelineSpec.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineSpec:
+    raw = apply_overrides(read_yaml(path), overrides or [])
+    return validate_config(raw, str(path))
+
+
+def canonical_json(obj: Any) -> str:
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump(mode="json")
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def config_sha256(spec: PipelineSpec) -> str:
+    return hashlib.sha256(canonical_json(spec).encode()).hexdigest()
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested config → {'train.lr': 0.003, ...} for MLflow params."""
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump(mode="json")
+    out: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    out[prefix[:-1]] = obj
+    return out

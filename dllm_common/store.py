@@ -1,0 +1,129 @@
+"""Content-addressed stage store: `store/<stage>/<key>/` with a `manifest.json`.
+
+key = sha256(canonical JSON of {config slice, upstream keys, code version}). A stage writes into a
+private temp dir and publishes it with one atomic rename after fsync, so a half-written stage is
+never a cache hit. A stage that must survive a crash mid-way (training) keeps its resumable state
+in `work_dir(stage, key)`, which is separate from the published entry.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from dllm_common.config import canonical_json
+
+MANIFEST = "manifest.json"
+
+
+def stage_key(stage: str, config_slice: Any, upstream: dict[str, str], code_version: str) -> str:
+    payload = canonical_json({"stage": stage, "config": config_slice, "upstream": upstream, "code": code_version})
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small file so readers see either the old or the new content, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    stage: str
+    key: str
+    path: Path
+
+    @property
+    def manifest(self) -> dict:
+        return json.loads((self.path / MANIFEST).read_text())
+
+
+class Store:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def entry_dir(self, stage: str, key: str) -> Path:
+        return self.root / stage / key
+
+    def work_dir(self, stage: str, key: str) -> Path:
+        """Resumable scratch space of an unfinished stage (kept across crashes)."""
+        return self.root / stage / f"{key}.work"
+
+    def lookup(self, stage: str, key: str) -> StageEntry | None:
+        path = self.entry_dir(stage, key)
+        if (path / MANIFEST).is_file():
+            return StageEntry(stage, key, path)
+        return None
+
+    @contextlib.contextmanager
+    def publish(self, stage: str, key: str, manifest: dict) -> Iterator[Path]:
+        """Yield a temp dir to fill; on success add the manifest (with file digests) and rename it in."""
+        final = self.entry_dir(stage, key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        started = time.time()
+        try:
+            yield tmp
+            files = {
+                str(p.relative_to(tmp)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                for p in sorted(tmp.rglob("*"))
+                if p.is_file()
+            }
+            full = {**manifest, "stage": stage, "key": key, "files": files,
+                    "published_at": time.time(), "publish_seconds": time.time() - started}
+            (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str))
+            fsync_tree(tmp)
+            if final.exists():  # a concurrent twin won the race; identical content by construction
+                shutil.rmtree(tmp)
+            else:
+                os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def verify(self, entry: StageEntry) -> list[str]:
+        """Files whose sha256 no longer matches the manifest (empty list = intact)."""
+        bad = []
+        for rel, meta in entry.manifest.get("files", {}).items():
+            p = entry.path / rel
+            if not p.is_file() or sha256_file(p) != meta["sha256"]:
+                bad.append(rel)
+        return bad

@@ -1,0 +1,152 @@
+"""Experiment tracking: a four-method `Tracker` (params, metrics, artifact, close) over MLflow.
+
+MLflow's "active run" is thread-local and Prefect runs tasks in threads, so everything here goes
+through `MlflowClient` with explicit run ids: one parent run per pipeline run, one child run per
+strategy created with an explicit `mlflow.parentRunId` tag. `NullTracker` is the no-op twin.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+TELEMETRY_OFF = {
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def quiet_environment() -> None:
+    """Telemetry off everywhere; set before MLflow/Prefect/transformers are imported."""
+    for k, v in TELEMETRY_OFF.items():
+        os.environ.setdefault(k, v)
+
+
+def default_tracking_uri(workdir: Path) -> str:
+    return f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}"
+
+
+def artifact_root(workdir: Path) -> str:
+    return (Path(workdir).resolve() / "mlartifacts").as_uri()
+
+
+class NullTracker:
+    run_id: str | None = None
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def close(self, status: str = "FINISHED") -> None: ...
+
+
+class MlflowTracker:
+    """Tracker bound to one MLflow run id; safe to use from any thread."""
+
+    def __init__(self, client, run_id: str):
+        self.client = client
+        self.run_id = run_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        existing = self.client.get_run(self.run_id).data.params
+        items = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in existing]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, int(step)) for k, v in metrics.items() if v is not None]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        p = Path(path)
+        if p.is_dir():
+            self.client.log_artifacts(self.run_id, str(p), artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(p), artifact_path)
+
+    def log_dataset(self, path: Path, name: str, digest: str, context: str = "training") -> None:
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        import warnings
+
+        with warnings.catch_warnings():  # two equivalent local-source classes are registered; either is right
+            warnings.simplefilter("ignore", UserWarning)
+            source = resolve_dataset_source(Path(path).resolve().as_uri())
+        ds = MetaDataset(source=source, name=name, digest=digest[:36])
+        entity = DatasetInput(dataset=ds._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
+        self.client.log_inputs(self.run_id, datasets=[entity])
+
+    def register_model(self, name: str, artifact_path: str) -> str:
+        """Register `runs:/<run>/<artifact_path>`; MLflow resolves the reserved alias `latest` to it."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException:
+            pass  # already registered
+        source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
+        version = self.client.create_model_version(name, source=source, run_id=self.run_id)
+        return version.version
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+class Tracking:
+    """Opens the experiment and creates/reopens runs. `uri=None` → sqlite in the workdir."""
+
+    def __init__(self, workdir: Path, uri: str | None, experiment: str):
+        quiet_environment()
+        from mlflow.tracking import MlflowClient
+
+        self.workdir = Path(workdir)
+        self.uri = uri or default_tracking_uri(self.workdir)
+        self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is None:
+            location = artifact_root(self.workdir) if self.uri.startswith("sqlite") else None
+            exp_id = self.client.create_experiment(
+                experiment, artifact_location=location, tags={"mlflow.experimentKind": "custom_model_development"}
+            )
+        else:
+            exp_id = exp.experiment_id
+        self.experiment_id = exp_id
+
+    def start_run(self, name: str, tags: dict[str, Any], parent_run_id: str | None = None) -> MlflowTracker:
+        all_tags = {k: str(v) for k, v in tags.items()}
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        return MlflowTracker(self.client, run.info.run_id)
+
+    def reopen(self, run_id: str) -> MlflowTracker:
+        """Continue an existing run (a resumed training stage keeps its child run)."""
+        self.client.update_run(run_id, status="RUNNING")
+        return MlflowTracker(self.client, run_id)
+
+    def run_exists(self, run_id: str | None) -> bool:
+        if not run_id:
+            return False
+        try:
+            self.client.get_run(run_id)
+            return True
+        except Exception:
+            return False

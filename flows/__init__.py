@@ -1,0 +1,1 @@
+"""Prefect flows: composition of the stages into pipelines, and the CLI."""

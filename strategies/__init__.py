@@ -1,0 +1,15 @@
+"""dLLM math and the strategy registry: corruption kernels, losses, model adapters, samplers.
+
+Pure of Prefect and MLflow; faithful to `shared/spec/dllm-strategies.md`.
+"""
+from strategies.base import CorruptedBatch, DLLMStrategy, MDLMStrategy, Microbatch, SetupContext, StepContext
+from strategies.corruption import corrupt_uniform
+from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss, per_token_nll
+from strategies.registry import DLLM_STRATEGIES, get_dllm_strategy
+from strategies.seeding import corruption_sample_seed
+
+__all__ = [
+    "DLLM_STRATEGIES", "CorruptedBatch", "DLLMLossOutput", "DLLMStrategy", "MDLMCrossEntropyLoss", "MDLMStrategy",
+    "Microbatch", "SetupContext", "StepContext", "corrupt_uniform", "corruption_sample_seed",
+    "get_dllm_strategy", "per_token_nll",
+]

@@ -1,0 +1,177 @@
+"""The seed strategy API: `DLLMStrategy` and the small, typed values its hooks exchange.
+
+A strategy owns one dLLM family's variation points (spec §1): its loss (`create_loss_fn`), its
+forward kernel (`apply_corruption`), the model-input rewrite (`prepare_batch`), the once-per-step
+corruption of every micro-batch (`pre_step`), the micro-batch forward/backward
+(`forward_backward`) and setup-time validation (`setup_extra`). Hooks receive a `StepContext`
+(what a step needs, nothing more) and return values; nothing is stashed in shared buffers.
+
+To add a variant: subclass, override what differs, register it in `DLLM_STRATEGIES`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from strategies.corruption import corrupt_uniform
+from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss
+from strategies.models import model_logits
+from strategies.seeding import corruption_sample_seed, seeded_generator
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """Collated rows: ids, supervision and padding masks, all `[b, L]`."""
+
+    input_ids: Tensor
+    loss_mask: Tensor
+    attention_mask: Tensor
+
+    def to(self, device: torch.device | str) -> "Microbatch":
+        return Microbatch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device))
+
+
+@dataclass(frozen=True)
+class CorruptedBatch:
+    """A micro-batch after the forward kernel: what `forward_backward` consumes."""
+
+    clean_ids: Tensor
+    noisy_ids: Tensor
+    noise_mask: Tensor
+    p_mask: Tensor
+    loss_mask: Tensor
+    attention_mask: Tensor
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What one optimizer step needs. `loss_scale` multiplies backward (= data-parallel size, spec §7.2)."""
+
+    model: nn.Module
+    loss_fn: nn.Module
+    mask_token_id: int
+    step: int
+    base_seed: int
+    eps: float = 1e-3
+    block_size: int | None = None
+    half_life_ratio: float | None = 0.25
+    dp_rank: int = 0
+    dp_size: int = 1
+    grad_acc_steps: int = 1
+    loss_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class SetupContext:
+    model: nn.Module
+    tokenizer: Any
+    mask_token_id: int | None
+    extras: dict = field(default_factory=dict)
+
+
+def _get(cfg: Any, key: str, default: Any) -> Any:
+    """Read a `dllm:` option from a plain mapping or the typed config (spec §12.1 keys)."""
+    if isinstance(cfg, Mapping):
+        value = cfg.get(key, default)
+    else:
+        value = getattr(cfg, key, default)
+    return default if value is None and default is not None else value
+
+
+class DLLMStrategy:
+    """Base strategy = MDLM-shaped defaults; subclasses override the hooks that differ."""
+
+    name: str = "base"
+
+    @property
+    def normalization_mode(self) -> str:
+        """Which global count divides the diffusion loss: 'supervised' or 'noise'."""
+        return "supervised"
+
+    def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
+        raise NotImplementedError
+
+    def setup_extra(self, setup: SetupContext) -> int | None:
+        """Validate the model/tokenizer pairing; return a resolved mask id (or None to keep it)."""
+        return None
+
+    def apply_corruption(self, input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, *, eps: float,
+                         block_size: int | None, half_life_ratio: float | None,
+                         generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+    def prepare_batch(self, batch: dict[str, Tensor], noisy: Tensor, noise_mask: Tensor, clean: Tensor) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ step hooks
+
+    def corrupt_microbatch(self, ctx: StepContext, mb: Microbatch, microbatch_idx: int) -> CorruptedBatch:
+        """Corrupt row by row, each with its own generator seeded from (seed, step, global index)."""
+        rows = []
+        local_bs = mb.input_ids.shape[0]
+        for offset in range(local_bs):
+            seed = corruption_sample_seed(ctx.base_seed, ctx.step, ctx.dp_rank, ctx.dp_size, local_bs,
+                                          ctx.grad_acc_steps, microbatch_idx, offset)
+            gen = seeded_generator(seed, mb.input_ids.device)
+            rows.append(self.apply_corruption(mb.input_ids[offset:offset + 1], mb.loss_mask[offset:offset + 1],
+                                              ctx.mask_token_id, eps=ctx.eps, block_size=ctx.block_size,
+                                              half_life_ratio=ctx.half_life_ratio, generator=gen))
+        noisy, noise, p = (torch.cat(parts) for parts in zip(*rows))
+        return CorruptedBatch(mb.input_ids, noisy, noise, p, mb.loss_mask, mb.attention_mask)
+
+    def pre_step(self, ctx: StepContext, microbatches: list[Microbatch]) -> tuple[list[CorruptedBatch], int, int]:
+        """Corrupt every micro-batch of the step; return them with raw (noise, supervised) counts."""
+        corrupted = [self.corrupt_microbatch(ctx, mb, i) for i, mb in enumerate(microbatches)]
+        num_noise = sum(int((c.noise_mask & c.loss_mask.bool()).sum()) for c in corrupted)
+        num_sup = sum(int(c.loss_mask.bool().sum()) for c in corrupted)
+        return corrupted, num_noise, num_sup
+
+    def loss_denominators(self, num_noise: int, num_supervised: int) -> tuple[int, int]:
+        """(num_diffusion_tokens, num_ar_tokens) from the step's global counts (spec §7.2)."""
+        diffusion = num_noise if self.normalization_mode == "noise" else num_supervised
+        return diffusion, num_supervised
+
+    def forward_backward(self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int,
+                         num_ar_tokens: int, is_train: bool) -> DLLMLossOutput:
+        """Default micro-batch step: prepare inputs, forward, loss, backward × loss_scale."""
+        inputs = self.prepare_batch({"attention_mask": batch.attention_mask}, batch.noisy_ids, batch.noise_mask,
+                                    batch.clean_ids)
+        logits = model_logits(ctx.model, inputs)
+        out = ctx.loss_fn(logits, batch.clean_ids, batch.noise_mask, batch.p_mask, batch.loss_mask,
+                          num_diffusion_tokens=num_diffusion_tokens, noisy_input_ids=batch.noisy_ids)
+        if is_train:
+            (out.total_loss * ctx.loss_scale).backward()
+        return out
+
+
+class MDLMStrategy(DLLMStrategy):
+    """MDLM / LLaDA masked diffusion (spec §8.1): absorbing [MASK] kernel, 1/p-weighted CE."""
+
+    name = "mdlm"
+
+    def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
+        return MDLMCrossEntropyLoss(weighting=_get(dllm_cfg, "loss_weighting", "elbo"))
+
+    def apply_corruption(self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio,
+                         generator=None):
+        return corrupt_uniform(input_ids, loss_mask, mask_token_id, eps=eps, generator=generator)
+
+    def prepare_batch(self, batch, noisy, noise_mask, clean):
+        """Noisy ids in, attention mask out: the denoiser sees every position (padding included)."""
+        out = {k: v for k, v in batch.items() if k not in ("attention_mask", "use_cache")}
+        out["input_ids"] = noisy
+        return out
+
+    def nelbo_rows(self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, mask_token_id: int, t: Tensor,
+                   generator: torch.Generator) -> Tensor:
+        """One-sample NELBO estimate per row at masking level t [B]: (1/t)·Σ_{masked ∧ ℓ} −log p_θ(x|z)."""
+        from strategies.corruption import mask_at_level
+        from strategies.losses import per_token_nll
+
+        noisy, noise = mask_at_level(clean_ids, loss_mask, mask_token_id, t, generator)
+        logits = model_logits(model, {"input_ids": noisy})
+        nll = per_token_nll(logits.float(), clean_ids) * (noise & loss_mask.bool())
+        return nll.sum(dim=1) / t

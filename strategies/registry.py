@@ -1,0 +1,16 @@
+"""The strategy registry: a literal dict from `dllm.mode` to strategy class."""
+from __future__ import annotations
+
+from strategies.base import DLLMStrategy, MDLMStrategy
+
+DLLM_STRATEGIES: dict[str, type[DLLMStrategy]] = {
+    "mdlm": MDLMStrategy,
+}
+
+
+def get_dllm_strategy(mode: str) -> DLLMStrategy:
+    """Instantiate the strategy registered under `mode`; unknown names list the available ones."""
+    try:
+        return DLLM_STRATEGIES[mode]()
+    except KeyError:
+        raise ValueError(f"Unknown dllm.mode: {mode!r}. Available: {sorted(DLLM_STRATEGIES)}") from None

@@ -1,0 +1,150 @@
+"""Absorbing-state sampler for masked dLLMs (spec §11.2): semi-autoregressive blocks, per-block
+transfer schedule, low-confidence or random remasking, optional confidence threshold, EOS stop.
+
+`denoise(x [B,T], attention_mask [B,T]) -> logits [B,T,V]` is any callable, so the sampler is
+pure of models, Prefect and MLflow. Randomness only from the passed generator.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+Denoiser = Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    steps: int = 128
+    max_new_tokens: int = 128
+    block_size: int = 32
+    temperature: float = 0.0
+    remasking: str = "low_confidence"
+    threshold: float | None = None
+    eos_token_id: int | None = None
+    logit_shift: int = 0
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    tokens: Tensor  # [B, P_max + G] canvas (prompt left-aligned per row)
+    prompt_lengths: list[int]
+    prompt_width: int
+    nfe: int
+
+    def generated(self, row: int) -> Tensor:
+        start = self.prompt_lengths[row]
+        return self.tokens[row, start: start + self.tokens.shape[1] - self.prompt_width]
+
+
+def num_transfer_tokens(mask_count: Tensor, steps: int) -> Tensor:
+    """Per-row schedule [B, steps]: m // s each step plus one for the first m mod s steps."""
+    base = mask_count // steps
+    rem = mask_count % steps
+    sched = base[:, None].repeat(1, steps)
+    sched += (torch.arange(steps, device=mask_count.device)[None, :] < rem[:, None]).long()
+    return sched
+
+
+def _proposals(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+    """Gumbel-max sampling: argmax at temperature 0, else argmax(exp(l) / (−log U)^T) in float64."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64).clamp_min(1e-20)
+    noisy = logits.double().exp() / (-torch.log(u)) ** temperature
+    return noisy.argmax(dim=-1)
+
+
+def _confidence(logits: Tensor, proposals: Tensor, remasking: str, generator: torch.Generator | None) -> Tensor:
+    if remasking == "low_confidence":
+        probs = torch.softmax(logits.float(), dim=-1)
+        return probs.gather(-1, proposals[..., None]).squeeze(-1)
+    if remasking == "random":
+        return torch.rand(proposals.shape, generator=generator, device=proposals.device)
+    raise NotImplementedError(f"unknown remasking {remasking!r}; use 'low_confidence' or 'random'")
+
+
+def _shift(logits: Tensor, shift: int) -> Tensor:
+    """Row p of the used logits is the model's row p − shift (I-DLM decodes with shift 1)."""
+    if shift == 0:
+        return logits
+    out = torch.zeros_like(logits)
+    out[:, shift:] = logits[:, :-shift]
+    return out
+
+
+def _select(confidence: Tensor, candidates: Tensor, counts: Tensor, threshold: float | None) -> Tensor:
+    """Which candidates to reveal this step: top-`counts` by confidence, or top-1 + all ≥ threshold."""
+    conf = torch.where(candidates, confidence, torch.full_like(confidence, -math.inf))
+    chosen = torch.zeros_like(candidates)
+    for row in range(conf.shape[0]):
+        n_cand = int(candidates[row].sum())
+        if n_cand == 0:
+            continue
+        order = torch.argsort(conf[row], descending=True)
+        if threshold is None:
+            k = min(int(counts[row]), n_cand)
+        else:
+            k = max(1, int((conf[row] >= threshold).sum()))
+        chosen[row, order[:k]] = True
+    return chosen & candidates
+
+
+@torch.no_grad()
+def absorbing_sample(denoise: Denoiser, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
+                     config: SamplerConfig, generator: torch.Generator | None = None,
+                     device: torch.device | str = "cpu") -> SampleResult:
+    """Fill `max_new_tokens` masks after each prompt, block by block (LLaDA low-confidence remasking)."""
+    gen_len, bs = config.max_new_tokens, min(config.block_size, config.max_new_tokens)
+    n_blocks = math.ceil(gen_len / bs)
+    steps_per_block = max(1, math.ceil(config.steps / n_blocks))
+    width = max(len(p) for p in prompts)
+    fill = config.eos_token_id if config.eos_token_id is not None else pad_token_id
+    x = torch.full((len(prompts), width + gen_len), fill, dtype=torch.long, device=device)
+    attn = torch.zeros_like(x)
+    for i, p in enumerate(prompts):
+        x[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        x[i, len(p): len(p) + gen_len] = mask_token_id
+        attn[i, : len(p) + gen_len] = 1
+    starts = [len(p) for p in prompts]
+    nfe = 0
+    for b in range(n_blocks):
+        window = torch.zeros_like(x, dtype=torch.bool)  # each row's own block window
+        for i, start in enumerate(starts):
+            window[i, start + b * bs: start + min((b + 1) * bs, gen_len)] = True
+        schedule = num_transfer_tokens(((x == mask_token_id) & window).sum(dim=1), steps_per_block)
+        for s in range(steps_per_block):
+            candidates = (x == mask_token_id) & window  # restricted to the block *before* top-k
+            if not candidates.any():
+                break
+            logits = _shift(denoise(x, attn), config.logit_shift)
+            nfe += 1
+            proposals = _proposals(logits, config.temperature, generator)
+            conf = _confidence(logits, proposals, config.remasking, generator)
+            chosen = _select(conf, candidates, schedule[:, s], config.threshold)
+            x = torch.where(chosen, proposals, x)
+            if config.eos_token_id is not None and _all_rows_ended(x, starts, config.eos_token_id, mask_token_id):
+                break
+        if config.eos_token_id is not None and _all_rows_ended(x, starts, config.eos_token_id, mask_token_id):
+            x = torch.where(x == mask_token_id, torch.full_like(x, config.eos_token_id), x)  # all after EOS
+            break
+    return SampleResult(x, starts, width, nfe)
+
+
+def _all_rows_ended(x: Tensor, starts: list[int], eos: int, mask: int) -> bool:
+    """Every row has generated an EOS with no mask before it: whatever follows is moot."""
+    for row in (x[i, start:] for i, start in enumerate(starts)):
+        hits = (row == eos).nonzero()
+        if not len(hits) or (row[: int(hits[0])] == mask).any():
+            return False
+    return True
+
+
+def trim_at_eos(tokens: Tensor, eos_token_id: int | None) -> list[int]:
+    ids = tokens.tolist()
+    if eos_token_id is not None and eos_token_id in ids:
+        ids = ids[: ids.index(eos_token_id)]
+    return ids

@@ -1,0 +1,83 @@
+"""What every stage shares: the small descriptor a stage returns, code versions, the Prefect wrapper.
+
+Stages exchange `StageRef`s (store paths, keys, run ids), never tensors or models.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from dllm_common.store import Store
+
+
+@dataclass(frozen=True)
+class StageRef:
+    stage: str  # e.g. "prepare_data", "train[mdlm]"
+    key: str
+    path: str  # published store entry
+    reused: bool = False
+    mlflow_run_id: str | None = None
+    info: dict = field(default_factory=dict)
+
+    def as_reused(self) -> "StageRef":
+        return replace(self, reused=True)
+
+
+def code_version(*modules: str) -> str:
+    """sha256 over the source of the named modules/packages: editing them invalidates the cache."""
+    h = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            raise ValueError(f"no module named {name!r}")
+        if spec.submodule_search_locations:
+            files = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).rglob("*.py"))
+        else:
+            files = [Path(spec.origin)]
+        for f in files:
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def store_for(workdir: str | Path) -> Store:
+    return Store(Path(workdir) / "store")
+
+
+def check_workdir(workdir: str | Path) -> Path:
+    """Create the workdir, or say clearly why it cannot be used."""
+    p = Path(workdir).resolve()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-probe-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise PermissionError(f"workdir {p} is not writable ({exc.strerror}); pass --workdir DIR with a writable path") from None
+    return p
+
+
+def prefect_task(fn: Callable, *, name: str, stage_of: Callable[..., tuple[str, str]], retries: int = 0) -> Any:
+    """Thin Prefect `@task` over a plain stage function, cached by the stage's store key.
+
+    The cache key is `<stage>/<key>/prefect-result`, and the CLI points result storage at the
+    store root (`prefect_environment`), so Prefect's cached result lives *inside* the published entry: deleting an entry
+    also drops Prefect's memory of it, and a half-written stage is never served from cache.
+    """
+    from prefect import task
+
+    def cache_key(_context, parameters: dict) -> str:
+        stage, key = stage_of(**parameters)
+        return f"{stage}/{key}/prefect-result"
+
+    return task(fn, name=name, cache_key_fn=cache_key, persist_result=True, retries=retries)
+
+
+def prefect_environment(workdir: str | Path) -> None:
+    """Point Prefect's default result storage at the stage store (before Prefect loads settings)."""
+    os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(store_for(workdir).root.resolve())
+    os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "true")

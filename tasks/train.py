@@ -1,0 +1,296 @@
+"""Stage `train[strategy]`: one readable training loop over a strategy's hooks.
+
+Resumable: every `train.checkpoint_every` steps the model, optimizer, scheduler, step and MLflow
+run id go to `store/train/<key>.work/checkpoint` (atomically). Data order is a pure function of
+(seed, step) and corruption noise of (seed, step, sample), so a resumed run continues exactly.
+The finished model is published to `store/train/<key>/model`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dllm_common.config import PipelineSpec, flatten
+from dllm_common.store import stage_key
+from tasks.common import StageRef, code_version, prefect_task, store_for
+
+STAGE = "train"
+
+
+def train_slice(spec: PipelineSpec, strategy: str) -> dict:
+    dllm = spec.dllm.model_copy(update={"mode": strategy})
+    return {"strategy": strategy, "model": spec.model.model_dump(mode="json"),
+            "train": spec.train.model_dump(mode="json"), "dllm": dllm.model_dump(mode="json")}
+
+
+def stage_of(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, **_) -> tuple[str, str]:
+    key = stage_key(STAGE, train_slice(spec, strategy), {"data": data.key},
+                    code_version("strategies", "tasks.train", "dllm_common.checkpoint"))
+    return STAGE, key
+
+
+def check_strategies(names) -> None:
+    """Raise the registry's ValueError for any strategy that is not implemented."""
+    from strategies import get_dllm_strategy
+
+    for name in names:
+        get_dllm_strategy(name)
+
+
+# ------------------------------------------------------------------ pieces of the loop
+
+
+class DataOrder:
+    """Global batch of step s = rows [s·gbs, (s+1)·gbs) of an endless chain of seeded epoch permutations."""
+
+    def __init__(self, n_rows: int, seed: int):
+        self.n_rows, self.seed, self._perms = n_rows, seed, {}
+
+    def _perm(self, epoch: int):
+        import torch
+
+        if epoch not in self._perms:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(self.n_rows, generator=gen)}
+        return self._perms[epoch]
+
+    def rows(self, step: int, global_batch: int):
+        import torch
+
+        pos = torch.arange(step * global_batch, (step + 1) * global_batch)
+        return torch.stack([self._perm(int(p) // self.n_rows)[int(p) % self.n_rows] for p in pos])
+
+
+def lr_lambda(step: int, cfg) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1 - frac
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device is 'cuda' but no CUDA device is visible; use train.device: auto or cpu")
+    return name
+
+
+@dataclass
+class Trainee:
+    """Everything a run of the loop holds: model, tokenizer, strategy, loss and resolved mask id."""
+
+    model: object
+    tokenizer: object
+    strategy: object
+    loss_fn: object
+    mask_token_id: int
+
+
+def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device: str) -> Trainee:
+    from strategies import SetupContext, get_dllm_strategy
+    from strategies.models import build_model, load_pretrained, tiny_model_config
+    from tasks.prepare_data import load_tokenizer
+
+    tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
+    m = spec.model
+    if m.kind == "tiny":
+        config = tiny_model_config(m.family, len(tokenizer), spec.data.seq_len, m.hidden_size, m.num_layers,
+                                   m.num_heads, m.num_kv_heads, m.intermediate_size, m.tie_embeddings,
+                                   m.attn_implementation)
+        model = build_model(config, spec.train.seed)
+    else:
+        model = load_pretrained(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file,
+                                attn_implementation=m.attn_implementation)
+    strategy = get_dllm_strategy(strategy_name)
+    dllm = spec.dllm.model_copy(update={"mode": strategy_name})
+    loss_fn = strategy.create_loss_fn(dllm)
+    mask_id = dllm.mask_token_id if dllm.mask_token_id is not None else tokenizer.mask_token_id
+    resolved = strategy.setup_extra(SetupContext(model=model, tokenizer=tokenizer, mask_token_id=mask_id))
+    mask_id = resolved if resolved is not None else mask_id
+    if mask_id is None:
+        raise ValueError("dllm.mask_token_id must be set in config, resolved by the tokenizer, or set by strategy.setup_extra().")
+    return Trainee(model.to(device), tokenizer, strategy, loss_fn, int(mask_id))
+
+
+def step_context(trainee: Trainee, spec: PipelineSpec, step: int, base_seed: int, grad_acc: int):
+    from strategies import StepContext
+
+    d = spec.dllm
+    return StepContext(model=trainee.model, loss_fn=trainee.loss_fn, mask_token_id=trainee.mask_token_id, step=step,
+                       base_seed=base_seed, eps=d.eps, block_size=d.block_size, half_life_ratio=d.half_life_ratio,
+                       grad_acc_steps=grad_acc)
+
+
+def microbatches(ids, loss, attn, rows, micro: int, device: str):
+    from strategies import Microbatch
+
+    return [Microbatch(ids[c], loss[c], attn[c]).to(device) for c in rows.split(micro)]
+
+
+def run_step(trainee: Trainee, ctx, mbs, is_train: bool) -> tuple[float, int]:
+    """pre_step over all micro-batches, then forward/backward each with step-level counts."""
+    corrupted, n_noise, n_sup = trainee.strategy.pre_step(ctx, mbs)
+    n_diff, n_ar = trainee.strategy.loss_denominators(n_noise, n_sup)
+    total = 0.0
+    for batch in corrupted:
+        out = trainee.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar,
+                                                is_train=is_train)
+        total += float(out.total_loss.detach())
+    return total, n_sup
+
+
+def validation_loss(trainee: Trainee, spec: PipelineSpec, val, device: str) -> float:
+    """Training loss on fixed validation rows with fixed noise (same realization at every evaluation)."""
+    import torch
+
+    ids, loss, attn = (t[: spec.train.val_rows] for t in val)
+    rows = torch.arange(len(ids))
+    ctx = step_context(trainee, spec, step=0, base_seed=spec.train.seed + 1_000_000_007, grad_acc=1)
+    trainee.model.eval()
+    with torch.no_grad():
+        value, _ = run_step(trainee, ctx, microbatches(ids, loss, attn, rows, spec.train.micro_batch_size, device), False)
+    trainee.model.train()
+    return value
+
+
+# ------------------------------------------------------------------ the stage
+
+
+def train(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, parent_run_id: str | None = None) -> StageRef:
+    """Train `strategy` on the prepared data (or reuse/resume it); publish the final checkpoint."""
+    import torch
+    from tqdm import tqdm
+
+    from dllm_common.checkpoint import load_trainer_state, load_weights_into, read_meta, write_checkpoint
+
+    store = store_for(workdir)
+    stage, key = stage_of(spec, strategy, data, workdir)
+    if (hit := store.lookup(stage, key)) is not None:
+        return _ref(hit, strategy, reused=True)
+    cfg = spec.train
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    from tasks.prepare_data import load_split
+
+    train_t, val_t = load_split(data.path, "train"), load_split(data.path, "val")
+    trainee = build_trainee(spec, strategy, data, device)
+    model = trainee.model
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, cfg))
+    work = store.work_dir(stage, key)
+    ckpt_dir = work / "checkpoint"
+    start, run_id = 0, None
+    if ckpt_dir.exists():  # resume a stage that died mid-way
+        load_weights_into(model, ckpt_dir)
+        state = load_trainer_state(ckpt_dir)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        meta = read_meta(ckpt_dir)
+        start, run_id = meta["step"], meta.get("mlflow_run_id")
+    tracker = _open_tracker(spec, workdir, strategy, parent_run_id, run_id, key)
+    tracker.log_params({**flatten(train_slice(spec, strategy)), "data.key": data.key, "stage.key": key})
+    order = DataOrder(len(train_t[0]), cfg.seed)
+    grad_acc = cfg.global_batch_size // cfg.micro_batch_size
+    tokens_per_step = cfg.global_batch_size * train_t[0].shape[1]
+    buffer: list[tuple[int, dict]] = []
+    meta_base = {"strategy": strategy, "mask_token_id": trainee.mask_token_id, "stage_key": key,
+                 "seq_len": spec.data.seq_len, "mlflow_run_id": tracker.run_id}
+
+    def flush():
+        for s, metrics in buffer:
+            tracker.log_metrics(metrics, step=s)
+        buffer.clear()
+
+    def save(step: int):
+        flush()
+        write_checkpoint(ckpt_dir, model, trainee.tokenizer, {**meta_base, "step": step},
+                         {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+
+    model.train()
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train[{strategy}]", unit="step",
+               dynamic_ncols=True)
+    val_loss = None
+    for step in bar:
+        t0 = time.perf_counter()
+        ctx = step_context(trainee, spec, step, cfg.seed, grad_acc)
+        rows = order.rows(step, cfg.global_batch_size)
+        loss, n_sup = run_step(trainee, ctx, microbatches(*train_t, rows, cfg.micro_batch_size, device), True)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        tps = tokens_per_step / (time.perf_counter() - t0)
+        metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/tokens_per_s": tps,
+                   "train/supervised_tokens": n_sup}
+        if (step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps:
+            val_loss = validation_loss(trainee, spec, val_t, device)
+            metrics["val/loss"] = val_loss
+        buffer.append((step, metrics))
+        bar.set_postfix(loss=f"{loss:.3f}", val=f"{val_loss:.3f}" if val_loss is not None else "-", tok_s=f"{tps:,.0f}")
+        if (step + 1) % cfg.log_every == 0:
+            flush()
+        if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+            save(step + 1)
+    bar.close()
+    flush()
+    return _publish(spec, strategy, data, workdir, trainee, tracker, key, meta_base, val_loss, work)
+
+
+def _open_tracker(spec: PipelineSpec, workdir: str, strategy: str, parent_run_id, resume_run_id, key):
+    from dllm_common.tracking import Tracking
+
+    tracking = Tracking(Path(workdir), spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
+    if tracking.run_exists(resume_run_id):
+        return tracking.reopen(resume_run_id)
+    tags = {"strategy": strategy, "dllm.stage": "train", "dllm.stage_key": key}
+    return tracking.start_run(f"{strategy}", tags, parent_run_id=parent_run_id)
+
+
+def _publish(spec, strategy, data, workdir, trainee, tracker, key, meta_base, val_loss, work: Path) -> StageRef:
+    from dllm_common.checkpoint import write_checkpoint
+
+    store = store_for(workdir)
+    final_meta = {**meta_base, "step": spec.train.steps, "final_val_loss": val_loss, "data_key": data.key}
+    with store.publish(STAGE, key, {"strategy": strategy, "config": train_slice(spec, strategy),
+                                    "upstream": {"data": data.key}, "info": final_meta}) as tmp:
+        write_checkpoint(tmp / "model", trainee.model, trainee.tokenizer, final_meta)
+    entry = store.lookup(STAGE, key)
+    tracker.log_dataset(Path(data.path), name=f"{spec.pipeline.name}-{data.key[:8]}", digest=data.info["digest"])
+    if spec.tracking.log_checkpoints:
+        tracker.log_artifact(entry.path / "model", "model")
+        if spec.tracking.register_model:
+            name = f"{spec.pipeline.name}-{strategy}"
+            version = tracker.register_model(name, "model")
+            tracker.set_tags({"dllm.registered_model": f"{name}/{version}"})
+    tracker.close()
+    shutil.rmtree(work, ignore_errors=True)
+    return _ref(entry, strategy, reused=False)
+
+
+def _ref(entry, strategy: str, reused: bool) -> StageRef:
+    info = entry.manifest["info"]
+    return StageRef(f"train[{strategy}]", entry.key, str(entry.path), reused=reused,
+                    mlflow_run_id=info.get("mlflow_run_id"), info=info)
+
+
+def model_dir(ref: StageRef) -> Path:
+    return Path(ref.path) / "model"
+
+
+def read_step_metrics(ref: StageRef) -> dict:
+    return json.loads((model_dir(ref) / "dllm.json").read_text())
+
+
+train_task = prefect_task(train, name="train", stage_of=stage_of)
