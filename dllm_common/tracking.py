@@ -67,6 +67,11 @@ class MlflowTracker:
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
+    def last_step(self, key: str) -> int:
+        """Highest step logged for `key` (-1 if none): a resumed run skips what is already there."""
+        history = self.client.get_metric_history(self.run_id, key)
+        return max((m.step for m in history), default=-1)
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 

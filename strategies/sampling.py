@@ -120,7 +120,8 @@ def absorbing_sample(denoise: Denoiser, prompts: list[list[int]], *, mask_token_
             candidates = (x == mask_token_id) & window  # restricted to the block *before* top-k
             if not candidates.any():
                 break
-            logits = _shift(denoise(x, attn), config.logit_shift)
+            logits = _shift(denoise(x, attn), config.logit_shift).clone()
+            logits[..., mask_token_id] = -math.inf  # never "reveal" a position as [MASK] again
             nfe += 1
             proposals = _proposals(logits, config.temperature, generator)
             conf = _confidence(logits, proposals, config.remasking, generator)

@@ -114,9 +114,14 @@ def _records(cfg: DataConfig) -> list[dict]:
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    from datasets import load_dataset  # source == "hf": a hub name (with hub access) or a local path
+    import datasets  # source == "hf": a hub name (with hub access), a local dataset dir, or a save_to_disk dir
 
-    return list(load_dataset(cfg.path, cfg.hf_config, split=cfg.hf_split))
+    if path and path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            loaded = loaded[cfg.hf_split]
+        return list(loaded)
+    return list(datasets.load_dataset(cfg.path, cfg.hf_config, split=cfg.hf_split))
 
 
 def record_documents(cfg: DataConfig) -> list[Document]:

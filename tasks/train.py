@@ -163,6 +163,26 @@ def validation_loss(trainee: Trainee, spec: PipelineSpec, val, device: str) -> f
     return value
 
 
+def train_step(trainee: Trainee, ctx, mbs, opt, sched, grad_clip: float) -> dict:
+    """One optimizer step: corrupt + forward/backward every micro-batch, clip, step, schedule."""
+    import torch
+
+    loss, n_sup = run_step(trainee, ctx, mbs, True)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainee.model.parameters(), grad_clip))
+    lr = sched.get_last_lr()[0]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    return {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/supervised_tokens": n_sup}
+
+
+def make_optimizer(model, cfg):
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, cfg))
+
+
 # ------------------------------------------------------------------ the stage
 
 
@@ -186,8 +206,7 @@ def train(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, paren
     train_t, val_t = load_split(data.path, "train"), load_split(data.path, "val")
     trainee = build_trainee(spec, strategy, data, device)
     model = trainee.model
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, cfg))
+    opt, sched = make_optimizer(model, cfg)
     work = store.work_dir(stage, key)
     ckpt_dir = work / "checkpoint"
     start, run_id = 0, None
@@ -204,12 +223,14 @@ def train(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, paren
     grad_acc = cfg.global_batch_size // cfg.micro_batch_size
     tokens_per_step = cfg.global_batch_size * train_t[0].shape[1]
     buffer: list[tuple[int, dict]] = []
+    logged_upto = tracker.last_step("train/loss") if start else -1  # steps a crashed attempt already logged
     meta_base = {"strategy": strategy, "mask_token_id": trainee.mask_token_id, "stage_key": key,
                  "seq_len": spec.data.seq_len, "mlflow_run_id": tracker.run_id}
 
     def flush():
         for s, metrics in buffer:
-            tracker.log_metrics(metrics, step=s)
+            if s > logged_upto:
+                tracker.log_metrics(metrics, step=s)
         buffer.clear()
 
     def save(step: int):
@@ -225,20 +246,14 @@ def train(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, paren
         t0 = time.perf_counter()
         ctx = step_context(trainee, spec, step, cfg.seed, grad_acc)
         rows = order.rows(step, cfg.global_batch_size)
-        loss, n_sup = run_step(trainee, ctx, microbatches(*train_t, rows, cfg.micro_batch_size, device), True)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        tps = tokens_per_step / (time.perf_counter() - t0)
-        metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/tokens_per_s": tps,
-                   "train/supervised_tokens": n_sup}
+        metrics = train_step(trainee, ctx, microbatches(*train_t, rows, cfg.micro_batch_size, device), opt, sched,
+                             cfg.grad_clip)
+        metrics["train/tokens_per_s"] = tps = tokens_per_step / (time.perf_counter() - t0)
         if (step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps:
             val_loss = validation_loss(trainee, spec, val_t, device)
             metrics["val/loss"] = val_loss
         buffer.append((step, metrics))
-        bar.set_postfix(loss=f"{loss:.3f}", val=f"{val_loss:.3f}" if val_loss is not None else "-", tok_s=f"{tps:,.0f}")
+        bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", val=f"{val_loss:.3f}" if val_loss is not None else "-", tok_s=f"{tps:,.0f}")
         if (step + 1) % cfg.log_every == 0:
             flush()
         if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:

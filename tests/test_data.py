@@ -1,0 +1,126 @@
+"""prepare_data: embedded corpus parsing, document split, both row shapes, user data, bad data."""
+import json
+
+import pytest
+import torch
+
+from dllm_common.config import validate_config
+from tasks.prepare_data import (DataError, Document, dialogue_row, load_split, parse_play, prepare_data,
+                                split_documents, train_tokenizer)
+
+PLAY = """# A Play
+
+## ACT I
+
+### SCENE I. A room.
+
+_Enter two_
+
+**ALPHA**  
+Good morrow, friend.  
+How fare you?
+
+**BETA**  
+Well, I thank you.
+
+### SCENE II. Another room.
+
+**ALPHA**  
+Farewell.
+"""
+
+
+def test_parse_play_turns_and_scenes():
+    scenes = parse_play(PLAY)
+    assert scenes == [[("ALPHA", "Good morrow, friend. How fare you?"), ("BETA", "Well, I thank you.")],
+                      [("ALPHA", "Farewell.")]]
+
+
+def test_split_is_by_document_deterministic_and_disjoint():
+    docs = [Document(f"d{i}", text="x") for i in range(20)]
+    train, val = split_documents(docs, 0.2, seed=0)
+    assert len(val) == 4 and not {d.doc_id for d in train} & {d.doc_id for d in val}
+    assert [d.doc_id for d in split_documents(docs, 0.2, seed=0)[1]] == [d.doc_id for d in val]
+
+
+def test_pretrain_rows_all_supervised_and_split_by_play(prepared):
+    ref, _ = prepared
+    ids, loss, attn = load_split(ref.path, "train")
+    assert ids.shape[1] == 32 and loss.min() == 1 and attn.min() == 1
+    assert ref.info["val_documents"] >= 1 and ref.info["train_documents"] >= 1
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(["Good morrow, friend. How fare you? Well, I thank you."] * 20,
+                           validate_config({}).tokenizer.model_copy(update={"vocab_size": 300}))
+
+
+def test_tokenizer_has_specials_and_chat_template(tokenizer):
+    assert None not in (tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    assert len({tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id}) == 3
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|assistant|>")
+
+
+def test_dialogue_row_supervises_only_the_response(tokenizer):
+    msgs = [{"role": "user", "content": "ALPHA: How fare you?"}, {"role": "assistant", "content": "BETA: Well."}]
+    ids, mask = dialogue_row(msgs, tokenizer, 64)
+    supervised = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    unsupervised = tokenizer.decode([i for i, m in zip(ids, mask) if not m])
+    assert supervised == "BETA: Well.<|eos|>"
+    assert "How fare you?" in unsupervised and "Well" not in unsupervised
+
+
+def _spec(tmp_path, **data):
+    return validate_config({"data": {"seq_len": 16, "val_fraction": 0.5, **data}, "tokenizer": {"vocab_size": 300}})
+
+
+def test_jsonl_text_and_chat_messages(tmp_path):
+    text = tmp_path / "t.jsonl"
+    text.write_text("\n".join(json.dumps({"text": f"line {i} " * 20}) for i in range(6)))
+    ref = prepare_data(_spec(tmp_path, source="jsonl", path=str(text)), str(tmp_path / "w1"))
+    assert ref.info["train_rows"] > 0 and ref.info["val_rows"] > 0
+    chat = tmp_path / "c.jsonl"
+    chat.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                        {"role": "assistant", "content": f"answer {i}"}]})
+                              for i in range(6)))
+    ref = prepare_data(_spec(tmp_path, source="jsonl", path=str(chat), shape="dialogue"), str(tmp_path / "w2"))
+    ids, loss, attn = load_split(ref.path, "train")
+    assert 0 < loss.sum() < attn.sum()  # the prompt is not supervised
+
+
+def test_parquet_source(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": [f"row {i} " * 30 for i in range(4)]}), path)
+    ref = prepare_data(_spec(tmp_path, source="parquet", path=str(path)), str(tmp_path / "w"))
+    assert ref.info["train_rows"] > 0
+
+
+def test_dataset_with_nothing_supervised_is_rejected(tmp_path):
+    chat = tmp_path / "c.jsonl"
+    chat.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(4)))
+    with pytest.raises(DataError, match="no supervised tokens"):
+        prepare_data(_spec(tmp_path, source="jsonl", path=str(chat), shape="dialogue"), str(tmp_path / "w"))
+    assert not list((tmp_path / "w").rglob("manifest.json"))  # nothing half-published
+
+
+def test_missing_data_file_and_missing_field(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        prepare_data(_spec(tmp_path, source="jsonl", path=str(tmp_path / "none.jsonl")), str(tmp_path / "w"))
+    bad = tmp_path / "b.jsonl"
+    bad.write_text(json.dumps({"body": "x"}) + "\n" + json.dumps({"body": "y"}))
+    with pytest.raises(DataError, match="no 'text' field"):
+        prepare_data(_spec(tmp_path, source="jsonl", path=str(bad)), str(tmp_path / "w"))
+
+
+def test_hf_dataset_from_local_path(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": [f"doc {i} " * 30 for i in range(4)]}).save_to_disk(str(tmp_path / "ds"))
+    spec = _spec(tmp_path, source="hf", path=str(tmp_path / "ds"))
+    ref = prepare_data(spec, str(tmp_path / "w"))
+    assert ref.info["train_rows"] > 0 and torch.is_tensor(load_split(ref.path, "val")[0])

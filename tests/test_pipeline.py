@@ -1,0 +1,125 @@
+"""End to end through the CLI: smoke pipeline → MLflow lineage → cached rerun → eval-only rerun → bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def cli(*args, workdir=None, timeout=600):
+    cmd = [sys.executable, "-m", "flows.cli", *args] + (["--workdir", str(workdir)] if workdir else [])
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def latest_record(workdir):
+    records = sorted((workdir / "runs").glob("*.json"))
+    return json.loads(records[-1].read_text())
+
+
+def stage_status(record):
+    return {s["name"]: s["status"] for s in record["stages"]}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("smoke")
+    out = cli("run", "configs/smoke.yaml", workdir=workdir)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return workdir, out
+
+
+def test_first_run_executes_every_stage(smoke_run):
+    workdir, out = smoke_run
+    assert set(stage_status(latest_record(workdir)).values()) == {"COMPLETED"}
+    assert "| mdlm |" in (workdir / "report.md").read_text()
+    assert "train[mdlm]" in out.stderr or "train[mdlm]" in out.stdout  # progress bar / stage line
+
+
+def test_mlflow_lineage(smoke_run):
+    from mlflow.tracking import MlflowClient
+
+    from dllm_common.tracking import default_tracking_uri
+
+    workdir, _ = smoke_run
+    client = MlflowClient(default_tracking_uri(workdir), registry_uri=default_tracking_uri(workdir))
+    exp = client.get_experiment_by_name("smoke")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) == 1
+    parent, child = parents[0], children[0]
+    assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert child.data.tags["strategy"] == "mdlm"
+    for tag in ("dllm.config_sha256", "dllm.git_commit", "dllm.prefect_flow_run_id"):
+        assert parent.data.tags[tag], tag
+    assert len(parent.data.tags["dllm.config_sha256"]) == 64
+    assert parent.data.params["train.steps"] == "30" and child.data.params["train.lr"] == "0.003"
+    steps = [m.step for m in client.get_metric_history(child.info.run_id, "train/loss")]
+    assert sorted(steps) == list(range(30))
+    for key in ("train/lr", "train/grad_norm", "train/tokens_per_s", "val/loss", "eval/nelbo", "eval/ppl_bound"):
+        assert key in child.data.metrics, key
+    assert len(client.get_metric_history(child.info.run_id, "val/loss")) == 3
+    dataset = child.inputs.dataset_inputs[0].dataset
+    assert dataset.digest and dataset.name.startswith("smoke-")
+    model_files = {f.path for f in client.list_artifacts(child.info.run_id, "model")}
+    assert {"model/model.safetensors", "model/config.json", "model/tokenizer.json", "model/digests.json"} <= model_files
+    assert [f.path for f in client.list_artifacts(child.info.run_id, "eval")] == ["eval/samples.txt"]
+    version = client.get_model_version_by_alias("smoke-mdlm", "latest")
+    assert version.run_id == child.info.run_id
+    assert [f.path for f in client.list_artifacts(parent.info.run_id, "report")] == ["report/report.md"]
+
+
+def test_runs_command_lists_stages(smoke_run):
+    workdir, _ = smoke_run
+    out = cli("runs", workdir=workdir)
+    assert out.returncode == 0 and "train[mdlm]" in out.stdout and "mlflow_run=" in out.stdout
+
+
+def test_rerun_reuses_everything_then_eval_change_reruns_only_eval(smoke_run):
+    workdir, _ = smoke_run
+    again = cli("run", "configs/smoke.yaml", workdir=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert set(stage_status(latest_record(workdir)).values()) == {"REUSED"}
+    assert "train[mdlm]: reused" in again.stdout
+    changed = cli("run", "configs/smoke.yaml", "--set", "eval.t_samples=3", workdir=workdir)
+    assert changed.returncode == 0, changed.stderr[-3000:]
+    assert stage_status(latest_record(workdir)) == {"prepare_data": "REUSED", "train[mdlm]": "REUSED",
+                                                    "evaluate[mdlm]": "COMPLETED", "report": "COMPLETED"}
+
+
+def test_corrupt_checkpoint_fails_evaluation_clearly(smoke_run):
+    workdir, _ = smoke_run
+    weights = next((workdir / "store" / "train").glob("*/model/model.safetensors"))
+    original = weights.read_bytes()
+    try:
+        weights.write_bytes(original[:-16] + bytes(16))
+        out = cli("run", "configs/smoke.yaml", "--set", "eval.t_samples=4", workdir=workdir)
+        assert out.returncode == 2
+        assert "corrupt (sha256 mismatch, not loaded)" in out.stderr
+        assert stage_status(latest_record(workdir))["evaluate[mdlm]"] == "FAILED"
+    finally:
+        weights.write_bytes(original)
+
+
+def test_bad_input_gets_one_clear_error(tmp_path):
+    missing = cli("run", "configs/nope.yaml", workdir=tmp_path)
+    assert missing.returncode == 2 and "config file not found" in missing.stderr
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    unwritable = cli("run", "configs/smoke.yaml", workdir=blocker / "sub")
+    assert unwritable.returncode == 2 and "is not writable" in unwritable.stderr
+    unknown = cli("validate", "configs/smoke.yaml", "--set", "pipeline.strategies=[mdlm, nope]")
+    assert unknown.returncode == 2 and "'nope'" in unknown.stderr
+    bad_key = cli("validate", "configs/smoke.yaml", "--set", "train.learning_rate=1")
+    assert bad_key.returncode == 2 and "train.learning_rate: unknown key" in bad_key.stderr
+    wrong_type = cli("validate", "configs/smoke.yaml", "--set", "train.steps=lots")
+    assert wrong_type.returncode == 2 and "train.steps" in wrong_type.stderr and "'lots'" in wrong_type.stderr
+
+
+def test_validate_prints_resolved_config():
+    out = cli("validate", "configs/smoke.yaml", "--set", "train.steps=5")
+    assert out.returncode == 0 and json.loads(out.stdout)["train"]["steps"] == 5

@@ -1,0 +1,76 @@
+"""Atomic, content-addressed stage store and digest-verified checkpoints."""
+import json
+
+import pytest
+import torch
+
+from dllm_common.checkpoint import (CorruptCheckpointError, load_trainer_state, load_weights_into, verify_checkpoint,
+                                    write_checkpoint)
+from dllm_common.store import Store, stage_key
+from strategies.models import build_model, tiny_model_config
+
+
+def test_key_depends_on_slice_upstream_and_code():
+    base = stage_key("s", {"a": 1}, {"up": "k"}, "v1")
+    assert base == stage_key("s", {"a": 1}, {"up": "k"}, "v1")
+    assert len({base, stage_key("s", {"a": 2}, {"up": "k"}, "v1"), stage_key("s", {"a": 1}, {"up": "j"}, "v1"),
+                stage_key("s", {"a": 1}, {"up": "k"}, "v2")}) == 4
+
+
+def test_publish_is_all_or_nothing(tmp_path):
+    store = Store(tmp_path)
+    with pytest.raises(RuntimeError):
+        with store.publish("s", "k1", {}) as d:
+            (d / "half.txt").write_text("partial")
+            raise RuntimeError("crash mid-stage")
+    assert store.lookup("s", "k1") is None and list((tmp_path / "s").iterdir()) == []
+    with store.publish("s", "k1", {"x": 1}) as d:
+        (d / "out.txt").write_text("done")
+    entry = store.lookup("s", "k1")
+    assert entry.manifest["files"]["out.txt"]["bytes"] == 4 and store.verify(entry) == []
+    (entry.path / "out.txt").write_text("tampered")
+    assert store.verify(entry) == ["out.txt"]
+
+
+def _model():
+    return build_model(tiny_model_config("llama", 32, 8, 16, 1, 2, None, None, True), seed=0)
+
+
+def test_checkpoint_round_trip(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits.sum().backward()
+    opt.step()
+    write_checkpoint(tmp_path / "ck", model, meta={"step": 3}, trainer_state={"optimizer": opt.state_dict()})
+    other = build_model(tiny_model_config("llama", 32, 8, 16, 1, 2, None, None, True), seed=1)
+    load_weights_into(other, tmp_path / "ck")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    state = load_trainer_state(tmp_path / "ck")
+    assert state["optimizer"]["state"][0]["step"] == 1
+    assert json.loads((tmp_path / "ck" / "dllm.json").read_text()) == {"step": 3}
+
+
+def test_corrupt_checkpoint_is_detected_and_never_loaded(tmp_path, monkeypatch):
+    write_checkpoint(tmp_path / "ck", _model())
+    weights = tmp_path / "ck" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "load_model", lambda *a, **k: pytest.fail("corrupt file was loaded"))
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors is corrupt .*sha256"):
+        load_weights_into(_model(), tmp_path / "ck")
+
+
+def test_incomplete_checkpoint_dir_is_rejected(tmp_path):
+    (tmp_path / "ck").mkdir()
+    with pytest.raises(CorruptCheckpointError, match="not a dllm-flow checkpoint"):
+        verify_checkpoint(tmp_path / "ck")
+
+
+def test_rewrite_replaces_atomically(tmp_path):
+    write_checkpoint(tmp_path / "ck", _model(), meta={"step": 1})
+    write_checkpoint(tmp_path / "ck", _model(), meta={"step": 2})
+    assert json.loads((tmp_path / "ck" / "dllm.json").read_text())["step"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]

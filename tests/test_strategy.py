@@ -1,0 +1,96 @@
+"""The seed strategy API: registry, MDLM hooks, step-level normalization across micro-batches."""
+import pytest
+import torch
+
+from strategies import (DLLM_STRATEGIES, MDLMCrossEntropyLoss, MDLMStrategy, Microbatch, StepContext,
+                        get_dllm_strategy)
+from strategies.models import build_model, tiny_model_config
+
+
+def test_unknown_mode_lists_available():
+    with pytest.raises(ValueError, match=r"Unknown dllm.mode: 'nope'. Available: \['mdlm'"):
+        get_dllm_strategy("nope")
+
+
+@pytest.mark.parametrize("mode", sorted(DLLM_STRATEGIES))
+def test_every_registered_strategy_is_well_formed(mode):
+    s = get_dllm_strategy(mode)
+    assert isinstance(s, DLLM_STRATEGIES[mode]) and s.normalization_mode in ("supervised", "noise")
+    assert s.create_loss_fn({}) is not None
+
+
+def test_mdlm_create_loss_fn_accepts_mapping_and_typed():
+    from dllm_common.config import DLLMConfig
+
+    assert isinstance(MDLMStrategy().create_loss_fn({"mode": "mdlm"}), MDLMCrossEntropyLoss)
+    assert MDLMStrategy().create_loss_fn(DLLMConfig(loss_weighting="flat")).weighting == "flat"
+
+
+def test_prepare_batch_feeds_noisy_ids_without_attention_mask():
+    s = MDLMStrategy()
+    clean, noisy = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 9, 3]])
+    out = s.prepare_batch({"attention_mask": torch.ones(1, 3), "input_lengths": torch.tensor([3])}, noisy,
+                          noisy == 9, clean)
+    assert torch.equal(out["input_ids"], noisy) and "attention_mask" not in out and "input_lengths" in out
+
+
+def _model(vocab=40):
+    return build_model(tiny_model_config("llama", vocab, 16, 16, 1, 2, None, None, True), seed=0)
+
+
+def _ctx(model, step=0, grad_acc=1, seed=42):
+    return StepContext(model=model, loss_fn=MDLMCrossEntropyLoss(), mask_token_id=39, step=step, base_seed=seed,
+                       grad_acc_steps=grad_acc)
+
+
+def _rows(n=4, length=16):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 39, (n, length), generator=g)
+    loss = torch.ones(n, length)
+    loss[:, :3] = 0
+    return ids, loss, torch.ones(n, length, dtype=torch.long)
+
+
+def test_pre_step_counts_and_corruption_is_row_seeded():
+    ids, loss, attn = _rows()
+    s = MDLMStrategy()
+    corrupted, n_noise, n_sup = s.pre_step(_ctx(_model()), [Microbatch(ids, loss, attn)])
+    assert n_sup == int(loss.sum()) and n_noise == int(corrupted[0].noise_mask.sum())
+    # the same rows split into two micro-batches of 2 get identical noise (topology independence)
+    split, _, _ = s.pre_step(_ctx(_model(), grad_acc=2), [Microbatch(ids[:2], loss[:2], attn[:2]),
+                                                         Microbatch(ids[2:], loss[2:], attn[2:])])
+    # rows are seeded by global index: row j of the step always gets seed(step, j)
+    one_by_one, _, _ = s.pre_step(_ctx(_model(), grad_acc=4), [Microbatch(ids[i:i + 1], loss[i:i + 1], attn[i:i + 1])
+                                                              for i in range(4)])
+    two_by_two = split
+    assert torch.equal(torch.cat([c.noisy_ids for c in one_by_one]), torch.cat([c.noisy_ids for c in two_by_two]))
+    assert torch.equal(torch.cat([c.noisy_ids for c in one_by_one]), corrupted[0].noisy_ids)
+
+
+def _grads_after_step(microbatch_split):
+    ids, loss, attn = _rows()
+    model = _model()
+    s = MDLMStrategy()
+    ctx = _ctx(model, grad_acc=len(microbatch_split))
+    mbs = [Microbatch(ids[a:b], loss[a:b], attn[a:b]) for a, b in microbatch_split]
+    corrupted, n_noise, n_sup = s.pre_step(ctx, mbs)
+    n_diff, n_ar = s.loss_denominators(n_noise, n_sup)
+    total = sum(float(s.forward_backward(ctx, c, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar,
+                                         is_train=True).dllm_loss) for c in corrupted)
+    return total, [p.grad.clone() for p in model.parameters()]
+
+
+def test_gradient_accumulation_equals_full_batch():
+    full_loss, full_grads = _grads_after_step([(0, 4)])
+    acc_loss, acc_grads = _grads_after_step([(0, 2), (2, 4)])
+    assert acc_loss == pytest.approx(full_loss, rel=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(full_grads, acc_grads))
+
+
+def test_noise_changes_with_step_and_seed():
+    ids, loss, attn = _rows()
+    s = MDLMStrategy()
+    base = s.pre_step(_ctx(_model(), step=0), [Microbatch(ids, loss, attn)])[0][0].noise_mask
+    later = s.pre_step(_ctx(_model(), step=1), [Microbatch(ids, loss, attn)])[0][0].noise_mask
+    other_seed = s.pre_step(_ctx(_model(), seed=7), [Microbatch(ids, loss, attn)])[0][0].noise_mask
+    assert not torch.equal(base, later) and not torch.equal(base, other_seed)

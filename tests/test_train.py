@@ -1,0 +1,87 @@
+"""Training stage: the loss falls, a crashed stage resumes exactly, denominators are step-level."""
+import json
+
+import pytest
+import torch
+
+import tasks.train as train_mod
+from dllm_common.checkpoint import verify_checkpoint
+from tasks.train import DataOrder, lr_lambda, train
+
+
+def _metric_history(workdir, run_id, key):
+    from mlflow.tracking import MlflowClient
+
+    from dllm_common.tracking import default_tracking_uri
+
+    client = MlflowClient(default_tracking_uri(workdir))
+    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+def test_data_order_covers_each_epoch_once():
+    order = DataOrder(10, seed=0)
+    first_epoch = torch.cat([order.rows(s, 5) for s in range(2)])
+    assert sorted(first_epoch.tolist()) == list(range(10))
+    assert torch.equal(DataOrder(10, seed=0).rows(3, 5), order.rows(3, 5))
+
+
+def test_lr_schedule_warms_up_then_decays(tiny_spec):
+    cfg = tiny_spec.train
+    values = [lr_lambda(s, cfg) for s in range(cfg.steps)]
+    assert values[0] < values[1] == 1.0 and values[-1] == pytest.approx(cfg.min_lr_ratio, abs=0.05)
+
+
+def test_training_loss_falls(prepared, tiny_spec, tmp_path):
+    data, _ = prepared
+    spec = tiny_spec.model_copy(update={"train": tiny_spec.train.model_copy(update={"steps": 40, "val_every": 5})})
+    ref = train(spec, "mdlm", data, str(tmp_path))
+    assert len(_metric_history(tmp_path, ref.mlflow_run_id, "train/loss")) == 40
+    val = [v for _, v in _metric_history(tmp_path, ref.mlflow_run_id, "val/loss")]  # fixed noise: comparable
+    assert len(val) == 8 and val[-1] < 0.9 * val[0] and min(val[4:]) < min(val[:2])
+    verify_checkpoint(train_mod.model_dir(ref))
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def test_killed_stage_resumes_from_checkpoint_exactly(prepared, tiny_spec, tmp_path, monkeypatch):
+    data, _ = prepared
+    full = train(tiny_spec, "mdlm", data, str(tmp_path / "full"))
+
+    real_step = train_mod.run_step
+    calls = {"n": 0}
+
+    def crashing_step(*args, **kwargs):
+        if args[3]:  # is_train
+            calls["n"] += 1
+            if calls["n"] == 7:  # after the checkpoint at step 4, mid-way to the next
+                raise Crash("killed")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "run_step", crashing_step)
+    with pytest.raises(Crash):
+        train(tiny_spec, "mdlm", data, str(tmp_path / "resumed"))
+    work = next((tmp_path / "resumed" / "store" / "train").glob("*.work"))
+    assert json.loads((work / "checkpoint" / "dllm.json").read_text())["step"] == 4
+    monkeypatch.setattr(train_mod, "run_step", real_step)
+    resumed = train(tiny_spec, "mdlm", data, str(tmp_path / "resumed"))
+
+    from safetensors.torch import load_file
+
+    wa = load_file(str(train_mod.model_dir(full) / "model.safetensors"))
+    wb = load_file(str(train_mod.model_dir(resumed) / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # MLflow continued the same child run: every step once, no gaps, same values
+    hist_full = _metric_history(tmp_path / "full", full.mlflow_run_id, "train/loss")
+    hist_res = _metric_history(tmp_path / "resumed", resumed.mlflow_run_id, "train/loss")
+    assert [s for s, _ in hist_res] == list(range(tiny_spec.train.steps))
+    assert [v for _, v in hist_res] == [v for _, v in hist_full]
+    assert not work.exists()
+
+
+def test_rerun_reuses_the_published_stage(prepared, tiny_spec, tmp_path):
+    data, _ = prepared
+    first = train(tiny_spec, "mdlm", data, str(tmp_path))
+    second = train(tiny_spec, "mdlm", data, str(tmp_path))
+    assert not first.reused and second.reused and first.key == second.key
