@@ -25,6 +25,8 @@ def _prefect_env(workdir: Path) -> None:
     if "PREFECT_API_URL" not in os.environ:
         os.environ.setdefault("PREFECT_HOME", str(workdir.resolve() / ".prefect"))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # a loaded 2-core machine can take longer than Prefect's default 20 s to boot the local API
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     from tasks.common import prefect_environment
 
     prefect_environment(workdir)
