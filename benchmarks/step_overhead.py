@@ -36,7 +36,7 @@ def bare_step(model, opt, ids, loss_mask, mask_id, eps, gen, clip):
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(loss)
+    return loss.item()
 
 
 def main() -> None:

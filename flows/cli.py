@@ -27,9 +27,7 @@ def _prefect_env(workdir: Path) -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     # a loaded 2-core machine can take longer than Prefect's default 20 s to boot the local API
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    from tasks.common import prefect_environment
-
-    prefect_environment(workdir)
+    os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "true")
 
 
 def cmd_run(args) -> int:

@@ -7,6 +7,7 @@ the workdir's run record and opens the parent MLflow run. No torch import here.
 """
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import time
 from pathlib import Path
@@ -31,12 +32,25 @@ def git_commit() -> str:
         return "unknown"
 
 
+def store_result_storage(workdir: Path) -> str:
+    """A Prefect storage block rooted at the workdir's stage store, so each task's cached result is
+    written inside its own store entry (see `tasks.common.prefect_task`), under any worker."""
+    from prefect.filesystems import LocalFileSystem
+
+    root = (workdir / "store").resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    name = "dllm-store-" + hashlib.sha256(str(root).encode()).hexdigest()[:12]
+    LocalFileSystem(basepath=str(root)).save(name, overwrite=True)
+    return f"local-file-system/{name}"
+
+
 def _run_stage(record: RunRecord, record_dir: Path, name: str, task, **kwargs) -> StageRef:
     status = record.stage(name)
     status.status = "RUNNING"
     record.save(record_dir)
     t0 = time.time()
-    state = task.with_options(task_run_name=name)(**kwargs, return_state=True)
+    storage = store_result_storage(record_dir)
+    state = task.with_options(task_run_name=name, result_storage=storage)(**kwargs, return_state=True)
     status.seconds = round(time.time() - t0, 2)
     if not state.is_completed():
         status.status, status.error = "FAILED", str(state.message)[:2000]

@@ -64,9 +64,10 @@ def check_workdir(workdir: str | Path) -> Path:
 def prefect_task(fn: Callable, *, name: str, stage_of: Callable[..., tuple[str, str]], retries: int = 0) -> Any:
     """Thin Prefect `@task` over a plain stage function, cached by the stage's store key.
 
-    The cache key is `<stage>/<key>/prefect-result`, and the CLI points result storage at the
-    store root (`prefect_environment`), so Prefect's cached result lives *inside* the published entry: deleting an entry
-    also drops Prefect's memory of it, and a half-written stage is never served from cache.
+    The cache key is `<stage>/<key>/prefect-result` and the flow roots result storage at the store
+    (`flows.pipeline.store_result_storage`), so Prefect's cached result lives *inside* the published
+    entry: deleting an entry also drops Prefect's memory of it, and a half-written stage is never
+    served from cache.
     """
     from prefect import task
 
@@ -75,9 +76,3 @@ def prefect_task(fn: Callable, *, name: str, stage_of: Callable[..., tuple[str, 
         return f"{stage}/{key}/prefect-result"
 
     return task(fn, name=name, cache_key_fn=cache_key, persist_result=True, retries=retries)
-
-
-def prefect_environment(workdir: str | Path) -> None:
-    """Point Prefect's default result storage at the stage store (before Prefect loads settings)."""
-    os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(store_for(workdir).root.resolve())
-    os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "true")

@@ -217,6 +217,7 @@ def train(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, paren
         sched.load_state_dict(state["scheduler"])
         meta = read_meta(ckpt_dir)
         start, run_id = meta["step"], meta.get("mlflow_run_id")
+        print(f"[dllm-flow] train[{strategy}]: resuming from the step-{start} checkpoint in {ckpt_dir}", flush=True)
     tracker = _open_tracker(spec, workdir, strategy, parent_run_id, run_id, key)
     tracker.log_params({**flatten(train_slice(spec, strategy)), "data.key": data.key, "stage.key": key})
     order = DataOrder(len(train_t[0]), cfg.seed)

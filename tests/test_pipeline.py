@@ -123,3 +123,41 @@ def test_bad_input_gets_one_clear_error(tmp_path):
 def test_validate_prints_resolved_config():
     out = cli("validate", "configs/smoke.yaml", "--set", "train.steps=5")
     assert out.returncode == 0 and json.loads(out.stdout)["train"]["steps"] == 5
+
+
+def test_sigkilled_training_resumes_on_next_run(tmp_path):
+    import os
+    import signal
+    import time
+
+    args = ["run", "configs/smoke.yaml", "--set", "train.steps=80", "--set", "train.checkpoint_every=10",
+            "--workdir", str(tmp_path)]
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and not list((tmp_path / "store" / "train").glob("*.work/checkpoint/dllm.json")):
+            assert proc.poll() is None, "pipeline ended before its first checkpoint"
+            time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    checkpoint = next((tmp_path / "store" / "train").glob("*.work/checkpoint/dllm.json"))
+    step = json.loads(checkpoint.read_text())["step"]
+    assert step >= 10 and not list((tmp_path / "store" / "train").glob("*/manifest.json"))
+    rerun = cli(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resuming from the step-" in rerun.stdout
+    status = stage_status(latest_record(tmp_path))
+    assert status["prepare_data"] == "REUSED" and status["train[mdlm]"] == "COMPLETED"
+
+    from mlflow.tracking import MlflowClient
+
+    from dllm_common.tracking import default_tracking_uri
+
+    client = MlflowClient(default_tracking_uri(tmp_path))
+    children = [r for r in client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+                if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 1  # the resumed stage continued its child run
+    steps = sorted(m.step for m in client.get_metric_history(children[0].info.run_id, "train/loss"))
+    assert steps == list(range(80))
