@@ -75,6 +75,16 @@ def chart_view_url(host: str, port: int, experiment_id: str) -> str:
     return f"http://{host}:{port}/#/experiments/{experiment_id}/runs?compareRunsMode=CHART"
 
 
+def latest_experiment(uri: str) -> str:
+    """The most recently created experiment of a workdir (what the last `run` wrote to)."""
+    from mlflow.tracking import MlflowClient
+
+    experiments = [e for e in MlflowClient(uri).search_experiments() if e.name != "Default"]
+    if not experiments:
+        raise FileNotFoundError("no dllm-flow experiments in this workdir yet; run a pipeline first (dllm-flow run CONFIG)")
+    return max(experiments, key=lambda e: e.creation_time).name
+
+
 def cmd_ui(args) -> int:
     import subprocess
 
@@ -83,8 +93,8 @@ def cmd_ui(args) -> int:
     workdir = Path(args.workdir)
     quiet_environment()
     uri = default_tracking_uri(workdir)
-    tracking = Tracking(workdir, uri, args.experiment)
-    url = chart_view_url(args.host, args.port, tracking.experiment_id)
+    experiment_id = Tracking(workdir, uri, args.experiment or latest_experiment(uri)).experiment_id
+    url = chart_view_url(args.host, args.port, experiment_id)
     print(f"MLflow UI for {workdir.resolve()}: {url}", flush=True)
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--default-artifact-root",
            artifact_root(workdir), "--host", args.host, "--port", str(args.port), "--workers", "1"]
@@ -108,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     runs.set_defaults(func=cmd_runs)
     ui = sub.add_parser("ui", help="MLflow UI on 127.0.0.1 for a workdir")
     ui.add_argument("--workdir", default=DEFAULT_WORKDIR)
-    ui.add_argument("--experiment", default="quickstart")
+    ui.add_argument("--experiment", default=None, help="default: the workdir's most recent experiment")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
     ui.set_defaults(func=cmd_ui)

@@ -91,7 +91,7 @@ def draw_samples(model, tokenizer, mask_token_id: int, spec: PipelineSpec, chat:
 def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str) -> StageRef:
     import torch
 
-    from dllm_common.checkpoint import load_weights_into, read_meta
+    from dllm_common.checkpoint import read_meta
     from dllm_common.tracking import Tracking
     from strategies import get_dllm_strategy
     from tasks.prepare_data import load_split, load_tokenizer

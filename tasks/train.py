@@ -7,7 +7,6 @@ The finished model is published to `store/train/<key>/model`.
 """
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -303,10 +302,6 @@ def _ref(entry, strategy: str, reused: bool) -> StageRef:
 
 def model_dir(ref: StageRef) -> Path:
     return Path(ref.path) / "model"
-
-
-def read_step_metrics(ref: StageRef) -> dict:
-    return json.loads((model_dir(ref) / "dllm.json").read_text())
 
 
 train_task = prefect_task(train, name="train", stage_of=stage_of)

@@ -161,3 +161,13 @@ def test_sigkilled_training_resumes_on_next_run(tmp_path):
     assert len(children) == 1  # the resumed stage continued its child run
     steps = sorted(m.step for m in client.get_metric_history(children[0].info.run_id, "train/loss"))
     assert steps == list(range(80))
+
+
+def test_ui_points_at_the_chart_view_of_the_latest_experiment(smoke_run):
+    from dllm_common.tracking import default_tracking_uri
+    from flows.cli import chart_view_url, latest_experiment
+
+    workdir, _ = smoke_run
+    assert latest_experiment(default_tracking_uri(workdir)) == "smoke"
+    url = chart_view_url("127.0.0.1", 5000, "7")
+    assert url == "http://127.0.0.1:5000/#/experiments/7/runs?compareRunsMode=CHART"

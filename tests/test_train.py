@@ -85,3 +85,27 @@ def test_rerun_reuses_the_published_stage(prepared, tiny_spec, tmp_path):
     first = train(tiny_spec, "mdlm", data, str(tmp_path))
     second = train(tiny_spec, "mdlm", data, str(tmp_path))
     assert not first.reused and second.reused and first.key == second.key
+
+
+def test_pretrained_model_and_tokenizer_from_local_paths(prepared, tiny_spec, tmp_path):
+    """`model.kind: pretrained` / `tokenizer.kind: pretrained` load from a local dir (no hub)."""
+    from dllm_common.config import validate_config
+    from strategies.models import build_model, tiny_model_config
+    from tasks.prepare_data import load_tokenizer, prepare_data
+
+    data, _ = prepared
+    tok_dir = f"{data.path}/tokenizer"
+    model_dir = tmp_path / "my-model"
+    build_model(tiny_model_config("qwen3", len(load_tokenizer(tok_dir)), 32, 32, 1, 2, None, None, False), 0
+                ).save_pretrained(model_dir)
+    raw = tiny_spec.model_dump(mode="json")
+    raw["tokenizer"] = {"kind": "pretrained", "path": tok_dir}
+    raw["model"] = {"kind": "pretrained", "path": str(model_dir)}
+    raw["train"].update(steps=3, val_every=3, checkpoint_every=10)
+    spec = validate_config(raw)
+    own = prepare_data(spec, str(tmp_path / "w"))
+    ref = train(spec, "mdlm", own, str(tmp_path / "w"))
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(train_mod.model_dir(ref)).model_type == "qwen3"
+    assert ref.info["mask_token_id"] == load_tokenizer(tok_dir).mask_token_id
