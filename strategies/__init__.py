@@ -3,13 +3,15 @@
 Pure of Prefect and MLflow; faithful to `shared/spec/dllm-strategies.md`.
 """
 from strategies.base import CorruptedBatch, DLLMStrategy, MDLMStrategy, Microbatch, SetupContext, StepContext
-from strategies.corruption import corrupt_uniform
+from strategies.corruption import (corrupt_all_masked, corrupt_blockwise, corrupt_mix, corrupt_uniform,
+                                   corrupt_uniform_random, gumbel_topk, scdd_grid_times)
 from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss, per_token_nll
 from strategies.registry import DLLM_STRATEGIES, get_dllm_strategy
 from strategies.seeding import corruption_sample_seed
 
 __all__ = [
     "DLLM_STRATEGIES", "CorruptedBatch", "DLLMLossOutput", "DLLMStrategy", "MDLMCrossEntropyLoss", "MDLMStrategy",
-    "Microbatch", "SetupContext", "StepContext", "corrupt_uniform", "corruption_sample_seed",
+    "Microbatch", "SetupContext", "StepContext", "corrupt_all_masked", "corrupt_blockwise", "corrupt_mix",
+    "corrupt_uniform", "corrupt_uniform_random", "corruption_sample_seed", "gumbel_topk", "scdd_grid_times",
     "get_dllm_strategy", "per_token_nll",
 ]

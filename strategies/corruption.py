@@ -5,6 +5,8 @@ randomness only from the passed `torch.Generator` (never the global RNG when one
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -34,3 +36,135 @@ def mask_at_level(input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, p: T
     u = torch.rand(input_ids.shape, generator=generator, device=input_ids.device)
     noise_mask = (u < p[:, None]) & loss_mask.bool()
     return torch.where(noise_mask, torch.full_like(input_ids, mask_token_id), input_ids), noise_mask
+
+
+# ---------------------------------------------------------------- exact-k kernels (spec §4.1, §4.3)
+
+
+def gumbel_topk_rows(log_w: Tensor, k: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Sample k_i items per row without replacement, P ∝ exp(log_w) (Plackett–Luce via Gumbel top-k).
+
+    log_w [N, D] (−inf = never chosen), k [N] → bool [N, D] with exactly min(k_i, #finite) Trues.
+    g = −log(−log(U + 1e-9) + 1e-9); the k_i largest of log_w + g are chosen.
+    """
+    u = torch.rand(log_w.shape, generator=generator, device=log_w.device)
+    scores = log_w + -torch.log(-torch.log(u + 1e-9) + 1e-9)
+    order = scores.argsort(dim=1, descending=True)
+    ranks = torch.arange(log_w.shape[1], device=log_w.device)[None, :]
+    chosen_sorted = ranks < k[:, None]
+    chosen = torch.zeros_like(chosen_sorted).scatter(1, order, chosen_sorted)
+    return chosen & torch.isfinite(log_w)
+
+
+def corrupt_blockwise(input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, *, block_size: int | None = None,
+                      eps: float = 1e-3, half_life_ratio: float = 0.25,
+                      generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Exact-k masking with a bias toward later positions (hybrid strategy, spec §4.3).
+
+    Sequence path (block_size None): per row m ~ eps + (1−eps)·U, k = clamp(round(m·L), 1, L),
+    log w_i = λ(1−m)·i with λ = ln 2 / (half_life_ratio·L); p_mask = m.
+    Block path: per block m_j, k_j = clamp(round(m_j·len_j), 0, len_j), λ = ln 2/(half_life_ratio·bs),
+    positions past a short last block get −inf; p_mask = the block's m_j.
+    Positions are chosen among all slots, then unsupervised picks are dropped (so realized k ≤ k).
+    Draw order: all m's, then the Gumbel uniforms.
+    """
+    batch, length = input_ids.shape
+    device = input_ids.device
+    if block_size is None:
+        m = eps + (1 - eps) * torch.rand(batch, generator=generator, device=device)
+        k = (m * length).round().clamp(1, length).long()
+        lam = math.log(2) / (half_life_ratio * length)
+        log_w = lam * (1 - m)[:, None] * torch.arange(length, device=device)[None, :]
+        chosen = gumbel_topk_rows(log_w, k, generator)
+        p = m[:, None].expand(batch, length)
+    else:
+        n_blocks = math.ceil(length / block_size)
+        m = eps + (1 - eps) * torch.rand(batch * n_blocks, generator=generator, device=device)
+        starts = torch.arange(n_blocks, device=device) * block_size
+        lens = (length - starts).clamp(max=block_size).repeat(batch)
+        k = (m * lens).round().clamp(min=0).minimum(lens).long()
+        lam = math.log(2) / (half_life_ratio * block_size)
+        local = torch.arange(block_size, device=device)[None, :]
+        log_w = lam * (1 - m)[:, None] * local
+        log_w = log_w.masked_fill(local >= lens[:, None], -math.inf)
+        chosen = gumbel_topk_rows(log_w, k, generator).view(batch, n_blocks * block_size)[:, :length]
+        p = m.view(batch, n_blocks).repeat_interleave(block_size, dim=1)[:, :length]
+    noise_mask = chosen & loss_mask.bool()
+    noisy = torch.where(noise_mask, torch.full_like(input_ids, mask_token_id), input_ids)
+    return noisy, noise_mask, p.to(torch.float32).contiguous()
+
+
+# ---------------------------------------------------------------- uniform-replacement kernels (§4.4–4.6)
+
+
+def corrupt_uniform_random(input_ids: Tensor, loss_mask: Tensor, vocab_size: int, *, block_size: int | None = None,
+                           eps: float = 1e-3, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """D3PM-uniform kernel (DiffusionGemma, spec §4.4): replace with uniform random tokens, no [MASK].
+
+    One level t ~ eps + (1−eps)·U per row (or per block of `block_size`); n = (u < t) ∧ ℓ;
+    replacement r ~ Uniform{0..V−1} (may equal the clean token). p_mask is all ones (flat loss).
+    Draw order: t, u (B·L), r (B·L).
+    """
+    batch, length = input_ids.shape
+    device = input_ids.device
+    if block_size is None:
+        t = (eps + (1 - eps) * torch.rand(batch, generator=generator, device=device))[:, None].expand(batch, length)
+    else:
+        n_blocks = math.ceil(length / block_size)
+        t = eps + (1 - eps) * torch.rand(batch, n_blocks, generator=generator, device=device)
+        t = t.repeat_interleave(block_size, dim=1)[:, :length]
+    u = torch.rand(batch, length, generator=generator, device=device)
+    r = torch.randint(0, vocab_size, (batch, length), generator=generator, device=device, dtype=input_ids.dtype)
+    noise_mask = (u < t) & loss_mask.bool()
+    noisy = torch.where(noise_mask, r, input_ids)
+    return noisy, noise_mask, torch.ones(batch, length, dtype=torch.float32, device=device)
+
+
+def corrupt_all_masked(input_ids: Tensor, loss_mask: Tensor, mask_token_id: int,
+                       generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """I-DLM kernel (spec §4.5): every supervised token becomes [MASK]; deterministic; p_mask = 1."""
+    noise_mask = loss_mask.bool()
+    noisy = torch.where(noise_mask, torch.full_like(input_ids, mask_token_id), input_ids)
+    return noisy, noise_mask, torch.ones(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+
+
+def corrupt_mix(input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, vocab_size: int, *, mask_prob: Tensor,
+                uniform_prob: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """SCDD forward kernel (spec §4.6): absorb to [MASK] or move to a *different* non-mask token.
+
+    One u ~ U[0,1) per position: absorbed = u < mask_prob ∧ ℓ; transitioned =
+    mask_prob ≤ u < mask_prob + uniform_prob ∧ ℓ ∧ x ≠ M. The replacement is uniform over the V−2
+    tokens that are neither [MASK] nor the clean token: d ~ U{0..V−3}, shifted past min(x,M) then
+    max(x,M). Returns (z, n) with n == (z ≠ x). Draw order: u (B·L) then d (B·L).
+    """
+    if vocab_size < 3:
+        raise ValueError(f"corrupt_mix requires vocab_size >= 3 (got {vocab_size})")
+    total = (mask_prob + uniform_prob).max()
+    if total > 1 + 1e-5:
+        raise ValueError(f"corrupt_mix requires mask_prob + uniform_prob <= 1 (got up to {float(total):.6f})")
+    device = input_ids.device
+    u = torch.rand(input_ids.shape, generator=generator, device=device)
+    d = torch.randint(0, vocab_size - 2, input_ids.shape, generator=generator, device=device, dtype=input_ids.dtype)
+    sup = loss_mask.bool()
+    mp, up = mask_prob[:, None], uniform_prob[:, None]
+    absorbed = (u < mp) & sup
+    transitioned = (u >= mp) & (u < mp + up) & sup & (input_ids != mask_token_id)
+    lo = torch.minimum(input_ids, torch.full_like(input_ids, mask_token_id))
+    hi = torch.maximum(input_ids, torch.full_like(input_ids, mask_token_id))
+    d = d + (d >= lo).to(d.dtype)
+    d = (d + (d >= hi).to(d.dtype)).clamp(max=vocab_size - 1)
+    noisy = torch.where(absorbed, torch.full_like(input_ids, mask_token_id), torch.where(transitioned, d, input_ids))
+    return noisy, absorbed | transitioned
+
+
+def scdd_grid_times(batch: int, num_timesteps: int, eps: float, generator: torch.Generator | None = None,
+                    device: torch.device | str = "cpu") -> Tensor:
+    """SCDD time sampling (spec §5.8): u' = (1−eps)u + eps, t = (⌊u'·T⌋ + 1)/T, then t ≤ 1 − 1/T."""
+    u = (1 - eps) * torch.rand(batch, generator=generator, device=device) + eps
+    t = (torch.floor(u * num_timesteps) + 1) / num_timesteps
+    return t.clamp(max=1 - 1 / num_timesteps)
+
+
+def gumbel_topk(log_w: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
+    """1-D form of `gumbel_topk_rows`: exactly k Trues over `log_w [D]`."""
+    return gumbel_topk_rows(log_w[None, :], torch.tensor([k], device=log_w.device), generator)[0]
