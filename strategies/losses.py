@@ -55,3 +55,95 @@ class MDLMCrossEntropyLoss(nn.Module):
         if num_diffusion_tokens is not None:
             total = total / max(int(num_diffusion_tokens), 1)
         return DLLMLossOutput(total, total.detach())
+
+
+def _maybe_divide(total: Tensor, count: int | Tensor | None) -> Tensor:
+    return total if count is None else total / max(int(count), 1)
+
+
+class HybridDiffusionLLMLoss(nn.Module):
+    """Diffusion + AR loss of the hybrid (Nemotron-Labs-Diffusion) strategy (spec §5.3).
+
+        L_diff = Σ_i [n_i ∧ ℓ_i]·CE_i·w_i / max(N_diff, 1),   w_i = nan_to_num(1/max(p_i, 1e-8)) (±inf → 1)
+        L_AR   = Σ_{i≥1} ℓ^AR_i · CE(causal_{i−1}, x_i) / max(N_AR, 1)   (only with causal logits and ℓ^AR)
+        total  = α·L_diff + L_AR,   dllm_loss = α·L_diff
+
+    A legacy `[B, 2L, V]` logits tensor is split into diffusion (first L) and causal (rest) halves.
+    Each division happens only when its count is given.
+    """
+
+    def __init__(self, alpha: float = 1.0):
+        super().__init__()
+        self.alpha = alpha
+
+    def forward(self, logits: Tensor, target_ids: Tensor, noise_mask: Tensor, p_mask: Tensor, loss_mask: Tensor, *,
+                loss_mask_ar: Tensor | None = None, num_diffusion_tokens: int | Tensor | None = None,
+                num_ar_tokens: int | Tensor | None = None, causal_logits: Tensor | None = None,
+                noisy_input_ids: Tensor | None = None) -> DLLMLossOutput:
+        length = target_ids.shape[1]
+        if causal_logits is None and logits.shape[1] > length:
+            logits, causal_logits = logits[:, :length], logits[:, length:]
+        selected = noise_mask.bool() & loss_mask.bool()
+        weight = torch.nan_to_num(1.0 / p_mask[selected].clamp_min(1e-8), posinf=1.0, neginf=1.0)
+        diffusion = _maybe_divide((per_token_nll(logits[selected], target_ids[selected]) * weight).sum(),
+                                  num_diffusion_tokens)
+        total = self.alpha * diffusion
+        dllm = total.detach()
+        if causal_logits is not None and loss_mask_ar is not None:
+            ar_mask = loss_mask_ar[:, 1:].bool()
+            ar = per_token_nll(causal_logits[:, :-1][ar_mask], target_ids[:, 1:][ar_mask]).sum()
+            total = total + _maybe_divide(ar, num_ar_tokens)
+        return DLLMLossOutput(total, dllm)
+
+
+class BlockDiffusionCrossEntropyLoss(nn.Module):
+    """DiffusionGemma canvas loss (spec §5.4): L = Σ_i ℓ_i·CE_i / max(N, 1), N = global count or local Σℓ.
+
+    No 1/p weight and no noise gating: every supervised canvas token counts, corrupted or not.
+    """
+
+    def forward(self, logits: Tensor, target_ids: Tensor, noise_mask: Tensor | None, p_mask: Tensor | None,
+                loss_mask: Tensor, *, loss_mask_ar: Tensor | None = None,
+                num_diffusion_tokens: int | Tensor | None = None, num_ar_tokens: int | Tensor | None = None,
+                causal_logits: Tensor | None = None, noisy_input_ids: Tensor | None = None) -> DLLMLossOutput:
+        selected = loss_mask.bool()
+        total = per_token_nll(logits[selected], target_ids[selected]).sum()
+        count = num_diffusion_tokens if num_diffusion_tokens is not None else int(selected.sum())
+        total = total / max(int(count), 1)
+        return DLLMLossOutput(total, total.detach())
+
+
+def encoder_ar_loss(encoder_logits: Tensor, input_ids: Tensor, valid_mask: Tensor | None = None,
+                    num_tokens: int | Tensor | None = None) -> Tensor:
+    """Next-token CE over the clean sequence (spec §5.5): logits at i predict x_{i+1}, counted where
+    valid_i ∧ valid_{i+1}; divided by max(num_tokens or the local count, 1)."""
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if valid_mask is None else valid_mask.bool()
+    pairs = valid[:, :-1] & valid[:, 1:]
+    total = per_token_nll(encoder_logits[:, :-1][pairs], input_ids[:, 1:][pairs]).sum()
+    count = num_tokens if num_tokens is not None else int(pairs.sum())
+    return total / max(int(count), 1)
+
+
+class IDLMLoss(nn.Module):
+    """Introspective diffusion loss over `[x_t ‖ x_0]` logits (spec §5.6).
+
+    Q = logits[:, :L] (noisy half), P = logits[:, L:2L] (clean half); the logit at i−1 predicts x_i.
+        S_i = answer_i ∧ valid_i (i ≥ 1),  D = max(num_diffusion_tokens, 1) or max(ΣS, 1)
+        CE_noisy = Σ S_i·CE(Q_{i−1}, x_i)/D,   CE_clean = Σ S_i·CE(P_{i−1}, x_i)/D
+        α = clean_loss_weight, or stopgrad(CE_noisy / max(CE_clean, 1e-6)) with auto_balance
+        total = CE_noisy + α·CE_clean,   dllm_loss = CE_noisy
+    """
+
+    def __init__(self, clean_loss_weight: float = 0.2, auto_balance: bool = False):
+        super().__init__()
+        self.clean_loss_weight, self.auto_balance = clean_loss_weight, auto_balance
+
+    def forward(self, logits: Tensor, target_ids: Tensor, answer_mask: Tensor, valid_mask: Tensor, *, seq_len: int,
+                num_diffusion_tokens: int | Tensor | None = None) -> DLLMLossOutput:
+        support = (answer_mask.bool() & valid_mask.bool())[:, 1:]
+        targets = target_ids[:, 1:][support]
+        denom = max(int(num_diffusion_tokens), 1) if num_diffusion_tokens is not None else max(int(support.sum()), 1)
+        ce_noisy = per_token_nll(logits[:, : seq_len - 1][support], targets).sum() / denom
+        ce_clean = per_token_nll(logits[:, seq_len: 2 * seq_len - 1][support], targets).sum() / denom
+        alpha = (ce_noisy / ce_clean.clamp_min(1e-6)).detach() if self.auto_balance else self.clean_loss_weight
+        return DLLMLossOutput(ce_noisy + alpha * ce_clean, ce_noisy.detach())
