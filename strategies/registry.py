@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from strategies.base import DLLMStrategy, MDLMStrategy
+from strategies.scdd_strategy import SCDDStrategy
 
 DLLM_STRATEGIES: dict[str, type[DLLMStrategy]] = {
     "mdlm": MDLMStrategy,
+    "scdd": SCDDStrategy,
 }
 
 

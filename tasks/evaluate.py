@@ -93,9 +93,8 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
 
     from dllm_common.checkpoint import read_meta
     from dllm_common.tracking import Tracking
-    from strategies import get_dllm_strategy
     from tasks.prepare_data import load_split, load_tokenizer
-    from tasks.train import model_dir, resolve_device
+    from tasks.train import model_dir, prepare_strategy, resolve_device
 
     store = store_for(workdir)
     stage, key = stage_of(spec, strategy, trained, data, workdir)
@@ -107,7 +106,7 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
     tokenizer = load_tokenizer(str(ckpt))
     mask_id = read_meta(ckpt)["mask_token_id"]
     ids, loss_mask, _ = (t[: spec.eval.val_rows].to(device) for t in load_split(data.path, "val"))
-    strat = get_dllm_strategy(strategy)
+    strat, _, mask_id = prepare_strategy(strategy, spec, model, tokenizer, mask_id)
     nelbo, se, n_tokens = fixed_noise_nelbo(strat, model, ids, loss_mask, mask_id, spec.eval.t_samples,
                                             spec.eval.batch_size, spec.eval.seed)
     metrics = {"eval/nelbo": nelbo, "eval/nelbo_se": se, "eval/ppl_bound": math.exp(min(nelbo, 50.0)),

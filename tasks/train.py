@@ -95,8 +95,24 @@ class Trainee:
     mask_token_id: int
 
 
-def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device: str) -> Trainee:
+def prepare_strategy(name: str, spec: PipelineSpec, model, tokenizer, mask_token_id: int | None = None):
+    """Strategy + loss + resolved mask id for a model/tokenizer pair (training and evaluation alike)."""
     from strategies import SetupContext, get_dllm_strategy
+
+    strategy = get_dllm_strategy(name)
+    # an unset dllm.vocab_size means "the model's": strategies that need it (scdd) get it resolved here
+    dllm = spec.dllm.model_copy(update={"mode": name, "vocab_size": spec.dllm.vocab_size or model.config.vocab_size})
+    loss_fn = strategy.create_loss_fn(dllm)
+    if mask_token_id is None:
+        mask_token_id = dllm.mask_token_id if dllm.mask_token_id is not None else tokenizer.mask_token_id
+    resolved = strategy.setup_extra(SetupContext(model=model, tokenizer=tokenizer, mask_token_id=mask_token_id))
+    mask_token_id = resolved if resolved is not None else mask_token_id
+    if mask_token_id is None:
+        raise ValueError("dllm.mask_token_id must be set in config, resolved by the tokenizer, or set by strategy.setup_extra().")
+    return strategy, loss_fn, int(mask_token_id)
+
+
+def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device: str) -> Trainee:
     from strategies.models import build_model, load_pretrained, tiny_model_config
     from tasks.prepare_data import load_tokenizer
 
@@ -110,14 +126,7 @@ def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device
     else:
         model = load_pretrained(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file,
                                 attn_implementation=m.attn_implementation)
-    strategy = get_dllm_strategy(strategy_name)
-    dllm = spec.dllm.model_copy(update={"mode": strategy_name})
-    loss_fn = strategy.create_loss_fn(dllm)
-    mask_id = dllm.mask_token_id if dllm.mask_token_id is not None else tokenizer.mask_token_id
-    resolved = strategy.setup_extra(SetupContext(model=model, tokenizer=tokenizer, mask_token_id=mask_id))
-    mask_id = resolved if resolved is not None else mask_id
-    if mask_id is None:
-        raise ValueError("dllm.mask_token_id must be set in config, resolved by the tokenizer, or set by strategy.setup_extra().")
+    strategy, loss_fn, mask_id = prepare_strategy(strategy_name, spec, model, tokenizer)
     return Trainee(model.to(device), tokenizer, strategy, loss_fn, int(mask_id))
 
 

@@ -8,7 +8,7 @@ from strategies.models import build_model, tiny_model_config
 
 
 def test_unknown_mode_lists_available():
-    with pytest.raises(ValueError, match=r"Unknown dllm.mode: 'nope'. Available: \['mdlm'"):
+    with pytest.raises(ValueError, match=r"Unknown dllm.mode: 'nope'. Available: \['mdlm', 'scdd'\]"):
         get_dllm_strategy("nope")
 
 
@@ -16,7 +16,7 @@ def test_unknown_mode_lists_available():
 def test_every_registered_strategy_is_well_formed(mode):
     s = get_dllm_strategy(mode)
     assert isinstance(s, DLLM_STRATEGIES[mode]) and s.normalization_mode in ("supervised", "noise")
-    assert s.create_loss_fn({}) is not None
+    assert s.create_loss_fn({"vocab_size": 64, "mask_token_id": 63}) is not None
 
 
 def test_mdlm_create_loss_fn_accepts_mapping_and_typed():

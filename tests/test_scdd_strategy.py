@@ -1,0 +1,117 @@
+"""SCDDStrategy (spec §8.2, §14.5 [PR]): config threading, setup checks, corruption contract, training."""
+import pytest
+import torch
+
+from strategies import SCDDLoss, SCDDStrategy, SetupContext, get_dllm_strategy
+from strategies.models import build_model, tiny_model_config
+from strategies.seeding import seeded_generator as gen
+
+V, M = 64, 63
+
+
+def _strategy(**cfg):
+    s = SCDDStrategy()
+    s.create_loss_fn({"vocab_size": V, "mask_token_id": M, **cfg})
+    return s
+
+
+def _corrupt(s, ids, loss, seed=0, eps=1e-3):
+    return s.apply_corruption(ids, loss, M, eps=eps, block_size=None, half_life_ratio=None, generator=gen(seed))
+
+
+def test_registered_with_supervised_normalization():
+    s = get_dllm_strategy("scdd")
+    assert isinstance(s, SCDDStrategy) and s.normalization_mode == "supervised"
+
+
+def test_config_threading_and_chunk_size():
+    s = _strategy(num_timesteps=8, uniform_ratio=0.3, schedule_shape=2.0, schedule_peak=0.4, chunk_size=256)
+    loss = s.loss_fn
+    assert isinstance(loss, SCDDLoss) and (loss.num_timesteps, loss.max_ratio, loss.gamma_shape, loss.t_peak,
+                                            loss.chunk_size) == (8, 0.3, 2.0, 0.4, 256)
+    assert _strategy().loss_fn.chunk_size == 1024 and _strategy(chunk_size=None).loss_fn.chunk_size is None
+
+
+def test_errors_of_spec_16():
+    with pytest.raises(ValueError, match="SCDDStrategy requires dllm.vocab_size"):
+        SCDDStrategy().create_loss_fn({"mask_token_id": M})
+    with pytest.raises(ValueError, match="create_loss_fn must run before corruption"):
+        SCDDStrategy().apply_corruption(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), M, eps=1e-3,
+                                        block_size=None, half_life_ratio=None)
+    model = build_model(tiny_model_config("llama", V, 8, 16, 1, 2, None, None, True), 0)
+    with pytest.raises(ValueError, match="requires dllm.mask_token_id"):
+        _strategy().setup_extra(SetupContext(model, None, None))
+    with pytest.raises(ValueError, match="outside the model vocab"):
+        _strategy().setup_extra(SetupContext(model, None, V))
+    wrong = SCDDStrategy()
+    wrong.create_loss_fn({"vocab_size": V + 1})
+    with pytest.raises(ValueError, match="does not match the model vocab"):
+        wrong.setup_extra(SetupContext(model, None, M))
+
+
+def test_setup_installs_the_resolved_mask_id():
+    s = SCDDStrategy()
+    s.create_loss_fn({"vocab_size": V, "mask_token_id": None})  # null: placeholder until setup
+    model = build_model(tiny_model_config("llama", V, 8, 16, 1, 2, None, None, True), 0)
+    assert s.setup_extra(SetupContext(model, None, 5)) == 5 and s.loss_fn.mask_token_id == 5
+
+
+def test_times_lie_on_the_inner_grid():
+    s = _strategy(num_timesteps=8)
+    ids = torch.randint(0, M, (256, 4), generator=gen(1))
+    rows = [_corrupt(s, ids[i:i + 1], torch.ones(1, 4), seed=i)[2] for i in range(256)]
+    k = torch.cat(rows)[:, 0] * 8
+    assert torch.allclose(k, k.round()) and k.min() >= 1 and k.max() == 7
+
+
+def test_corruption_contract_and_both_channels():
+    s = _strategy(uniform_ratio=0.4)
+    ids = torch.randint(0, M, (64, 32), generator=gen(2))
+    loss = torch.ones(64, 32)
+    loss[:, :8] = 0
+    noisy, noise, p = _corrupt(s, ids, loss)
+    assert torch.equal(noise, noisy != ids) and not (noise & ~loss.bool()).any()
+    assert p.dtype == torch.float32 and torch.equal(p, p[:, :1].expand_as(p))
+    assert (noisy == M).any() and ((noisy != M) & (noisy != ids)).any()  # absorbed and uniform channels
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    again = _corrupt(s, ids, loss)
+    assert torch.equal(torch.get_rng_state(), state) and torch.equal(again[0], noisy)
+
+
+def test_prepare_batch_feeds_noisy_ids_without_attention_mask():
+    out = _strategy().prepare_batch({"attention_mask": torch.ones(1, 3)}, torch.tensor([[1, M, 3]]), None,
+                                    torch.tensor([[1, 2, 3]]))
+    assert out["input_ids"].tolist() == [[1, M, 3]] and "attention_mask" not in out
+
+
+def test_strategy_and_loss_handshake_gives_gradients():
+    from strategies import Microbatch, StepContext
+
+    s = _strategy()
+    model = build_model(tiny_model_config("llama", V, 16, 16, 1, 2, None, None, True), 0)
+    ids = torch.randint(0, M, (4, 16), generator=gen(3))
+    ctx = StepContext(model=model, loss_fn=s.loss_fn, mask_token_id=M, step=3, base_seed=0)
+    corrupted, _, n_sup = s.pre_step(ctx, [Microbatch(ids, torch.ones(4, 16), torch.ones(4, 16))])
+    out = s.forward_backward(ctx, corrupted[0], num_diffusion_tokens=n_sup, num_ar_tokens=n_sup, is_train=True)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert torch.isfinite(out.total_loss) and grads and all(torch.isfinite(g).all() for g in grads)
+    assert sum(float(g.abs().sum()) for g in grads) > 0
+
+
+def test_scdd_trains_and_evaluates_through_the_stages(prepared, tiny_spec, tmp_path):
+    from tasks.evaluate import evaluate
+    from tasks.train import train
+
+    data, _ = prepared
+    spec = tiny_spec.model_copy(update={"train": tiny_spec.train.model_copy(update={"steps": 30, "val_every": 5})})
+    trained = train(spec, "scdd", data, str(tmp_path))
+    from mlflow.tracking import MlflowClient
+
+    from dllm_common.tracking import default_tracking_uri
+
+    client = MlflowClient(default_tracking_uri(tmp_path))
+    val = [m.value for m in sorted(client.get_metric_history(trained.mlflow_run_id, "val/loss"), key=lambda m: m.step)]
+    assert val[-1] < val[0] - 0.3  # nats; fixed-noise validation loss
+    metrics = evaluate(spec, "scdd", trained, data, str(tmp_path)).info["metrics"]
+    assert metrics["eval/nelbo"] > 0 and metrics["eval/ppl_bound"] > 1
