@@ -9,6 +9,7 @@ from strategies.losses import (BlockDiffusionCrossEntropyLoss, DLLMLossOutput, H
                                MDLMCrossEntropyLoss, encoder_ar_loss, per_token_nll)
 from strategies.masks import build_block_diffusion_training_mask, create_idlm_block_mask, create_idlm_sdpa_mask
 from strategies.scdd import SCDDLoss, SCDDSchedule, scdd_schedule
+from strategies.idlm_strategy import IDLMStrategy
 from strategies.scdd_strategy import SCDDStrategy
 from strategies.registry import DLLM_STRATEGIES, get_dllm_strategy
 from strategies.seeding import corruption_sample_seed
@@ -16,7 +17,7 @@ from strategies.seeding import corruption_sample_seed
 __all__ = [
     "BlockDiffusionCrossEntropyLoss", "HybridDiffusionLLMLoss", "IDLMLoss", "SCDDLoss", "SCDDSchedule",
     "encoder_ar_loss", "scdd_schedule", "build_block_diffusion_training_mask", "create_idlm_block_mask",
-    "create_idlm_sdpa_mask", "SCDDStrategy",
+    "create_idlm_sdpa_mask", "IDLMStrategy", "SCDDStrategy",
     "DLLM_STRATEGIES", "CorruptedBatch", "DLLMLossOutput", "DLLMStrategy", "MDLMCrossEntropyLoss", "MDLMStrategy",
     "Microbatch", "SetupContext", "StepContext", "corrupt_all_masked", "corrupt_blockwise", "corrupt_mix",
     "corrupt_uniform", "corrupt_uniform_random", "corruption_sample_seed", "gumbel_topk", "scdd_grid_times",

@@ -85,6 +85,7 @@ class DLLMStrategy:
     """Base strategy = MDLM-shaped defaults; subclasses override the hooks that differ."""
 
     name: str = "base"
+    logit_shift: int = 0  # sampler reads row p of the logits from the model's row p − shift
 
     @property
     def normalization_mode(self) -> str:
@@ -133,6 +134,10 @@ class DLLMStrategy:
         """(num_diffusion_tokens, num_ar_tokens) from the step's global counts (spec §7.2)."""
         diffusion = num_noise if self.normalization_mode == "noise" else num_supervised
         return diffusion, num_supervised
+
+    def denoiser(self, model: nn.Module):
+        """`(x [B,T], attention_mask [B,T]) → logits [B,T,V]` for the samplers (bidirectional by default)."""
+        return lambda x, attn: model_logits(model, {"input_ids": x})
 
     def forward_backward(self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int,
                          num_ar_tokens: int, is_train: bool) -> DLLMLossOutput:

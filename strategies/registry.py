@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from strategies.base import DLLMStrategy, MDLMStrategy
+from strategies.idlm_strategy import IDLMStrategy
 from strategies.scdd_strategy import SCDDStrategy
 
 DLLM_STRATEGIES: dict[str, type[DLLMStrategy]] = {
     "mdlm": MDLMStrategy,
     "scdd": SCDDStrategy,
+    "idlm": IDLMStrategy,
 }
 
 

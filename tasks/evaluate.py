@@ -60,10 +60,25 @@ def fixed_noise_nelbo(strategy, model, ids, loss_mask, mask_token_id: int, t_sam
     return nelbo, se, sum(counts)
 
 
-def draw_samples(model, tokenizer, mask_token_id: int, spec: PipelineSpec, chat: bool, device: str):
+def exact_ar_nll(strategy, model, ids, loss_mask, attention_mask, batch_size: int) -> tuple[float, float, int]:
+    """Exact causal NLL per supervised token where the model has a causal path (I-DLM clean half)."""
     import torch
 
-    from strategies.models import model_logits
+    sums, counts = [], []
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(ids), batch_size):
+            sl = slice(start, start + batch_size)
+            row_sums, row_counts = strategy.ar_nll_rows(model, ids[sl], loss_mask[sl], attention_mask[sl])
+            sums.extend(row_sums.tolist())
+            counts.extend(row_counts.long().tolist())
+    nll, se = ratio_with_se(sums, counts)
+    return nll, se, sum(counts)
+
+
+def draw_samples(strategy, model, tokenizer, mask_token_id: int, spec: PipelineSpec, chat: bool, device: str):
+    import torch
+
     from strategies.sampling import SamplerConfig, absorbing_sample, trim_at_eos
 
     e = spec.eval
@@ -75,10 +90,11 @@ def draw_samples(model, tokenizer, mask_token_id: int, spec: PipelineSpec, chat:
     else:
         prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts_text]
     cfg = SamplerConfig(steps=e.sample_steps, max_new_tokens=e.sample_length, block_size=e.sample_block_size,
-                        temperature=e.temperature, remasking="low_confidence", eos_token_id=tokenizer.eos_token_id)
+                        temperature=e.temperature, remasking="low_confidence", eos_token_id=tokenizer.eos_token_id,
+                        logit_shift=strategy.logit_shift)
     gen = torch.Generator(device=device).manual_seed(e.seed)
     t0 = time.perf_counter()
-    result = absorbing_sample(lambda x, a: model_logits(model, {"input_ids": x}), prompts, mask_token_id=mask_token_id,
+    result = absorbing_sample(strategy.denoiser(model), prompts, mask_token_id=mask_token_id,
                               pad_token_id=tokenizer.pad_token_id or 0, config=cfg, generator=gen, device=device)
     seconds = time.perf_counter() - t0
     texts = [tokenizer.decode(trim_at_eos(result.generated(i), tokenizer.eos_token_id)) for i in range(len(prompts))]
@@ -105,13 +121,19 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
     model = _load_model(ckpt, device)
     tokenizer = load_tokenizer(str(ckpt))
     mask_id = read_meta(ckpt)["mask_token_id"]
-    ids, loss_mask, _ = (t[: spec.eval.val_rows].to(device) for t in load_split(data.path, "val"))
+    ids, loss_mask, attn = (t[: spec.eval.val_rows].to(device) for t in load_split(data.path, "val"))
     strat, _, mask_id = prepare_strategy(strategy, spec, model, tokenizer, mask_id)
-    nelbo, se, n_tokens = fixed_noise_nelbo(strat, model, ids, loss_mask, mask_id, spec.eval.t_samples,
-                                            spec.eval.batch_size, spec.eval.seed)
-    metrics = {"eval/nelbo": nelbo, "eval/nelbo_se": se, "eval/ppl_bound": math.exp(min(nelbo, 50.0)),
-               "eval/tokens": n_tokens}
-    samples, sample_stats = draw_samples(model, tokenizer, mask_id, spec, spec.data.shape == "dialogue", device)
+    metrics: dict = {}
+    if hasattr(strat, "nelbo_rows"):  # strategies with a diffusion ELBO
+        nelbo, se, n_tokens = fixed_noise_nelbo(strat, model, ids, loss_mask, mask_id, spec.eval.t_samples,
+                                                spec.eval.batch_size, spec.eval.seed)
+        metrics.update({"eval/nelbo": nelbo, "eval/nelbo_se": se, "eval/ppl_bound": math.exp(min(nelbo, 50.0)),
+                        "eval/tokens": n_tokens})
+    if hasattr(strat, "ar_nll_rows"):  # strategies with an exact causal path
+        nll, se, n_tokens = exact_ar_nll(strat, model, ids, loss_mask, attn, spec.eval.batch_size)
+        metrics.update({"eval/ar_nll": nll, "eval/ar_nll_se": se, "eval/ar_ppl": math.exp(min(nll, 50.0)),
+                        "eval/tokens": n_tokens})
+    samples, sample_stats = draw_samples(strat, model, tokenizer, mask_id, spec, spec.data.shape == "dialogue", device)
     metrics.update(sample_stats)
     text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in samples)
     with store.publish(STAGE, key, {"strategy": strategy, "upstream": {"train": trained.key},

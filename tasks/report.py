@@ -26,15 +26,17 @@ def _fmt(value, digits: int = 4) -> str:
 
 
 def render_report(pipeline_name: str, rows: list[dict]) -> str:
-    """rows: {strategy, val_loss, nelbo, nelbo_se, ppl_bound, nfe, tokens_per_s, run_id, sample}."""
+    """rows: {strategy, val_loss, nelbo, nelbo_se, ppl_bound, ar_nll, nfe, tokens_per_s, run_id, sample}."""
     lines = [f"# dllm-flow report: {pipeline_name}", "",
-             "| strategy | val/loss | eval/nelbo ± se | eval/ppl_bound | eval/nfe | eval/tokens_per_s | MLflow run |",
-             "|---|---|---|---|---|---|---|"]
+             "| strategy | val/loss | eval/nelbo ± se | eval/ppl_bound | eval/ar_nll | eval/nfe | eval/tokens_per_s "
+             "| MLflow run |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['strategy']} | {_fmt(r['val_loss'])} | {_fmt(r['nelbo'])} ± {_fmt(r['nelbo_se'])} | "
-                     f"{_fmt(r['ppl_bound'], 1)} | {_fmt(r['nfe'])} | {_fmt(r['tokens_per_s'], 1)} | {r['run_id']} |")
+                     f"{_fmt(r['ppl_bound'], 1)} | {_fmt(r['ar_nll'])} | {_fmt(r['nfe'])} | {_fmt(r['tokens_per_s'], 1)} | {r['run_id']} |")
     lines += ["", "`eval/nelbo` is the fixed-noise negative ELBO per supervised token (nats); "
-              "`eval/ppl_bound` = exp(nelbo) upper-bounds the perplexity.", ""]
+              "`eval/ppl_bound` = exp(nelbo) upper-bounds the perplexity; `eval/ar_nll` is an exact causal NLL "
+              "(strategies with a causal path).", ""]
     for r in rows:
         lines += [f"## samples: {r['strategy']}", "", "```", r["sample"].strip(), "```", ""]
     return "\n".join(lines)
@@ -50,7 +52,8 @@ def report(pipeline_name: str, trained: list[StageRef], evaluated: list[StageRef
         for t, e in zip(trained, evaluated):
             m = e.info["metrics"]
             rows.append({"strategy": t.stage.split("[")[1].rstrip("]"), "val_loss": t.info.get("final_val_loss"),
-                         "nelbo": m["eval/nelbo"], "nelbo_se": m["eval/nelbo_se"], "ppl_bound": m["eval/ppl_bound"],
+                         "nelbo": m.get("eval/nelbo"), "nelbo_se": m.get("eval/nelbo_se"),
+                         "ppl_bound": m.get("eval/ppl_bound"), "ar_nll": m.get("eval/ar_nll"),
                          "nfe": m.get("eval/nfe"), "tokens_per_s": m.get("eval/tokens_per_s"),
                          "run_id": t.mlflow_run_id, "sample": (Path(e.path) / "samples.txt").read_text()})
         with store.publish(STAGE, key, {"rows": [{k: v for k, v in r.items() if k != "sample"} for r in rows]}) as tmp:

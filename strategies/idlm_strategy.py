@@ -1,0 +1,85 @@
+"""`idlm` strategy (spec §8.4): introspective diffusion, converting a causal LM into a dLLM.
+
+Every supervised token of the noisy copy becomes [MASK]; the model runs once over `[x_t ‖ x_0]`
+(length 2L, position ids repeated) under the I-DLM block mask, and `IDLMLoss` trains both halves
+with the next-token shift. The clean half is an ordinary causal LM, so its NLL is exact
+(`eval/ar_nll`). Generation uses plain causal attention with logit shift 1.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from strategies.base import CorruptedBatch, DLLMStrategy, SetupContext, StepContext, _get
+from strategies.corruption import corrupt_all_masked
+from strategies.losses import DLLMLossOutput, IDLMLoss, per_token_nll
+from strategies.masks import create_idlm_sdpa_mask
+
+
+class IDLMStrategy(DLLMStrategy):
+    name = "idlm"
+    logit_shift = 1
+
+    def __init__(self) -> None:
+        self.block_length = 1
+
+    def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
+        self.block_length = int(_get(dllm_cfg, "block_length", 1))
+        return IDLMLoss(clean_loss_weight=float(_get(dllm_cfg, "clean_loss_weight", 0.2)),
+                        auto_balance=bool(_get(dllm_cfg, "auto_balance_clean_loss", False)))
+
+    def setup_extra(self, setup: SetupContext) -> int | None:
+        config = getattr(setup.model, "config", None)
+        if getattr(config, "_attn_implementation", None) == "flash_attention_2":
+            raise ValueError("I-DLM needs the block-diffusion attention mask; set the model's attn_implementation "
+                             "to 'sdpa' (FlashAttention-2 ignores 4D masks).")
+        if setup.mask_token_id is None:
+            raise ValueError("I-DLM requires dllm.mask_token_id to be set explicitly.")
+        vocab = getattr(config, "vocab_size", None)
+        if vocab is not None and not 0 <= int(setup.mask_token_id) < vocab:
+            raise ValueError(f"dllm.mask_token_id={setup.mask_token_id} is outside the model vocab (size {vocab}).")
+        return int(setup.mask_token_id)
+
+    def apply_corruption(self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio,
+                         generator=None):
+        return corrupt_all_masked(input_ids, loss_mask, mask_token_id)
+
+    def prepare_batch(self, batch, noisy, noise_mask, clean):
+        """Interface only: `forward_backward` builds the `[x_t ‖ x_0]` input itself."""
+        out = {k: v for k, v in batch.items() if k not in ("attention_mask", "use_cache")}
+        out["input_ids"] = noisy
+        return out
+
+    def joint_logits(self, model: nn.Module, noisy: Tensor, clean: Tensor, valid: Tensor) -> Tensor:
+        """One forward over `[x_t ‖ x_0]` [B, 2L] with position ids `[0..L−1, 0..L−1]` → logits [B, 2L, V]."""
+        length = clean.shape[1]
+        positions = torch.arange(length, device=clean.device).repeat(2)[None, :].expand(clean.shape[0], -1)
+        dtype = next(model.parameters()).dtype
+        mask = create_idlm_sdpa_mask(length, self.block_length, valid, device=clean.device, dtype=dtype)
+        out = model(input_ids=torch.cat([noisy, clean], dim=1), attention_mask=mask, position_ids=positions,
+                    use_cache=False)
+        return out.logits
+
+    def forward_backward(self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int,
+                         num_ar_tokens: int, is_train: bool) -> DLLMLossOutput:
+        valid = batch.attention_mask.bool()
+        logits = self.joint_logits(ctx.model, batch.noisy_ids, batch.clean_ids, valid)
+        out = ctx.loss_fn(logits, batch.clean_ids, batch.noise_mask, valid, seq_len=batch.clean_ids.shape[1],
+                          num_diffusion_tokens=num_diffusion_tokens)
+        if is_train:
+            (out.total_loss * ctx.loss_scale).backward()
+        return out
+
+    def denoiser(self, model: nn.Module):
+        """Decoding uses plain causal attention; the sampler applies `logit_shift`."""
+        return lambda x, attn: model(input_ids=x, use_cache=False).logits
+
+    def ar_nll_rows(self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
+                    ) -> tuple[Tensor, Tensor]:
+        """Exact left-to-right NLL of the supervised tokens under the causal path: (Σ nll, count) per row."""
+        logits = model(input_ids=clean_ids, attention_mask=attention_mask, use_cache=False).logits
+        scored = (loss_mask.bool() & attention_mask.bool())[:, 1:]
+        nll = per_token_nll(logits[:, :-1].float(), clean_ids[:, 1:]) * scored
+        return nll.sum(dim=1), scored.sum(dim=1)
