@@ -44,12 +44,11 @@ def store_result_storage(workdir: Path) -> str:
     return f"local-file-system/{name}"
 
 
-def _run_stage(record: RunRecord, record_dir: Path, name: str, task, **kwargs) -> StageRef:
+def _run_stage(record: RunRecord, record_dir: Path, storage: str, name: str, task, **kwargs) -> StageRef:
     status = record.stage(name)
     status.status = "RUNNING"
     record.save(record_dir)
     t0 = time.time()
-    storage = store_result_storage(record_dir)
     state = task.with_options(task_run_name=name, result_storage=storage)(**kwargs, return_state=True)
     status.seconds = round(time.time() - t0, 2)
     if not state.is_completed():
@@ -108,16 +107,17 @@ def dllm_pipeline(config_path: str, overrides: list[str] | None = None, workdir:
 
 def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str) -> dict:
     workdir = str(wd)
-    data = _run_stage(record, wd, "prepare_data", prepare_data_task, spec=spec, workdir=workdir)
+    storage = store_result_storage(wd)
+    data = _run_stage(record, wd, storage, "prepare_data", prepare_data_task, spec=spec, workdir=workdir)
     trained, evaluated = [], []
     for strategy in spec.pipeline.strategies:
-        t = _run_stage(record, wd, f"train[{strategy}]", train_task, spec=spec, strategy=strategy, data=data,
+        t = _run_stage(record, wd, storage, f"train[{strategy}]", train_task, spec=spec, strategy=strategy, data=data,
                        workdir=workdir, parent_run_id=parent_run_id)
-        e = _run_stage(record, wd, f"evaluate[{strategy}]", evaluate_task, spec=spec, strategy=strategy, trained=t,
+        e = _run_stage(record, wd, storage, f"evaluate[{strategy}]", evaluate_task, spec=spec, strategy=strategy, trained=t,
                        data=data, workdir=workdir)
         trained.append(t)
         evaluated.append(e)
-    rep = _run_stage(record, wd, "report", report_task, pipeline_name=spec.pipeline.name, trained=trained,
+    rep = _run_stage(record, wd, storage, "report", report_task, pipeline_name=spec.pipeline.name, trained=trained,
                      evaluated=evaluated, workdir=workdir, parent_run_id=parent_run_id,
                      tracking_uri=spec.tracking.uri, experiment=spec.tracking.experiment)
     return {"run_id": record.run_id, "report": str(Path(rep.path) / "report.md"),
