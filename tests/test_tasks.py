@@ -1,0 +1,20 @@
+"""The thin Prefect wrappers: `.fn` is the plain stage function and the cache key is the store key."""
+from tasks.evaluate import evaluate, evaluate_task
+from tasks.prepare_data import prepare_data, prepare_data_task, stage_of
+from tasks.report import report, report_task
+from tasks.train import train, train_task
+
+
+def test_tasks_wrap_the_plain_stage_functions():
+    assert prepare_data_task.fn is prepare_data and train_task.fn is train
+    assert evaluate_task.fn is evaluate and report_task.fn is report
+
+
+def test_cache_key_is_the_store_key_and_follows_the_config(tiny_spec, tmp_path):
+    params = {"spec": tiny_spec, "workdir": str(tmp_path)}
+    stage, key = stage_of(**params)
+    assert prepare_data_task.cache_key_fn(None, params) == f"{stage}/{key}/prefect-result"
+    changed = tiny_spec.model_copy(update={"tokenizer": tiny_spec.tokenizer.model_copy(update={"vocab_size": 400})})
+    assert prepare_data_task.cache_key_fn(None, {**params, "spec": changed}) != f"{stage}/{key}/prefect-result"
+    eval_only = tiny_spec.model_copy(update={"eval": tiny_spec.eval.model_copy(update={"t_samples": 5})})
+    assert prepare_data_task.cache_key_fn(None, {**params, "spec": eval_only}) == f"{stage}/{key}/prefect-result"
