@@ -105,7 +105,10 @@ class DLLMStrategy:
         raise NotImplementedError
 
     def prepare_batch(self, batch: dict[str, Tensor], noisy: Tensor, noise_mask: Tensor, clean: Tensor) -> dict[str, Tensor]:
-        raise NotImplementedError
+        """Noisy ids in, attention mask out: the denoiser sees every position (padding included)."""
+        out = {k: v for k, v in batch.items() if k not in ("attention_mask", "use_cache")}
+        out["input_ids"] = noisy
+        return out
 
     # ------------------------------------------------------------------ step hooks
 
@@ -163,12 +166,6 @@ class MDLMStrategy(DLLMStrategy):
     def apply_corruption(self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio,
                          generator=None):
         return corrupt_uniform(input_ids, loss_mask, mask_token_id, eps=eps, generator=generator)
-
-    def prepare_batch(self, batch, noisy, noise_mask, clean):
-        """Noisy ids in, attention mask out: the denoiser sees every position (padding included)."""
-        out = {k: v for k, v in batch.items() if k not in ("attention_mask", "use_cache")}
-        out["input_ids"] = noisy
-        return out
 
     def nelbo_rows(self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, mask_token_id: int, t: Tensor,
                    generator: torch.Generator) -> Tensor:

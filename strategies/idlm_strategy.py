@@ -19,6 +19,9 @@ from strategies.masks import create_idlm_sdpa_mask
 
 
 class IDLMStrategy(DLLMStrategy):
+    """`prepare_batch` keeps the base behaviour for the interface only: `forward_backward` builds the
+    `[x_t ‖ x_0]` input itself."""
+
     name = "idlm"
     logit_shift = 1
 
@@ -45,12 +48,6 @@ class IDLMStrategy(DLLMStrategy):
     def apply_corruption(self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio,
                          generator=None):
         return corrupt_all_masked(input_ids, loss_mask, mask_token_id)
-
-    def prepare_batch(self, batch, noisy, noise_mask, clean):
-        """Interface only: `forward_backward` builds the `[x_t ‖ x_0]` input itself."""
-        out = {k: v for k, v in batch.items() if k not in ("attention_mask", "use_cache")}
-        out["input_ids"] = noisy
-        return out
 
     def joint_logits(self, model: nn.Module, noisy: Tensor, clean: Tensor, valid: Tensor) -> Tensor:
         """One forward over `[x_t ‖ x_0]` [B, 2L] with position ids `[0..L−1, 0..L−1]` → logits [B, 2L, V]."""
