@@ -6,9 +6,12 @@ from strategies.base import CorruptedBatch, DLLMStrategy, MDLMStrategy, Microbat
 from strategies.corruption import (corrupt_all_masked, corrupt_blockwise, corrupt_mix, corrupt_uniform,
                                    corrupt_uniform_random, gumbel_topk, scdd_grid_times)
 from strategies.losses import (BlockDiffusionCrossEntropyLoss, DLLMLossOutput, HybridDiffusionLLMLoss, IDLMLoss,
-                               MDLMCrossEntropyLoss, encoder_ar_loss, per_token_nll)
+                               MDLMCrossEntropyLoss, encoder_ar_loss, per_token_nll,
+                               uniform_diffusion_nelbo_terms)
 from strategies.masks import build_block_diffusion_training_mask, create_idlm_block_mask, create_idlm_sdpa_mask
 from strategies.scdd import SCDDLoss, SCDDSchedule, scdd_schedule
+from strategies.block_diffusion_strategy import BlockDiffusionStrategy, build_response_window
+from strategies.hybrid_strategy import HybridStrategy
 from strategies.idlm_strategy import IDLMStrategy
 from strategies.scdd_strategy import SCDDStrategy
 from strategies.registry import DLLM_STRATEGIES, get_dllm_strategy
@@ -17,7 +20,8 @@ from strategies.seeding import corruption_sample_seed
 __all__ = [
     "BlockDiffusionCrossEntropyLoss", "HybridDiffusionLLMLoss", "IDLMLoss", "SCDDLoss", "SCDDSchedule",
     "encoder_ar_loss", "scdd_schedule", "build_block_diffusion_training_mask", "create_idlm_block_mask",
-    "create_idlm_sdpa_mask", "IDLMStrategy", "SCDDStrategy",
+    "create_idlm_sdpa_mask", "IDLMStrategy", "SCDDStrategy", "HybridStrategy", "BlockDiffusionStrategy",
+    "build_response_window", "uniform_diffusion_nelbo_terms",
     "DLLM_STRATEGIES", "CorruptedBatch", "DLLMLossOutput", "DLLMStrategy", "MDLMCrossEntropyLoss", "MDLMStrategy",
     "Microbatch", "SetupContext", "StepContext", "corrupt_all_masked", "corrupt_blockwise", "corrupt_mix",
     "corrupt_uniform", "corrupt_uniform_random", "corruption_sample_seed", "gumbel_topk", "scdd_grid_times",

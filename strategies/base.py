@@ -44,6 +44,7 @@ class CorruptedBatch:
     p_mask: Tensor
     loss_mask: Tensor
     attention_mask: Tensor
+    extras: dict = field(default_factory=dict)  # strategy-specific sidecars (e.g. the block-diffusion window)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class DLLMStrategy:
 
     name: str = "base"
     logit_shift: int = 0  # sampler reads row p of the logits from the model's row p − shift
+    model_architecture: str | None = None  # model shape the strategy trains (None: the causal LM as is)
 
     @property
     def normalization_mode(self) -> str:
@@ -112,13 +114,17 @@ class DLLMStrategy:
 
     # ------------------------------------------------------------------ step hooks
 
+    @staticmethod
+    def row_seeds(ctx: StepContext, mb: Microbatch, microbatch_idx: int) -> list[int]:
+        """Per-row noise seeds: a pure function of (base seed, step, global sample index), spec §3."""
+        local_bs = mb.input_ids.shape[0]
+        return [corruption_sample_seed(ctx.base_seed, ctx.step, ctx.dp_rank, ctx.dp_size, local_bs, ctx.grad_acc_steps,
+                                       microbatch_idx, offset) for offset in range(local_bs)]
+
     def corrupt_microbatch(self, ctx: StepContext, mb: Microbatch, microbatch_idx: int) -> CorruptedBatch:
         """Corrupt row by row, each with its own generator seeded from (seed, step, global index)."""
         rows = []
-        local_bs = mb.input_ids.shape[0]
-        for offset in range(local_bs):
-            seed = corruption_sample_seed(ctx.base_seed, ctx.step, ctx.dp_rank, ctx.dp_size, local_bs,
-                                          ctx.grad_acc_steps, microbatch_idx, offset)
+        for offset, seed in enumerate(self.row_seeds(ctx, mb, microbatch_idx)):
             gen = seeded_generator(seed, mb.input_ids.device)
             rows.append(self.apply_corruption(mb.input_ids[offset:offset + 1], mb.loss_mask[offset:offset + 1],
                                               ctx.mask_token_id, eps=ctx.eps, block_size=ctx.block_size,
@@ -133,10 +139,22 @@ class DLLMStrategy:
         num_sup = sum(int(c.loss_mask.bool().sum()) for c in corrupted)
         return corrupted, num_noise, num_sup
 
-    def loss_denominators(self, num_noise: int, num_supervised: int) -> tuple[int, int]:
+    def loss_denominators(self, corrupted: list[CorruptedBatch], num_noise: int, num_supervised: int
+                          ) -> tuple[int, int]:
         """(num_diffusion_tokens, num_ar_tokens) from the step's global counts (spec §7.2)."""
         diffusion = num_noise if self.normalization_mode == "noise" else num_supervised
         return diffusion, num_supervised
+
+    def validate_data(self, loss_mask: Tensor, attention_mask: Tensor) -> None:
+        """Reject a dataset the strategy cannot train on (before any step runs). Default: anything goes."""
+
+    def sample(self, model: nn.Module, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
+               config, generator: torch.Generator | None, device: str):
+        """Generate continuations of `prompts` (default: the absorbing sampler over `denoiser`)."""
+        from strategies.sampling import absorbing_sample
+
+        return absorbing_sample(self.denoiser(model), prompts, mask_token_id=mask_token_id, pad_token_id=pad_token_id,
+                                config=config, generator=generator, device=device)
 
     def denoiser(self, model: nn.Module):
         """`(x [B,T], attention_mask [B,T]) → logits [B,T,V]` for the samplers (bidirectional by default)."""
@@ -174,6 +192,6 @@ class MDLMStrategy(DLLMStrategy):
         from strategies.losses import per_token_nll
 
         noisy, noise = mask_at_level(clean_ids, loss_mask, mask_token_id, t, generator)
-        logits = model_logits(model, {"input_ids": noisy})
+        logits = self.denoiser(model)(noisy, None)
         nll = per_token_nll(logits.float(), clean_ids) * (noise & loss_mask.bool())
         return nll.sum(dim=1) / t

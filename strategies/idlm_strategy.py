@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, DLLMStrategy, SetupContext, StepContext, _get
 from strategies.corruption import corrupt_all_masked
-from strategies.losses import DLLMLossOutput, IDLMLoss, per_token_nll
+from strategies.losses import DLLMLossOutput, IDLMLoss, causal_nll_rows
 from strategies.masks import create_idlm_sdpa_mask
 
 
@@ -77,6 +77,4 @@ class IDLMStrategy(DLLMStrategy):
                     ) -> tuple[Tensor, Tensor]:
         """Exact left-to-right NLL of the supervised tokens under the causal path: (Σ nll, count) per row."""
         logits = model(input_ids=clean_ids, attention_mask=attention_mask, use_cache=False).logits
-        scored = (loss_mask.bool() & attention_mask.bool())[:, 1:]
-        nll = per_token_nll(logits[:, :-1].float(), clean_ids[:, 1:]) * scored
-        return nll.sum(dim=1), scored.sum(dim=1)
+        return causal_nll_rows(logits, clean_ids, loss_mask, attention_mask)

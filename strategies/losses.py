@@ -27,6 +27,14 @@ def per_token_nll(logits: Tensor, target_ids: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, vocab), target_ids.reshape(-1), reduction="none").view(target_ids.shape)
 
 
+def causal_nll_rows(causal_logits: Tensor, target_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
+                    ) -> tuple[Tensor, Tensor]:
+    """Exact left-to-right NLL of the supervised tokens (logit i−1 predicts x_i): (Σ nll, count) per row."""
+    scored = (loss_mask.bool() & attention_mask.bool())[:, 1:]
+    nll = per_token_nll(causal_logits[:, :-1].float(), target_ids[:, 1:]) * scored
+    return nll.sum(dim=1), scored.sum(dim=1)
+
+
 class MDLMCrossEntropyLoss(nn.Module):
     """MDLM / LLaDA loss (spec §5.2).
 
@@ -147,3 +155,32 @@ class IDLMLoss(nn.Module):
         ce_clean = per_token_nll(logits[:, seq_len: 2 * seq_len - 1][support], targets).sum() / denom
         alpha = (ce_noisy / ce_clean.clamp_min(1e-6)).detach() if self.auto_balance else self.clean_loss_weight
         return DLLMLossOutput(ce_noisy + alpha * ce_clean, ce_noisy.detach())
+
+
+def uniform_diffusion_nelbo_terms(logits: Tensor, target_ids: Tensor, noisy_ids: Tensor, alpha: Tensor,
+                                  vocab_size: int) -> Tensor:
+    """Per-token integrand of the continuous-time NELBO of uniform-noise diffusion, linear α_t = 1 − t.
+
+    Forward: q(z_t | x) = α_t·e_x + (1 − α_t)/N. With x̄ = N·α_t·e_x + (1 − α_t) and
+    x̄_θ = N·α_t·π_θ + (1 − α_t), the reverse-rate KL at noisy token z is
+
+        (−α'_t / (N·α_t)) · [ N/x̄_θ,z − N/x̄_z + Σ_y (x̄_y/x̄_z)·log( x̄_y·x̄_θ,z / (x̄_z·x̄_θ,y) ) ]
+
+    (the y = z term is 0). Its integral over t ∈ (0, 1) bounds −log p_θ(x) per token (UDLM,
+    Schiff et al. 2024); a one-sample estimate at t ~ U(0, 1) is this term. `alpha` is [B] (one
+    level per row); returns [B, L] in float64. A perfect denoiser (π_θ = e_x) scores 0.
+    """
+    n = float(vocab_size)
+    a = alpha.double()[:, None, None]
+    probs = torch.softmax(logits.double(), dim=-1)
+    if probs.shape[-1] != vocab_size:
+        raise ValueError(f"logits have {probs.shape[-1]} classes but the noise draws from vocab_size={vocab_size}")
+    xbar_theta = n * a * probs + (1 - a)
+    xbar = (1 - a) + n * a * torch.nn.functional.one_hot(target_ids, vocab_size).double()
+    z = noisy_ids[..., None]
+    xbar_z = torch.gather(xbar, -1, z)
+    xbar_theta_z = torch.gather(xbar_theta, -1, z)
+    log_ratio = torch.log(xbar) - torch.log(xbar_z) + torch.log(xbar_theta_z) - torch.log(xbar_theta)
+    inner = ((xbar / xbar_z) * log_ratio).sum(dim=-1)
+    bracket = n / xbar_theta_z[..., 0] - n / xbar_z[..., 0] + inner
+    return bracket / (n * a[..., 0])  # −α'_t = 1 for the linear schedule

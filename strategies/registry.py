@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 from strategies.base import DLLMStrategy, MDLMStrategy
+from strategies.block_diffusion_strategy import BlockDiffusionStrategy
+from strategies.hybrid_strategy import HybridStrategy
 from strategies.idlm_strategy import IDLMStrategy
 from strategies.scdd_strategy import SCDDStrategy
 
 DLLM_STRATEGIES: dict[str, type[DLLMStrategy]] = {
     "mdlm": MDLMStrategy,
     "scdd": SCDDStrategy,
+    "hybrid": HybridStrategy,
     "idlm": IDLMStrategy,
+    "block_diffusion": BlockDiffusionStrategy,
 }
 
 

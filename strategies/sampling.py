@@ -149,3 +149,76 @@ def trim_at_eos(tokens: Tensor, eos_token_id: int | None) -> list[int]:
     if eos_token_id is not None and eos_token_id in ids:
         ids = ids[: ids.index(eos_token_id)]
     return ids
+
+
+def uniform_posterior(probs: Tensor, z_t: Tensor, alpha_t: float, alpha_s: float) -> Tensor:
+    """Reverse step of uniform-noise diffusion with the denoiser's x̂ plugged in (spec §4.4 kernel):
+
+        p(z_s = j | z_t = i) ∝ (α_{t|s}·[i = j] + (1 − α_{t|s})/V) · (α_s·π_j + (1 − α_s)/V),  α_{t|s} = α_t/α_s
+    """
+    vocab = probs.shape[-1]
+    a_ts = alpha_t / alpha_s
+    like = torch.full_like(probs, (1 - a_ts) / vocab)
+    like.scatter_add_(-1, z_t[..., None], torch.full_like(z_t[..., None], a_ts, dtype=probs.dtype))
+    post = like * (alpha_s * probs + (1 - alpha_s) / vocab)
+    return post / post.sum(dim=-1, keepdim=True)
+
+
+@torch.no_grad()
+def block_canvas_sample(model, prompts: list[list[int]], *, vocab_size: int, block_size: int, pad_token_id: int,
+                        config: SamplerConfig, generator: torch.Generator | None = None,
+                        device: torch.device | str = "cpu") -> SampleResult:
+    """Block-diffusion canvas decoding for a `BlockDiffusionLM` (uniform noise, no [MASK]).
+
+    Per block: the canvas starts as uniform random tokens; for k = 0..K−1 the model (encoder over the
+    clean context, canvas under the block-causal mask, previous step's logits as self-conditioning)
+    predicts x̂ and the canvas moves from t = 1 − k/K to s = 1 − (k+1)/K by the posterior above;
+    temperature 0 uses a greedy x̂. The finished block joins the clean context. Stops after a block
+    that contains EOS. One NFE = one model call.
+    """
+    from strategies.masks import build_block_diffusion_training_mask
+
+    gen_len = config.max_new_tokens
+    n_blocks = math.ceil(gen_len / block_size)
+    steps = max(1, config.steps // n_blocks)
+    width = max(len(p) for p in prompts)
+    fill = config.eos_token_id if config.eos_token_id is not None else pad_token_id
+    out = torch.full((len(prompts), width + gen_len), fill, dtype=torch.long, device=device)
+    nfe = 0
+    for row, prompt in enumerate(prompts):
+        context = torch.tensor(prompt, dtype=torch.long, device=device)
+        produced: list[Tensor] = []
+        for _ in range(n_blocks):
+            p_len = context.shape[0]
+            enc = torch.cat([context, torch.full((block_size,), pad_token_id, dtype=torch.long, device=device)])[None]
+            pad_mask = torch.zeros_like(enc, dtype=torch.bool)
+            pad_mask[:, p_len:] = True
+            mask, _ = build_block_diffusion_training_mask(torch.tensor([p_len], device=device), block_size,
+                                                          p_len + block_size, block_size, device=device)
+            positions = (p_len + torch.arange(block_size, device=device))[None]
+            canvas = torch.randint(0, vocab_size, (1, block_size), generator=generator, device=device)
+            previous = None
+            for k in range(steps):
+                logits = model(input_ids=enc, canvas_ids=canvas, decoder_attention_mask=mask,
+                               encoder_padding_mask=pad_mask, decoder_position_ids=positions,
+                               self_conditioning_logits=previous).logits.double()
+                nfe += 1
+                previous = logits
+                if config.temperature == 0:
+                    probs = torch.nn.functional.one_hot(logits.argmax(-1), vocab_size).double()
+                else:
+                    probs = torch.softmax(logits / config.temperature, dim=-1)
+                alpha_t, alpha_s = k / steps, (k + 1) / steps  # α = 1 − t
+                if k == steps - 1 and config.temperature == 0:
+                    canvas = probs.argmax(-1)
+                    break
+                post = uniform_posterior(probs, canvas, max(alpha_t, 1e-12), alpha_s)
+                canvas = torch.multinomial(post[0], 1, generator=generator).T
+            produced.append(canvas[0])
+            context = torch.cat([context, canvas[0]])
+            if config.eos_token_id is not None and bool((canvas == config.eos_token_id).any()):
+                break
+        generated = torch.cat(produced)[:gen_len]
+        out[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
+        out[row, len(prompt): len(prompt) + len(generated)] = generated
+    return SampleResult(out, [len(p) for p in prompts], width, nfe)

@@ -79,7 +79,7 @@ def exact_ar_nll(strategy, model, ids, loss_mask, attention_mask, batch_size: in
 def draw_samples(strategy, model, tokenizer, mask_token_id: int, spec: PipelineSpec, chat: bool, device: str):
     import torch
 
-    from strategies.sampling import SamplerConfig, absorbing_sample, trim_at_eos
+    from strategies.sampling import SamplerConfig, trim_at_eos
 
     e = spec.eval
     prompts_text = list(e.prompts[: e.num_samples]) or ["O"]
@@ -94,8 +94,8 @@ def draw_samples(strategy, model, tokenizer, mask_token_id: int, spec: PipelineS
                         logit_shift=strategy.logit_shift)
     gen = torch.Generator(device=device).manual_seed(e.seed)
     t0 = time.perf_counter()
-    result = absorbing_sample(strategy.denoiser(model), prompts, mask_token_id=mask_token_id,
-                              pad_token_id=tokenizer.pad_token_id or 0, config=cfg, generator=gen, device=device)
+    result = strategy.sample(model, prompts, mask_token_id=mask_token_id, pad_token_id=tokenizer.pad_token_id or 0,
+                             config=cfg, generator=gen, device=device)
     seconds = time.perf_counter() - t0
     texts = [tokenizer.decode(trim_at_eos(result.generated(i), tokenizer.eos_token_id)) for i in range(len(prompts))]
     n_tokens = len(prompts) * e.sample_length
@@ -151,12 +151,10 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
 
 
 def _load_model(ckpt: Path, device: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from dllm_common.checkpoint import load_weights_into
+    from strategies.models import model_from_config_dir
 
-    config = AutoConfig.from_pretrained(ckpt)
-    model = AutoModelForCausalLM.from_config(config)
+    model = model_from_config_dir(ckpt)
     load_weights_into(model, ckpt)  # verifies every digest first
     return model.to(device).eval()
 

@@ -113,7 +113,8 @@ def prepare_strategy(name: str, spec: PipelineSpec, model, tokenizer, mask_token
 
 
 def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device: str) -> Trainee:
-    from strategies.models import build_model, load_pretrained, tiny_model_config
+    from strategies import get_dllm_strategy
+    from strategies.models import NATIVE, build_model, load_pretrained, tiny_model_config, wrap_for_architecture
     from tasks.prepare_data import load_tokenizer
 
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
@@ -126,6 +127,9 @@ def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device
     else:
         model = load_pretrained(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file,
                                 attn_implementation=m.attn_implementation)
+    architecture = get_dllm_strategy(strategy_name).model_architecture
+    if getattr(model.config, "dllm_attention", None) != NATIVE:  # remote-code dLLMs bring their own shape
+        model = wrap_for_architecture(model, architecture)
     strategy, loss_fn, mask_id = prepare_strategy(strategy_name, spec, model, tokenizer)
     return Trainee(model.to(device), tokenizer, strategy, loss_fn, int(mask_id))
 
@@ -148,7 +152,7 @@ def microbatches(ids, loss, attn, rows, micro: int, device: str):
 def run_step(trainee: Trainee, ctx, mbs, is_train: bool) -> tuple[float, int]:
     """pre_step over all micro-batches, then forward/backward each with step-level counts."""
     corrupted, n_noise, n_sup = trainee.strategy.pre_step(ctx, mbs)
-    n_diff, n_ar = trainee.strategy.loss_denominators(n_noise, n_sup)
+    n_diff, n_ar = trainee.strategy.loss_denominators(corrupted, n_noise, n_sup)
     total = 0.0
     for batch in corrupted:
         out = trainee.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar,
@@ -213,6 +217,7 @@ def train(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, paren
 
     train_t, val_t = load_split(data.path, "train"), load_split(data.path, "val")
     trainee = build_trainee(spec, strategy, data, device)
+    trainee.strategy.validate_data(train_t[1], train_t[2])
     model = trainee.model
     opt, sched = make_optimizer(model, cfg)
     work = store.work_dir(stage, key)

@@ -74,7 +74,7 @@ def _grads_after_step(microbatch_split):
     ctx = _ctx(model, grad_acc=len(microbatch_split))
     mbs = [Microbatch(ids[a:b], loss[a:b], attn[a:b]) for a, b in microbatch_split]
     corrupted, n_noise, n_sup = s.pre_step(ctx, mbs)
-    n_diff, n_ar = s.loss_denominators(n_noise, n_sup)
+    n_diff, n_ar = s.loss_denominators(corrupted, n_noise, n_sup)
     total = sum(float(s.forward_backward(ctx, c, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar,
                                          is_train=True).dllm_loss) for c in corrupted)
     return total, [p.grad.clone() for p in model.parameters()]

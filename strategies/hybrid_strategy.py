@@ -1,0 +1,75 @@
+"""`hybrid` strategy (spec §8.3): diffusion + autoregressive training of one backbone
+(Nemotron-Labs-Diffusion style).
+
+The model gets the *clean* ids and the positions to corrupt (`masked_indices`); it substitutes
+[MASK] itself and returns two logit streams: the diffusion branch (bidirectional over the masked
+sequence) and the causal branch (left-to-right over the clean sequence). The loss is
+α·L_diff + L_AR with the diffusion term normalized by the global *noise* count. The causal branch
+gives an exact left-to-right NLL (`eval/ar_nll`); the diffusion branch an MDLM bound (`eval/nelbo`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from strategies.base import CorruptedBatch, MDLMStrategy, SetupContext, StepContext, _get
+from strategies.corruption import corrupt_blockwise, corrupt_uniform
+from strategies.losses import DLLMLossOutput, HybridDiffusionLLMLoss, causal_nll_rows
+from strategies.models import HYBRID
+
+
+class HybridStrategy(MDLMStrategy):
+    name = "hybrid"
+    model_architecture = HYBRID
+
+    @property
+    def normalization_mode(self) -> str:
+        return "noise"
+
+    def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
+        return HybridDiffusionLLMLoss(alpha=float(_get(dllm_cfg, "ar_loss_alpha", 1.0)))
+
+    def setup_extra(self, setup: SetupContext) -> int | None:
+        """The model masks internally: hand it the resolved mask id (kept in its config and checkpoint)."""
+        if setup.mask_token_id is None:
+            return None  # the trainer raises its "dllm.mask_token_id must be set" error
+        setup.model.config.dllm_mask_token_id = int(setup.mask_token_id)
+        return int(setup.mask_token_id)
+
+    def apply_corruption(self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio,
+                         generator=None):
+        if block_size is None:
+            return corrupt_uniform(input_ids, loss_mask, mask_token_id, eps=eps, generator=generator)
+        return corrupt_blockwise(input_ids, loss_mask, mask_token_id, block_size=block_size, eps=eps,
+                                 half_life_ratio=half_life_ratio if half_life_ratio is not None else 0.25,
+                                 generator=generator)
+
+    def prepare_batch(self, batch: dict[str, Tensor], noisy: Tensor, noise_mask: Tensor, clean: Tensor) -> dict[str, Tensor]:
+        out = {k: v for k, v in batch.items() if k not in ("attention_mask", "use_cache")}
+        out.update(input_ids=clean, masked_indices=noise_mask, labels=clean, skip_loss=True)
+        return out
+
+    def forward_backward(self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int,
+                         num_ar_tokens: int, is_train: bool) -> DLLMLossOutput:
+        inputs = self.prepare_batch({"attention_mask": batch.attention_mask}, batch.noisy_ids, batch.noise_mask,
+                                    batch.clean_ids)
+        out = ctx.model(**inputs)
+        causal = getattr(out, "causal_logits", None)
+        loss = ctx.loss_fn(out.logits, batch.clean_ids, batch.noise_mask, batch.p_mask, batch.loss_mask,
+                           loss_mask_ar=batch.loss_mask if causal is not None else None,
+                           num_diffusion_tokens=num_diffusion_tokens,
+                           num_ar_tokens=num_ar_tokens if causal is not None else None,
+                           causal_logits=causal, noisy_input_ids=batch.noisy_ids)
+        if is_train:
+            (loss.total_loss * ctx.loss_scale).backward()
+        return loss
+
+    def denoiser(self, model: nn.Module):
+        """The diffusion branch on ids that already carry [MASK] (the sampler's contract)."""
+        return lambda x, attn: model(input_ids=x).logits
+
+    def ar_nll_rows(self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
+                    ) -> tuple[Tensor, Tensor]:
+        """Exact left-to-right NLL of the supervised tokens under the causal branch: (Σ nll, count) per row."""
+        return causal_nll_rows(model.causal_logits(clean_ids, attention_mask), clean_ids, loss_mask, attention_mask)

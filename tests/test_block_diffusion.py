@@ -1,0 +1,336 @@
+"""BlockDiffusionStrategy, BlockDiffusionLM, the response window, the uniform-noise bound and the
+canvas sampler (spec §8.6, §9, §14.5; evaluation spec §4.2)."""
+import math
+
+import pytest
+import torch
+
+from strategies import (BlockDiffusionCrossEntropyLoss, BlockDiffusionStrategy, Microbatch, SetupContext,
+                        StepContext, build_block_diffusion_training_mask, build_response_window, get_dllm_strategy,
+                        uniform_diffusion_nelbo_terms)
+from strategies.block_diffusion_strategy import batched_block_mask, supervised_runs
+from strategies.losses import encoder_ar_loss, per_token_nll
+from strategies.models import BlockDiffusionLM, build_model, model_from_config_dir, tiny_model_config
+from strategies.sampling import SamplerConfig, SampleResult, block_canvas_sample, uniform_posterior
+
+V = 50
+
+
+def _model(seed=0):
+    return BlockDiffusionLM(build_model(tiny_model_config("llama", V, 64, 32, 2, 4, None, None, True), seed))
+
+
+def _strategy(**cfg):
+    s = BlockDiffusionStrategy()
+    s.create_loss_fn({"vocab_size": V, "block_size": 4, **cfg})
+    return s
+
+
+# ------------------------------------------------------------------ strategy contract (spec §14.5)
+
+
+def test_registered_supervised_normalization_and_loss():
+    s = get_dllm_strategy("block_diffusion")
+    assert isinstance(s, BlockDiffusionStrategy) and s.normalization_mode == "supervised"
+    assert isinstance(s.create_loss_fn({}), BlockDiffusionCrossEntropyLoss)
+    assert s.block_size == 256 and s.self_conditioning_p == 0.5 and s.encoder_loss_weight == 1.0
+    assert s.setup_extra(SetupContext(None, None, None)) == 0  # mask id unused: defaults to 0
+
+
+def test_corruption_needs_vocab_and_draws_in_range():
+    ids = torch.randint(0, 40, (4, 32))
+    loss = torch.zeros(4, 32)
+    loss[:, :24] = 1
+    with pytest.raises(ValueError, match="BlockDiffusionStrategy requires dllm.vocab_size"):
+        BlockDiffusionStrategy().apply_corruption(ids, loss, 999, eps=1e-3, block_size=None, half_life_ratio=None)
+    noisy, noise, p = _strategy().apply_corruption(ids, loss, 999, eps=1e-3, block_size=None, half_life_ratio=None,
+                                                   generator=torch.Generator().manual_seed(0))
+    assert noisy.min() >= 0 and noisy.max() < V and not (noisy == 999).any()
+    assert torch.equal(p, torch.ones(4, 32)) and not noise[:, 24:].any() and torch.equal(noisy[:, 24:], ids[:, 24:])
+
+
+def test_split_prompt_response():
+    loss = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [0] * 6 + [1, 1], [1] * 8, [0] * 8])
+    prefix, response = BlockDiffusionStrategy.split_prompt_response(torch.zeros(4, 8, dtype=torch.long), loss)
+    assert prefix.tolist() == [3, 6, 0, 8]
+    assert response[0].tolist() == [False] * 3 + [True] * 5 and not response[3].any()
+
+
+def test_prepare_batch_encoder_gets_clean_canvas_gets_noisy():
+    out = BlockDiffusionStrategy().prepare_batch({"attention_mask": 1, "use_cache": 1, "x": 2}, "noisy", None, "clean")
+    assert out == {"x": 2, "input_ids": "clean", "canvas_ids": "noisy"}
+
+
+def test_multi_turn_rows_are_rejected():
+    assert supervised_runs(torch.tensor([[0, 1, 1, 0, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])).tolist() == [2, 1, 0]
+    s = _strategy()
+    s.validate_data(torch.tensor([[0, 0, 1, 1]]), torch.ones(1, 4))
+    with pytest.raises(ValueError, match="single-turn.*row 1 has 2"):
+        s.validate_data(torch.tensor([[0, 0, 1, 1], [0, 1, 0, 1]]), torch.ones(2, 4))
+
+
+# ------------------------------------------------------------------ response window and masks (spec §9.2, §6.3)
+
+
+def _reference_keep(P, R_b, R, S, bs, b_rows):
+    """Element-wise predicate of the batched mask for one example (diagonal always kept)."""
+    keep = torch.zeros(R, S + R, dtype=torch.bool)
+    for j in range(R):
+        for col in range(S + R):
+            if col == S + j:
+                keep[j, col] = True
+            elif j < R_b and col < S:
+                rel = col - P
+                blk = rel // bs if rel >= 0 else -1
+                keep[j, col] = j // bs > blk and rel < R_b
+            elif j < R_b and S <= col < S + R_b:
+                keep[j, col] = (col - S) // bs == j // bs
+    return keep
+
+
+def test_batched_mask_equals_elementwise_reference_with_per_row_lengths():
+    prefix, resp = torch.tensor([2, 0, 5]), torch.tensor([6, 9, 3])
+    masks = batched_block_mask(prefix, resp, 9, 10, 4)
+    for b in range(3):
+        ref = _reference_keep(int(prefix[b]), int(resp[b]), 9, 10, 4, None)
+        assert torch.equal(masks["full_attention"][b, 0], ref), b
+    assert masks["full_attention"].any(dim=-1).all()  # no query row is fully masked
+
+
+def test_window_gathers_response_and_scores_exactly_one_block():
+    clean = torch.arange(10)[None].repeat(2, 1)
+    noisy = clean + 100
+    loss = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 1, 1, 0]])
+    attn = torch.tensor([[1] * 10, [1] * 9 + [0]])
+    noise = torch.ones(2, 10, dtype=torch.bool)
+    w = build_response_window(clean, noisy, noise, loss, torch.ones(2, 10), attn, 3, torch.tensor([0.99, 0.0]))
+    assert w.prefix_lengths.tolist() == [3, 1] and w.response_lengths.tolist() == [7, 8]
+    assert w.canvas_ids.shape == (2, 8) and w.target_ids[0, :7].tolist() == list(range(3, 10))
+    assert w.canvas_ids[1].tolist() == list(range(101, 109)) and w.decoder_position_ids[0].tolist()[:7] == list(range(3, 10))
+    assert w.decoder_padding_mask[0].tolist() == [False] * 7 + [True]
+    # row 0: 3 blocks of 3 over 7 tokens, u=0.99 → last block (positions 6); row 1: u=0 → first block
+    assert w.loss_mask[0].nonzero().flatten().tolist() == [6]
+    assert w.loss_mask[1].nonzero().flatten().tolist() == [0, 1, 2]
+    every = build_response_window(clean, noisy, noise, loss, torch.ones(2, 10), attn, 3, None)
+    assert every.loss_mask.sum(dim=1).tolist() == [7, 8]
+
+
+def test_pre_step_denominators_and_per_sample_reproducible_choices():
+    s = _strategy(self_conditioning_p=0.5)
+    ids = torch.randint(0, 40, (4, 16))
+    mb = Microbatch(ids, torch.ones(4, 16), torch.ones(4, 16))
+    ctx = StepContext(model=None, loss_fn=None, mask_token_id=0, step=7, base_seed=1)
+    corrupted, _, n_sup = s.pre_step(ctx, [mb])
+    n_diff, n_ar = s.loss_denominators(corrupted, 0, n_sup)
+    window = corrupted[0].extras["window"]
+    assert n_diff == int(window.loss_mask.sum()) == 16  # one block of 4 per row
+    assert n_ar == 4 * 15 and n_sup == 64
+    # the same rows split 2+2 over two micro-batches get the same noise, blocks and coins
+    ctx2 = StepContext(model=None, loss_fn=None, mask_token_id=0, step=7, base_seed=1, grad_acc_steps=2)
+    halves, _, _ = s.pre_step(ctx2, [Microbatch(ids[:2], mb.loss_mask[:2], mb.attention_mask[:2]),
+                                     Microbatch(ids[2:], mb.loss_mask[2:], mb.attention_mask[2:])])
+    assert torch.equal(torch.cat([h.noisy_ids for h in halves]), corrupted[0].noisy_ids)
+    assert torch.equal(torch.cat([h.extras["window"].loss_mask for h in halves]), window.loss_mask)
+    assert torch.equal(torch.cat([h.extras["self_condition"] for h in halves]), corrupted[0].extras["self_condition"])
+
+
+# ------------------------------------------------------------------ the model (spec §9.5)
+
+
+def test_model_leakage_own_block_hidden_earlier_blocks_visible():
+    model = _model().eval()
+    torch.nn.init.normal_(model.self_cond.weight)
+    ids, canvas = torch.randint(0, V, (2, 12)), torch.randint(0, V, (2, 12))
+    full, _ = build_block_diffusion_training_mask(0, 12, 12, 4, batch_size=2)
+    run = lambda x: model(input_ids=x, canvas_ids=canvas, decoder_attention_mask=full).logits  # noqa: E731
+    with torch.no_grad():
+        base = run(ids)
+        own = ids.clone()
+        own[:, 5] = (own[:, 5] + 1) % V  # a clean token of block 1
+        moved = run(own)
+        assert (moved[:, :8] - base[:, :8]).abs().max() < 1e-5  # blocks 0 and 1 cannot see it
+        assert (moved[:, 8:] - base[:, 8:]).abs().max() > 1e-4  # block 2 sees clean block 1
+        early = ids.clone()
+        early[:, 1] = (early[:, 1] + 1) % V
+        assert (run(early)[:, 4:8] - base[:, 4:8]).abs().max() > 1e-4  # block 1 sees clean block 0
+
+
+def test_model_training_path_two_passes_and_gradients():
+    model = _model().train()
+    ids, canvas = torch.randint(0, V, (2, 8)), torch.randint(0, V, (2, 8))
+    full, _ = build_block_diffusion_training_mask(0, 8, 8, 4, batch_size=2)
+    out = model(input_ids=ids, canvas_ids=canvas, decoder_attention_mask={"full_attention": full},
+                do_self_conditioning=torch.tensor([True, False]))
+    assert out.logits.shape == out.encoder_logits.shape == (2, 8, V)
+    (out.logits.sum() + encoder_ar_loss(out.encoder_logits, ids)).backward()
+    assert model.self_cond.weight.grad.abs().sum() > 0  # pass 2 trains the self-conditioning projection
+    k_proj = model.lm.model.layers[0].self_attn.k_proj.weight
+    assert k_proj.grad is not None and k_proj.grad.abs().sum() > 0
+    # with the coin off for every row the output equals a single no-self-conditioning pass
+    model.zero_grad()
+    torch.nn.init.normal_(model.self_cond.weight)
+    off = model(input_ids=ids, canvas_ids=canvas, decoder_attention_mask=full, do_self_conditioning=torch.zeros(2, dtype=torch.bool))
+    model.eval()
+    with torch.no_grad():
+        single = model(input_ids=ids, canvas_ids=canvas, decoder_attention_mask=full)
+    assert torch.allclose(off.logits.detach(), single.logits, atol=1e-5) and single.encoder_logits is None
+
+
+def test_model_input_errors():
+    model = _model().train()
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    full, _ = build_block_diffusion_training_mask(0, 8, 8, 4, batch_size=1)
+    with pytest.raises(ValueError, match="needs input_ids, canvas_ids and decoder_attention_mask"):
+        model(input_ids=ids, canvas_ids=ids)
+    with pytest.raises(ValueError, match="decoder_position_ids is required"):
+        model(input_ids=ids, canvas_ids=ids[:, :4], decoder_attention_mask=full[:, :, :4, :12])
+    with pytest.raises(ValueError, match="do_self_conditioning must be given in training"):
+        model(input_ids=ids, canvas_ids=ids, decoder_attention_mask=full)
+
+
+def test_checkpoint_round_trip_rebuilds_the_wrapper(tmp_path):
+    from dllm_common.checkpoint import load_weights_into, write_checkpoint
+
+    model = _model().eval()
+    torch.nn.init.normal_(model.self_cond.weight)
+    write_checkpoint(tmp_path / "ckpt", model, None, {"strategy": "block_diffusion"})
+    again = model_from_config_dir(tmp_path / "ckpt")
+    load_weights_into(again, tmp_path / "ckpt")
+    assert isinstance(again, BlockDiffusionLM)
+    ids = torch.randint(0, V, (1, 8))
+    full, _ = build_block_diffusion_training_mask(0, 8, 8, 4, batch_size=1)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, canvas_ids=ids, decoder_attention_mask=full).logits,
+                           again.eval()(input_ids=ids, canvas_ids=ids, decoder_attention_mask=full).logits)
+
+
+def test_forward_backward_equals_hand_loss():
+    torch.manual_seed(0)
+    model = _model()
+    s = _strategy(encoder_loss_weight=0.7)
+    ids = torch.randint(0, 40, (2, 12))
+    mb = Microbatch(ids, torch.ones(2, 12), torch.ones(2, 12))
+    ctx = StepContext(model=model, loss_fn=BlockDiffusionCrossEntropyLoss(), mask_token_id=0, step=2, base_seed=0)
+    corrupted, n_noise, n_sup = s.pre_step(ctx, [mb])
+    n_diff, n_ar = s.loss_denominators(corrupted, n_noise, n_sup)
+    c = corrupted[0]
+    w = c.extras["window"]
+    # the model's self-conditioning projection is zero-initialised: one pass = the two-pass output
+    out = s.forward_backward(ctx, c, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar, is_train=True)
+    with torch.no_grad():
+        model.eval()
+        logits = model(input_ids=ids, canvas_ids=w.canvas_ids, decoder_attention_mask=w.decoder_attention_mask).logits
+        encoder_logits = model.lm(input_ids=ids).logits
+    canvas = per_token_nll(logits, w.target_ids)[w.loss_mask].sum() / n_diff
+    ar = per_token_nll(encoder_logits[:, :-1], ids[:, 1:]).sum() / n_ar
+    assert torch.allclose(out.dllm_loss, canvas, rtol=1e-5)
+    assert torch.allclose(out.total_loss.detach(), canvas + 0.7 * ar, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ the uniform-noise bound
+
+
+def _discrete_bound(pi_logits, x, vocab, steps):
+    """T-step discrete-time NELBO of the same process, by exact enumeration over z (a reference)."""
+    ex = torch.nn.functional.one_hot(torch.tensor(x), vocab).double()
+    marg = lambda a, xv: a * xv + (1 - a) / vocab  # noqa: E731
+
+    def post(i, a_t, a_s, xv):
+        like = torch.full((vocab,), (1 - a_t / a_s) / vocab, dtype=torch.float64)
+        like[i] += a_t / a_s
+        p = like * marg(a_s, xv)
+        return p / p.sum()
+
+    total = 0.0
+    for k in range(1, steps + 1):
+        t, a_t, a_s = k / steps, 1 - k / steps, 1 - (k - 1) / steps
+        qz = marg(a_t, ex)
+        for i in range(vocab):
+            pp = post(i, a_t, a_s, torch.softmax(pi_logits(i, t), -1))
+            if k == 1:
+                total += float(qz[i]) * -float(pp[x].log())
+            else:
+                qp = post(i, a_t, a_s, ex)
+                keep = qp > 0
+                total += float(qz[i]) * float((qp[keep] * (qp[keep].log() - pp[keep].log())).sum())
+    return total
+
+
+def test_uniform_bound_is_the_continuous_limit_of_the_discrete_time_nelbo():
+    vocab, x = 5, 2
+    w = torch.randn(vocab, vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    pi_logits = lambda z, t: w[z] * (1 + 2 * t)  # noqa: E731  a denoiser that reads z_t and t
+    m = 100_000
+    t = (torch.arange(m, dtype=torch.float64) + 0.5) / m
+    cont = 0.0
+    for z in range(vocab):
+        qz = (1 - t) * float(z == x) + t / vocab
+        terms = uniform_diffusion_nelbo_terms(pi_logits(z, t[:, None])[:, None, :], torch.full((m, 1), x),
+                                              torch.full((m, 1), z), 1 - t, vocab)[:, 0]
+        cont += float((qz * terms).mean())
+    coarse, fine = _discrete_bound(pi_logits, x, vocab, 500), _discrete_bound(pi_logits, x, vocab, 1000)
+    assert fine < coarse and abs(fine - cont) < abs(coarse - cont)  # the discrete bound tightens toward it
+    assert abs((2 * fine - coarse) - cont) < 5e-5  # Richardson-extrapolated O(1/T) limit
+
+
+def test_uniform_bound_zero_for_a_perfect_denoiser_and_positive_otherwise():
+    target = torch.tensor([[3, 1, 4]])
+    noisy = torch.tensor([[0, 1, 2]])
+    alpha = torch.tensor([0.4])
+    perfect = torch.nn.functional.one_hot(target, 6).double() * 60.0
+    assert uniform_diffusion_nelbo_terms(perfect, target, noisy, alpha, 6).abs().max() < 1e-12
+    assert (uniform_diffusion_nelbo_terms(torch.zeros(1, 3, 6), target, noisy, alpha, 6) > 0).all()
+    with pytest.raises(ValueError, match="vocab_size=7"):
+        uniform_diffusion_nelbo_terms(torch.zeros(1, 3, 6), target, noisy, alpha, 7)
+
+
+def test_nelbo_rows_scores_every_block_and_is_finite():
+    s = _strategy()
+    model = _model().eval()
+    ids = torch.randint(0, 40, (3, 12))
+    with torch.no_grad():
+        rows = s.nelbo_rows(model, ids, torch.ones(3, 12), 0, torch.tensor([0.2, 0.5, 0.9]),
+                            torch.Generator().manual_seed(0))
+    assert rows.shape == (3,) and torch.isfinite(rows).all() and (rows > 0).all()
+
+
+# ------------------------------------------------------------------ canvas sampler
+
+
+def test_uniform_posterior_is_a_distribution_and_exact_at_the_end():
+    probs = torch.softmax(torch.randn(2, 3, 7, dtype=torch.float64), -1)
+    z = torch.randint(0, 7, (2, 3))
+    post = uniform_posterior(probs, z, 0.3, 0.6)
+    assert torch.allclose(post.sum(-1), torch.ones(2, 3, dtype=torch.float64)) and (post >= 0).all()
+    onehot = torch.nn.functional.one_hot(torch.tensor([[4, 4, 4]]), 7).double()
+    assert torch.equal(uniform_posterior(onehot, torch.tensor([[0, 4, 6]]), 0.5, 1.0).argmax(-1), torch.tensor([[4, 4, 4]]))
+
+
+class _Confident(torch.nn.Module):
+    """A denoiser that always predicts token (absolute position % 7) + 10, whatever it sees."""
+
+    def forward(self, input_ids, canvas_ids, decoder_attention_mask, decoder_position_ids=None, **_):
+        target = decoder_position_ids % 7 + 10
+        from strategies.models import DLLMOutput
+        return DLLMOutput(logits=torch.nn.functional.one_hot(target, V).float() * 50)
+
+
+def test_canvas_sampler_reproduces_a_confident_denoiser_and_keeps_the_prompt():
+    prompts = [[1, 2, 3], [4]]
+    cfg = SamplerConfig(steps=8, max_new_tokens=8, block_size=4, temperature=0.0)
+    res = block_canvas_sample(_Confident(), prompts, vocab_size=V, block_size=4, pad_token_id=0, config=cfg,
+                              generator=torch.Generator().manual_seed(0))
+    assert isinstance(res, SampleResult) and res.nfe == 2 * 2 * 4  # rows × blocks × steps per block
+    for row, p in enumerate(prompts):
+        assert res.tokens[row, : len(p)].tolist() == p
+        assert res.generated(row).tolist() == [(len(p) + j) % 7 + 10 for j in range(8)]
+
+
+def test_canvas_sampler_stops_after_an_eos_block():
+    cfg = SamplerConfig(steps=12, max_new_tokens=12, block_size=4, temperature=0.0, eos_token_id=12)
+    res = block_canvas_sample(_Confident(), [[1]], vocab_size=V, block_size=4, pad_token_id=0, config=cfg,
+                              generator=torch.Generator().manual_seed(0))
+    # positions 1..4 → 11, 12(EOS), 13, 14: the first block holds EOS, so one block only
+    assert res.nfe == 4 and res.generated(0).tolist()[:4] == [11, 12, 13, 14]
+    assert res.generated(0).tolist()[4:] == [12] * 8  # EOS fill after the stop
+    assert math.isclose(len(res.generated(0)), 12)
