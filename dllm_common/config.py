@@ -176,8 +176,33 @@ class DLLMConfig(_Section):
     block_length: int = 1
     clean_loss_weight: float = 0.2
     auto_balance_clean_loss: bool = False
-    self_conditioning_p: float = 0.5
-    encoder_loss_weight: float = 1.0
+    self_conditioning_p: float = Field(0.5, ge=0, le=1)
+    encoder_loss_weight: float = Field(1.0, ge=0)
+    # per-strategy values that differ from the shared ones above, e.g. {block_diffusion: {block_size: 16}}:
+    # a pipeline that compares strategies keeps one `dllm:` section
+    overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _overrides_are_valid(self) -> "DLLMConfig":
+        for name, values in self.overrides.items():
+            if name not in STRATEGY_NAMES:
+                raise ValueError(f"dllm.overrides: unknown strategy {name!r}; allowed: {list(STRATEGY_NAMES)}")
+            bad = sorted(set(values) - (set(DLLMConfig.model_fields) - {"mode", "overrides"}))
+            if bad:
+                raise ValueError(f"dllm.overrides.{name}: unknown key(s) {bad}; allowed keys: "
+                                 f"{sorted(set(DLLMConfig.model_fields) - {'mode', 'overrides'})}")
+            try:
+                DLLMConfig.model_validate({**self.model_dump(exclude={"overrides"}), **values})
+            except ValidationError as err:
+                first = err.errors()[0]
+                where = ".".join(str(p) for p in first["loc"])
+                raise ValueError(f"dllm.overrides.{name}.{where}: {first['msg']} (got {first.get('input')!r})") from None
+        return self
+
+    def for_strategy(self, name: str) -> "DLLMConfig":
+        """The options `name` trains with: shared values, its overrides applied, `mode` set."""
+        merged = {**self.model_dump(exclude={"overrides"}), **self.overrides.get(name, {}), "mode": name}
+        return DLLMConfig.model_validate(merged)
 
 
 class PipelineSpec(_Section):

@@ -21,7 +21,7 @@ STAGE = "train"
 
 
 def train_slice(spec: PipelineSpec, strategy: str) -> dict:
-    dllm = spec.dllm.model_copy(update={"mode": strategy})
+    dllm = spec.dllm.for_strategy(strategy)
     return {"strategy": strategy, "model": spec.model.model_dump(mode="json"),
             "train": spec.train.model_dump(mode="json"), "dllm": dllm.model_dump(mode="json")}
 
@@ -101,7 +101,8 @@ def prepare_strategy(name: str, spec: PipelineSpec, model, tokenizer, mask_token
 
     strategy = get_dllm_strategy(name)
     # an unset dllm.vocab_size means "the model's": strategies that need it (scdd) get it resolved here
-    dllm = spec.dllm.model_copy(update={"mode": name, "vocab_size": spec.dllm.vocab_size or model.config.vocab_size})
+    dllm = spec.dllm.for_strategy(name)
+    dllm = dllm.model_copy(update={"vocab_size": dllm.vocab_size or model.config.vocab_size})
     loss_fn = strategy.create_loss_fn(dllm)
     if mask_token_id is None:
         mask_token_id = dllm.mask_token_id if dllm.mask_token_id is not None else tokenizer.mask_token_id
@@ -137,7 +138,7 @@ def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device
 def step_context(trainee: Trainee, spec: PipelineSpec, step: int, base_seed: int, grad_acc: int):
     from strategies import StepContext
 
-    d = spec.dllm
+    d = spec.dllm.for_strategy(trainee.strategy.name)
     return StepContext(model=trainee.model, loss_fn=trainee.loss_fn, mask_token_id=trainee.mask_token_id, step=step,
                        base_seed=base_seed, eps=d.eps, block_size=d.block_size, half_life_ratio=d.half_life_ratio,
                        grad_acc_steps=grad_acc)
