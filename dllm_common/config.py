@@ -70,6 +70,7 @@ class TokenizerConfig(_Section):
     vocab_size: int = Field(2048, ge=300)
     min_frequency: int = Field(2, ge=1)
     path: str | None = None  # local dir or hub id for kind=pretrained
+    gguf_file: str | None = None  # a GGUF file inside `path` (transformers reads its tokenizer)
     trust_remote_code: bool = False
 
     @model_validator(mode="after")

@@ -82,6 +82,19 @@ def _get(cfg: Any, key: str, default: Any) -> Any:
     return default if value is None and default is not None else value
 
 
+def global_sum(value: int) -> int:
+    """Sum an integer count over the data-parallel group (identity outside torch.distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.long)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 class DLLMStrategy:
     """Base strategy = MDLM-shaped defaults; subclasses override the hooks that differ."""
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, _get
+from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, _get, global_sum
 from strategies.corruption import corrupt_uniform_random
 from strategies.losses import (BlockDiffusionCrossEntropyLoss, DLLMLossOutput, encoder_ar_loss,
                                uniform_diffusion_nelbo_terms)
@@ -179,10 +179,11 @@ class BlockDiffusionStrategy(DLLMStrategy):
 
     def loss_denominators(self, corrupted: list[CorruptedBatch], num_noise: int, num_supervised: int
                           ) -> tuple[int, int]:
-        """Spec §9.3: N_diff = scored tokens of the selected blocks; N_AR = clean next-token pairs; both ≥ 1."""
+        """Spec §9.3: N_diff = scored tokens of the selected blocks; N_AR = clean next-token pairs; both
+        summed over the data-parallel group and clamped to ≥ 1."""
         n_diff = sum(int(c.extras["window"].loss_mask.sum()) for c in corrupted)
         n_ar = sum(int((c.attention_mask[:, :-1].bool() & c.attention_mask[:, 1:].bool()).sum()) for c in corrupted)
-        return max(n_diff, 1), max(n_ar, 1)
+        return max(global_sum(n_diff), 1), max(global_sum(n_ar), 1)
 
     def model_inputs(self, batch: CorruptedBatch, window: ResponseWindow) -> dict:
         inputs = self.prepare_batch({"attention_mask": batch.attention_mask}, window.canvas_ids, window.noise_mask,

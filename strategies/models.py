@@ -73,7 +73,8 @@ def full_attention_mask(input_ids: Tensor) -> Tensor:
 def model_logits(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """Denoiser forward: logits [B, L, V] with every position attending every position."""
     kwargs = dict(inputs)
-    if getattr(model.config, "dllm_attention", BIDIRECTIONAL_MASK) == BIDIRECTIONAL_MASK:
+    config = getattr(model, "module", model).config  # DDP/FSDP wrappers hold the HF model as `.module`
+    if getattr(config, "dllm_attention", BIDIRECTIONAL_MASK) == BIDIRECTIONAL_MASK:
         kwargs["attention_mask"] = full_attention_mask(kwargs["input_ids"])
     out = model(**kwargs, use_cache=False)
     return out.logits if hasattr(out, "logits") else out

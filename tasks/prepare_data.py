@@ -179,10 +179,11 @@ def train_tokenizer(texts: list[str], cfg: TokenizerConfig):
     return hf
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(path: str, trust_remote_code: bool = False, gguf_file: str | None = None):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
 
 
 def _doc_texts(docs: list[Document]) -> list[str]:
@@ -263,7 +264,7 @@ def prepare_data(spec: PipelineSpec, workdir: str) -> StageRef:
     cfg = spec.data
     train_docs, val_docs = split_documents(load_documents(cfg), cfg.val_fraction, cfg.seed)
     if spec.tokenizer.kind == "pretrained":
-        tokenizer = load_tokenizer(spec.tokenizer.path, spec.tokenizer.trust_remote_code)
+        tokenizer = load_tokenizer(spec.tokenizer.path, spec.tokenizer.trust_remote_code, spec.tokenizer.gguf_file)
     else:
         tokenizer = train_tokenizer(_doc_texts(train_docs), spec.tokenizer)
     if tokenizer.eos_token_id is None:

@@ -100,6 +100,9 @@ def prepare_strategy(name: str, spec: PipelineSpec, model, tokenizer, mask_token
     from strategies import SetupContext, get_dllm_strategy
 
     strategy = get_dllm_strategy(name)
+    if strategy.normalization_mode not in ("supervised", "noise"):
+        raise ValueError(f"Invalid normalization_mode {strategy.normalization_mode!r} for strategy {name!r}. "
+                         "Must be 'supervised' or 'noise'.")
     # an unset dllm.vocab_size means "the model's": strategies that need it (scdd) get it resolved here
     dllm = spec.dllm.for_strategy(name)
     dllm = dllm.model_copy(update={"vocab_size": dllm.vocab_size or model.config.vocab_size})
@@ -135,13 +138,17 @@ def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device
     return Trainee(model.to(device), tokenizer, strategy, loss_fn, int(mask_id))
 
 
-def step_context(trainee: Trainee, spec: PipelineSpec, step: int, base_seed: int, grad_acc: int):
+def step_context(trainee: Trainee, spec: PipelineSpec, step: int, base_seed: int, grad_acc: int, model=None,
+                 dist=None):
+    """The step's context; under data parallelism `model` is the DDP wrapper and backward is scaled by N."""
     from strategies import StepContext
 
     d = spec.dllm.for_strategy(trainee.strategy.name)
-    return StepContext(model=trainee.model, loss_fn=trainee.loss_fn, mask_token_id=trainee.mask_token_id, step=step,
-                       base_seed=base_seed, eps=d.eps, block_size=d.block_size, half_life_ratio=d.half_life_ratio,
-                       grad_acc_steps=grad_acc)
+    rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
+    return StepContext(model=model if model is not None else trainee.model, loss_fn=trainee.loss_fn,
+                       mask_token_id=trainee.mask_token_id, step=step, base_seed=base_seed, eps=d.eps,
+                       block_size=d.block_size, half_life_ratio=d.half_life_ratio, dp_rank=rank, dp_size=world,
+                       grad_acc_steps=grad_acc, loss_scale=float(world))
 
 
 def microbatches(ids, loss, attn, rows, micro: int, device: str):
@@ -151,24 +158,34 @@ def microbatches(ids, loss, attn, rows, micro: int, device: str):
 
 
 def run_step(trainee: Trainee, ctx, mbs, is_train: bool) -> tuple[float, int]:
-    """pre_step over all micro-batches, then forward/backward each with step-level counts."""
+    """pre_step over all micro-batches, then forward/backward each with step-level *global* counts.
+
+    Returns the step's loss summed over micro-batches and data-parallel ranks (= the global token
+    mean, since every term is local sum ÷ global count) and the global supervised count."""
+    from strategies.base import global_sum
+    from tasks.distributed import all_reduce_float
+
     corrupted, n_noise, n_sup = trainee.strategy.pre_step(ctx, mbs)
+    n_noise, n_sup = global_sum(n_noise), global_sum(n_sup)
     n_diff, n_ar = trainee.strategy.loss_denominators(corrupted, n_noise, n_sup)
     total = 0.0
     for batch in corrupted:
         out = trainee.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar,
                                                 is_train=is_train)
         total += float(out.total_loss.detach())
-    return total, n_sup
+    return all_reduce_float(total), n_sup
 
 
-def validation_loss(trainee: Trainee, spec: PipelineSpec, val, device: str) -> float:
-    """Training loss on fixed validation rows with fixed noise (same realization at every evaluation)."""
+def validation_loss(trainee: Trainee, spec: PipelineSpec, val, device: str, dist=None) -> float:
+    """Training loss on fixed validation rows with fixed noise (same realization at every evaluation).
+    Under data parallelism each rank scores its strided share; the seeds match the one-process run."""
     import torch
 
     ids, loss, attn = (t[: spec.train.val_rows] for t in val)
     rows = torch.arange(len(ids))
-    ctx = step_context(trainee, spec, step=0, base_seed=spec.train.seed + 1_000_000_007, grad_acc=1)
+    if dist is not None and dist.world > 1:
+        rows = rows[dist.rank::dist.world]
+    ctx = step_context(trainee, spec, step=0, base_seed=spec.train.seed + 1_000_000_007, grad_acc=1, dist=dist)
     trainee.model.eval()
     with torch.no_grad():
         value, _ = run_step(trainee, ctx, microbatches(ids, loss, attn, rows, spec.train.micro_batch_size, device), False)
@@ -181,7 +198,7 @@ def train_step(trainee: Trainee, ctx, mbs, opt, sched, grad_clip: float) -> dict
     import torch
 
     loss, n_sup = run_step(trainee, ctx, mbs, True)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainee.model.parameters(), grad_clip))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainee.model.parameters(), grad_clip))  # grads all-reduced by DDP
     lr = sched.get_last_lr()[0]
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -200,72 +217,103 @@ def make_optimizer(model, cfg):
 
 
 def train(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, parent_run_id: str | None = None) -> StageRef:
-    """Train `strategy` on the prepared data (or reuse/resume it); publish the final checkpoint."""
-    import torch
-    from tqdm import tqdm
+    """Train `strategy` on the prepared data (or reuse/resume it); publish the final checkpoint.
 
-    from dllm_common.checkpoint import load_trainer_state, load_weights_into, read_meta, write_checkpoint
+    With `train.nproc_per_node > 1` this launches torchrun and every rank runs `_train_loop`."""
+    from tasks import distributed
 
     store = store_for(workdir)
     stage, key = stage_of(spec, strategy, data, workdir)
     if (hit := store.lookup(stage, key)) is not None:
         return _ref(hit, strategy, reused=True)
+    if spec.train.nproc_per_node > 1 and not distributed.under_torchrun():
+        distributed.launch(spec, strategy, data, workdir, parent_run_id, store.work_dir(stage, key))
+        if (entry := store.lookup(stage, key)) is None:
+            raise RuntimeError(f"torchrun finished but train[{strategy}] published nothing under {store.root}")
+        shutil.rmtree(store.work_dir(stage, key), ignore_errors=True)
+        return _ref(entry, strategy, reused=False)
+    info = distributed.init_distributed(resolve_device(spec.train.device))
+    try:
+        return _train_loop(spec, strategy, data, workdir, parent_run_id, key, info)
+    finally:
+        if info.world > 1:
+            distributed.shutdown()
+
+
+def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, parent_run_id: str | None, key: str,
+                dist) -> StageRef | None:
+    import torch
+    from tqdm import tqdm
+
+    from dllm_common.checkpoint import load_trainer_state, load_weights_into, read_meta, write_checkpoint
+    from tasks.distributed import barrier, rank_device
+    from tasks.prepare_data import load_split
+
+    store = store_for(workdir)
     cfg = spec.train
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
-    from tasks.prepare_data import load_split
-
+    device = rank_device(resolve_device(cfg.device), dist)
     train_t, val_t = load_split(data.path, "train"), load_split(data.path, "val")
     trainee = build_trainee(spec, strategy, data, device)
     trainee.strategy.validate_data(train_t[1], train_t[2])
     model = trainee.model
+    stepper = model
+    if dist.world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        stepper = DistributedDataParallel(model, device_ids=[dist.local_rank] if device.startswith("cuda") else None)
     opt, sched = make_optimizer(model, cfg)
-    work = store.work_dir(stage, key)
+    work = store.work_dir(STAGE, key)
     ckpt_dir = work / "checkpoint"
     start, run_id = 0, None
-    if ckpt_dir.exists():  # resume a stage that died mid-way
+    if ckpt_dir.exists():  # resume a stage that died mid-way (every rank loads the same checkpoint)
         load_weights_into(model, ckpt_dir)
         state = load_trainer_state(ckpt_dir)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         meta = read_meta(ckpt_dir)
         start, run_id = meta["step"], meta.get("mlflow_run_id")
-        print(f"[dllm-flow] train[{strategy}]: resuming from the step-{start} checkpoint in {ckpt_dir}", flush=True)
-    tracker = _open_tracker(spec, workdir, strategy, parent_run_id, run_id, key)
-    tracker.log_params({**flatten(train_slice(spec, strategy)), "data.key": data.key, "stage.key": key})
+        if dist.is_main:
+            print(f"[dllm-flow] train[{strategy}]: resuming from the step-{start} checkpoint in {ckpt_dir}", flush=True)
+    tracker = _open_tracker(spec, workdir, strategy, parent_run_id, run_id, key) if dist.is_main else None
+    if tracker is not None:
+        tracker.log_params({**flatten(train_slice(spec, strategy)), "data.key": data.key, "stage.key": key})
     order = DataOrder(len(train_t[0]), cfg.seed)
-    grad_acc = cfg.global_batch_size // cfg.micro_batch_size
+    local_batch = cfg.global_batch_size // dist.world
+    grad_acc = local_batch // cfg.micro_batch_size
     tokens_per_step = cfg.global_batch_size * train_t[0].shape[1]
     buffer: list[tuple[int, dict]] = []
-    logged_upto = tracker.last_step("train/loss") if start else -1  # steps a crashed attempt already logged
+    logged_upto = tracker.last_step("train/loss") if (start and tracker) else -1  # steps a crashed attempt logged
     meta_base = {"strategy": strategy, "mask_token_id": trainee.mask_token_id, "stage_key": key,
-                 "seq_len": spec.data.seq_len, "mlflow_run_id": tracker.run_id}
+                 "seq_len": spec.data.seq_len, "mlflow_run_id": tracker.run_id if tracker else None}
 
     def flush():
         for s, metrics in buffer:
-            if s > logged_upto:
+            if tracker is not None and s > logged_upto:
                 tracker.log_metrics(metrics, step=s)
         buffer.clear()
 
     def save(step: int):
         flush()
-        write_checkpoint(ckpt_dir, model, trainee.tokenizer, {**meta_base, "step": step},
-                         {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+        if dist.is_main:
+            write_checkpoint(ckpt_dir, model, trainee.tokenizer, {**meta_base, "step": step},
+                             {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+        barrier()
 
     model.train()
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train[{strategy}]", unit="step",
-               dynamic_ncols=True)
+               dynamic_ncols=True, disable=not dist.is_main)
     val_loss = None
     for step in bar:
         t0 = time.perf_counter()
-        ctx = step_context(trainee, spec, step, cfg.seed, grad_acc)
-        rows = order.rows(step, cfg.global_batch_size)
+        ctx = step_context(trainee, spec, step, cfg.seed, grad_acc, model=stepper, dist=dist)
+        rows = order.rows(step, cfg.global_batch_size)[dist.rank::dist.world]
         metrics = train_step(trainee, ctx, microbatches(*train_t, rows, cfg.micro_batch_size, device), opt, sched,
                              cfg.grad_clip)
         metrics["train/tokens_per_s"] = tps = tokens_per_step / (time.perf_counter() - t0)
         if (step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps:
-            val_loss = validation_loss(trainee, spec, val_t, device)
+            val_loss = validation_loss(trainee, spec, val_t, device, dist)
             metrics["val/loss"] = val_loss
         buffer.append((step, metrics))
         bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", val=f"{val_loss:.3f}" if val_loss is not None else "-", tok_s=f"{tps:,.0f}")
@@ -275,7 +323,12 @@ def train(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, paren
             save(step + 1)
     bar.close()
     flush()
-    return _publish(spec, strategy, data, workdir, trainee, tracker, key, meta_base, val_loss, work)
+    if not dist.is_main:
+        barrier()
+        return None
+    ref = _publish(spec, strategy, data, workdir, trainee, tracker, key, meta_base, val_loss, work)
+    barrier()
+    return ref
 
 
 def _open_tracker(spec: PipelineSpec, workdir: str, strategy: str, parent_run_id, resume_run_id, key):

@@ -18,3 +18,22 @@ def test_cache_key_is_the_store_key_and_follows_the_config(tiny_spec, tmp_path):
     assert prepare_data_task.cache_key_fn(None, {**params, "spec": changed}) != f"{stage}/{key}/prefect-result"
     eval_only = tiny_spec.model_copy(update={"eval": tiny_spec.eval.model_copy(update={"t_samples": 5})})
     assert prepare_data_task.cache_key_fn(None, {**params, "spec": eval_only}) == f"{stage}/{key}/prefect-result"
+
+
+def test_a_strategy_with_an_invalid_normalization_mode_is_rejected(monkeypatch):
+    """Spec §16: setup refuses a normalization mode other than 'supervised' / 'noise'."""
+    import pytest
+
+    from strategies import DLLM_STRATEGIES, MDLMStrategy
+    from tasks.train import prepare_strategy
+
+    class Broken(MDLMStrategy):
+        @property
+        def normalization_mode(self):
+            return "tokens"
+
+    monkeypatch.setitem(DLLM_STRATEGIES, "mdlm", Broken)
+    from dllm_common.config import PipelineSpec
+
+    with pytest.raises(ValueError, match="Invalid normalization_mode 'tokens'.*Must be 'supervised' or 'noise'"):
+        prepare_strategy("mdlm", PipelineSpec(), None, None, mask_token_id=3)

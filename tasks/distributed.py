@@ -1,0 +1,114 @@
+"""Data-parallel training on torch.distributed, launched with torchrun.
+
+`train.nproc_per_node > 1` makes the train stage launch
+`python -m torch.distributed.run --standalone --nproc_per_node N -m tasks.distributed ...`; every
+rank runs the same training loop (gloo on CPU, NCCL on GPU; the model wrapped in DDP). The batch
+is a *global* batch: rank r takes rows r, r + N, r + 2N, ... of it, which is exactly the strided
+layout the per-sample noise seeds assume (spec §3), so each sample gets the same noise for any N.
+Token counts are all-reduced, each rank's loss is local sum ÷ global count and backward is scaled
+by N (DDP averages), which makes the applied gradient the global token mean (spec §7.2). Rank 0
+tracks, checkpoints and publishes; the launching process then reads the published store entry.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def init_distributed(device: str) -> DistInfo:
+    """Join the process group torchrun set up (gloo on CPU, NCCL on CUDA); single process otherwise."""
+    if not under_torchrun():
+        return DistInfo()
+    import torch
+    import torch.distributed as dist
+
+    info = DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(info.local_rank)
+        dist.init_process_group(backend=backend)
+    return info
+
+
+def rank_device(device: str, info: DistInfo) -> str:
+    return f"cuda:{info.local_rank}" if device == "cuda" and info.world > 1 else device
+
+
+def all_reduce_float(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(spec, strategy: str, data, workdir: str, parent_run_id: str | None, work_dir: Path) -> None:
+    """Run the train stage under torchrun with `spec.train.nproc_per_node` processes; raise if it fails."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    args_file = work_dir / "torchrun-args.json"
+    args_file.write_text(json.dumps({"spec": spec.model_dump(mode="json"), "strategy": strategy,
+                                     "data": asdict(data), "workdir": str(workdir),
+                                     "parent_run_id": parent_run_id}))
+    nproc = spec.train.nproc_per_node
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "tasks.distributed", str(args_file)]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(spec.train.threads or 1))
+    print(f"[dllm-flow] train[{strategy}]: launching torchrun with {nproc} processes", flush=True)
+    code = subprocess.call(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
+    if code != 0:
+        raise RuntimeError(f"torchrun for train[{strategy}] exited with status {code}; see the rank logs above. "
+                           "Rerun to resume from the last checkpoint.")
+
+
+def _main(args_path: str) -> None:
+    from dllm_common.config import validate_config
+    from tasks.common import StageRef
+    from tasks.train import train
+
+    raw = json.loads(Path(args_path).read_text())
+    spec = validate_config(raw["spec"], "torchrun args")
+    train(spec, raw["strategy"], StageRef(**raw["data"]), raw["workdir"], raw["parent_run_id"])
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
