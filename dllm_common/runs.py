@@ -6,6 +6,8 @@ so a failed run can be rerun with exactly what it was given.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -17,7 +19,7 @@ from dllm_common.store import atomic_write_text
 @dataclass
 class StageStatus:
     name: str
-    status: str = "PENDING"  # PENDING | RUNNING | COMPLETED | REUSED | FAILED
+    status: str = "PENDING"  # PENDING | RUNNING | COMPLETED | REUSED | FAILED | CRASHED
     key: str | None = None
     mlflow_run_id: str | None = None
     seconds: float | None = None
@@ -38,6 +40,9 @@ class RunRecord:
     parent_mlflow_run_id: str | None = None
     prefect_flow_run_id: str | None = None
     stages: list[StageStatus] = field(default_factory=list)
+    pid: int | None = field(default_factory=os.getpid)  # the process running the flow ...
+    host: str | None = field(default_factory=socket.gethostname)  # ... and its machine (crash detection)
+    resumed_from: str | None = None  # the failed run this one reran (`dllm-flow resume`)
 
     @staticmethod
     def new_id() -> str:
@@ -64,8 +69,38 @@ def load_record(path: Path) -> RunRecord:
     return RunRecord(**raw)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def detect_crash(record: RunRecord, workdir: Path) -> RunRecord:
+    """A record still "RUNNING" whose process is gone (killed, OOM, dead worker) becomes CRASHED, as do
+    its running stages. Only decidable on the machine that ran it; elsewhere the record is left as is."""
+    if record.status == "RUNNING" and record.pid and record.host == socket.gethostname() and not _alive(record.pid):
+        record.status = "CRASHED"
+        for stage in record.stages:
+            if stage.status == "RUNNING":
+                stage.status = "CRASHED"
+        record.save(workdir)
+    return record
+
+
 def list_records(workdir: Path) -> list[RunRecord]:
     folder = Path(workdir) / "runs"
     if not folder.is_dir():
         return []
-    return sorted((load_record(p) for p in folder.glob("*.json")), key=lambda r: r.started_at)
+    records = (detect_crash(load_record(p), workdir) for p in folder.glob("*.json"))
+    return sorted(records, key=lambda r: r.started_at)
+
+
+def find_record(workdir: Path, run_id: str) -> RunRecord:
+    path = Path(workdir) / "runs" / f"{run_id}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no pipeline run {run_id!r} in {workdir}; `dllm-flow runs --workdir {workdir}` lists them")
+    return detect_crash(load_record(path), workdir)

@@ -1,4 +1,4 @@
-"""`dllm-flow` command line: run | validate | runs | ui.
+"""`dllm-flow` command line: run | resume | validate | runs | ui.
 
 Environment is set before Prefect/MLflow are imported: telemetry off, hub offline unless the
 user says otherwise, and (when no Prefect server is configured) Prefect's state kept inside the
@@ -23,6 +23,7 @@ def _prefect_env(workdir: Path) -> None:
     quiet_environment()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if "PREFECT_API_URL" not in os.environ:
+        (workdir / ".prefect").mkdir(exist_ok=True)
         os.environ.setdefault("PREFECT_HOME", str(workdir.resolve() / ".prefect"))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     # a loaded 2-core machine can take longer than Prefect's default 20 s to boot the local API
@@ -35,13 +36,39 @@ def cmd_run(args) -> int:
     from tasks.common import check_workdir
 
     workdir = check_workdir(args.workdir)
-    (workdir / ".prefect").mkdir(exist_ok=True)
     _prefect_env(workdir)
     from flows.pipeline import dllm_pipeline
 
     result = dllm_pipeline(config_path=str(args.config), overrides=args.set, workdir=str(workdir))
     print(f"[dllm-flow] pipeline run {result['run_id']} completed; report: {result['report']}")
     print(f"[dllm-flow] browse it with: dllm-flow ui --workdir {workdir}")
+    return 0
+
+
+def cmd_resume(args) -> int:
+    """Rerun a failed or crashed pipeline run with its recorded config; completed stages are reused."""
+    from dllm_common.runs import find_record
+    from tasks.common import check_workdir
+
+    workdir = check_workdir(args.workdir)
+    record = find_record(workdir, args.run_id)
+    if record.status == "COMPLETED":
+        print(f"[dllm-flow] pipeline run {record.run_id} completed; nothing to resume")
+        return 0
+    if record.status == "RUNNING":
+        raise ValueError(f"pipeline run {record.run_id} is still running (pid {record.pid} on {record.host}); "
+                         "wait for it or stop it before resuming")
+    done = [s.name for s in record.stages if s.status in ("COMPLETED", "REUSED")]
+    todo = [s.name for s in record.stages if s.status not in ("COMPLETED", "REUSED")]
+    print(f"[dllm-flow] resuming pipeline run {record.run_id} ({record.status}) with its recorded config")
+    print(f"[dllm-flow] completed before, will be reused: {', '.join(done) or 'none'}")
+    print(f"[dllm-flow] to run again: {', '.join(todo) or 'none recorded'} (and every stage after them)")
+    _prefect_env(workdir)
+    from flows.pipeline import dllm_pipeline
+
+    result = dllm_pipeline(config_path=record.config_path, overrides=record.overrides, workdir=str(workdir),
+                           config=record.config, resumed_from=record.run_id)
+    print(f"[dllm-flow] pipeline run {result['run_id']} (resuming {record.run_id}) completed; report: {result['report']}")
     return 0
 
 
@@ -62,7 +89,9 @@ def cmd_runs(args) -> int:
         print(f"no pipeline runs in {args.workdir}")
         return 0
     for r in records:
-        print(f"{r.run_id}  {r.status:<9}  {r.pipeline}  config={r.config_path}  mlflow_parent={r.parent_mlflow_run_id}")
+        resumed = f"  resumes={r.resumed_from}" if r.resumed_from else ""
+        print(f"{r.run_id}  {r.status:<9}  {r.pipeline}  config={r.config_path}  mlflow_parent={r.parent_mlflow_run_id}"
+              f"{resumed}")
         for s in r.stages:
             extra = f"  mlflow_run={s.mlflow_run_id}" if s.mlflow_run_id else ""
             err = f"  error={s.error.splitlines()[0][:120]}" if s.error else ""
@@ -109,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="dotted.key=value", help="override a config key")
     run.add_argument("--workdir", default=DEFAULT_WORKDIR)
     run.set_defaults(func=cmd_run)
+    res = sub.add_parser("resume", help="rerun a failed/crashed pipeline run with its recorded config")
+    res.add_argument("run_id")
+    res.add_argument("--workdir", default=DEFAULT_WORKDIR)
+    res.set_defaults(func=cmd_resume)
     val = sub.add_parser("validate", help="print the resolved config, or what is wrong with it")
     val.add_argument("config")
     val.add_argument("--set", action="append", default=[], metavar="dotted.key=value")

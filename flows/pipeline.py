@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from dllm_common.config import PipelineSpec, config_sha256, flatten, load_config
+from dllm_common.config import PipelineSpec, config_sha256, flatten, load_config, validate_config
 from dllm_common.runs import RunRecord
 from tasks.common import StageRef, check_workdir
 from tasks.evaluate import evaluate_task
@@ -78,16 +78,18 @@ def _open_parent(spec: PipelineSpec, workdir: Path, record: RunRecord):
 
 @flow(name="dllm-pipeline")
 def dllm_pipeline(config_path: str, overrides: list[str] | None = None, workdir: str = "work",
-                  run_id: str | None = None) -> dict:
-    """Run every stage of the pipeline declared in `config_path` (with `--set` overrides)."""
+                  run_id: str | None = None, config: dict | None = None, resumed_from: str | None = None) -> dict:
+    """Run every stage of the pipeline declared in `config_path` (with `--set` overrides), or of the
+    resolved `config` mapping recorded by an earlier run (what `dllm-flow resume` passes)."""
     from prefect.runtime import flow_run
 
     overrides = list(overrides or [])
-    spec = load_config(config_path, overrides)
+    spec = validate_config(config, f"recorded config of run {resumed_from}") if config else load_config(config_path, overrides)
     check_strategies(spec.pipeline.strategies)
     wd = check_workdir(workdir)
     record = RunRecord(run_id or RunRecord.new_id(), spec.pipeline.name, str(config_path), overrides,
-                       spec.model_dump(mode="json"), config_sha256(spec), prefect_flow_run_id=str(flow_run.id or ""))
+                       spec.model_dump(mode="json"), config_sha256(spec), prefect_flow_run_id=str(flow_run.id or ""),
+                       resumed_from=resumed_from)
     parent = _open_parent(spec, wd, record)
     record.parent_mlflow_run_id = parent.run_id
     record.save(wd)

@@ -125,7 +125,7 @@ def test_validate_prints_resolved_config():
     assert out.returncode == 0 and json.loads(out.stdout)["train"]["steps"] == 5
 
 
-def test_sigkilled_training_resumes_on_next_run(tmp_path):
+def test_sigkilled_training_is_marked_crashed_and_resume_reruns_it(tmp_path):
     import os
     import signal
     import time
@@ -145,11 +145,23 @@ def test_sigkilled_training_resumes_on_next_run(tmp_path):
     checkpoint = next((tmp_path / "store" / "train").glob("*.work/checkpoint/dllm.json"))
     step = json.loads(checkpoint.read_text())["step"]
     assert step >= 10 and not list((tmp_path / "store" / "train").glob("*/manifest.json"))
-    rerun = cli(*args)
+    killed = latest_record(tmp_path)["run_id"]
+    listing = cli("runs", workdir=tmp_path)
+    assert f"{killed}  CRASHED" in listing.stdout  # the dead process is detected, its stage marked
+    assert stage_status(latest_record(tmp_path))["train[mdlm]"] == "CRASHED"
+    rerun = cli("resume", killed, workdir=tmp_path)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "completed before, will be reused: prepare_data" in rerun.stdout
     assert "resuming from the step-" in rerun.stdout
-    status = stage_status(latest_record(tmp_path))
+    record = latest_record(tmp_path)
+    assert record["resumed_from"] == killed and record["config"] == json.loads(
+        (tmp_path / "runs" / f"{killed}.json").read_text())["config"]
+    status = stage_status(record)
     assert status["prepare_data"] == "REUSED" and status["train[mdlm]"] == "COMPLETED"
+    again = cli("resume", record["run_id"], workdir=tmp_path)
+    assert again.returncode == 0 and "nothing to resume" in again.stdout
+    missing = cli("resume", "no-such-run", workdir=tmp_path)
+    assert missing.returncode == 2 and "no pipeline run 'no-such-run'" in missing.stderr
 
     from mlflow.tracking import MlflowClient
 
