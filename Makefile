@@ -14,8 +14,10 @@ export HF_HUB_OFFLINE ?= 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+DLLM_PREFECT_API ?= http://127.0.0.1:4200/api
+PREFECT := DLLM_FLOW_ROOT=$(CURDIR) PREFECT_API_URL=$(DLLM_PREFECT_API) $(VENV)/bin/prefect
 
-.PHONY: install quickstart compare test clean
+.PHONY: install quickstart compare test clean server deploy worker-cpu worker-gpu
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +37,22 @@ compare: install  # mdlm, scdd, hybrid, idlm, block_diffusion on one prepared da
 
 test: install
 	$(PY) -m pytest -q
+
+# ---- operations: Prefect + MLflow servers, work pools, deployments, workers (see deployments/prefect.yaml)
+server: install  # Prefect server (:4200) and MLflow server (:5000) on 127.0.0.1, until Ctrl-C
+	deployments/serve.sh
+
+deploy: install  # work pools cpu + gpu (process; gpu runs one training at a time), then every deployment
+	$(PREFECT) --no-prompt work-pool create cpu --type process --overwrite
+	$(PREFECT) --no-prompt work-pool create gpu --type process --overwrite
+	$(PREFECT) --no-prompt work-pool set-concurrency-limit gpu 1
+	$(PREFECT) --no-prompt deploy --all --prefect-file deployments/prefect.yaml
+
+worker-cpu: install  # runs pipelines
+	$(PREFECT) worker start --pool cpu --type process
+
+worker-gpu: install  # runs per-strategy trainings; start one per GPU host
+	$(PREFECT) worker start --pool gpu --type process
 
 clean:
 	rm -rf work .pytest_cache

@@ -27,6 +27,9 @@ class _Section(BaseModel):
 class PipelineConfig(_Section):
     name: str = "dllm"
     strategies: tuple[str, ...] = ("mdlm",)
+    # "<flow>/<deployment>" that trains one strategy (e.g. "dllm-train/train-gpu" on the gpu work pool);
+    # None trains in the pipeline's own process. The workdir must be on storage both can see.
+    train_deployment: str | None = None
 
     @model_validator(mode="after")
     def _known_strategies(self) -> "PipelineConfig":

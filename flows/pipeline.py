@@ -20,7 +20,7 @@ from tasks.common import StageRef, check_workdir
 from tasks.evaluate import evaluate_task
 from tasks.prepare_data import prepare_data_task
 from tasks.report import report_task
-from tasks.train import check_strategies, train_task
+from tasks.train import check_strategies, train_remote_task, train_task
 
 
 def git_commit() -> str:
@@ -112,8 +112,9 @@ def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str)
     storage = store_result_storage(wd)
     data = _run_stage(record, wd, storage, "prepare_data", prepare_data_task, spec=spec, workdir=workdir)
     trained, evaluated = [], []
+    trainer = train_remote_task if spec.pipeline.train_deployment else train_task
     for strategy in spec.pipeline.strategies:
-        t = _run_stage(record, wd, storage, f"train[{strategy}]", train_task, spec=spec, strategy=strategy, data=data,
+        t = _run_stage(record, wd, storage, f"train[{strategy}]", trainer, spec=spec, strategy=strategy, data=data,
                        workdir=workdir, parent_run_id=parent_run_id)
         e = _run_stage(record, wd, storage, f"evaluate[{strategy}]", evaluate_task, spec=spec, strategy=strategy, trained=t,
                        data=data, workdir=workdir)

@@ -372,4 +372,32 @@ def model_dir(ref: StageRef) -> Path:
     return Path(ref.path) / "model"
 
 
+def train_on_deployment(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
+                        parent_run_id: str | None = None) -> StageRef:
+    """Submit the train stage to `pipeline.train_deployment` (a GPU work pool) and wait for it.
+
+    Only small descriptors cross: the resolved config, the data stage's descriptor and paths. The
+    worker runs `train` (same function, same store, same key), so results are those of a local run."""
+    from dataclasses import asdict
+
+    from prefect.deployments import run_deployment
+
+    store = store_for(workdir)
+    stage, key = stage_of(spec, strategy, data, workdir)
+    if (hit := store.lookup(stage, key)) is not None:
+        return _ref(hit, strategy, reused=True)
+    run = run_deployment(spec.pipeline.train_deployment, timeout=None,
+                         parameters={"spec": spec.model_dump(mode="json"), "strategy": strategy, "data": asdict(data),
+                                     "workdir": str(Path(workdir).resolve()), "parent_run_id": parent_run_id})
+    if not run.state or not run.state.is_completed():
+        raise RuntimeError(f"train[{strategy}] on deployment {spec.pipeline.train_deployment!r} ended "
+                           f"{run.state.name if run.state else 'without a state'} (flow run {run.id}); "
+                           "`prefect flow-run logs` shows why, `prefect flow-run retry` reruns it")
+    if (entry := store.lookup(stage, key)) is None:
+        raise RuntimeError(f"deployment run {run.id} completed but published nothing under {store.root}; "
+                           "is the workdir on storage the worker can see?")
+    return _ref(entry, strategy, reused=False)
+
+
 train_task = prefect_task(train, name="train", stage_of=stage_of)
+train_remote_task = prefect_task(train_on_deployment, name="train", stage_of=stage_of)

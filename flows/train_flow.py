@@ -1,0 +1,24 @@
+"""The per-strategy training flow: what a GPU worker runs for `pipeline.train_deployment`.
+
+Parameters are small descriptors (resolved config, the data stage's descriptor, paths); the flow
+calls the same `train` stage function as a local run, against the same content-addressed store,
+so a deployed training and an in-process one publish the same entry under the same key.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from prefect import flow
+
+from dllm_common.config import validate_config
+from tasks.common import StageRef, check_workdir
+from tasks.train import train
+
+
+@flow(name="dllm-train")
+def dllm_train(spec: dict, strategy: str, data: dict, workdir: str, parent_run_id: str | None = None) -> dict:
+    """Train one strategy on prepared data (or reuse / resume it) and return the train stage's descriptor."""
+    resolved = validate_config(spec, "deployment parameters")
+    check_workdir(workdir)
+    ref = train(resolved, strategy, StageRef(**data), workdir, parent_run_id)
+    return asdict(ref)
