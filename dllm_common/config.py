@@ -107,6 +107,17 @@ class ModelConfig(_Section):
         return self
 
 
+class PeftConfig(_Section):
+    """Parameter-efficient fine-tuning of the backbone (peft). Strategy-owned modules stay trainable."""
+
+    method: Literal["lora"] = "lora"
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    merge: bool = False  # publish merged weights (a plain checkpoint) instead of base + adapter
+
+
 class TrainConfig(_Section):
     steps: int = Field(200, ge=1)
     global_batch_size: int = Field(32, ge=1)  # sequences per optimizer step, over all ranks and micro-batches
@@ -126,6 +137,9 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc_per_node: int = Field(1, ge=1)
     threads: int | None = Field(None, ge=1)
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast the forward (weights and optimizer stay fp32)
+    activation_checkpointing: bool = False  # recompute each layer's activations in backward
+    peft: PeftConfig | None = None
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "TrainConfig":

@@ -24,6 +24,8 @@ class DLLMLossOutput(NamedTuple):
 def per_token_nll(logits: Tensor, target_ids: Tensor) -> Tensor:
     """Unreduced CE: logits [..., V], targets [...] → [...] (in the logits' dtype)."""
     vocab = logits.shape[-1]
+    if logits.dtype in (torch.bfloat16, torch.float16):  # mixed precision: the softmax runs in fp32
+        logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, vocab), target_ids.reshape(-1), reduction="none").view(target_ids.shape)
 
 

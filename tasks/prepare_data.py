@@ -182,8 +182,10 @@ def train_tokenizer(texts: list[str], cfg: TokenizerConfig):
 def load_tokenizer(path: str, trust_remote_code: bool = False, gguf_file: str | None = None):
     from transformers import AutoTokenizer
 
+    from strategies.models import resolve_model_path
+
     extra = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
+    return AutoTokenizer.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code, **extra)
 
 
 def _doc_texts(docs: list[Document]) -> list[str]:

@@ -93,6 +93,18 @@ class Trainee:
     strategy: object
     loss_fn: object
     mask_token_id: int
+    precision: str = "fp32"
+
+    def autocast(self):
+        """bf16 autocast of the forward (weights, grads and optimizer state stay fp32); a no-op for fp32."""
+        import contextlib
+
+        import torch
+
+        if self.precision != "bf16":
+            return contextlib.nullcontext()
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
 
 def prepare_strategy(name: str, spec: PipelineSpec, model, tokenizer, mask_token_id: int | None = None):
@@ -118,7 +130,8 @@ def prepare_strategy(name: str, spec: PipelineSpec, model, tokenizer, mask_token
 
 def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device: str) -> Trainee:
     from strategies import get_dllm_strategy
-    from strategies.models import NATIVE, build_model, load_pretrained, tiny_model_config, wrap_for_architecture
+    from strategies.models import (NATIVE, add_lora, build_model, enable_activation_checkpointing, load_pretrained,
+                                   tiny_model_config, wrap_for_architecture)
     from tasks.prepare_data import load_tokenizer
 
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
@@ -131,11 +144,16 @@ def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device
     else:
         model = load_pretrained(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file,
                                 attn_implementation=m.attn_implementation)
+    if spec.train.peft is not None:  # adapters on the backbone; strategy-owned modules stay trainable
+        p = spec.train.peft
+        add_lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules)
+    if spec.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
     architecture = get_dllm_strategy(strategy_name).model_architecture
     if getattr(model.config, "dllm_attention", None) != NATIVE:  # remote-code dLLMs bring their own shape
         model = wrap_for_architecture(model, architecture)
     strategy, loss_fn, mask_id = prepare_strategy(strategy_name, spec, model, tokenizer)
-    return Trainee(model.to(device), tokenizer, strategy, loss_fn, int(mask_id))
+    return Trainee(model.to(device), tokenizer, strategy, loss_fn, int(mask_id), spec.train.precision)
 
 
 def step_context(trainee: Trainee, spec: PipelineSpec, step: int, base_seed: int, grad_acc: int, model=None,
@@ -170,8 +188,9 @@ def run_step(trainee: Trainee, ctx, mbs, is_train: bool) -> tuple[float, int]:
     n_diff, n_ar = trainee.strategy.loss_denominators(corrupted, n_noise, n_sup)
     total = 0.0
     for batch in corrupted:
-        out = trainee.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar,
-                                                is_train=is_train)
+        with trainee.autocast():
+            out = trainee.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar,
+                                                    is_train=is_train)
         total += float(out.total_loss.detach())
     return all_reduce_float(total), n_sup
 
@@ -209,7 +228,8 @@ def train_step(trainee: Trainee, ctx, mbs, opt, sched, grad_clip: float) -> dict
 def make_optimizer(model, cfg):
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters (+ strategy modules) only
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, cfg))
 
 
@@ -346,13 +366,24 @@ def _publish(spec, strategy, data, workdir, trainee, tracker, key, meta_base, va
 
     store = store_for(workdir)
     final_meta = {**meta_base, "step": spec.train.steps, "final_val_loss": val_loss, "data_key": data.key}
+    peft = spec.train.peft
+    if peft is not None:
+        final_meta["peft"] = {**peft.model_dump(mode="json"), "merged": peft.merge}
     with store.publish(STAGE, key, {"strategy": strategy, "config": train_slice(spec, strategy),
                                     "upstream": {"data": data.key}, "info": final_meta}) as tmp:
+        if peft is not None:
+            _write_adapter(tmp / "adapter", trainee.model, peft)
+            if peft.merge:
+                from strategies.models import merge_lora
+
+                merge_lora(trainee.model)
         write_checkpoint(tmp / "model", trainee.model, trainee.tokenizer, final_meta)
     entry = store.lookup(STAGE, key)
     tracker.log_dataset(Path(data.path), name=f"{spec.pipeline.name}-{data.key[:8]}", digest=data.info["digest"])
     if spec.tracking.log_checkpoints:
         tracker.log_artifact(entry.path / "model", "model")
+        if (entry.path / "adapter").is_dir():
+            tracker.log_artifact(entry.path / "adapter", "adapter")
         if spec.tracking.register_model:
             name = f"{spec.pipeline.name}-{strategy}"
             version = tracker.register_model(name, "model")
@@ -360,6 +391,20 @@ def _publish(spec, strategy, data, workdir, trainee, tracker, key, meta_base, va
     tracker.close()
     shutil.rmtree(work, ignore_errors=True)
     return _ref(entry, strategy, reused=False)
+
+
+def _write_adapter(dest: Path, model, peft) -> None:
+    """The LoRA adapter alone (safetensors + its config): small enough to ship without the base weights."""
+    import json as _json
+
+    from safetensors.torch import save_file
+
+    from strategies.models import lora_state_dict
+
+    dest.mkdir(parents=True)
+    save_file(lora_state_dict(model), str(dest / "adapter_model.safetensors"))
+    (dest / "adapter_config.json").write_text(_json.dumps({**peft.model_dump(mode="json"), "peft_type": "LORA"},
+                                                          indent=2))
 
 
 def _ref(entry, strategy: str, reused: bool) -> StageRef:
