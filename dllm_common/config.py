@@ -136,6 +136,7 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(50, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc_per_node: int = Field(1, ge=1)
+    parallel: Literal["ddp", "fsdp2"] = "ddp"  # with nproc_per_node > 1: replicate (DDP) or shard (FSDP2) the model
     threads: int | None = Field(None, ge=1)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast the forward (weights and optimizer stay fp32)
     activation_checkpointing: bool = False  # recompute each layer's activations in backward

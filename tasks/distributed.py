@@ -81,6 +81,32 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def shard_fsdp2(model) -> None:
+    """FSDP2: shard every decoder layer of the backbone, then the whole (wrapped) model as the root unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    lm = getattr(model, "lm", model)
+    for layer in lm.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def gather_full_state(model, optimizer):
+    """Full (unsharded, CPU) model and optimizer state dicts on every rank — a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    return weights, optim
+
+
+def load_full_optimizer_state(model, optimizer, state) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
 def launch(spec, strategy: str, data, workdir: str, parent_run_id: str | None, work_dir: Path) -> None:
     """Run the train stage under torchrun with `spec.train.nproc_per_node` processes; raise if it fails."""
     work_dir.mkdir(parents=True, exist_ok=True)

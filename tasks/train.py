@@ -278,19 +278,35 @@ def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
     trainee = build_trainee(spec, strategy, data, device)
     trainee.strategy.validate_data(train_t[1], train_t[2])
     model = trainee.model
+    work = store.work_dir(STAGE, key)
+    ckpt_dir = work / "checkpoint"
+    resuming = ckpt_dir.exists()
+    if resuming:  # resume a stage that died mid-way (every rank loads the same checkpoint, before sharding)
+        load_weights_into(model, ckpt_dir)
+    sharded = dist.world > 1 and cfg.parallel == "fsdp2"
+    shadow = None  # FSDP2: rank 0 keeps an unsharded CPU copy to write full checkpoints from
     stepper = model
-    if dist.world > 1:
+    if sharded:
+        import copy
+
+        from tasks.distributed import shard_fsdp2
+
+        shadow = copy.deepcopy(model).cpu() if dist.is_main else None
+        shard_fsdp2(model)
+    elif dist.world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         stepper = DistributedDataParallel(model, device_ids=[dist.local_rank] if device.startswith("cuda") else None)
     opt, sched = make_optimizer(model, cfg)
-    work = store.work_dir(STAGE, key)
-    ckpt_dir = work / "checkpoint"
     start, run_id = 0, None
-    if ckpt_dir.exists():  # resume a stage that died mid-way (every rank loads the same checkpoint)
-        load_weights_into(model, ckpt_dir)
+    if resuming:
         state = load_trainer_state(ckpt_dir)
-        opt.load_state_dict(state["optimizer"])
+        if sharded:
+            from tasks.distributed import load_full_optimizer_state
+
+            load_full_optimizer_state(model, opt, state["optimizer_full"])
+        else:
+            opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         meta = read_meta(ckpt_dir)
         start, run_id = meta["step"], meta.get("mlflow_run_id")
@@ -316,7 +332,15 @@ def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
 
     def save(step: int):
         flush()
-        if dist.is_main:
+        if sharded:  # gather full weights and optimizer state (collective), rank 0 writes them
+            from tasks.distributed import gather_full_state
+
+            weights, optim = gather_full_state(model, opt)
+            if dist.is_main:
+                shadow.load_state_dict(weights)
+                write_checkpoint(ckpt_dir, shadow, trainee.tokenizer, {**meta_base, "step": step},
+                                 {"optimizer_full": optim, "scheduler": sched.state_dict()})
+        elif dist.is_main:
             write_checkpoint(ckpt_dir, model, trainee.tokenizer, {**meta_base, "step": step},
                              {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
         barrier()
@@ -343,6 +367,13 @@ def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
             save(step + 1)
     bar.close()
     flush()
+    if sharded:
+        from tasks.distributed import gather_full_state
+
+        weights, _ = gather_full_state(model, None)
+        if dist.is_main:
+            shadow.load_state_dict(weights)
+            trainee.model = shadow
     if not dist.is_main:
         barrier()
         return None

@@ -12,26 +12,28 @@ from tasks.train import model_dir, train
 pytestmark = pytest.mark.slow
 
 
-def _spec(tiny_spec, nproc: int):
+def _spec(tiny_spec, nproc: int, parallel: str = "ddp", checkpoint_every: int = 100):
     return tiny_spec.model_copy(update={"train": tiny_spec.train.model_copy(update={
-        "steps": 6, "global_batch_size": 8, "micro_batch_size": 4, "val_every": 3, "checkpoint_every": 100,
-        "nproc_per_node": nproc, "threads": 1})})
+        "steps": 6, "global_batch_size": 8, "micro_batch_size": 4, "val_every": 3, "checkpoint_every": checkpoint_every,
+        "nproc_per_node": nproc, "threads": 1, "parallel": parallel})})
 
 
-@pytest.mark.parametrize("strategy", ["mdlm", "block_diffusion"])
-def test_two_gloo_processes_match_one_process(prepared, tiny_spec, tmp_path, strategy):
+@pytest.mark.parametrize("strategy,parallel", [("mdlm", "ddp"), ("block_diffusion", "ddp"), ("hybrid", "fsdp2")])
+def test_two_gloo_processes_match_one_process(prepared, tiny_spec, tmp_path, strategy, parallel):
     from safetensors.torch import load_file
 
     data, _ = prepared
     one = train(_spec(tiny_spec, 1), strategy, data, str(tmp_path / "one"))
-    two = train(_spec(tiny_spec, 2), strategy, data, str(tmp_path / "two"))
+    # FSDP2 also writes a mid-run checkpoint (gathered full weights + optimizer state)
+    two = train(_spec(tiny_spec, 2, parallel, checkpoint_every=3 if parallel == "fsdp2" else 100), strategy, data,
+                str(tmp_path / "two"))
     assert not two.reused and two.mlflow_run_id
     for key in ("train/loss", "val/loss"):
         a = _metric_history(tmp_path / "one", one.mlflow_run_id, key)
         b = _metric_history(tmp_path / "two", two.mlflow_run_id, key)
         assert [s for s, _ in a] == [s for s, _ in b] and len(a) >= 2
         diff = max(abs(x - y) for (_, x), (_, y) in zip(a, b))
-        print(f"{strategy} {key}: max |1 proc − 2 procs| = {diff:.2e} over {len(a)} steps")
+        print(f"{strategy}/{parallel} {key}: max |1 proc − 2 procs| = {diff:.2e} over {len(a)} steps")
         assert diff < 1e-5
     wa = load_file(str(model_dir(one) / "model.safetensors"))
     wb = load_file(str(model_dir(two) / "model.safetensors"))
