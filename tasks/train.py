@@ -148,6 +148,9 @@ def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device
         p = spec.train.peft
         add_lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules)
     if spec.train.activation_checkpointing:
+        if strategy_name == "block_diffusion":
+            raise ValueError("train.activation_checkpointing is not supported with block_diffusion: its canvas pass "
+                             "reads every encoder layer's K/V cache, which recomputed layers do not keep; set it to false")
         enable_activation_checkpointing(model)
     architecture = get_dllm_strategy(strategy_name).model_architecture
     if getattr(model.config, "dllm_attention", None) != NATIVE:  # remote-code dLLMs bring their own shape

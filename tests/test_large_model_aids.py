@@ -97,3 +97,11 @@ def test_bf16_autocast_trains(prepared, tiny_spec, tmp_path):
     assert a[0][1] != b[0][1] and abs(a[0][1] - b[0][1]) < 0.05 * a[0][1]  # bf16 really ran, and is close
     val = [v for _, v in _metric_history(tmp_path / "bf16", bf16.mlflow_run_id, "val/loss")]
     assert val[-1] < val[0] - 0.3
+
+
+def test_activation_checkpointing_with_block_diffusion_is_refused(prepared, tiny_spec):
+    from tasks.train import build_trainee
+
+    data, _ = prepared
+    with pytest.raises(ValueError, match="activation_checkpointing is not supported with block_diffusion"):
+        build_trainee(_spec(tiny_spec, activation_checkpointing=True), "block_diffusion", data, "cpu")

