@@ -18,7 +18,7 @@ def _spec(tiny_spec, nproc: int, parallel: str = "ddp", checkpoint_every: int = 
         "nproc_per_node": nproc, "threads": 1, "parallel": parallel})})
 
 
-@pytest.mark.parametrize("strategy,parallel", [("mdlm", "ddp"), ("block_diffusion", "ddp"), ("hybrid", "fsdp2")])
+@pytest.mark.parametrize("strategy,parallel", [("block_diffusion", "ddp"), ("hybrid", "fsdp2")])
 def test_two_gloo_processes_match_one_process(prepared, tiny_spec, tmp_path, strategy, parallel):
     from safetensors.torch import load_file
 

@@ -54,8 +54,15 @@ def test_activation_checkpointing_gives_the_same_gradients():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
 
 
+@pytest.fixture(scope="module")
+def base_model(prepared, tiny_spec, tmp_path_factory):
+    """A briefly trained model to adapt (LoRA on a random network has little to work with)."""
+    data, _ = prepared
+    return train(_spec(tiny_spec), "mdlm", data, str(tmp_path_factory.mktemp("base")))
+
+
 @pytest.mark.parametrize("merge", [False, True])
-def test_lora_training_trains_adapters_only_and_publishes_them(prepared, tiny_spec, tmp_path, merge):
+def test_lora_training_trains_adapters_only_and_publishes_them(prepared, tiny_spec, tmp_path, merge, base_model):
     from safetensors.torch import load_file
 
     from dllm_common.checkpoint import load_weights_into
@@ -64,7 +71,7 @@ def test_lora_training_trains_adapters_only_and_publishes_them(prepared, tiny_sp
     from dllm_common.config import PeftConfig
 
     data, _ = prepared
-    base = train(_spec(tiny_spec), "mdlm", data, str(tmp_path / "base"))  # a "pretrained" model to adapt
+    base = base_model
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     spec = _spec(tiny_spec, lr=1e-2, peft=PeftConfig(r=8, alpha=16, target_modules=targets, merge=merge))
     spec = spec.model_copy(update={"model": spec.model.model_copy(update={"kind": "pretrained",
