@@ -47,6 +47,7 @@ deploy: install  # work pools cpu + gpu (process; gpu runs one training at a tim
 	$(PREFECT) --no-prompt work-pool create gpu --type process --overwrite
 	$(PREFECT) --no-prompt work-pool set-concurrency-limit gpu 1
 	$(PREFECT) --no-prompt deploy --all --prefect-file deployments/prefect.yaml
+	PREFECT_API_URL=$(DLLM_PREFECT_API) $(PY) deployments/zombie_automation.py
 
 worker-cpu: install  # runs pipelines
 	$(PREFECT) worker start --pool cpu --type process

@@ -1,7 +1,7 @@
 """Integration: the operations stack exactly as the README runs it, on 127.0.0.1.
 
 `make server` (Prefect server + MLflow server, databases migrated first), `make deploy` (work pools
-cpu and gpu, every deployment of deployments/prefect.yaml), `make worker-cpu` and `make worker-gpu`;
+cpu and gpu, every deployment of deployments/prefect.yaml, the dead-worker automation), `make worker-cpu` and `make worker-gpu`;
 then the `smoke-gpu-training` deployment is triggered: the pipeline runs on the cpu worker and
 submits its training to the `train-gpu` deployment, which the gpu worker runs. Everything is
 stopped by process group at the end."""
@@ -79,6 +79,7 @@ def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path):
         assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
         for name in ("smoke", "smoke-gpu-training", "quickstart-nightly", "compare-weekly", "train-gpu"):
             assert name in deploy.stdout, name
+        assert "created automation 'dllm-flow: crash flow runs whose worker died'" in deploy.stdout
         start([*make, "worker-cpu"], "worker-cpu")
         gpu_worker, gpu_log = start([*make, "worker-gpu"], "worker-gpu")
         workdir = tmp_path / "work"
