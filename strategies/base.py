@@ -82,17 +82,19 @@ def _get(cfg: Any, key: str, default: Any) -> Any:
     return default if value is None and default is not None else value
 
 
-def global_sum(value: int) -> int:
-    """Sum an integer count over the data-parallel group (identity outside torch.distributed)."""
+def global_sum(value: int | float) -> int | float:
+    """Sum a scalar over the data-parallel group (identity outside torch.distributed). Integers (token
+    counts) are reduced exactly as int64, floats (losses) as float64; the type comes back unchanged."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return int(value)
-    t = torch.tensor([int(value)], dtype=torch.long)
+        return value
+    kind = int if isinstance(value, int) else float
+    t = torch.tensor([value], dtype=torch.long if kind is int else torch.float64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
     dist.all_reduce(t)
-    return int(t.item())
+    return kind(t.item())
 
 
 class DLLMStrategy:
@@ -119,11 +121,14 @@ class DLLMStrategy:
                          generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
 
+    @staticmethod
+    def without_attention_mask(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The batch minus `attention_mask` / `use_cache`: what every dLLM `prepare_batch` starts from."""
+        return {k: v for k, v in batch.items() if k not in ("attention_mask", "use_cache")}
+
     def prepare_batch(self, batch: dict[str, Tensor], noisy: Tensor, noise_mask: Tensor, clean: Tensor) -> dict[str, Tensor]:
         """Noisy ids in, attention mask out: the denoiser sees every position (padding included)."""
-        out = {k: v for k, v in batch.items() if k not in ("attention_mask", "use_cache")}
-        out["input_ids"] = noisy
-        return out
+        return {**self.without_attention_mask(batch), "input_ids": noisy}
 
     # ------------------------------------------------------------------ step hooks
 

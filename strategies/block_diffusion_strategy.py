@@ -162,7 +162,7 @@ class BlockDiffusionStrategy(DLLMStrategy):
                              "data.shape: pretrain or single-turn prompt/response data")
 
     def prepare_batch(self, batch: dict[str, Tensor], noisy: Tensor, noise_mask: Tensor, clean: Tensor) -> dict[str, Tensor]:
-        out = {k: v for k, v in batch.items() if k not in ("attention_mask", "use_cache")}
+        out = self.without_attention_mask(batch)
         out.update(input_ids=clean, canvas_ids=noisy)
         return out
 

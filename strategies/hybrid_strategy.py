@@ -46,7 +46,7 @@ class HybridStrategy(MDLMStrategy):
                                  generator=generator)
 
     def prepare_batch(self, batch: dict[str, Tensor], noisy: Tensor, noise_mask: Tensor, clean: Tensor) -> dict[str, Tensor]:
-        out = {k: v for k, v in batch.items() if k not in ("attention_mask", "use_cache")}
+        out = self.without_attention_mask(batch)
         out.update(input_ids=clean, masked_indices=noise_mask, labels=clean, skip_loss=True)
         return out
 

@@ -54,19 +54,6 @@ def rank_device(device: str, info: DistInfo) -> str:
     return f"cuda:{info.local_rank}" if device == "cuda" and info.world > 1 else device
 
 
-def all_reduce_float(value: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t)
-    return float(t.item())
-
-
 def barrier() -> None:
     import torch.distributed as dist
 

@@ -184,7 +184,6 @@ def run_step(trainee: Trainee, ctx, mbs, is_train: bool) -> tuple[float, int]:
     Returns the step's loss summed over micro-batches and data-parallel ranks (= the global token
     mean, since every term is local sum ÷ global count) and the global supervised count."""
     from strategies.base import global_sum
-    from tasks.distributed import all_reduce_float
 
     corrupted, n_noise, n_sup = trainee.strategy.pre_step(ctx, mbs)
     n_noise, n_sup = global_sum(n_noise), global_sum(n_sup)
@@ -195,7 +194,7 @@ def run_step(trainee: Trainee, ctx, mbs, is_train: bool) -> tuple[float, int]:
             out = trainee.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar,
                                                     is_train=is_train)
         total += float(out.total_loss.detach())
-    return all_reduce_float(total), n_sup
+    return global_sum(total), n_sup
 
 
 def validation_loss(trainee: Trainee, spec: PipelineSpec, val, device: str, dist=None) -> float:

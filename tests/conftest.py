@@ -37,3 +37,46 @@ def prepared(tiny_spec, tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("prepared")
     return prepare_data(tiny_spec, str(workdir)), workdir
+
+
+# ---------------------------------------------------------------- helpers for tests that start servers
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc, log: Path, seconds: int = 240) -> None:
+    """Poll `url` until it answers 200; fail with the server's log if the process dies or time runs out."""
+    import time
+    import urllib.request
+
+    deadline = time.time() + seconds
+    while True:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        try:
+            if urllib.request.urlopen(url, timeout=2).status == 200:
+                return
+        except OSError:
+            pass
+        assert time.time() < deadline, f"{url} did not answer in {seconds} s\n" + log.read_text()[-4000:]
+        time.sleep(1)
+
+
+def stop_group(proc) -> None:
+    """Stop a process started with start_new_session=True, and everything it spawned."""
+    import os
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -7,54 +7,21 @@ submits its training to the `train-gpu` deployment, which the gpu worker runs. E
 stopped by process group at the end."""
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, free_port, stop_group, wait_http
 
 pytestmark = pytest.mark.slow
 
 VENV = Path(sys.executable).parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, proc, log: Path, seconds: int = 240) -> None:
-    deadline = time.time() + seconds
-    while True:
-        assert proc.poll() is None, log.read_text()[-4000:]
-        try:
-            if urllib.request.urlopen(url, timeout=2).status == 200:
-                return
-        except OSError:
-            pass
-        assert time.time() < deadline, f"{url} did not answer in {seconds} s\n" + log.read_text()[-4000:]
-        time.sleep(1)
-
-
-def _stop(proc) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path):
-    prefect_port, mlflow_port = _free_port(), _free_port()
+    prefect_port, mlflow_port = free_port(), free_port()
     api = f"http://127.0.0.1:{prefect_port}/api"
     mlflow_url = f"http://127.0.0.1:{mlflow_port}"
     env = {**os.environ, "DLLM_SERVER_DIR": str(tmp_path / "server"), "PREFECT_PORT": str(prefect_port),
@@ -73,8 +40,8 @@ def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path):
 
     try:
         server, server_log = start([*make, "server"], "server")
-        _wait_http(f"{api}/health", server, server_log)
-        _wait_http(f"{mlflow_url}/health", server, server_log)
+        wait_http(f"{api}/health", server, server_log)
+        wait_http(f"{mlflow_url}/health", server, server_log)
         deploy = subprocess.run([*make, "deploy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
         for name in ("smoke", "smoke-gpu-training", "quickstart-nightly", "compare-weekly", "train-gpu"):
@@ -112,4 +79,4 @@ print(json.dumps({{"state": run.state.type.value, "id": str(run.id)}}))
         assert "eval/nelbo" in child.data.metrics
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            stop_group(proc)

@@ -1,30 +1,20 @@
 """Tracking-server mode: `tracking.uri: http://127.0.0.1:PORT` against `mlflow server --workers 1`
 with proxied artifacts. The test starts the server on 127.0.0.1, runs the smoke pipeline against it
 and stops the server by process group."""
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 
+from conftest import free_port, stop_group, wait_http
 from test_pipeline import cli, latest_record
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def mlflow_server(tmp_path):
-    port = _free_port()
+    port = free_port()
     root = tmp_path / "server"
     root.mkdir()
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
@@ -33,24 +23,10 @@ def mlflow_server(tmp_path):
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
-            try:
-                if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.time() < deadline, "mlflow server did not come up in 180 s"
-            time.sleep(1)
+        wait_http(f"{url}/health", proc, root / "server.log", seconds=180)
         yield url, root
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
 
 
 def test_pipeline_tracks_to_a_server_with_proxied_artifacts(mlflow_server, tmp_path):
