@@ -103,6 +103,7 @@ class DLLMStrategy:
     name: str = "base"
     logit_shift: int = 0  # sampler reads row p of the logits from the model's row p − shift
     model_architecture: str | None = None  # model shape the strategy trains (None: the causal LM as is)
+    sampler_name: str = "absorbing"  # what `sample` runs (recorded on every evaluation's reproducibility card)
 
     @property
     def normalization_mode(self) -> str:
@@ -167,12 +168,13 @@ class DLLMStrategy:
         """Reject a dataset the strategy cannot train on (before any step runs). Default: anything goes."""
 
     def sample(self, model: nn.Module, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
-               config, generator: torch.Generator | None, device: str):
-        """Generate continuations of `prompts` (default: the absorbing sampler over `denoiser`)."""
+               config, generator: torch.Generator | None, device: str, on_block=None):
+        """Generate continuations of `prompts` (default: the absorbing sampler over `denoiser`);
+        `on_block(canvas)` is called after each finished block (streaming)."""
         from strategies.sampling import absorbing_sample
 
         return absorbing_sample(self.denoiser(model), prompts, mask_token_id=mask_token_id, pad_token_id=pad_token_id,
-                                config=config, generator=generator, device=device)
+                                config=config, generator=generator, device=device, on_block=on_block)
 
     def denoiser(self, model: nn.Module):
         """`(x [B,T], attention_mask [B,T]) → logits [B,T,V]` for the samplers (bidirectional by default)."""

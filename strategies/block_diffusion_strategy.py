@@ -117,6 +117,7 @@ def build_response_window(clean: Tensor, noisy: Tensor, noise_mask: Tensor, loss
 class BlockDiffusionStrategy(DLLMStrategy):
     name = "block_diffusion"
     model_architecture = BLOCK_DIFFUSION
+    sampler_name = "block_canvas"
 
     def __init__(self) -> None:
         self.vocab_size: int | None = None
@@ -229,9 +230,9 @@ class BlockDiffusionStrategy(DLLMStrategy):
         return (terms * window.loss_mask).sum(dim=1)
 
     def sample(self, model: nn.Module, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
-               config, generator: torch.Generator | None, device: str):
+               config, generator: torch.Generator | None, device: str, on_block=None):
         from strategies.sampling import block_canvas_sample
 
         return block_canvas_sample(model, prompts, vocab_size=self.vocab_size or model.config.vocab_size,
                                    block_size=min(self.block_size, config.block_size), pad_token_id=pad_token_id,
-                                   config=config, generator=generator, device=device)
+                                   config=config, generator=generator, device=device, on_block=on_block)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, MDLMStrategy, SetupContext, StepContext, _get
@@ -22,6 +23,7 @@ from strategies.models import HYBRID
 class HybridStrategy(MDLMStrategy):
     name = "hybrid"
     model_architecture = HYBRID
+    sampler_name = "hybrid_ar_seeded_blocks"
 
     @property
     def normalization_mode(self) -> str:
@@ -68,6 +70,14 @@ class HybridStrategy(MDLMStrategy):
     def denoiser(self, model: nn.Module):
         """The diffusion branch on ids that already carry [MASK] (the sampler's contract)."""
         return lambda x, attn: model(input_ids=x).logits
+
+    def sample(self, model: nn.Module, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
+               config, generator: torch.Generator | None, device: str, on_block=None):
+        """Blocks seeded by the causal branch, completed by the diffusion branch (Nemotron decoding)."""
+        from strategies.sampling import hybrid_sample
+
+        return hybrid_sample(model, prompts, mask_token_id=mask_token_id, pad_token_id=pad_token_id, config=config,
+                             generator=generator, device=device, on_block=on_block)
 
     def ar_nll_rows(self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
                     ) -> tuple[Tensor, Tensor]:

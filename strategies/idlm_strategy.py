@@ -24,6 +24,7 @@ class IDLMStrategy(DLLMStrategy):
 
     name = "idlm"
     logit_shift = 1
+    sampler_name = "absorbing_shift1"
 
     def __init__(self) -> None:
         self.block_length = 1

@@ -33,7 +33,7 @@ class SampleResult:
     tokens: Tensor  # [B, P_max + G] canvas (prompt left-aligned per row)
     prompt_lengths: list[int]
     prompt_width: int
-    nfe: int
+    nfe: float  # denoiser forwards per sequence (a batched forward counts once; per-row loops are averaged)
 
     def generated(self, row: int) -> Tensor:
         start = self.prompt_lengths[row]
@@ -93,46 +93,209 @@ def _select(confidence: Tensor, candidates: Tensor, counts: Tensor, threshold: f
     return chosen & candidates
 
 
+Progress = Callable[[Tensor], None]  # called with the canvas after each finished block (streaming)
+
+
+def _denoise_window(denoise: Denoiser, x: Tensor, attn: Tensor, window: Tensor, steps: int, mask_token_id: int,
+                    config: SamplerConfig, generator: torch.Generator | None,
+                    stop: Callable[[Tensor], bool] | None = None) -> tuple[Tensor, int]:
+    """Reveal every [MASK] inside `window` [B,T] in at most `steps` forwards (spec §11.2 step 4).
+
+    Candidates are restricted to the window *before* top-k; the per-row transfer schedule spreads the
+    window's mask count over the steps. With `threshold`, each forward reveals the top-1 plus every
+    candidate at or above it and the loop runs until the window is full (`steps` is then unused).
+    `stop(x)` ends the block early (EOS). Returns the canvas and the number of forwards.
+    """
+    counts = ((x == mask_token_id) & window).sum(dim=1)
+    if config.threshold is not None:  # adaptive (Fast-dLLM): as many forwards as the window needs, ≥ 1 token each
+        steps = max(1, int(counts.max()))
+    schedule = num_transfer_tokens(counts, steps)
+    nfe = 0
+    for s in range(steps):
+        candidates = (x == mask_token_id) & window
+        if not candidates.any():
+            break
+        logits = _shift(denoise(x, attn), config.logit_shift).clone()
+        logits[..., mask_token_id] = -math.inf  # never "reveal" a position as [MASK] again
+        nfe += 1
+        proposals = _proposals(logits, config.temperature, generator)
+        conf = _confidence(logits, proposals, config.remasking, generator)
+        chosen = _select(conf, candidates, schedule[:, s], config.threshold)
+        x = torch.where(chosen, proposals, x)
+        if stop is not None and stop(x):
+            break
+    return x, nfe
+
+
 @torch.no_grad()
 def absorbing_sample(denoise: Denoiser, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
                      config: SamplerConfig, generator: torch.Generator | None = None,
-                     device: torch.device | str = "cpu") -> SampleResult:
+                     device: torch.device | str = "cpu", on_block: Progress | None = None) -> SampleResult:
     """Fill `max_new_tokens` masks after each prompt, block by block (LLaDA low-confidence remasking)."""
     gen_len, bs = config.max_new_tokens, min(config.block_size, config.max_new_tokens)
     n_blocks = math.ceil(gen_len / bs)
     steps_per_block = max(1, math.ceil(config.steps / n_blocks))
+    x, attn, starts, width = _canvas(prompts, gen_len, mask_token_id, pad_token_id, config.eos_token_id, device)
+    eos = config.eos_token_id
+    ended = (lambda c: _all_rows_ended(c, starts, eos, mask_token_id)) if eos is not None else None
+    nfe = 0
+    for b in range(n_blocks):
+        window = _row_windows(x, starts, b * bs, min((b + 1) * bs, gen_len))
+        x, used = _denoise_window(denoise, x, attn, window, steps_per_block, mask_token_id, config, generator, ended)
+        nfe += used
+        if on_block is not None:
+            on_block(x)
+        if ended is not None and ended(x):
+            x = torch.where(x == mask_token_id, torch.full_like(x, eos), x)  # all after EOS
+            break
+    return SampleResult(x, starts, width, nfe)
+
+
+def _canvas(prompts: list[list[int]], gen_len: int, mask_token_id: int, pad_token_id: int, eos_token_id: int | None,
+            device) -> tuple[Tensor, Tensor, list[int], int]:
+    """Canvas [B, P_max + G] filled with EOS (or pad): row i is its prompt then G masks; attention on both."""
     width = max(len(p) for p in prompts)
-    fill = config.eos_token_id if config.eos_token_id is not None else pad_token_id
+    fill = eos_token_id if eos_token_id is not None else pad_token_id
     x = torch.full((len(prompts), width + gen_len), fill, dtype=torch.long, device=device)
     attn = torch.zeros_like(x)
     for i, p in enumerate(prompts):
         x[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         x[i, len(p): len(p) + gen_len] = mask_token_id
         attn[i, : len(p) + gen_len] = 1
-    starts = [len(p) for p in prompts]
+    return x, attn, [len(p) for p in prompts], width
+
+
+def _row_windows(x: Tensor, starts: list[int], lo: int, hi: int) -> Tensor:
+    """Bool [B,T]: each row's own window [start + lo, start + hi)."""
+    window = torch.zeros_like(x, dtype=torch.bool)
+    for i, start in enumerate(starts):
+        window[i, start + lo: start + hi] = True
+    return window
+
+
+@torch.no_grad()
+def infill_sample(denoise: Denoiser, sequences: list[list[int]], *, mask_token_id: int, pad_token_id: int,
+                  config: SamplerConfig, generator: torch.Generator | None = None,
+                  device: torch.device | str = "cpu") -> SampleResult:
+    """Fill the [MASK] tokens already in `sequences`: windows of `block_size` from position 0 over the
+    whole sequence, each with its own transfer schedule and in-window candidates (spec §11.2 infill)."""
+    width = max(len(s) for s in sequences)
+    x = torch.full((len(sequences), width), pad_token_id, dtype=torch.long, device=device)
+    attn = torch.zeros_like(x)
+    for i, seq in enumerate(sequences):
+        x[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[i, : len(seq)] = 1
+    n_blocks = math.ceil(width / config.block_size)
+    steps_per_block = max(1, math.ceil(config.steps / n_blocks))
     nfe = 0
     for b in range(n_blocks):
-        window = torch.zeros_like(x, dtype=torch.bool)  # each row's own block window
-        for i, start in enumerate(starts):
-            window[i, start + b * bs: start + min((b + 1) * bs, gen_len)] = True
-        schedule = num_transfer_tokens(((x == mask_token_id) & window).sum(dim=1), steps_per_block)
-        for s in range(steps_per_block):
-            candidates = (x == mask_token_id) & window  # restricted to the block *before* top-k
-            if not candidates.any():
-                break
-            logits = _shift(denoise(x, attn), config.logit_shift).clone()
-            logits[..., mask_token_id] = -math.inf  # never "reveal" a position as [MASK] again
+        window = _row_windows(x, [0] * len(sequences), b * config.block_size, (b + 1) * config.block_size)
+        x, used = _denoise_window(denoise, x, attn, window, steps_per_block, mask_token_id, config, generator)
+        nfe += used
+    return SampleResult(x, [0] * len(sequences), 0, nfe)
+
+
+@torch.no_grad()
+def hybrid_sample(model, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int, config: SamplerConfig,
+                  generator: torch.Generator | None = None, device: torch.device | str = "cpu",
+                  on_block: Progress | None = None) -> SampleResult:
+    """Nemotron-Labs-Diffusion decoding for a `HybridLM`: semi-autoregressive blocks, each seeded by the
+    causal branch (the block's first token is the causal forward's next-token prediction given the
+    context) and then completed by the diffusion branch over context + block (no future masks).
+    NFE counts both kinds of forward."""
+    gen_len, bs = config.max_new_tokens, min(config.block_size, config.max_new_tokens)
+    n_blocks = math.ceil(gen_len / bs)
+    steps_per_block = max(1, math.ceil(config.steps / n_blocks))
+    width = max(len(p) for p in prompts)
+    eos = config.eos_token_id
+    fill = eos if eos is not None else pad_token_id
+    out = torch.full((len(prompts), width + gen_len), fill, dtype=torch.long, device=device)
+    denoise = lambda x, attn: model(input_ids=x).logits  # noqa: E731  (diffusion branch, ids carry [MASK])
+    nfe = 0
+    for row, prompt in enumerate(prompts):
+        context = torch.tensor(prompt, dtype=torch.long, device=device)[None]
+        for b in range(n_blocks):
+            size = min(bs, gen_len - b * bs)
+            seed_logits = model.causal_logits(context)[:, -1:].clone()
+            seed_logits[..., mask_token_id] = -math.inf
+            seed = _proposals(seed_logits, config.temperature, generator)  # [1,1]
             nfe += 1
-            proposals = _proposals(logits, config.temperature, generator)
-            conf = _confidence(logits, proposals, config.remasking, generator)
-            chosen = _select(conf, candidates, schedule[:, s], config.threshold)
-            x = torch.where(chosen, proposals, x)
-            if config.eos_token_id is not None and _all_rows_ended(x, starts, config.eos_token_id, mask_token_id):
+            x = torch.cat([context, seed, torch.full((1, size - 1), mask_token_id, dtype=torch.long, device=device)], 1)
+            window = torch.zeros_like(x, dtype=torch.bool)
+            window[:, context.shape[1]:] = True
+            x, used = _denoise_window(denoise, x, torch.ones_like(x), window, steps_per_block, mask_token_id, config,
+                                      generator)
+            nfe += used
+            context = x
+            if on_block is not None:
+                on_block(context)
+            if eos is not None and bool((x[0, len(prompt):] == eos).any()):
                 break
-        if config.eos_token_id is not None and _all_rows_ended(x, starts, config.eos_token_id, mask_token_id):
-            x = torch.where(x == mask_token_id, torch.full_like(x, config.eos_token_id), x)  # all after EOS
-            break
-    return SampleResult(x, starts, width, nfe)
+        generated = context[0, len(prompt):]
+        out[row, : len(prompt)] = context[0, : len(prompt)]
+        out[row, len(prompt): len(prompt) + len(generated)] = generated
+    return SampleResult(out, [len(p) for p in prompts], width, nfe / len(prompts))
+
+
+@torch.no_grad()
+def scdd_ancestral_sample(denoise: Denoiser, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
+                          vocab_size: int, schedule: Callable[[Tensor], "object"], config: SamplerConfig,
+                          eps: float = 1e-3, generator: torch.Generator | None = None,
+                          device: torch.device | str = "cpu", on_block: Progress | None = None) -> SampleResult:
+    """SCDD ancestral posterior sampler (spec §11.5) over the generation window of each row.
+
+    Times 1 = t_0 > … > t_steps = eps. At (t, s): C = clean_t/clean_s, Υ = γ_t/γ_s − C, Ā = 1 − γ_t/γ_s.
+    Visible c: w(v) = (clean_s·Υ/K)·p(v) + uniform_s·Υ/K², plus clean_s·C·p(c) + C·uniform_s/K at v = c,
+    w([M]) = 0, over uniform_t/K + clean_t·p(c). Masked: ρ = Ā/absorbed_t, w(v) = ρ·(uniform_s/K + clean_s·p(v)),
+    w([M]) = absorbed_s/absorbed_t. One multinomial draw per position; prompt positions never move.
+    Then one noise-removal forward: argmax (mask excluded) at every window position. NFE = steps + 1.
+    `schedule(t)` → an object with clean_mass, uniform_mass, absorbed_mass, gamma (as `scdd_schedule`).
+    """
+    k = vocab_size - 1
+    x, attn, starts, width = _canvas(prompts, config.max_new_tokens, mask_token_id, pad_token_id,
+                                     config.eos_token_id, device)
+    window = _row_windows(x, starts, 0, config.max_new_tokens)
+
+    def log_probs(canvas: Tensor) -> Tensor:
+        logits = denoise(canvas, attn).float().clone()
+        logits[..., mask_token_id] = -math.inf
+        if config.temperature == 0:
+            hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).bool()
+            return torch.where(hot, 0.0, -math.inf)
+        return torch.log_softmax(logits / config.temperature, dim=-1)
+
+    times = torch.linspace(1.0, eps, config.steps + 1, dtype=torch.float64)
+    for i in range(config.steps):
+        at_t, at_s = schedule(times[i:i + 1]), schedule(times[i + 1:i + 2])
+        clean_t, clean_s = float(at_t.clean_mass), float(at_s.clean_mass)
+        unif_t, unif_s = float(at_t.uniform_mass), float(at_s.uniform_mass)
+        abs_t, abs_s = float(at_t.absorbed_mass), float(at_s.absorbed_mass)
+        c = clean_t / clean_s
+        ups = float(at_t.gamma) / float(at_s.gamma) - c
+        a_bar = 1 - float(at_t.gamma) / float(at_s.gamma)
+        p = log_probs(x).double().exp()  # [B,T,V]; zero on [MASK]
+        cur = x[..., None]
+        p_cur = p.gather(-1, cur)
+        visible = (clean_s * ups / k) * p + unif_s * ups / k**2
+        visible.scatter_add_(-1, cur, clean_s * c * p_cur + c * unif_s / k)
+        visible[..., mask_token_id] = 0
+        visible = visible / (unif_t / k + clean_t * p_cur).clamp_min(1e-300)
+        rho = a_bar / max(abs_t, 1e-300)
+        masked = rho * (unif_s / k + clean_s * p)
+        masked[..., mask_token_id] = abs_s / max(abs_t, 1e-300)
+        is_mask = (x == mask_token_id)[..., None]
+        weights = torch.where(is_mask, masked, visible).clamp_min(0)
+        flat = weights.reshape(-1, weights.shape[-1])
+        alive = flat.sum(-1) > 0
+        draw = x.reshape(-1).clone()
+        if alive.any():
+            draw[alive] = torch.multinomial(flat[alive], 1, generator=generator).squeeze(-1)
+        x = torch.where(window, draw.view_as(x), x)
+    final = log_probs(x).argmax(-1)  # noise removal: clears leftover masks, corrects visible tokens
+    x = torch.where(window, final, x)
+    if on_block is not None:
+        on_block(x)
+    return SampleResult(x, starts, width, config.steps + 1)
 
 
 def _all_rows_ended(x: Tensor, starts: list[int], eos: int, mask: int) -> bool:
@@ -167,7 +330,7 @@ def uniform_posterior(probs: Tensor, z_t: Tensor, alpha_t: float, alpha_s: float
 @torch.no_grad()
 def block_canvas_sample(model, prompts: list[list[int]], *, vocab_size: int, block_size: int, pad_token_id: int,
                         config: SamplerConfig, generator: torch.Generator | None = None,
-                        device: torch.device | str = "cpu") -> SampleResult:
+                        device: torch.device | str = "cpu", on_block: Progress | None = None) -> SampleResult:
     """Block-diffusion canvas decoding for a `BlockDiffusionLM` (uniform noise, no [MASK]).
 
     Per block: the canvas starts as uniform random tokens; for k = 0..K−1 the model (encoder over the
@@ -216,9 +379,11 @@ def block_canvas_sample(model, prompts: list[list[int]], *, vocab_size: int, blo
                 canvas = torch.multinomial(post[0], 1, generator=generator).T
             produced.append(canvas[0])
             context = torch.cat([context, canvas[0]])
+            if on_block is not None:
+                on_block(context[None])
             if config.eos_token_id is not None and bool((canvas == config.eos_token_id).any()):
                 break
         generated = torch.cat(produced)[:gen_len]
         out[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
         out[row, len(prompt): len(prompt) + len(generated)] = generated
-    return SampleResult(out, [len(p) for p in prompts], width, nfe)
+    return SampleResult(out, [len(p) for p in prompts], width, nfe / len(prompts))

@@ -26,6 +26,7 @@ def _raw(cfg: Any, key: str, default: Any) -> Any:
 
 class SCDDStrategy(MDLMStrategy):
     name = "scdd"
+    sampler_name = "scdd_ancestral"
 
     def __init__(self) -> None:
         self.loss_fn: SCDDLoss | None = None
@@ -60,8 +61,7 @@ class SCDDStrategy(MDLMStrategy):
         return int(mask)
 
     def _channel_probs(self, t: Tensor) -> tuple[Tensor, Tensor]:
-        loss = self.loss_fn
-        sched = scdd_schedule(t, max_ratio=loss.max_ratio, gamma_shape=loss.gamma_shape, t_peak=loss.t_peak)
+        sched = self.schedule_at(t)
         k = self.vocab_size - 1
         # a uniform draw lands on the clean token with prob 1/K: only (K−1)/K goes to "a different token"
         return sched.absorbed_mass, sched.uniform_mass * (k - 1) / k
@@ -90,3 +90,18 @@ class SCDDStrategy(MDLMStrategy):
         return torch.stack([self.loss_fn(logits[i:i + 1].float(), clean_ids[i:i + 1], None, p[i:i + 1],
                                          loss_mask[i:i + 1], noisy_input_ids=noisy[i:i + 1],
                                          num_diffusion_tokens=1).total_loss for i in range(len(clean_ids))])
+
+    def schedule_at(self, t: Tensor):
+        loss = self.loss_fn
+        return scdd_schedule(t, max_ratio=loss.max_ratio, gamma_shape=loss.gamma_shape, t_peak=loss.t_peak)
+
+    def sample(self, model: nn.Module, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
+               config, generator: torch.Generator | None, device: str, on_block=None):
+        """Ancestral posterior sampling with the training schedule, then the noise-removal pass (§11.5)."""
+        from strategies.sampling import scdd_ancestral_sample
+
+        if self.loss_fn is None:
+            raise ValueError("SCDDStrategy.create_loss_fn must run before sampling (the sampler uses its schedule)")
+        return scdd_ancestral_sample(self.denoiser(model), prompts, mask_token_id=mask_token_id,
+                                     pad_token_id=pad_token_id, vocab_size=self.vocab_size, schedule=self.schedule_at,
+                                     config=config, generator=generator, device=device, on_block=on_block)
