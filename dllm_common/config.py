@@ -153,6 +153,14 @@ class TrainConfig(_Section):
         return self
 
 
+class ScorerConfig(_Section):
+    """Frozen causal LM that scores samples (generative perplexity); samples are retokenized for it."""
+
+    path: str  # local dir, hub id (when the user has hub access) or `package:NAME`
+    gguf_file: str | None = None  # converted once and kept in the stage store
+    trust_remote_code: bool = False
+
+
 class EvalConfig(_Section):
     val_rows: int = Field(128, ge=1)  # validation rows scored by the NELBO
     t_samples: int = Field(8, ge=1)  # stratified diffusion times per row
@@ -163,7 +171,19 @@ class EvalConfig(_Section):
     sample_steps: int = Field(48, ge=1)
     sample_block_size: int = Field(16, ge=1)
     temperature: float = Field(0.0, ge=0)
+    threshold: float | None = Field(None, gt=0, le=1)  # confidence-threshold parallel decoding (absorbing samplers)
     prompts: tuple[str, ...] = ("To be, or not to be", "My lord,", "What say you", "O")
+    # step budgets of the quality-vs-NFE curve; empty → sample_steps, ½ and ¼ of it
+    nfe_budgets: tuple[int, ...] = ()
+    scorer: ScorerConfig | None = None  # None → no eval/gen_ppl (eval/entropy is always reported)
+
+    def budgets(self) -> list[int]:
+        raw = self.nfe_budgets or (self.sample_steps, self.sample_steps // 2, self.sample_steps // 4)
+        out: list[int] = []
+        for b in raw:
+            if b >= 1 and b not in out:
+                out.append(int(b))
+        return out
 
 
 class TrackingConfig(_Section):

