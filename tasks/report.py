@@ -1,22 +1,87 @@
-"""Stage `report`: one markdown table comparing every strategy of the pipeline run.
+"""Stage `report`: the strategies of one pipeline run side by side, rendered from MLflow alone.
 
-Written to the store, copied to `<workdir>/report.md` and logged to the parent MLflow run.
+The parent MLflow run records which child run evaluated each strategy (tag `dllm.report_runs`);
+everything else (final metrics, metric histories, the quality-vs-NFE curve, reproducibility cards,
+samples) is read back from those runs, so `dllm-flow report RUN_ID` re-renders the same report on any
+machine that can reach the tracking store. Output: `report.md` (comparison table, curve table,
+comparability flags, samples) and PNGs (training curves, NELBO with error bars, generative perplexity
+vs entropy, quality vs NFE), written to the store, copied to the workdir and logged to the parent run.
 """
 from __future__ import annotations
 
 import json
 import math
+import shutil
+import tempfile
+from collections import Counter
 from pathlib import Path
 
-from dllm_common.store import atomic_write_text, stage_key
+from dllm_common.store import MANIFEST, atomic_write_text, stage_key
 from tasks.common import StageRef, code_version, prefect_task, store_for
 
 STAGE = "report"
+RUNS_TAG = "dllm.report_runs"
+PLOTS = ("training_curves.png", "nelbo.png", "genppl_vs_entropy.png", "quality_vs_nfe.png")
 
 
 def stage_of(pipeline_name: str, trained: list[StageRef], evaluated: list[StageRef], workdir: str, **_) -> tuple[str, str]:
     upstream = {r.stage: r.key for r in [*trained, *evaluated]}
     return STAGE, stage_key(STAGE, {"pipeline": pipeline_name}, upstream, code_version("tasks.report"))
+
+
+# ---------------------------------------------------------------------------------------- collect
+
+
+def collect_rows(client, runs: list[dict]) -> list[dict]:
+    """One row per `{strategy, run_id}`: metrics, val/loss history and the evaluation artifacts."""
+    rows = []
+    for item in runs:
+        run = client.get_run(item["run_id"])
+        m = run.data.metrics
+        history = sorted((h.step, h.value) for h in client.get_metric_history(item["run_id"], "val/loss"))
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(client.download_artifacts(item["run_id"], "eval", tmp))
+            artifacts = {name: (local / name).read_text() if (local / name).is_file() else None
+                         for name in ("curve.json", "repro_card.json", "samples.txt")}
+        rows.append({"strategy": item["strategy"], "run_id": item["run_id"], "metrics": dict(m),
+                     "val_history": history,
+                     "curve": json.loads(artifacts["curve.json"]) if artifacts["curve.json"] else [],
+                     "card": json.loads(artifacts["repro_card.json"]) if artifacts["repro_card.json"] else {},
+                     "samples": artifacts["samples.txt"] or ""})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- comparability
+
+
+def _flat(card: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in card.items():
+        if isinstance(v, dict) and k != "scorer":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v, sort_keys=True)
+    return out
+
+
+def card_mismatches(rows: list[dict]) -> dict[str, list[tuple[str, str, str]]]:
+    """strategy → [(field, its value, the majority value)] for every result-changing field that differs.
+
+    The majority over the rows' cards is the reference; a row without a card is flagged as such."""
+    from tasks.evaluate import RESULT_FIELDS
+
+    flats = {r["strategy"]: _flat(r["card"]) for r in rows}
+    flags: dict[str, list[tuple[str, str, str]]] = {}
+    for field in RESULT_FIELDS:
+        values = {s: f.get(field, "missing") for s, f in flats.items()}
+        majority = Counter(values.values()).most_common(1)[0][0]
+        for strategy, value in values.items():
+            if value != majority:
+                flags.setdefault(strategy, []).append((field, value, majority))
+    return flags
+
+
+# ---------------------------------------------------------------------------------------- render
 
 
 def _fmt(value, digits: int = 4) -> str:
@@ -25,47 +90,157 @@ def _fmt(value, digits: int = 4) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def render_report(pipeline_name: str, rows: list[dict]) -> str:
-    """rows: {strategy, val_loss, nelbo, nelbo_se, ppl_bound, ar_nll, nfe, tokens_per_s, run_id, sample}."""
-    lines = [f"# dllm-flow report: {pipeline_name}", "",
-             "| strategy | val/loss | eval/nelbo ± se | eval/ppl_bound | eval/ar_nll | eval/nfe | eval/tokens_per_s "
-             "| MLflow run |",
-             "|---|---|---|---|---|---|---|---|"]
+def _pm(m: dict, key: str) -> str:
+    if key not in m:
+        return "–"
+    return f"{_fmt(m[key])} ± {_fmt(m.get(key + '_se'))}"
+
+
+def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str]) -> str:
+    lines = [f"# dllm-flow report: {title}", "",
+             "| strategy | sampler | val/loss (own objective) | eval/nelbo ± se | eval/ppl_bound | eval/ar_nll ± se "
+             "| eval/gen_ppl | eval/entropy | eval/nfe | eval/tokens_per_forward | eval/tokens_per_s | MLflow run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['strategy']} | {_fmt(r['val_loss'])} | {_fmt(r['nelbo'])} ± {_fmt(r['nelbo_se'])} | "
-                     f"{_fmt(r['ppl_bound'], 1)} | {_fmt(r['ar_nll'])} | {_fmt(r['nfe'])} | {_fmt(r['tokens_per_s'], 1)} | {r['run_id']} |")
-    lines += ["", "`eval/nelbo` is the fixed-noise negative ELBO per supervised token (nats); "
-              "`eval/ppl_bound` = exp(nelbo) upper-bounds the perplexity; `eval/ar_nll` is an exact causal NLL "
-              "(strategies with a causal path).", ""]
+        m, mark = r["metrics"], " ⚠" if r["strategy"] in flags else ""
+        lines.append(
+            f"| {r['strategy']}{mark} | {r['card'].get('sampler_name', '–')} | {_fmt(m.get('val/loss'))} | "
+            f"{_pm(m, 'eval/nelbo')} | {_fmt(m.get('eval/ppl_bound'), 1)} | {_pm(m, 'eval/ar_nll')} | "
+            f"{_fmt(m.get('eval/gen_ppl'), 2)} | {_fmt(m.get('eval/entropy'), 3)} | {_fmt(m.get('eval/nfe'), 1)} | "
+            f"{_fmt(m.get('eval/tokens_per_forward'), 2)} | {_fmt(m.get('eval/tokens_per_s'), 1)} | {r['run_id']} |")
+    lines += ["", "`val/loss` is each strategy's own training objective (not comparable across rows). "
+              "`eval/nelbo` is the fixed-noise negative ELBO per supervised token (nats; each strategy's own bound), "
+              "`eval/ppl_bound` = exp(nelbo) upper-bounds the perplexity; `eval/ar_nll` is an exact causal NLL. "
+              "`eval/gen_ppl` scores the samples with a frozen causal LM (retokenized); read it together with "
+              "`eval/entropy` (unigram, nats): low entropy flatters gen_ppl.", ""]
+    if flags:
+        lines += ["## ⚠ Not compared silently: reproducibility cards differ on result-changing fields", ""]
+        for strategy, items in flags.items():
+            for field, value, ref in items:
+                lines.append(f"- **{strategy}**: `{field}` = {value} (others: {ref})")
+        lines.append("")
+    lines += ["## Quality vs NFE", "", "| strategy | steps | eval/nfe | tokens/forward | gen_ppl | entropy | tokens/s |",
+              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines += [f"## samples: {r['strategy']}", "", "```", r["sample"].strip(), "```", ""]
+        for p in r["curve"]:
+            lines.append(f"| {r['strategy']} | {p['steps']} | {_fmt(p.get('nfe'), 1)} | {_fmt(p.get('tokens_per_forward'), 2)} | "
+                         f"{_fmt(p.get('gen_ppl'), 2)} | {_fmt(p.get('entropy'), 3)} | {_fmt(p.get('tokens_per_s'), 1)} |")
+    lines.append("")
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    for r in rows:
+        lines += [f"## samples: {r['strategy']}", "", "```", r["samples"].strip(), "```", ""]
     return "\n".join(lines)
+
+
+def render_plots(rows: list[dict], out: Path) -> list[str]:
+    """The four PNGs; a plot with nothing to show (e.g. no scorer → no gen_ppl) is left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        if r["val_history"]:
+            ax.plot(*zip(*r["val_history"]), label=r["strategy"], marker=".")
+    ax.set(xlabel="step", ylabel="val/loss (own objective)", title="Training curves", yscale="log")
+    ax.legend()
+    save(fig, PLOTS[0])
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [r["strategy"] for r in rows]
+    for offset, key, label in ((-0.15, "eval/nelbo", "NELBO (bound)"), (0.15, "eval/ar_nll", "exact AR NLL")):
+        xs = [i + offset for i, r in enumerate(rows) if key in r["metrics"]]
+        ys = [r["metrics"][key] for r in rows if key in r["metrics"]]
+        es = [1.96 * r["metrics"].get(key + "_se", 0.0) for r in rows if key in r["metrics"]]
+        if xs:
+            ax.errorbar(xs, ys, yerr=es, fmt="o", capsize=4, label=label)
+    ax.set_xticks(range(len(names)), names)
+    ax.set(ylabel="nats / supervised token", title="Likelihood (95% CI)")
+    ax.legend()
+    save(fig, PLOTS[1])
+
+    have_ppl = any(p.get("gen_ppl") == p.get("gen_ppl") and p.get("gen_ppl") is not None for r in rows for p in r["curve"])
+    if have_ppl:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in rows:
+            pts = [(p["entropy"], p["gen_ppl"], p["nfe"]) for p in r["curve"] if p.get("gen_ppl") is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=r["strategy"])
+                for e, g, n in pts:
+                    ax.annotate(f"{n:g}", (e, g), fontsize=7)
+        ax.set(xlabel="unigram entropy (nats)", ylabel="generative perplexity", yscale="log",
+               title="Generative frontier (labels: NFE)")
+        ax.legend()
+        save(fig, PLOTS[2])
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    key = "gen_ppl" if have_ppl else "entropy"
+    for r in rows:
+        pts = sorted((p["nfe"], p[key]) for p in r["curve"] if p.get(key) is not None)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=r["strategy"])
+    ax.set(xlabel="NFE (forwards per sequence)", ylabel=key, xscale="log", title=f"Quality vs NFE ({key})")
+    if have_ppl:
+        ax.set_yscale("log")
+    ax.legend()
+    save(fig, PLOTS[3])
+    return written
+
+
+def render_from_mlflow(client, parent_run_id: str, out: Path) -> Path:
+    """Write report.md, report.json and the PNGs for a parent run into `out` (from MLflow alone)."""
+    parent = client.get_run(parent_run_id)
+    runs = json.loads(parent.data.tags.get(RUNS_TAG, "[]"))
+    if not runs:  # a pipeline run from before the tag: its child runs, in creation order
+        children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                      order_by=["attributes.start_time ASC"])
+        runs = [{"strategy": c.data.tags.get("strategy", c.info.run_name), "run_id": c.info.run_id} for c in children]
+    if not runs:
+        raise FileNotFoundError(f"MLflow run {parent_run_id} has no evaluated strategies to report")
+    rows = collect_rows(client, runs)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = render_plots(rows, out)
+    title = parent.data.tags.get("dllm.pipeline", parent.info.run_name)
+    (out / "report.md").write_text(render_markdown(title, rows, card_mismatches(rows), plots))
+    (out / "report.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "samples"} for r in rows], indent=2))
+    return out / "report.md"
 
 
 def report(pipeline_name: str, trained: list[StageRef], evaluated: list[StageRef], workdir: str,
            parent_run_id: str | None = None, tracking_uri: str | None = None, experiment: str | None = None) -> StageRef:
+    from dllm_common.tracking import Tracking
+
+    if parent_run_id is None:
+        raise ValueError("the report stage needs the pipeline's parent MLflow run (it renders from MLflow)")
+    tracking = Tracking(Path(workdir), tracking_uri, experiment or pipeline_name)
+    runs = [{"strategy": t.stage.split("[")[1].rstrip("]"), "run_id": t.mlflow_run_id} for t in trained]
+    tracker = tracking.reopen(parent_run_id)
+    tracker.set_tags({RUNS_TAG: json.dumps(runs)})
     store = store_for(workdir)
     stage, key = stage_of(pipeline_name, trained, evaluated, workdir)
     hit = store.lookup(stage, key)
     if hit is None:
-        rows = []
-        for t, e in zip(trained, evaluated):
-            m = e.info["metrics"]
-            rows.append({"strategy": t.stage.split("[")[1].rstrip("]"), "val_loss": t.info.get("final_val_loss"),
-                         "nelbo": m.get("eval/nelbo"), "nelbo_se": m.get("eval/nelbo_se"),
-                         "ppl_bound": m.get("eval/ppl_bound"), "ar_nll": m.get("eval/ar_nll"),
-                         "nfe": m.get("eval/nfe"), "tokens_per_s": m.get("eval/tokens_per_s"),
-                         "run_id": t.mlflow_run_id, "sample": (Path(e.path) / "samples.txt").read_text()})
-        with store.publish(STAGE, key, {"rows": [{k: v for k, v in r.items() if k != "sample"} for r in rows]}) as tmp:
-            (tmp / "report.md").write_text(render_report(pipeline_name, rows))
-            (tmp / "report.json").write_text(json.dumps(rows, indent=2))
+        with store.publish(STAGE, key, {"runs": runs}) as tmp:
+            render_from_mlflow(tracking.client, parent_run_id, tmp)
         hit = store.lookup(stage, key)
     atomic_write_text(Path(workdir) / "report.md", (hit.path / "report.md").read_text())
-    if parent_run_id:
-        from dllm_common.tracking import Tracking
-
-        tracker = Tracking(Path(workdir), tracking_uri, experiment or pipeline_name).reopen(parent_run_id)
-        tracker.log_artifact(hit.path / "report.md", "report")
+    for png in hit.path.glob("*.png"):
+        tmp_png = Path(workdir) / f".{png.name}.tmp"
+        shutil.copyfile(png, tmp_png)
+        tmp_png.replace(Path(workdir) / png.name)
+    for f in sorted(hit.path.iterdir()):
+        if f.suffix in (".md", ".png", ".json") and f.name != MANIFEST:
+            tracker.log_artifact(f, "report")
     return StageRef(STAGE, key, str(hit.path), reused=False)
 
 

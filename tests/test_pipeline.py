@@ -67,16 +67,52 @@ def test_mlflow_lineage(smoke_run):
     assert dataset.digest and dataset.name.startswith("smoke-")
     model_files = {f.path for f in client.list_artifacts(child.info.run_id, "model")}
     assert {"model/model.safetensors", "model/config.json", "model/tokenizer.json", "model/digests.json"} <= model_files
-    assert [f.path for f in client.list_artifacts(child.info.run_id, "eval")] == ["eval/samples.txt"]
+    assert [f.path for f in client.list_artifacts(child.info.run_id, "eval")] == [
+        "eval/curve.json", "eval/repro_card.json", "eval/samples.txt"]
+    for key in ("eval/entropy", "eval/nfe", "eval/tokens_per_forward", "eval/tokens_per_s"):
+        assert key in child.data.metrics, key
+    nfe_steps = [m.step for m in client.get_metric_history(child.info.run_id, "eval_curve/nfe")]
+    assert len(nfe_steps) >= 2  # the quality-vs-NFE curve: one point per step budget
     version = client.get_model_version_by_alias("smoke-mdlm", "latest")
     assert version.run_id == child.info.run_id
-    assert [f.path for f in client.list_artifacts(parent.info.run_id, "report")] == ["report/report.md"]
+    report_files = {f.path for f in client.list_artifacts(parent.info.run_id, "report")}
+    assert {"report/report.md", "report/report.json", "report/training_curves.png", "report/nelbo.png",
+            "report/quality_vs_nfe.png"} <= report_files
 
 
 def test_runs_command_lists_stages(smoke_run):
     workdir, _ = smoke_run
     out = cli("runs", workdir=workdir)
     assert out.returncode == 0 and "train[mdlm]" in out.stdout and "mlflow_run=" in out.stdout
+
+
+def test_generate_streams_from_the_registry_and_the_store_alike(smoke_run):
+    workdir, _ = smoke_run
+    args = ("--prompt", "To be", "--steps", "8", "--max-new-tokens", "16", "--block-size", "8", "--seed", "3")
+    by_alias = cli("generate", "--checkpoint", "models:/smoke-mdlm@latest", *args, workdir=workdir)
+    assert by_alias.returncode == 0, by_alias.stderr[-2000:]
+    assert by_alias.stdout.startswith("[Prompt 0] To be\n")
+    assert "NFE 8, " in by_alias.stderr and "tokens/s" in by_alias.stderr
+    entry = next((workdir / "store" / "train").glob("*/model"))
+    by_path = cli("generate", "--checkpoint", str(entry.parent), *args, workdir=workdir)
+    assert by_path.returncode == 0 and by_path.stdout == by_alias.stdout  # same weights, same seed, same text
+    wrong = cli("generate", "--checkpoint", str(entry), "--sampler", "scdd", *args, workdir=workdir)
+    assert wrong.returncode == 2 and "does not fit a mdlm checkpoint" in wrong.stderr
+    missing = cli("generate", "--checkpoint", "models:/no-such-model@latest", *args, workdir=workdir)
+    assert missing.returncode == 2 and "not found in the MLflow registry" in missing.stderr
+
+
+def test_report_rerenders_from_mlflow_alone(smoke_run, tmp_path):
+    workdir, _ = smoke_run
+    run_id = latest_record(workdir)["run_id"]
+    out = cli("report", run_id, "--out", str(tmp_path / "r"), workdir=workdir)
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = lambda text: [ln for ln in text.splitlines() if ln.startswith("| mdlm")]  # noqa: E731
+    assert table((tmp_path / "r" / "report.md").read_text()) == table((workdir / "report.md").read_text())
+    assert table(out.stdout)
+    for png in ("training_curves.png", "nelbo.png", "quality_vs_nfe.png"):
+        assert (tmp_path / "r" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (workdir / png).is_file()
 
 
 def test_rerun_reuses_everything_then_eval_change_reruns_only_eval(smoke_run):
