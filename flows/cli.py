@@ -1,4 +1,4 @@
-"""`dllm-flow` command line: run | resume | validate | runs | ui.
+"""`dllm-flow` command line: run | resume | validate | runs | generate | report | ui.
 
 Environment is set before Prefect/MLflow are imported: telemetry off, hub offline unless the
 user says otherwise, and (when no Prefect server is configured) Prefect's state kept inside the
@@ -99,6 +99,68 @@ def cmd_runs(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    """Stream text from a checkpoint and report NFE and tokens/s per prompt."""
+    quiet_environment()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from strategies.sampling import SamplerConfig
+    from tasks.generate import check_sampler, generate, load_for_generation, resolve_checkpoint
+    from tasks.train import resolve_device
+
+    ckpt = resolve_checkpoint(args.checkpoint, Path(args.workdir), args.tracking_uri)
+    device = resolve_device(args.device)
+    model, tokenizer, strategy, mask_id, meta = load_for_generation(ckpt, device, args.adapter)
+    sampler = check_sampler(meta["strategy"], args.sampler, args.infill)
+    temperature = args.temperature if args.temperature is not None else (1.0 if sampler == "scdd" else 0.0)
+    config = SamplerConfig(steps=args.steps, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                           temperature=temperature, remasking=args.remasking, threshold=args.threshold)
+    chat = (meta.get("chat", False) or args.chat) and not args.raw
+    print(f"[dllm-flow] {ckpt} ({meta['strategy']}, sampler {sampler}, steps {args.steps}, "
+          f"temperature {temperature}, seed {args.seed})", file=sys.stderr, flush=True)
+    for i, prompt in enumerate(args.prompt):
+        print(f"[Prompt {i}] {prompt}", flush=True)
+
+        def stream(text: str) -> None:
+            print(text, end="", flush=True)
+        out = generate(model, tokenizer, strategy, mask_id, prompt, sampler, config, seed=args.seed, device=device,
+                       chat=chat, infill=args.infill, stream=stream)
+        print(flush=True)
+        print(f"[dllm-flow] NFE {out.nfe:g}, {out.tokens} tokens in {out.seconds:.2f} s "
+              f"({out.tokens / max(out.seconds, 1e-9):.1f} tokens/s, {out.tokens / max(out.nfe, 1e-9):.2f} tokens/forward)",
+              file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_report(args) -> int:
+    """Re-render a pipeline run's comparison report from MLflow alone."""
+    from mlflow.tracking import MlflowClient
+
+    from dllm_common.tracking import default_tracking_uri
+    from tasks.report import render_from_mlflow
+
+    quiet_environment()
+    uri = args.tracking_uri or default_tracking_uri(Path(args.workdir))
+    client = MlflowClient(uri)
+    parent_id = _parent_run(client, args.run_id)
+    out = Path(args.out) if args.out else Path(args.workdir) / "reports" / args.run_id
+    path = render_from_mlflow(client, parent_id, out)
+    print(path.read_text().split("\n## ")[0])
+    print(f"[dllm-flow] report written to {path} (and PNGs beside it)")
+    return 0
+
+
+def _parent_run(client, run_id: str) -> str:
+    """An MLflow parent run id, given either it or a dllm-flow pipeline run id."""
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    hits = client.search_runs(experiments, f"tags.`dllm.pipeline_run_id` = '{run_id}'") if experiments else []
+    if hits:
+        return hits[0].info.run_id
+    try:
+        return client.get_run(run_id).info.run_id
+    except Exception:
+        raise FileNotFoundError(f"no pipeline run {run_id!r} in this tracking store; list them with dllm-flow runs") from None
+
+
 def chart_view_url(host: str, port: int, experiment_id: str) -> str:
     """The experiment's training-runs page in chart mode (MLflow 3 would open on its GenAI overview)."""
     return f"http://{host}:{port}/#/experiments/{experiment_id}/runs?compareRunsMode=CHART"
@@ -149,6 +211,31 @@ def build_parser() -> argparse.ArgumentParser:
     runs = sub.add_parser("runs", help="past pipeline runs with the status of each stage")
     runs.add_argument("--workdir", default=DEFAULT_WORKDIR)
     runs.set_defaults(func=cmd_runs)
+    gen = sub.add_parser("generate", help="stream text from a checkpoint (path or models:/NAME@ALIAS)")
+    gen.add_argument("--checkpoint", required=True, help="checkpoint dir, train store entry, or models:/NAME@ALIAS")
+    gen.add_argument("--prompt", action="append", required=True, help="repeatable")
+    gen.add_argument("--sampler", default="auto", choices=["auto", "llada", "idlm", "scdd", "hybrid", "canvas"])
+    gen.add_argument("--steps", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=None, help="default 0 (scdd: 1.0)")
+    gen.add_argument("--threshold", type=float, default=None, help="confidence-threshold parallel decoding")
+    gen.add_argument("--remasking", default="low_confidence", choices=["low_confidence", "random"])
+    gen.add_argument("--seed", type=int, default=42)
+    gen.add_argument("--infill", action="store_true", help="fill each [MASK] in the prompt with 20 tokens")
+    gen.add_argument("--adapter", default=None, help="merge a LoRA adapter dir into the checkpoint first")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--raw", action="store_true", help="never use the chat template")
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--workdir", default=DEFAULT_WORKDIR, help="its MLflow registry resolves models:/ URIs")
+    gen.add_argument("--tracking-uri", default=None)
+    gen.set_defaults(func=cmd_generate)
+    rep = sub.add_parser("report", help="re-render a pipeline run's comparison report from MLflow")
+    rep.add_argument("run_id", help="pipeline run id (dllm-flow runs) or the parent MLflow run id")
+    rep.add_argument("--workdir", default=DEFAULT_WORKDIR)
+    rep.add_argument("--tracking-uri", default=None)
+    rep.add_argument("--out", default=None, help="default: <workdir>/reports/<run_id>")
+    rep.set_defaults(func=cmd_report)
     ui = sub.add_parser("ui", help="MLflow UI on 127.0.0.1 for a workdir")
     ui.add_argument("--workdir", default=DEFAULT_WORKDIR)
     ui.add_argument("--experiment", default=None, help="default: the workdir's most recent experiment")

@@ -273,6 +273,30 @@ def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in backbone_lm(model).state_dict().items() if "lora_" in k}
 
 
+def apply_adapter(model: nn.Module, adapter_dir) -> None:
+    """Merge a dllm-flow LoRA adapter (`adapter_model.safetensors` + `adapter_config.json`, as a
+    training stage publishes it) into `model`'s backbone: inject, load the adapter weights, fold them in."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    adapter_dir = Path(adapter_dir)
+    cfg_file, weights = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
+    if not (cfg_file.is_file() and weights.is_file()):
+        raise FileNotFoundError(f"--adapter {adapter_dir}: expected adapter_config.json and adapter_model.safetensors")
+    cfg = json.loads(cfg_file.read_text())
+    lm = backbone_lm(model)
+    add_lora(lm, r=cfg["r"], alpha=cfg["alpha"], dropout=0.0, target_modules=cfg["target_modules"])
+    state = load_file(str(weights))
+    missing = [k for k in lm.state_dict() if "lora_" in k and k not in state]
+    if missing or not state:
+        raise ValueError(f"--adapter {adapter_dir} does not fit this model (missing {missing[:3]}…); "
+                         "was it trained on this base checkpoint?")
+    lm.load_state_dict(state, strict=False)
+    merge_lora(model)
+
+
 def merge_lora(model: nn.Module) -> None:
     """Fold every LoRA update into its base weight and drop the adapter modules (in place)."""
     from peft.tuners.lora import LoraLayer
