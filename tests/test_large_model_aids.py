@@ -1,4 +1,6 @@
 """LoRA (peft), activation checkpointing and bf16 autocast through the training stage."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -93,6 +95,15 @@ def test_lora_training_trains_adapters_only_and_publishes_them(prepared, tiny_sp
     assert trained.info["peft"]["merged"] == merge
     metrics = evaluate(spec, "mdlm", trained, data, str(tmp_path)).info["metrics"]
     assert metrics["eval/nelbo"] > 0
+    if not merge:  # the published adapter alone, merged into the base checkpoint by `generate --adapter`
+        from tasks.generate import load_for_generation
+
+        adapted, *_ = load_for_generation(model_dir(base), "cpu", adapter=str(Path(trained.path) / "adapter"))
+        ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.allclose(adapted(input_ids=ids).logits, rebuilt.eval()(input_ids=ids).logits, atol=1e-4)
+        with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+            load_for_generation(model_dir(base), "cpu", adapter=str(tmp_path))
 
 
 def test_bf16_autocast_trains(prepared, tiny_spec, tmp_path):

