@@ -3,12 +3,14 @@
 `make server` (Prefect server + MLflow server, databases migrated first), `make deploy` (work pools
 cpu and gpu, every deployment of deployments/prefect.yaml, the dead-worker automation), `make worker-cpu` and `make worker-gpu`;
 then the `smoke-gpu-training` deployment is triggered: the pipeline runs on the cpu worker and
-submits its training to the `train-gpu` deployment, which the gpu worker runs. Everything is
-stopped by process group at the end."""
+submits its training to the `train-gpu` deployment, which the gpu worker runs. Then a deployment
+run left Running with a silent worker is marked Crashed by the automation and `prefect flow-run
+retry` reruns it. Everything is stopped by process group at the end."""
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +79,53 @@ print(json.dumps({{"state": run.state.type.value, "id": str(run.id)}}))
         assert child.data.tags["mlflow.parentRunId"] == record["parent_mlflow_run_id"]
         assert len(client.get_metric_history(child.info.run_id, "train/loss")) == 30
         assert "eval/nelbo" in child.data.metrics
+
+        # A deployment run left Running by a dead worker: after a heartbeat, silence. The automation
+        # `make deploy` installs (here with a 10 s window instead of 3 heartbeat periods) marks it
+        # Crashed; `prefect flow-run retry` then reruns it on the cpu worker, every stage reused.
+        zombie = f"""
+import asyncio, importlib.util, json, time
+from datetime import timedelta
+from prefect.client.orchestration import get_client
+from prefect.events import emit_event
+from prefect.states import Running
+spec = importlib.util.spec_from_file_location("za", "deployments/zombie_automation.py")
+za = importlib.util.module_from_spec(spec); spec.loader.exec_module(za)
+short = za.automation(timedelta(seconds=10), name="dllm-flow test: short window")
+short.create()
+async def create():
+    async with get_client() as c:
+        dep = await c.read_deployment_by_name("dllm-pipeline/smoke-gpu-training")
+        run = await c.create_flow_run_from_deployment(dep.id, state=Running(), parameters={{
+            "workdir": {str(workdir)!r},
+            "overrides": ["pipeline.train_deployment=dllm-train/train-gpu", "tracking.uri={mlflow_url}"]}})
+        return run.id
+async def state(rid):
+    async with get_client() as c:
+        return (await c.read_flow_run(rid)).state
+rid = asyncio.run(create())
+emit_event("prefect.flow-run.heartbeat", resource={{"prefect.resource.id": f"prefect.flow-run.{{rid}}"}})
+t0 = time.time()
+while time.time() - t0 < 120 and asyncio.run(state(rid)).type.value == "RUNNING":
+    time.sleep(2)
+short.delete()  # the 10 s window would also crash the healthy retry below
+print(json.dumps({{"id": str(rid), "state": asyncio.run(state(rid)).type.value}}))
+"""
+        out = subprocess.run([sys.executable, "-c", zombie], cwd=ROOT, env={**env, "PREFECT_API_URL": api},
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-4000:]
+        crashed = json.loads(out.stdout.strip().splitlines()[-1])
+        assert crashed["state"] == "CRASHED"
+        retry = subprocess.run([str(VENV / "bin" / "prefect"), "flow-run", "retry", crashed["id"]], cwd=ROOT,
+                               env={**env, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=600)
+        assert retry.returncode == 0 and "scheduled for retry" in retry.stdout, retry.stdout[-3000:] + retry.stderr
+        deadline, rerun = time.time() + 400, None
+        while time.time() < deadline and not (rerun and rerun["status"] in ("COMPLETED", "FAILED")):
+            time.sleep(3)
+            records = sorted((workdir / "runs").glob("*.json"))
+            rerun = json.loads(records[-1].read_text()) if len(records) == 2 else None
+        assert rerun is not None, (tmp_path / "worker-cpu.log").read_text()[-3000:]
+        assert rerun["status"] == "COMPLETED" and {s["status"] for s in rerun["stages"]} == {"REUSED"}
     finally:
         for proc in reversed(procs):
             stop_group(proc)
