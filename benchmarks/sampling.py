@@ -106,7 +106,7 @@ def main() -> None:
             if strategy.sampler_name.startswith("absorbing") or name in ("scdd", "hybrid"):
                 thr = dataclasses.replace(cfg, threshold=args.threshold)
                 res_t, sec_t = timed(lambda: run(thr, own=name not in ("scdd",)), args.repeats)
-                thr_tps = line(f"threshold {args.threshold}", res_t, sec_t)
+                thr_tps = line(f"{'llada ' if name == 'scdd' else ''}threshold {args.threshold}", res_t, sec_t)
                 print(f"{'':<16}{'ratio threshold/fixed':<26}{res_t.nfe / res.nfe:>8.2f}{'':>9}{thr_tps / fixed_tps:>9.2f}")
 
 
