@@ -10,6 +10,8 @@ from strategies.losses import (BlockDiffusionCrossEntropyLoss, DLLMLossOutput, H
                                uniform_diffusion_nelbo_terms)
 from strategies.masks import build_block_diffusion_training_mask, create_idlm_block_mask, create_idlm_sdpa_mask
 from strategies.scdd import SCDDLoss, SCDDSchedule, scdd_schedule
+from strategies.dflash import (DFlashDecayLoss, DFlashDraftModel, _build_target_layer_ids, create_dflash_block_mask,
+                               create_dflash_sdpa_mask, sample_anchor_blocks, speculative_generate)
 from strategies.block_diffusion_strategy import BlockDiffusionStrategy, build_response_window
 from strategies.hybrid_strategy import HybridStrategy
 from strategies.idlm_strategy import IDLMStrategy
@@ -25,5 +27,6 @@ __all__ = [
     "DLLM_STRATEGIES", "CorruptedBatch", "DLLMLossOutput", "DLLMStrategy", "MDLMCrossEntropyLoss", "MDLMStrategy",
     "Microbatch", "SetupContext", "StepContext", "corrupt_all_masked", "corrupt_blockwise", "corrupt_mix",
     "corrupt_uniform", "corrupt_uniform_random", "corruption_sample_seed", "gumbel_topk", "scdd_grid_times",
-    "get_dllm_strategy", "per_token_nll",
+    "get_dllm_strategy", "per_token_nll", "DFlashDecayLoss", "DFlashDraftModel", "_build_target_layer_ids",
+    "create_dflash_block_mask", "create_dflash_sdpa_mask", "sample_anchor_blocks", "speculative_generate",
 ]

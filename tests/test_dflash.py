@@ -1,0 +1,212 @@
+"""DFlash pieces (spec §5.7, §6.2, §10, §14): layer ids, anchors, the mask against an element-wise
+reference (dense and flex), the decay loss by hand, leakage, and speculative decoding = greedy."""
+import math
+
+import pytest
+import torch
+
+from strategies.dflash import (DFlashDecayLoss, DFlashDraftConfig, DFlashDraftModel, _build_target_layer_ids,
+                               acceptance_from_correct, build_dflash_mask_mod, create_dflash_block_mask,
+                               create_dflash_sdpa_mask, draft_block_logits, greedy_generate, sample_anchor_blocks,
+                               speculative_generate, target_features)
+from strategies.models import build_model, tiny_model_config
+
+MASK = 63
+
+
+def test_target_layer_ids_examples_and_errors():
+    assert _build_target_layer_ids(12, 1) == [6]
+    assert _build_target_layer_ids(12, 3) == [1, 5, 9]
+    assert _build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    with pytest.raises(ValueError, match="at least 4 layers"):
+        _build_target_layer_ids(3, 2)
+
+
+def reference_visible(anchors, keep, s, bs, causal):
+    bsz, n = anchors.shape
+    out = torch.zeros(bsz, n * bs, s + n * bs, dtype=torch.bool)
+    for b in range(bsz):
+        for q in range(n * bs):
+            blk, off = divmod(q, bs)
+            for k in range(s + n * bs):
+                if k < s:
+                    out[b, q, k] = k < int(anchors[b, blk]) and bool(keep[b, blk])
+                else:
+                    kb, ko = divmod(k - s, bs)
+                    out[b, q, k] = kb == blk and (not causal or ko <= off)
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_matches_the_elementwise_reference_dense_and_flex(causal):
+    from torch.nn.attention.flex_attention import create_mask
+
+    anchors = torch.tensor([[3, 9, 1], [12, 2, 7]])
+    keep = torch.tensor([[True, True, False], [True, False, True]])
+    s, bs = 14, 4
+    ref = reference_visible(anchors, keep, s, bs, causal)
+    dense = create_dflash_sdpa_mask(anchors, keep, s, bs, dtype=torch.float32, causal=causal)
+    assert dense.shape == (2, 1, 12, s + 12)
+    assert torch.equal(dense[:, 0] == 0, ref) and torch.isinf(dense[:, 0][~ref]).all()
+    flex = create_mask(build_dflash_mask_mod(anchors, keep, s, bs, causal), 2, 1, 12, s + 12, device="cpu")
+    assert torch.equal(flex[:, 0], ref)
+    block_mask = create_dflash_block_mask(anchors, keep, s, bs, causal)  # the BlockMask builds on CPU too
+    assert block_mask.shape[-2:] == (12, s + 12)
+    assert (dense[:, 0] == 0).any(dim=-1).all()  # no all −inf row, dropped blocks included
+
+
+def test_decay_loss_by_hand():
+    # B=1, two blocks of bs=3 → T = 4 predicted positions, V = 2
+    logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0], [0.0, 1.0], [1.0, 1.0]]])
+    targets = torch.tensor([[0, 0, 0, 1]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    nll = [math.log(2), math.log(1 + math.exp(-2)), math.log(1 + math.e), math.log(2)]
+    w = [1, math.exp(-1 / 2), 1, math.exp(-1 / 2)]  # resets at each block start (γ = 2)
+    num = sum(n * wi * m for n, wi, m in zip(nll, w, mask[0].tolist()))
+    loss = DFlashDecayLoss(loss_gamma=2.0)
+    out = loss(logits, targets, mask, num_tokens=3, block_size=3)
+    assert math.isclose(out.total_loss.item(), num / 3, rel_tol=1e-6)
+    assert math.isclose(loss(logits, targets, mask, block_size=3).total_loss.item(), num, rel_tol=1e-6)  # unnormalized
+    mono = [math.exp(-j / 2) for j in range(4)]  # no block size: one decaying vector over all T positions
+    assert math.isclose(loss(logits, targets, mask).total_loss.item(),
+                        sum(n * wi * m for n, wi, m in zip(nll, mono, mask[0].tolist())), rel_tol=1e-6)
+    mean = DFlashDecayLoss(loss_gamma=2.0, normalize="mean")(logits, targets, mask, block_size=3)
+    assert math.isclose(mean.total_loss.item(), num / (sum(wi * m for wi, m in zip(w, mask[0].tolist())) + 1e-6),
+                        rel_tol=1e-6)
+    flat = DFlashDecayLoss(loss_gamma=None)(logits, targets, mask, num_tokens=3)
+    assert math.isclose(flat.total_loss.item(), (nll[0] + nll[1] + nll[3]) / 3, rel_tol=1e-6)
+    # argmax [0 (tie → first), 0, 1, 0] vs targets [0, 0, 0, 1]: correct [1, 1, 0, 0]; blocks (pos 0, 1), (2, 3)
+    # offset 1 = positions 0, 2 (mask 1, 0); offset 2 = positions 1, 3 (mask 1, 1)
+    assert out.draft_correct_per_pos.tolist() == [1.0, 1.0] and out.draft_count_per_pos.tolist() == [1.0, 2.0]
+    assert monotone_weights(DFlashDecayLoss(loss_gamma=7.0), 5)
+    with pytest.raises(ValueError, match="normalize must be 'tokens' or 'mean', got 'sum'"):
+        DFlashDecayLoss(normalize="sum")
+
+
+def monotone_weights(loss, n):
+    w = loss.weights(n, None, "cpu")
+    return bool((w[1:] < w[:-1]).all()) and w[0] == 1
+
+
+def test_fused_chunked_path_equals_the_plain_one():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 6, 8, requires_grad=True)
+    weight = torch.randn(50, 8, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 6))
+    mask = (torch.rand(2, 6) > 0.3).float()
+    loss = DFlashDecayLoss(loss_gamma=4.0, chunk_size=5)
+    plain = loss(hidden @ weight.T, targets, mask, num_tokens=7, block_size=4)
+    g_plain = torch.autograd.grad(plain.total_loss, (hidden, weight))
+    fused = loss.forward_fused(hidden, weight, targets, mask, num_tokens=7, block_size=4)
+    g_fused = torch.autograd.grad(fused.total_loss, (hidden, weight))
+    assert torch.allclose(plain.total_loss, fused.total_loss, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_plain, g_fused))
+    assert torch.equal(plain.draft_correct_per_pos, fused.draft_correct_per_pos)
+
+
+def test_anchor_blocks_follow_the_spec_and_reproduce_from_seeds():
+    x = torch.arange(40).view(2, 20) % 50
+    attn = torch.ones(2, 20, dtype=torch.long)
+    attn[1, 7:] = 0  # row 1 is too short to train on (valid 7 ≤ 2·bs)
+    gens = lambda: [torch.Generator().manual_seed(s) for s in (11, 12)]  # noqa: E731
+    blocks = sample_anchor_blocks(x, attn, None, block_size=4, num_blocks=3, mask_token_id=MASK, generators=gens())
+    again = sample_anchor_blocks(x, attn, None, block_size=4, num_blocks=3, mask_token_id=MASK, generators=gens())
+    assert all(torch.equal(a, b) for a, b in zip(blocks, again))  # per-row generators: resume-reproducible (G5)
+    a = blocks.anchors
+    assert ((a[0] >= 1) & (a[0] <= 16)).all()  # maxA = valid − bs
+    assert blocks.keep[0].all() and not blocks.keep[1].any()
+    for n in range(3):
+        anchor = int(a[0, n])
+        assert blocks.block_ids[0, n * 4] == x[0, anchor] and (blocks.block_ids[0, n * 4 + 1: n * 4 + 4] == MASK).all()
+        assert blocks.targets[0, n * 3: n * 3 + 3].tolist() == x[0, anchor + 1: anchor + 4].tolist()
+    assert (blocks.block_ids[1] == MASK).all() and (blocks.block_mask[1] == 0).all()
+
+
+def test_non_overlapping_sampler_with_fewer_slots_than_blocks_does_not_break():
+    """G3: shortest valid length 26, block 8, N ≥ 3 → n_valid 3 but only 2 free offsets."""
+    x = torch.randint(0, 50, (2, 30))
+    attn = torch.ones(2, 30, dtype=torch.long)
+    attn[0, 26:] = 0
+    blocks = sample_anchor_blocks(x, attn, None, block_size=8, num_blocks=4, mask_token_id=MASK, overlap=False,
+                                  generators=[torch.Generator().manual_seed(0)] * 2)
+    kept = blocks.anchors[0][blocks.keep[0]].tolist()
+    assert len(kept) == 2 and kept == sorted(kept) and kept[1] - kept[0] >= 8
+    assert torch.equal(blocks.anchors[0], blocks.anchors[1])  # batch-shared
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = build_model(tiny_model_config("llama", 64, 128, 32, 4, 4, None, None, False), seed=0).eval()
+    ids = _build_target_layer_ids(4, 2)
+    cfg = DFlashDraftConfig(hidden_size=32, num_layers=2, num_heads=4, num_target_features=len(ids),
+                            target_hidden_size=32, block_size=4, target_layer_ids=ids, mask_token_id=MASK)
+    torch.manual_seed(1)
+    return target, DFlashDraftModel(cfg).eval()
+
+
+@pytest.mark.parametrize("n_blocks", [1, 3])
+def test_no_leakage_from_context_at_or_after_the_anchor(pair, n_blocks):
+    """G1 fixed: perturbing target features at positions ≥ each block's anchor leaves its logits unchanged."""
+    target, draft = pair
+    x = torch.randint(0, 60, (1, 24), generator=torch.Generator().manual_seed(2))
+    feats, _, _ = target_features(target, x, draft.config.target_layer_ids)
+    blocks = sample_anchor_blocks(x, torch.ones_like(x), None, block_size=4, num_blocks=n_blocks, mask_token_id=MASK,
+                                  generators=[torch.Generator().manual_seed(5)])
+    with torch.no_grad():
+        base = draft_block_logits(draft, target, feats, blocks.anchors, blocks.keep, blocks.block_ids)
+        for n in range(n_blocks):
+            anchor = int(blocks.anchors[0, n])
+            poked = feats.clone()
+            poked[:, anchor:] += 5 * torch.randn_like(poked[:, anchor:])
+            moved = draft_block_logits(draft, target, poked, blocks.anchors, blocks.keep, blocks.block_ids)
+            assert torch.allclose(moved[0, n * 4:(n + 1) * 4], base[0, n * 4:(n + 1) * 4], atol=1e-5)
+            earlier = feats.clone()
+            earlier[:, : max(anchor - 1, 1)] += 5.0
+            assert not torch.allclose(draft_block_logits(draft, target, earlier, blocks.anchors, blocks.keep,
+                                                         blocks.block_ids)[0, n * 4:(n + 1) * 4],
+                                      base[0, n * 4:(n + 1) * 4])  # the context before it is read
+
+
+def test_speculative_decoding_equals_target_greedy(pair):
+    target, draft = pair
+    for prompt in ([1, 2, 3], [5, 9, 9, 4, 2, 7]):
+        spec = speculative_generate(target, draft, prompt, max_new_tokens=20)
+        assert spec.tokens == greedy_generate(target, prompt, 20)
+        assert 1 <= spec.tau <= draft.config.block_size and len(spec.acceptance) == spec.target_forwards - 1
+
+
+def test_perfect_proposals_are_all_accepted(pair, monkeypatch):
+    """A draft that proposes exactly the target's greedy tokens gets τ = block size (the last cycle may cut)."""
+    import strategies.dflash as dflash
+
+    target, draft = pair
+    prompt = [3, 1, 4]
+    truth = greedy_generate(target, prompt, 40)
+
+    def oracle(draft_, target_, ctx, anchors, keep, block_ids):
+        start = int(anchors[0, 0]) - len(prompt) + 1  # proposals follow the anchor's generated index
+        logits = torch.full((1, 4, 64), -10.0)
+        for j in range(1, 4):
+            logits[0, j, truth[min(start + j - 1, len(truth) - 1)]] = 10.0
+        return logits
+
+    monkeypatch.setattr(dflash, "draft_block_logits", oracle)
+    spec = speculative_generate(target, draft, prompt, max_new_tokens=40)
+    assert spec.tokens == truth and spec.acceptance[:-1] == [4] * (len(spec.acceptance) - 1)
+
+
+def test_acceptance_proxy_from_teacher_forced_correctness():
+    correct = torch.tensor([[1, 1, 0, 1, 0, 1]], dtype=torch.bool)  # two blocks of bs = 4
+    mask = torch.ones(1, 6)
+    tau, acc = acceptance_from_correct(correct, mask, 4)
+    assert tau == (3 + 2) / 2 and acc == [1.0, 0.5, 0.5]  # runs of 2 and 1 correct proposals
+
+
+def test_draft_checkpoint_round_trip(pair, tmp_path):
+    _, draft = pair
+    draft.save(tmp_path / "draft")
+    loaded = DFlashDraftModel.load(tmp_path / "draft")
+    assert loaded.config == draft.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), draft.state_dict().values()))
+    with pytest.raises(FileNotFoundError, match="not a DFlash draft checkpoint"):
+        DFlashDraftModel.load(tmp_path)
