@@ -29,9 +29,11 @@ class Microbatch:
     input_ids: Tensor
     loss_mask: Tensor
     attention_mask: Tensor
+    row_ids: Tensor | None = None  # the rows' indices in their split (cached per-row features, e.g. DFlash)
 
     def to(self, device: torch.device | str) -> "Microbatch":
-        return Microbatch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device))
+        return Microbatch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
+                          self.row_ids)
 
 
 @dataclass(frozen=True)

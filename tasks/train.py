@@ -179,7 +179,7 @@ def step_context(trainee: Trainee, spec: PipelineSpec, step: int, base_seed: int
 def microbatches(ids, loss, attn, rows, micro: int, device: str):
     from strategies import Microbatch
 
-    return [Microbatch(ids[c], loss[c], attn[c]).to(device) for c in rows.split(micro)]
+    return [Microbatch(ids[c], loss[c], attn[c], c).to(device) for c in rows.split(micro)]
 
 
 def run_step(trainee: Trainee, ctx, mbs, is_train: bool) -> tuple[float, int]:

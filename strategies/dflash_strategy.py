@@ -1,0 +1,157 @@
+"""`dflash` strategy (spec §8.5, §10): train a block-diffusion draft against a frozen causal target.
+
+The trained model is the `DFlashDraftModel`; the target (frozen: eval, no grad) lends its input
+embedding and LM head and its hidden states at `target_layer_ids` as the draft's context. Features
+come from a `FeatureSource`: `OnlineFeatures` runs the target each step (as the reference does),
+`CachedFeatures` reads the rows' features from the memory-mapped shards the `cache_target` stage
+wrote. Both give the same loss on the same batch (tested).
+
+Anchors are drawn per row from generators seeded by (base seed, step, global sample index), like
+every other strategy's noise (fix G5), and the DFlash mask is always applied (fix G1).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, _get
+from strategies.corruption import corrupt_uniform
+from strategies.dflash import (DFlashDecayLoss, _embed_and_head, block_position_ids, create_dflash_sdpa_mask,
+                               default_gamma, sample_anchor_blocks, target_features)
+from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss
+from strategies.seeding import seeded_generator
+
+
+class OnlineFeatures:
+    """Target forward over the micro-batch's rows every step."""
+
+    def __init__(self, target: nn.Module, layer_ids: list[int]):
+        self.target, self.layer_ids = target, list(layer_ids)
+
+    @torch.no_grad()
+    def __call__(self, mb: Microbatch, split: str = "train") -> Tensor:
+        return target_features(self.target, mb.input_ids, self.layer_ids)[0]
+
+
+class CachedFeatures:
+    """Per-row features `[L, n·H]` from safetensors shards, opened lazily (memory-mapped)."""
+
+    INDEX = "index.json"
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        index = self.root / self.INDEX
+        if not index.is_file():
+            raise FileNotFoundError(f"{self.root} holds no target-feature cache ({self.INDEX} missing); rerun cache_target")
+        self.index = json.loads(index.read_text())
+        self.layer_ids = self.index["layer_ids"]
+        self._handles: dict[str, Any] = {}
+
+    def _rows(self, split: str):
+        if split not in self.index["splits"]:
+            raise KeyError(f"the target-feature cache has no {split!r} split")
+        return self.index["splits"][split]
+
+    def __call__(self, mb: Microbatch, split: str = "train") -> Tensor:
+        from safetensors import safe_open
+
+        if mb.row_ids is None:
+            raise ValueError("cached DFlash features need each micro-batch's row ids (Microbatch.row_ids)")
+        shards = self._rows(split)
+        out = []
+        for row in mb.row_ids.tolist():
+            shard = next(s for s in shards if s["start"] <= row < s["start"] + s["rows"])
+            handle = self._handles.get(shard["file"])
+            if handle is None:
+                handle = self._handles[shard["file"]] = safe_open(str(self.root / shard["file"]), framework="pt")
+            out.append(handle.get_slice("features")[row - shard["start"]])
+        return torch.stack(out).to(mb.input_ids.device)
+
+
+class DFlashStrategy(DLLMStrategy):
+    name = "dflash"
+    sampler_name = "dflash_speculative"
+
+    def __init__(self) -> None:
+        self.block_size: int | None = None
+        self.num_blocks, self.overlap = 1, True
+        self.loss: DFlashDecayLoss | None = None
+        self.target: nn.Module | None = None
+        self.features = None
+        self.split = "train"
+
+    def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
+        """A placeholder (spec §8.5): the real `DFlashDecayLoss` needs the block size, set in `setup_extra`."""
+        self.block_size = _get(dllm_cfg, "block_size", None)
+        self.num_blocks = int(_get(dllm_cfg, "num_blocks_per_sample", 1) or 1)
+        self.overlap = bool(_get(dllm_cfg, "overlap_anchors", True))
+        self._gamma = _get(dllm_cfg, "loss_decay_gamma", None)
+        self._chunk = int(_get(dllm_cfg, "ce_chunk_size", 1024) or 1024)
+        return MDLMCrossEntropyLoss()
+
+    def setup_extra(self, setup: SetupContext) -> int | None:
+        target = setup.extras.get("target")
+        if target is None:
+            raise ValueError("dflash.target_model_id must be set in config.")
+        _embed_and_head(target)  # raises when the target lacks embeddings or an LM head
+        self.target = target.eval().requires_grad_(False)
+        draft_bs = getattr(getattr(setup.model, "config", None), "block_size", None)
+        bs = self.block_size if self.block_size and self.block_size > 0 else draft_bs
+        if bs is None:
+            raise ValueError("Cannot infer block_size from draft config. Set dflash.block_size in the YAML.")
+        if bs < 2:
+            raise ValueError("dflash.block_size must be at least 2.")
+        self.block_size = int(bs)
+        gamma = float(self._gamma) if self._gamma and self._gamma > 0 else default_gamma(self.block_size)
+        self.loss = DFlashDecayLoss(gamma, use_fused_linear_ce=True, chunk_size=self._chunk)
+        self.features = setup.extras.get("features") or OnlineFeatures(target, setup.model.config.target_layer_ids)
+        return setup.mask_token_id
+
+    # ------------------------------------------------------------------ interface-only hooks (spec §8.5)
+
+    def apply_corruption(self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio,
+                         generator=None):
+        return corrupt_uniform(input_ids, loss_mask, mask_token_id, eps=eps, generator=generator)
+
+    def prepare_batch(self, batch, noisy, noise_mask, clean):
+        return batch
+
+    # ------------------------------------------------------------------ the step
+
+    def pre_step(self, ctx: StepContext, microbatches: list[Microbatch]) -> tuple[list[CorruptedBatch], int, int]:
+        """Anchors (per-row seeded) and target features for every micro-batch; counts = Σ block_mask."""
+        out, total = [], 0
+        for i, mb in enumerate(microbatches):
+            gens = [seeded_generator(seed, "cpu") for seed in self.row_seeds(ctx, mb, i)]
+            blocks = sample_anchor_blocks(mb.input_ids, mb.attention_mask, mb.loss_mask, block_size=self.block_size,
+                                          num_blocks=self.num_blocks, mask_token_id=ctx.mask_token_id,
+                                          overlap=self.overlap, generators=gens)
+            feats = self.features(mb, self.split)
+            extras = {"anchors": blocks.anchors, "keep": blocks.keep, "block_ids": blocks.block_ids,
+                      "targets": blocks.targets, "block_mask": blocks.block_mask, "features": feats}
+            out.append(CorruptedBatch(mb.input_ids, mb.input_ids, torch.zeros_like(mb.loss_mask, dtype=torch.bool),
+                                      torch.ones_like(mb.loss_mask, dtype=torch.float32), mb.loss_mask,
+                                      mb.attention_mask, extras))
+            total += int(blocks.block_mask.sum())
+        return out, total, total
+
+    def forward_backward(self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int,
+                         num_ar_tokens: int, is_train: bool) -> DLLMLossOutput:
+        e, bs = batch.extras, self.block_size
+        emb, head = _embed_and_head(self.target)
+        feats = e["features"].to(next(ctx.model.parameters()).dtype)  # a bf16/fp16 cache feeds an fp32 draft
+        noise = emb(e["block_ids"]).to(feats.dtype)
+        positions = block_position_ids(e["anchors"], feats.shape[1], bs)
+        mask = create_dflash_sdpa_mask(e["anchors"], e["keep"], feats.shape[1], bs, dtype=noise.dtype)  # always (G1)
+        h = ctx.model(feats, noise, positions, mask)
+        b, n = e["anchors"].shape
+        pred = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
+        out = self.loss.forward_fused(pred, head.weight, e["targets"], e["block_mask"], num_tokens=num_diffusion_tokens,
+                                      block_size=bs, lm_head_bias=getattr(head, "bias", None))
+        if is_train:
+            (out.total_loss * ctx.loss_scale).backward()
+        return out
