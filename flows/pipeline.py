@@ -19,7 +19,7 @@ from dllm_common.runs import RunRecord
 from tasks.common import StageRef, check_workdir
 from tasks.evaluate import evaluate_task
 from tasks.prepare_data import prepare_data_task
-from tasks.report import report_task
+from tasks.report import publish_report, report_task
 from tasks.train import check_strategies, train_remote_task, train_task
 
 
@@ -123,5 +123,7 @@ def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str)
     rep = _run_stage(record, wd, storage, "report", report_task, pipeline_name=spec.pipeline.name, trained=trained,
                      evaluated=evaluated, workdir=workdir, parent_run_id=parent_run_id,
                      tracking_uri=spec.tracking.uri, experiment=spec.tracking.experiment)
+    publish_report(rep, trained, evaluated, workdir, parent_run_id, spec.tracking.uri,
+                   spec.tracking.experiment or spec.pipeline.name)
     return {"run_id": record.run_id, "report": str(Path(rep.path) / "report.md"),
             "stages": {s.name: s.status for s in record.stages}}

@@ -26,6 +26,12 @@ def stage_of(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
     return STAGE, key
 
 
+def eval_artifact_path(key: str) -> str:
+    """Each evaluation's artifacts under its own folder of the trained model's run: re-evaluating a
+    model (another eval setting) never overwrites what an earlier pipeline run's report read."""
+    return f"eval/{key[:12]}"
+
+
 def ratio_with_se(sums: list[float], counts: list[int]) -> tuple[float, float]:
     """r = ΣS/Σn and its delta-method standard error over rows."""
     n = len(sums)
@@ -221,8 +227,8 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
         tracker.log_metrics(metrics, step=spec.train.steps)
         for point in curve:  # the quality-vs-NFE curve, one MLflow step per step budget
             tracker.log_metrics({f"eval_curve/{k}": v for k, v in point.items() if k != "steps"}, step=point["steps"])
-        for name in ("samples.txt", "curve.json", "repro_card.json"):
-            tracker.log_artifact(entry.path / name, "eval")
+        for name in ("metrics.json", "samples.txt", "curve.json", "repro_card.json"):
+            tracker.log_artifact(entry.path / name, eval_artifact_path(key))
         tracker.close()
     return _ref(entry, strategy, reused=False)
 

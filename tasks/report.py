@@ -1,8 +1,8 @@
 """Stage `report`: the strategies of one pipeline run side by side, rendered from MLflow alone.
 
-The parent MLflow run records which child run evaluated each strategy (tag `dllm.report_runs`);
-everything else (final metrics, metric histories, the quality-vs-NFE curve, reproducibility cards,
-samples) is read back from those runs, so `dllm-flow report RUN_ID` re-renders the same report on any
+The parent MLflow run records, per strategy, the trained model's run and the folder of the
+evaluation it compared (tag `dllm.report_runs`); everything else (the evaluation's metrics,
+quality-vs-NFE curve, reproducibility card and samples, the val/loss history) is read back from there, so `dllm-flow report RUN_ID` re-renders the same report on any
 machine that can reach the tracking store. Output: `report.md` (comparison table, curve table,
 comparability flags, samples) and PNGs (training curves, NELBO with error bars, generative perplexity
 vs entropy, quality vs NFE), written to the store, copied to the workdir and logged to the parent run.
@@ -33,17 +33,22 @@ def stage_of(pipeline_name: str, trained: list[StageRef], evaluated: list[StageR
 
 
 def collect_rows(client, runs: list[dict]) -> list[dict]:
-    """One row per `{strategy, run_id}`: metrics, val/loss history and the evaluation artifacts."""
+    """One row per `{strategy, run_id, eval_artifacts}`: the evaluation's own metrics and artifacts
+    (its folder in the trained model's run) and the run's val/loss history and final value."""
     rows = []
     for item in runs:
         run = client.get_run(item["run_id"])
-        m = run.data.metrics
         history = sorted((h.step, h.value) for h in client.get_metric_history(item["run_id"], "val/loss"))
         with tempfile.TemporaryDirectory() as tmp:
-            local = Path(client.download_artifacts(item["run_id"], "eval", tmp))
+            local = Path(client.download_artifacts(item["run_id"], item.get("eval_artifacts", "eval"), tmp))
             artifacts = {name: (local / name).read_text() if (local / name).is_file() else None
-                         for name in ("curve.json", "repro_card.json", "samples.txt")}
-        rows.append({"strategy": item["strategy"], "run_id": item["run_id"], "metrics": dict(m),
+                         for name in ("metrics.json", "curve.json", "repro_card.json", "samples.txt")}
+        m = {k: v for k, v in run.data.metrics.items() if not k.startswith("eval")}  # training side
+        if artifacts["metrics.json"]:
+            m.update(json.loads(artifacts["metrics.json"]))
+        else:  # an evaluation logged before per-evaluation folders: the run's latest values
+            m = dict(run.data.metrics)
+        rows.append({"strategy": item["strategy"], "run_id": item["run_id"], "metrics": m,
                      "val_history": history,
                      "curve": json.loads(artifacts["curve.json"]) if artifacts["curve.json"] else [],
                      "card": json.loads(artifacts["repro_card.json"]) if artifacts["repro_card.json"] else {},
@@ -216,16 +221,25 @@ def render_from_mlflow(client, parent_run_id: str, out: Path) -> Path:
     return out / "report.md"
 
 
+def report_runs(trained: list[StageRef], evaluated: list[StageRef]) -> list[dict]:
+    """Per strategy: the trained model's MLflow run and the folder of the evaluation being compared."""
+    from tasks.evaluate import eval_artifact_path
+
+    return [{"strategy": t.stage.split("[")[1].rstrip("]"), "run_id": t.mlflow_run_id,
+             "eval_artifacts": eval_artifact_path(e.key)} for t, e in zip(trained, evaluated)]
+
+
 def report(pipeline_name: str, trained: list[StageRef], evaluated: list[StageRef], workdir: str,
            parent_run_id: str | None = None, tracking_uri: str | None = None, experiment: str | None = None) -> StageRef:
+    """Render the report into the store (cached by the upstream keys). `publish_report` then hands it
+    to the workdir and the parent run, for reused reports too."""
     from dllm_common.tracking import Tracking
 
     if parent_run_id is None:
         raise ValueError("the report stage needs the pipeline's parent MLflow run (it renders from MLflow)")
     tracking = Tracking(Path(workdir), tracking_uri, experiment or pipeline_name)
-    runs = [{"strategy": t.stage.split("[")[1].rstrip("]"), "run_id": t.mlflow_run_id} for t in trained]
-    tracker = tracking.reopen(parent_run_id)
-    tracker.set_tags({RUNS_TAG: json.dumps(runs)})
+    runs = report_runs(trained, evaluated)
+    tracking.client.set_tag(parent_run_id, RUNS_TAG, json.dumps(runs))
     store = store_for(workdir)
     stage, key = stage_of(pipeline_name, trained, evaluated, workdir)
     hit = store.lookup(stage, key)
@@ -233,15 +247,26 @@ def report(pipeline_name: str, trained: list[StageRef], evaluated: list[StageRef
         with store.publish(STAGE, key, {"runs": runs}) as tmp:
             render_from_mlflow(tracking.client, parent_run_id, tmp)
         hit = store.lookup(stage, key)
-    atomic_write_text(Path(workdir) / "report.md", (hit.path / "report.md").read_text())
-    for png in hit.path.glob("*.png"):
+    return StageRef(STAGE, key, str(hit.path), reused=False)
+
+
+def publish_report(ref: StageRef, trained: list[StageRef], evaluated: list[StageRef], workdir: str,
+                   parent_run_id: str, tracking_uri: str | None, experiment: str) -> None:
+    """Tag the parent run with what it compared, copy report.md and the PNGs into the workdir
+    (atomically) and log them to the parent run."""
+    from dllm_common.tracking import Tracking
+
+    tracking = Tracking(Path(workdir), tracking_uri, experiment)
+    tracking.client.set_tag(parent_run_id, RUNS_TAG, json.dumps(report_runs(trained, evaluated)))
+    path = Path(ref.path)
+    atomic_write_text(Path(workdir) / "report.md", (path / "report.md").read_text())
+    for png in path.glob("*.png"):
         tmp_png = Path(workdir) / f".{png.name}.tmp"
         shutil.copyfile(png, tmp_png)
         tmp_png.replace(Path(workdir) / png.name)
-    for f in sorted(hit.path.iterdir()):
+    for f in sorted(path.iterdir()):
         if f.suffix in (".md", ".png", ".json") and f.name != MANIFEST:
-            tracker.log_artifact(f, "report")
-    return StageRef(STAGE, key, str(hit.path), reused=False)
+            tracking.client.log_artifact(parent_run_id, str(f), "report")
 
 
 report_task = prefect_task(report, name="report", stage_of=stage_of)

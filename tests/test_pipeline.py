@@ -67,8 +67,9 @@ def test_mlflow_lineage(smoke_run):
     assert dataset.digest and dataset.name.startswith("smoke-")
     model_files = {f.path for f in client.list_artifacts(child.info.run_id, "model")}
     assert {"model/model.safetensors", "model/config.json", "model/tokenizer.json", "model/digests.json"} <= model_files
-    assert [f.path for f in client.list_artifacts(child.info.run_id, "eval")] == [
-        "eval/curve.json", "eval/repro_card.json", "eval/samples.txt"]
+    (folder,) = client.list_artifacts(child.info.run_id, "eval")  # one folder per evaluation
+    assert [f.path.split("/")[-1] for f in client.list_artifacts(child.info.run_id, folder.path)] == [
+        "curve.json", "metrics.json", "repro_card.json", "samples.txt"]
     for key in ("eval/entropy", "eval/nfe", "eval/tokens_per_forward", "eval/tokens_per_s"):
         assert key in child.data.metrics, key
     nfe_steps = [m.step for m in client.get_metric_history(child.info.run_id, "eval_curve/nfe")]
@@ -121,10 +122,17 @@ def test_rerun_reuses_everything_then_eval_change_reruns_only_eval(smoke_run):
     assert again.returncode == 0, again.stderr[-3000:]
     assert set(stage_status(latest_record(workdir)).values()) == {"REUSED"}
     assert "train[mdlm]: reused" in again.stdout
+    first_run, first_report = latest_record(workdir)["run_id"], (workdir / "report.md").read_text()
     changed = cli("run", "configs/smoke.yaml", "--set", "eval.t_samples=3", workdir=workdir)
     assert changed.returncode == 0, changed.stderr[-3000:]
     assert stage_status(latest_record(workdir)) == {"prepare_data": "REUSED", "train[mdlm]": "REUSED",
                                                     "evaluate[mdlm]": "COMPLETED", "report": "COMPLETED"}
+    # the re-evaluation logged into the same trained-model run, yet each pipeline run's report re-renders
+    # its own evaluation's numbers
+    table = lambda text: [ln for ln in text.splitlines() if ln.startswith("| mdlm |")][0]  # noqa: E731
+    assert table((workdir / "report.md").read_text()) != table(first_report)
+    out = cli("report", first_run, "--out", str(workdir / "again"), workdir=workdir)
+    assert out.returncode == 0 and table((workdir / "again" / "report.md").read_text()) == table(first_report)
 
 
 def test_corrupt_checkpoint_fails_evaluation_clearly(smoke_run):
