@@ -173,6 +173,17 @@ def _row_windows(x: Tensor, starts: list[int], lo: int, hi: int) -> Tensor:
     return window
 
 
+def _per_row_result(prompts: list[list[int]], generated: list[Tensor], gen_len: int, eos_token_id: int | None,
+                    pad_token_id: int, device, forwards: int) -> SampleResult:
+    """The canvas of samplers that decode one row at a time: each prompt then what it generated, the
+    rest EOS (or pad); NFE is the forwards per sequence."""
+    fill = eos_token_id if eos_token_id is not None else pad_token_id
+    out, _, starts, width = _canvas(prompts, gen_len, fill, pad_token_id, eos_token_id, device)  # nothing masked
+    for row, (start, ids) in enumerate(zip(starts, generated)):
+        out[row, start: start + len(ids)] = ids
+    return SampleResult(out, starts, width, forwards / len(prompts))
+
+
 @torch.no_grad()
 def infill_sample(denoise: Denoiser, sequences: list[list[int]], *, mask_token_id: int, pad_token_id: int,
                   config: SamplerConfig, generator: torch.Generator | None = None,
@@ -206,13 +217,10 @@ def hybrid_sample(model, prompts: list[list[int]], *, mask_token_id: int, pad_to
     gen_len, bs = config.max_new_tokens, min(config.block_size, config.max_new_tokens)
     n_blocks = math.ceil(gen_len / bs)
     steps_per_block = max(1, math.ceil(config.steps / n_blocks))
-    width = max(len(p) for p in prompts)
     eos = config.eos_token_id
-    fill = eos if eos is not None else pad_token_id
-    out = torch.full((len(prompts), width + gen_len), fill, dtype=torch.long, device=device)
     denoise = lambda x, attn: model(input_ids=x).logits  # noqa: E731  (diffusion branch, ids carry [MASK])
-    nfe = 0
-    for row, prompt in enumerate(prompts):
+    nfe, rows = 0, []
+    for prompt in prompts:
         context = torch.tensor(prompt, dtype=torch.long, device=device)[None]
         for b in range(n_blocks):
             size = min(bs, gen_len - b * bs)
@@ -231,10 +239,8 @@ def hybrid_sample(model, prompts: list[list[int]], *, mask_token_id: int, pad_to
                 on_block(context)
             if eos is not None and bool((x[0, len(prompt):] == eos).any()):
                 break
-        generated = context[0, len(prompt):]
-        out[row, : len(prompt)] = context[0, : len(prompt)]
-        out[row, len(prompt): len(prompt) + len(generated)] = generated
-    return SampleResult(out, [len(p) for p in prompts], width, nfe / len(prompts))
+        rows.append(context[0, len(prompt):])
+    return _per_row_result(prompts, rows, gen_len, eos, pad_token_id, device, nfe)
 
 
 @torch.no_grad()
@@ -344,11 +350,8 @@ def block_canvas_sample(model, prompts: list[list[int]], *, vocab_size: int, blo
     gen_len = config.max_new_tokens
     n_blocks = math.ceil(gen_len / block_size)
     steps = max(1, config.steps // n_blocks)
-    width = max(len(p) for p in prompts)
-    fill = config.eos_token_id if config.eos_token_id is not None else pad_token_id
-    out = torch.full((len(prompts), width + gen_len), fill, dtype=torch.long, device=device)
-    nfe = 0
-    for row, prompt in enumerate(prompts):
+    nfe, rows = 0, []
+    for prompt in prompts:
         context = torch.tensor(prompt, dtype=torch.long, device=device)
         produced: list[Tensor] = []
         for _ in range(n_blocks):
@@ -383,7 +386,5 @@ def block_canvas_sample(model, prompts: list[list[int]], *, vocab_size: int, blo
                 on_block(context[None])
             if config.eos_token_id is not None and bool((canvas == config.eos_token_id).any()):
                 break
-        generated = torch.cat(produced)[:gen_len]
-        out[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
-        out[row, len(prompt): len(prompt) + len(generated)] = generated
-    return SampleResult(out, [len(p) for p in prompts], width, nfe / len(prompts))
+        rows.append(torch.cat(produced)[:gen_len])
+    return _per_row_result(prompts, rows, gen_len, config.eos_token_id, pad_token_id, device, nfe)
