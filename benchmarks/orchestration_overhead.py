@@ -38,7 +38,7 @@ spec, wd = load_config("configs/smoke.yaml"), sys.argv[1]
 data = prepare_data(spec, wd)
 trained = [train(spec, s, data, wd) for s in spec.pipeline.strategies]
 evaluated = [evaluate(spec, s, t, data, wd) for s, t in zip(spec.pipeline.strategies, trained)]
-report(spec.pipeline.name, trained, evaluated, wd, parent_run_id=None, tracking_uri=spec.tracking.uri,
+report(spec.pipeline.name, trained, evaluated, wd, tracking_uri=spec.tracking.uri,
        experiment=spec.tracking.experiment)
 """
 

@@ -121,8 +121,8 @@ def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str)
         trained.append(t)
         evaluated.append(e)
     rep = _run_stage(record, wd, storage, "report", report_task, pipeline_name=spec.pipeline.name, trained=trained,
-                     evaluated=evaluated, workdir=workdir, parent_run_id=parent_run_id,
-                     tracking_uri=spec.tracking.uri, experiment=spec.tracking.experiment)
+                     evaluated=evaluated, workdir=workdir, tracking_uri=spec.tracking.uri,
+                     experiment=spec.tracking.experiment)
     publish_report(rep, trained, evaluated, workdir, parent_run_id, spec.tracking.uri,
                    spec.tracking.experiment or spec.pipeline.name)
     return {"run_id": record.run_id, "report": str(Path(rep.path) / "report.md"),

@@ -212,10 +212,14 @@ def render_from_mlflow(client, parent_run_id: str, out: Path) -> Path:
         runs = [{"strategy": c.data.tags.get("strategy", c.info.run_name), "run_id": c.info.run_id} for c in children]
     if not runs:
         raise FileNotFoundError(f"MLflow run {parent_run_id} has no evaluated strategies to report")
+    return render_runs(client, runs, parent.data.tags.get("dllm.pipeline", parent.info.run_name), out)
+
+
+def render_runs(client, runs: list[dict], title: str, out: Path) -> Path:
+    """report.md, report.json and the PNGs for `runs` (`report_runs` entries), read from MLflow."""
     rows = collect_rows(client, runs)
     out.mkdir(parents=True, exist_ok=True)
     plots = render_plots(rows, out)
-    title = parent.data.tags.get("dllm.pipeline", parent.info.run_name)
     (out / "report.md").write_text(render_markdown(title, rows, card_mismatches(rows), plots))
     (out / "report.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "samples"} for r in rows], indent=2))
     return out / "report.md"
@@ -230,22 +234,23 @@ def report_runs(trained: list[StageRef], evaluated: list[StageRef]) -> list[dict
 
 
 def report(pipeline_name: str, trained: list[StageRef], evaluated: list[StageRef], workdir: str,
-           parent_run_id: str | None = None, tracking_uri: str | None = None, experiment: str | None = None) -> StageRef:
-    """Render the report into the store (cached by the upstream keys). `publish_report` then hands it
-    to the workdir and the parent run, for reused reports too."""
+           tracking_uri: str | None = None, experiment: str | None = None) -> StageRef:
+    """Render the report into the store (cached by the upstream keys) from the strategies' MLflow runs.
+    `publish_report` then tags the parent run and hands the report to the workdir and the parent,
+    for reused reports too; `dllm-flow report RUN_ID` renders the same runs again from that tag."""
     from dllm_common.tracking import Tracking
 
-    if parent_run_id is None:
-        raise ValueError("the report stage needs the pipeline's parent MLflow run (it renders from MLflow)")
-    tracking = Tracking(Path(workdir), tracking_uri, experiment or pipeline_name)
     runs = report_runs(trained, evaluated)
-    tracking.client.set_tag(parent_run_id, RUNS_TAG, json.dumps(runs))
+    missing = [r["strategy"] for r in runs if not r["run_id"]]
+    if missing:
+        raise ValueError(f"the report renders from MLflow, but train[{', '.join(missing)}] has no MLflow run")
     store = store_for(workdir)
     stage, key = stage_of(pipeline_name, trained, evaluated, workdir)
     hit = store.lookup(stage, key)
     if hit is None:
+        client = Tracking(Path(workdir), tracking_uri, experiment or pipeline_name).client
         with store.publish(STAGE, key, {"runs": runs}) as tmp:
-            render_from_mlflow(tracking.client, parent_run_id, tmp)
+            render_runs(client, runs, pipeline_name, tmp)
         hit = store.lookup(stage, key)
     return StageRef(STAGE, key, str(hit.path), reused=False)
 
