@@ -133,11 +133,9 @@ def dflash_visibility(anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len
 def create_dflash_sdpa_mask(anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int,
                             device=None, dtype: torch.dtype = torch.float32, causal: bool = False) -> Tensor:
     """Additive DFlash mask [B, 1, N·bs, S + N·bs]: 0 where visible, −inf elsewhere (spec §6.2)."""
-    visible = dflash_visibility(anchor_positions.to(device) if device else anchor_positions,
-                                block_keep_mask.to(anchor_positions.device if device is None else device),
-                                ctx_len, block_size, causal)
-    zero = torch.zeros((), dtype=dtype, device=visible.device)
-    return torch.where(visible, zero, torch.tensor(-math.inf, dtype=dtype, device=visible.device))[:, None]
+    anchors = anchor_positions.to(device) if device is not None else anchor_positions
+    visible = dflash_visibility(anchors, block_keep_mask.to(anchors.device), ctx_len, block_size, causal)
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, -math.inf)[:, None]
 
 
 def build_dflash_mask_mod(anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int,

@@ -129,15 +129,16 @@ def sample_quality(strategy, model, tokenizer, mask_token_id: int, spec: Pipelin
     e = spec.eval
     texts = list(e.prompts[: e.num_samples]) or ["O"]
     prompts = encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")
+    budgets = e.budgets()
     headline, curve, samples_text = {}, [], ""
-    for steps in e.budgets():
+    for steps in budgets:
         ids, stats = draw_samples(strategy, model, tokenizer, mask_token_id, spec, prompts, steps, device)
         decoded = [tokenizer.decode(i) for i in ids]
         point = {"steps": steps, **{k.split("/")[1]: v for k, v in stats.items()}, "entropy": mean_entropy(ids)}
         if scorer is not None:
             point["gen_ppl"], point["gen_ppl_tokens"] = generative_perplexity(*scorer, list(zip(texts, decoded)))
         curve.append(point)
-        if steps == e.budgets()[0]:
+        if steps == budgets[0]:
             headline = {f"eval/{k}": v for k, v in point.items() if k not in ("steps", "gen_ppl_tokens")}
             samples_text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
     return headline, curve, samples_text

@@ -99,6 +99,7 @@ def generate(model, tokenizer, strategy, mask_id: int, prompt: str, sampler: str
     import torch
 
     from strategies.sampling import absorbing_sample, infill_sample, trim_at_eos
+    from tasks.evaluate import encode_prompts
 
     gen = torch.Generator(device=device).manual_seed(seed)
     eos = tokenizer.eos_token_id
@@ -119,11 +120,7 @@ def generate(model, tokenizer, strategy, mask_id: int, prompt: str, sampler: str
         if stream:
             stream(text)
         return Generated(text, res.nfe, ids.count(mask_id), seconds)
-    if chat:
-        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                                   add_generation_prompt=True, return_dict=True)["input_ids"]
-    else:
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    prompt_ids = encode_prompts(tokenizer, [prompt], chat)[0]
     if not prompt_ids:
         raise ValueError("--prompt is empty after tokenization; give some text")
     shown = [""]
