@@ -244,6 +244,58 @@ class DLLMConfig(_Section):
         return DLLMConfig.model_validate(merged)
 
 
+class PretrainTargetConfig(_Section):
+    """The embedded default's DFlash target: a small causal LM trained on the prepared data by the
+    `pretrain_target` stage. Its hidden size is the draft's (`model.hidden_size`): the draft reads
+    the target's embeddings and writes through its LM head."""
+
+    family: Literal["llama", "qwen3"] = "llama"
+    num_layers: int = Field(6, ge=1)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int | None = None
+    steps: int = Field(600, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(30, ge=0)
+    seed: int = 0
+    val_every: int = Field(100, ge=1)
+    val_rows: int = Field(128, ge=1)
+    log_every: int = Field(10, ge=1)
+
+
+class DFlashConfig(_Section):
+    """DFlash options (spec §12.2) plus where its target and features come from."""
+
+    # local dir, hub id (with hub access) or `package:NAME`; None → the `pretrain_target` stage trains one
+    target_model_id: str | None = None
+    target_gguf_file: str | None = None  # a GGUF file inside target_model_id, converted once into the store
+    target_torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    target_trust_remote_code: bool = False
+    pretrain: PretrainTargetConfig = PretrainTargetConfig()
+    block_size: int = Field(0, ge=0)  # 0 → the draft checkpoint's
+    loss_decay_gamma: float = 0.0  # ≤ 0 → the paper's γ for the block size
+    num_blocks_per_sample: int = Field(1, ge=1)
+    attention_backend: Literal["sdpa", "flex_attention"] = "sdpa"
+    overlap_anchors: bool = True
+    use_fused_linear_ce: bool = True
+    ce_chunk_size: int = Field(1024, ge=1)
+    target_layer_ids: tuple[int, ...] | None = None  # None → _build_target_layer_ids(target, draft layers)
+    target_features: Literal["cached", "online"] = "cached"  # cached: the cache_target stage; online: a target forward per step
+    cache_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # speculative decoding at evaluation: held-out prompts = the first `eval_prompt_len` tokens of val rows
+    eval_prompts: int = Field(16, ge=1)
+    eval_prompt_len: int = Field(16, ge=1)
+    eval_max_new_tokens: int = Field(48, ge=1)
+
+    @model_validator(mode="after")
+    def _block(self) -> "DFlashConfig":
+        if self.block_size == 1:
+            raise ValueError("dflash.block_size must be at least 2 (or 0 to read it from the draft checkpoint)")
+        if self.target_gguf_file and not self.target_model_id:
+            raise ValueError("dflash.target_gguf_file needs dflash.target_model_id (the directory that holds it)")
+        return self
+
+
 class PipelineSpec(_Section):
     """A whole pipeline: what `dllm-flow run CONFIG` executes."""
 
@@ -255,6 +307,7 @@ class PipelineSpec(_Section):
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
     dllm: DLLMConfig = DLLMConfig()
+    dflash: DFlashConfig = DFlashConfig()
 
 
 # ---------------------------------------------------------------- loading and errors

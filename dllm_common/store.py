@@ -81,6 +81,22 @@ class Store:
         """Resumable scratch space of an unfinished stage (kept across crashes)."""
         return self.root / stage / f"{key}.work"
 
+    @contextlib.contextmanager
+    def lock(self, stage: str, key: str) -> Iterator[None]:
+        """Exclusive cross-process lock on one entry (`fcntl.flock` on `<stage>/<key>.lock`), so two
+        workers never compute the same expensive entry: the second waits, then finds it published.
+        The kernel drops the lock when its holder dies, so a crashed worker never wedges the store."""
+        import fcntl
+
+        path = self.root / stage / f"{key}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
     def lookup(self, stage: str, key: str) -> StageEntry | None:
         path = self.entry_dir(stage, key)
         if (path / MANIFEST).is_file():

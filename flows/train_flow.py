@@ -16,9 +16,12 @@ from tasks.train import train
 
 
 @flow(name="dllm-train")
-def dllm_train(spec: dict, strategy: str, data: dict, workdir: str, parent_run_id: str | None = None) -> dict:
-    """Train one strategy on prepared data (or reuse / resume it) and return the train stage's descriptor."""
+def dllm_train(spec: dict, strategy: str, data: dict, workdir: str, parent_run_id: str | None = None,
+               inputs: dict | None = None) -> dict:
+    """Train one strategy on prepared data (or reuse / resume it) and return the train stage's descriptor.
+    `inputs`: descriptors of further upstream stages (dflash: `target`, `features`)."""
     resolved = validate_config(spec, "deployment parameters")
     check_workdir(workdir)
-    ref = train(resolved, strategy, StageRef(**data), workdir, parent_run_id)
+    ref = train(resolved, strategy, StageRef(**data), workdir, parent_run_id,
+                {name: StageRef(**value) for name, value in (inputs or {}).items()})
     return asdict(ref)

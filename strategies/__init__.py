@@ -13,6 +13,7 @@ from strategies.scdd import SCDDLoss, SCDDSchedule, scdd_schedule
 from strategies.dflash import (DFlashDecayLoss, DFlashDraftModel, _build_target_layer_ids, create_dflash_block_mask,
                                create_dflash_sdpa_mask, sample_anchor_blocks, speculative_generate)
 from strategies.block_diffusion_strategy import BlockDiffusionStrategy, build_response_window
+from strategies.dflash_strategy import DFlashStrategy
 from strategies.hybrid_strategy import HybridStrategy
 from strategies.idlm_strategy import IDLMStrategy
 from strategies.scdd_strategy import SCDDStrategy
@@ -29,4 +30,5 @@ __all__ = [
     "corrupt_uniform", "corrupt_uniform_random", "corruption_sample_seed", "gumbel_topk", "scdd_grid_times",
     "get_dllm_strategy", "per_token_nll", "DFlashDecayLoss", "DFlashDraftModel", "_build_target_layer_ids",
     "create_dflash_block_mask", "create_dflash_sdpa_mask", "sample_anchor_blocks", "speculative_generate",
+    "DFlashStrategy",
 ]

@@ -30,10 +30,11 @@ class Microbatch:
     loss_mask: Tensor
     attention_mask: Tensor
     row_ids: Tensor | None = None  # the rows' indices in their split (cached per-row features, e.g. DFlash)
+    split: str = "train"  # which prepared split the rows come from
 
     def to(self, device: torch.device | str) -> "Microbatch":
         return Microbatch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
-                          self.row_ids)
+                          self.row_ids, self.split)
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,17 @@ class DFlashDraftConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def save_pretrained(self, dest: str | Path) -> None:
+        """Write `dflash_draft.json` (the checkpoint writer calls this like an HF config's)."""
+        Path(dest, DFlashDraftModel.CONFIG).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "DFlashDraftConfig":
+        f = Path(path) / DFlashDraftModel.CONFIG
+        if not f.is_file():
+            raise FileNotFoundError(f"{path} is not a DFlash draft checkpoint (no {DFlashDraftModel.CONFIG})")
+        return cls(**json.loads(f.read_text()))
+
 
 def _rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     """Rotary embedding over the last dim of x [B, H, T, D] at integer positions [B, T]."""
@@ -337,18 +348,15 @@ class DFlashDraftModel(nn.Module):
 
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
-        (dest / self.CONFIG).write_text(json.dumps(asdict(self.config), indent=2))
+        self.config.save_pretrained(dest)
         save_model(self, str(dest / self.WEIGHTS))
 
     @classmethod
     def load(cls, path: str | Path, device="cpu") -> "DFlashDraftModel":
         from safetensors.torch import load_model
 
-        path = Path(path)
-        if not (path / cls.CONFIG).is_file():
-            raise FileNotFoundError(f"{path} is not a DFlash draft checkpoint (no {cls.CONFIG})")
-        model = cls(DFlashDraftConfig(**json.loads((path / cls.CONFIG).read_text())))
-        load_model(model, str(path / cls.WEIGHTS), device=str(device))
+        model = cls(DFlashDraftConfig.from_dir(path))
+        load_model(model, str(Path(path) / cls.WEIGHTS), device=str(device))
         return model
 
 

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, _get
 from strategies.corruption import corrupt_uniform
-from strategies.dflash import (DFlashDecayLoss, _embed_and_head, block_position_ids, create_dflash_sdpa_mask,
-                               default_gamma, sample_anchor_blocks, target_features)
+from strategies.dflash import (DFlashDecayLoss, _embed_and_head, block_position_ids, create_dflash_block_mask,
+                               create_dflash_sdpa_mask, default_gamma, sample_anchor_blocks, target_features)
 from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss
 from strategies.seeding import seeded_generator
 
@@ -33,7 +33,7 @@ class OnlineFeatures:
         self.target, self.layer_ids = target, list(layer_ids)
 
     @torch.no_grad()
-    def __call__(self, mb: Microbatch, split: str = "train") -> Tensor:
+    def __call__(self, mb: Microbatch) -> Tensor:
         return target_features(self.target, mb.input_ids, self.layer_ids)[0]
 
 
@@ -56,12 +56,12 @@ class CachedFeatures:
             raise KeyError(f"the target-feature cache has no {split!r} split")
         return self.index["splits"][split]
 
-    def __call__(self, mb: Microbatch, split: str = "train") -> Tensor:
+    def __call__(self, mb: Microbatch) -> Tensor:
         from safetensors import safe_open
 
         if mb.row_ids is None:
             raise ValueError("cached DFlash features need each micro-batch's row ids (Microbatch.row_ids)")
-        shards = self._rows(split)
+        shards = self._rows(mb.split)
         out = []
         for row in mb.row_ids.tolist():
             shard = next(s for s in shards if s["start"] <= row < s["start"] + s["rows"])
@@ -82,7 +82,7 @@ class DFlashStrategy(DLLMStrategy):
         self.loss: DFlashDecayLoss | None = None
         self.target: nn.Module | None = None
         self.features = None
-        self.split = "train"
+        self.backend = "sdpa"
 
     def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
         """A placeholder (spec §8.5): the real `DFlashDecayLoss` needs the block size, set in `setup_extra`."""
@@ -91,6 +91,10 @@ class DFlashStrategy(DLLMStrategy):
         self.overlap = bool(_get(dllm_cfg, "overlap_anchors", True))
         self._gamma = _get(dllm_cfg, "loss_decay_gamma", None)
         self._chunk = int(_get(dllm_cfg, "ce_chunk_size", 1024) or 1024)
+        self._fused = bool(_get(dllm_cfg, "use_fused_linear_ce", True))
+        self.backend = str(_get(dllm_cfg, "attention_backend", "sdpa") or "sdpa").lower()
+        if self.backend not in ("sdpa", "flex_attention"):
+            raise ValueError(f"dflash.attention_backend must be 'sdpa' or 'flex_attention', got {self.backend!r}")
         return MDLMCrossEntropyLoss()
 
     def setup_extra(self, setup: SetupContext) -> int | None:
@@ -107,8 +111,12 @@ class DFlashStrategy(DLLMStrategy):
             raise ValueError("dflash.block_size must be at least 2.")
         self.block_size = int(bs)
         gamma = float(self._gamma) if self._gamma and self._gamma > 0 else default_gamma(self.block_size)
-        self.loss = DFlashDecayLoss(gamma, use_fused_linear_ce=True, chunk_size=self._chunk)
-        self.features = setup.extras.get("features") or OnlineFeatures(target, setup.model.config.target_layer_ids)
+        self.loss = DFlashDecayLoss(gamma, use_fused_linear_ce=self._fused, chunk_size=self._chunk)
+        layer_ids = list(setup.model.config.target_layer_ids)
+        self.features = setup.extras.get("features") or OnlineFeatures(target, layer_ids)
+        if list(self.features.layer_ids) != layer_ids:
+            raise ValueError(f"the target-feature cache holds layers {list(self.features.layer_ids)} but the draft reads "
+                             f"{layer_ids}; rebuild the cache (cache_target) for this draft or use dflash.target_features: online")
         return setup.mask_token_id
 
     # ------------------------------------------------------------------ interface-only hooks (spec §8.5)
@@ -130,7 +138,7 @@ class DFlashStrategy(DLLMStrategy):
             blocks = sample_anchor_blocks(mb.input_ids, mb.attention_mask, mb.loss_mask, block_size=self.block_size,
                                           num_blocks=self.num_blocks, mask_token_id=ctx.mask_token_id,
                                           overlap=self.overlap, generators=gens)
-            feats = self.features(mb, self.split)
+            feats = self.features(mb)
             extras = {"anchors": blocks.anchors, "keep": blocks.keep, "block_ids": blocks.block_ids,
                       "targets": blocks.targets, "block_mask": blocks.block_mask, "features": feats}
             out.append(CorruptedBatch(mb.input_ids, mb.input_ids, torch.zeros_like(mb.loss_mask, dtype=torch.bool),
@@ -146,12 +154,19 @@ class DFlashStrategy(DLLMStrategy):
         feats = e["features"].to(next(ctx.model.parameters()).dtype)  # a bf16/fp16 cache feeds an fp32 draft
         noise = emb(e["block_ids"]).to(feats.dtype)
         positions = block_position_ids(e["anchors"], feats.shape[1], bs)
-        mask = create_dflash_sdpa_mask(e["anchors"], e["keep"], feats.shape[1], bs, dtype=noise.dtype)  # always (G1)
+        if self.backend == "flex_attention":  # sparse BlockMask (needs a GPU for backward in torch 2.13)
+            mask = create_dflash_block_mask(e["anchors"], e["keep"], feats.shape[1], bs)
+        else:
+            mask = create_dflash_sdpa_mask(e["anchors"], e["keep"], feats.shape[1], bs, dtype=noise.dtype)  # always (G1)
         h = ctx.model(feats, noise, positions, mask)
         b, n = e["anchors"].shape
         pred = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
-        out = self.loss.forward_fused(pred, head.weight, e["targets"], e["block_mask"], num_tokens=num_diffusion_tokens,
-                                      block_size=bs, lm_head_bias=getattr(head, "bias", None))
+        if self._fused:
+            out = self.loss.forward_fused(pred, head.weight, e["targets"], e["block_mask"],
+                                          num_tokens=num_diffusion_tokens, block_size=bs,
+                                          lm_head_bias=getattr(head, "bias", None))
+        else:
+            out = self.loss(head(pred), e["targets"], e["block_mask"], num_tokens=num_diffusion_tokens, block_size=bs)
         if is_train:
             (out.total_loss * ctx.loss_scale).backward()
         return out

@@ -239,7 +239,14 @@ def wrap_for_architecture(lm: nn.Module, architecture: str | None) -> nn.Module:
 def model_from_config_dir(path, trust_remote_code: bool = False) -> nn.Module:
     """Rebuild the (possibly wrapped, possibly LoRA-adapted) module a dllm-flow checkpoint describes,
     weights not loaded."""
+    from pathlib import Path
+
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from strategies.dflash import DFlashDraftConfig, DFlashDraftModel
+
+    if (Path(path) / DFlashDraftModel.CONFIG).is_file():  # a DFlash draft: no HF config of its own
+        return DFlashDraftModel(DFlashDraftConfig.from_dir(path))
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     lm = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)

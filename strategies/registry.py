@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from strategies.base import DLLMStrategy, MDLMStrategy
 from strategies.block_diffusion_strategy import BlockDiffusionStrategy
+from strategies.dflash_strategy import DFlashStrategy
 from strategies.hybrid_strategy import HybridStrategy
 from strategies.idlm_strategy import IDLMStrategy
 from strategies.scdd_strategy import SCDDStrategy
@@ -12,6 +13,7 @@ DLLM_STRATEGIES: dict[str, type[DLLMStrategy]] = {
     "scdd": SCDDStrategy,
     "hybrid": HybridStrategy,
     "idlm": IDLMStrategy,
+    "dflash": DFlashStrategy,
     "block_diffusion": BlockDiffusionStrategy,
 }
 

@@ -94,13 +94,15 @@ def load_full_optimizer_state(model, optimizer, state) -> None:
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def launch(spec, strategy: str, data, workdir: str, parent_run_id: str | None, work_dir: Path) -> None:
+def launch(spec, strategy: str, data, workdir: str, parent_run_id: str | None, work_dir: Path,
+           inputs: dict | None = None) -> None:
     """Run the train stage under torchrun with `spec.train.nproc_per_node` processes; raise if it fails."""
     work_dir.mkdir(parents=True, exist_ok=True)
     args_file = work_dir / "torchrun-args.json"
     args_file.write_text(json.dumps({"spec": spec.model_dump(mode="json"), "strategy": strategy,
                                      "data": asdict(data), "workdir": str(workdir),
-                                     "parent_run_id": parent_run_id}))
+                                     "parent_run_id": parent_run_id,
+                                     "inputs": {name: asdict(ref) for name, ref in (inputs or {}).items()}}))
     nproc = spec.train.nproc_per_node
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "tasks.distributed", str(args_file)]
@@ -120,7 +122,8 @@ def _main(args_path: str) -> None:
 
     raw = json.loads(Path(args_path).read_text())
     spec = validate_config(raw["spec"], "torchrun args")
-    train(spec, raw["strategy"], StageRef(**raw["data"]), raw["workdir"], raw["parent_run_id"])
+    inputs = {name: StageRef(**ref) for name, ref in raw.get("inputs", {}).items()}
+    train(spec, raw["strategy"], StageRef(**raw["data"]), raw["workdir"], raw["parent_run_id"], inputs)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,11 @@ STAGE = "evaluate"
 
 
 def stage_of(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str, **_) -> tuple[str, str]:
-    key = stage_key(STAGE, {"strategy": strategy, "eval": spec.eval.model_dump(mode="json")},
-                    {"train": trained.key, "data": data.key}, code_version("strategies", "tasks.evaluate"))
+    config = {"strategy": strategy, "eval": spec.eval.model_dump(mode="json")}
+    if strategy == "dflash":  # speculative decoding settings
+        config["dflash"] = spec.dflash.model_dump(mode="json", include={"eval_prompts", "eval_prompt_len",
+                                                                         "eval_max_new_tokens", "target_torch_dtype"})
+    key = stage_key(STAGE, config, {"train": trained.key, "data": data.key}, code_version("strategies", "tasks.evaluate"))
     return STAGE, key
 
 
@@ -184,7 +187,7 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
     from dllm_common.checkpoint import read_meta
     from dllm_common.tracking import Tracking
     from tasks.prepare_data import load_split, load_tokenizer
-    from tasks.train import model_dir, prepare_strategy, resolve_device
+    from tasks.train import model_dir, resolve_device
 
     store = store_for(workdir)
     stage, key = stage_of(spec, strategy, trained, data, workdir)
@@ -196,6 +199,45 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
     tokenizer = load_tokenizer(str(ckpt))
     mask_id = read_meta(ckpt)["mask_token_id"]
     ids, loss_mask, attn = (t[: spec.eval.val_rows].to(device) for t in load_split(data.path, "val"))
+    scorer = None
+    if spec.eval.scorer is not None:
+        from tasks.scoring import load_scorer
+
+        scorer = load_scorer(spec.eval.scorer, workdir)
+    extra_files: dict[str, str] = {}
+    if strategy == "dflash":
+        strat, metrics, curve, text, extra_files = dflash_evaluation(spec, model, tokenizer, mask_id, ckpt,
+                                                                     (ids, loss_mask, attn), device, scorer)
+    else:
+        strat, metrics, curve, text = _dllm_evaluation(spec, strategy, model, tokenizer, mask_id, (ids, loss_mask, attn),
+                                                       device, scorer)
+    card = repro_card(spec, strategy, strat, model, ckpt, data.key, device, tokenizer.eos_token_id)
+    with store.publish(STAGE, key, {"strategy": strategy, "upstream": {"train": trained.key},
+                                    "info": {"metrics": metrics, "train_run_id": trained.mlflow_run_id}}) as tmp:
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        (tmp / "samples.txt").write_text(text)
+        (tmp / "curve.json").write_text(json.dumps(curve, indent=2))
+        (tmp / "repro_card.json").write_text(json.dumps(card, indent=2, sort_keys=True))
+        for name, content in extra_files.items():
+            (tmp / name).write_text(content)
+    entry = store.lookup(STAGE, key)
+    if trained.mlflow_run_id:
+        tracking = Tracking(Path(workdir), spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
+        tracker = tracking.reopen(trained.mlflow_run_id)
+        tracker.log_metrics(metrics, step=spec.train.steps)
+        for point in curve:  # the quality-vs-NFE curve, one MLflow step per step budget
+            tracker.log_metrics({f"eval_curve/{k}": v for k, v in point.items() if k != "steps"}, step=point["steps"])
+        for name in ("metrics.json", "samples.txt", "curve.json", "repro_card.json", *extra_files):
+            tracker.log_artifact(entry.path / name, eval_artifact_path(key))
+        tracker.close()
+    return _ref(entry, strategy, reused=False)
+
+
+def _dllm_evaluation(spec: PipelineSpec, strategy: str, model, tokenizer, mask_id: int, val, device: str, scorer):
+    """Bound / exact NLL on validation rows, then samples over the step budgets."""
+    from tasks.train import prepare_strategy
+
+    ids, loss_mask, attn = val
     strat, _, mask_id = prepare_strategy(strategy, spec, model, tokenizer, mask_id)
     metrics: dict = {}
     if hasattr(strat, "nelbo_rows"):  # strategies with a diffusion ELBO
@@ -207,31 +249,126 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
         nll, se, n_tokens = exact_ar_nll(strat, model, ids, loss_mask, attn, spec.eval.batch_size)
         metrics.update({"eval/ar_nll": nll, "eval/ar_nll_se": se, "eval/ar_ppl": math.exp(min(nll, 50.0)),
                         "eval/tokens": n_tokens})
-    scorer = None
-    if spec.eval.scorer is not None:
-        from tasks.scoring import load_scorer
-
-        scorer = load_scorer(spec.eval.scorer, workdir)
     headline, curve, text = sample_quality(strat, model, tokenizer, mask_id, spec, device, scorer)
     metrics.update(headline)
-    card = repro_card(spec, strategy, strat, model, ckpt, data.key, device, tokenizer.eos_token_id)
-    with store.publish(STAGE, key, {"strategy": strategy, "upstream": {"train": trained.key},
-                                    "info": {"metrics": metrics, "train_run_id": trained.mlflow_run_id}}) as tmp:
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        (tmp / "samples.txt").write_text(text)
-        (tmp / "curve.json").write_text(json.dumps(curve, indent=2))
-        (tmp / "repro_card.json").write_text(json.dumps(card, indent=2, sort_keys=True))
-    entry = store.lookup(STAGE, key)
-    if trained.mlflow_run_id:
-        tracking = Tracking(Path(workdir), spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
-        tracker = tracking.reopen(trained.mlflow_run_id)
-        tracker.log_metrics(metrics, step=spec.train.steps)
-        for point in curve:  # the quality-vs-NFE curve, one MLflow step per step budget
-            tracker.log_metrics({f"eval_curve/{k}": v for k, v in point.items() if k != "steps"}, step=point["steps"])
-        for name in ("metrics.json", "samples.txt", "curve.json", "repro_card.json"):
-            tracker.log_artifact(entry.path / name, eval_artifact_path(key))
-        tracker.close()
-    return _ref(entry, strategy, reused=False)
+    return strat, metrics, curve, text
+
+
+# ------------------------------------------------------------------ DFlash (evaluation spec §4.7)
+
+
+def teacher_forced_acceptance(strat, draft, ids, loss_mask, attn, mask_id: int, batch_size: int, seed: int
+                              ) -> tuple[float, list[float], int]:
+    """τ_sim and acc_k over validation rows: anchors drawn with the eval seed, the target's features
+    computed online, the draft's argmax compared with the true continuation (no generation)."""
+    import torch
+
+    from strategies import Microbatch, StepContext
+    from strategies.dflash import acceptance_from_correct, draft_block_logits
+
+    bs = strat.block_size
+    ctx = StepContext(model=draft, loss_fn=None, mask_token_id=mask_id, step=0, base_seed=seed)
+    corrects, masks = [], []
+    with torch.no_grad():
+        for start in range(0, len(ids), batch_size):
+            sl = slice(start, start + batch_size)
+            mb = Microbatch(ids[sl], loss_mask[sl], attn[sl], torch.arange(start, start + len(ids[sl])), "val")
+            (batch,), _, _ = strat.pre_step(ctx, [mb])
+            e = batch.extras
+            logits = draft_block_logits(draft, strat.target, e["features"], e["anchors"], e["keep"], e["block_ids"])
+            b, n = e["anchors"].shape
+            pred = logits.view(b, n, bs, -1)[:, :, 1:].argmax(-1).reshape(b, -1)
+            corrects.append(pred == e["targets"])
+            masks.append(e["block_mask"])
+    correct, block_mask = torch.cat(corrects), torch.cat(masks)
+    tau, acc = acceptance_from_correct(correct, block_mask, bs)
+    return tau, acc, int((block_mask.reshape(-1, bs - 1)[:, 0] > 0).sum())
+
+
+def speculative_prompts(ids, attn, count: int, length: int) -> list[list[int]]:
+    """Held-out prompts: the first `length` tokens of `count` validation rows spread over the split."""
+    rows = [r for r in range(len(ids)) if int(attn[r].sum()) >= length + 1]
+    if not rows:
+        raise ValueError(f"no validation row has more than dflash.eval_prompt_len={length} tokens; lower it")
+    stride = max(len(rows) // count, 1)
+    return [ids[r, :length].tolist() for r in rows[::stride][:count]]
+
+
+def speculative_benchmark(target, draft, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None
+                          ) -> dict:
+    """Real τ, output equality with target-only greedy decoding, and the decode-time ratio, same prompts,
+    same run (one warm-up call each first)."""
+    from collections import Counter
+
+    from strategies.dflash import greedy_generate, speculative_generate
+
+    greedy_generate(target, prompts[0], 4, eos_token_id)
+    speculative_generate(target, draft, prompts[0], 4, eos_token_id)
+    t0 = time.perf_counter()
+    greedy = [greedy_generate(target, p, max_new_tokens, eos_token_id) for p in prompts]
+    t_greedy = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    spec = [speculative_generate(target, draft, p, max_new_tokens, eos_token_id) for p in prompts]
+    t_spec = time.perf_counter() - t0
+    acceptance = [a for r in spec for a in r.acceptance]
+    tokens = sum(len(r.tokens) for r in spec)
+    return {
+        "tau": sum(acceptance) / max(len(acceptance), 1), "speedup": t_greedy / t_spec,
+        "exact_match": sum(r.tokens == g for r, g in zip(spec, greedy)) / len(prompts),
+        "target_forwards": sum(r.target_forwards for r in spec), "tokens": tokens,
+        "greedy_seconds": t_greedy, "speculative_seconds": t_spec,
+        "histogram": dict(sorted(Counter(acceptance).items())), "outputs": [r.tokens for r in spec],
+    }
+
+
+def dflash_evaluation(spec: PipelineSpec, draft, tokenizer, mask_id: int, ckpt: Path, val, device: str, scorer):
+    """DFlash metrics: τ_sim and acc_k (teacher-forced), real τ and speedup from speculative decoding
+    checked token for token against target-only greedy, the target's exact NLL, and samples."""
+    from dllm_common.checkpoint import read_meta
+    from tasks.scoring import generative_perplexity, mean_entropy
+    from tasks.target import load_target
+    from tasks.train import dflash_options, prepare_strategy_with
+
+    ids, loss_mask, attn = val
+    d, meta = spec.dflash, read_meta(ckpt)
+    target = load_target(meta["target"]["path"], d.target_torch_dtype, device, d.target_trust_remote_code)
+    strat, _, mask_id = prepare_strategy_with("dflash", spec.dllm.for_strategy("dflash"), draft, tokenizer, mask_id,
+                                              options=dflash_options(spec), extras={"target": target})
+    draft.eval()
+    tau_sim, acc, blocks = teacher_forced_acceptance(strat, draft, ids, loss_mask, attn, mask_id, spec.eval.batch_size,
+                                                     spec.eval.seed)
+    nll, se, n_tokens = exact_ar_nll(_CausalTarget(), target, ids, loss_mask, attn, spec.eval.batch_size)
+    bench = speculative_benchmark(target, draft, speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len),
+                                  d.eval_max_new_tokens, tokenizer.eos_token_id)
+    # the report's shared columns, from speculative decoding of the report's text prompts
+    texts = list(spec.eval.prompts[: spec.eval.num_samples]) or ["O"]
+    prompts = encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")
+    shown = speculative_benchmark(target, draft, prompts, spec.eval.sample_length, tokenizer.eos_token_id)
+    decoded = [tokenizer.decode(t) for t in shown["outputs"]]
+    metrics = {"dflash/tau_sim": tau_sim, **{f"dflash/acc_k{k + 1}": a for k, a in enumerate(acc)},
+               "dflash/blocks": blocks, "dflash/tau": bench["tau"], "dflash/speedup": bench["speedup"],
+               "dflash/exact_match": bench["exact_match"], "eval/ar_nll": nll, "eval/ar_nll_se": se,
+               "eval/ar_ppl": math.exp(min(nll, 50.0)), "eval/tokens": n_tokens,
+               "eval/nfe": bench["target_forwards"] / len(bench["outputs"]),
+               "eval/tokens_per_forward": bench["tokens"] / max(bench["target_forwards"], 1),
+               "eval/tokens_per_s": bench["tokens"] / bench["speculative_seconds"],
+               "eval/entropy": mean_entropy(shown["outputs"])}
+    if scorer is not None:
+        metrics["eval/gen_ppl"], _ = generative_perplexity(*scorer, list(zip(texts, decoded)))
+    text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
+    report = {k: v for k, v in bench.items() if k != "outputs"}
+    return strat, metrics, [], text, {"speculative.json": json.dumps(report, indent=2)}
+
+
+class _CausalTarget:
+    """`exact_ar_nll` over a plain causal LM (the DFlash target)."""
+
+    @staticmethod
+    def ar_nll_rows(model, ids, loss_mask, attention_mask):
+        from strategies.losses import causal_nll_rows
+
+        return causal_nll_rows(model(input_ids=ids, attention_mask=attention_mask).logits, ids, loss_mask,
+                               attention_mask)
 
 
 def _load_model(ckpt: Path, device: str):

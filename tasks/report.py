@@ -124,6 +124,22 @@ def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str])
             for field, value, ref in items:
                 lines.append(f"- **{strategy}**: `{field}` = {value} (others: {ref})")
         lines.append("")
+    spec_rows = [r for r in rows if "dflash/tau" in r["metrics"]]
+    if spec_rows:
+        ks = sorted({int(k.rsplit("k", 1)[1]) for r in spec_rows for k in r["metrics"] if k.startswith("dflash/acc_k")})
+        lines += ["## Speculative decoding (DFlash)", "",
+                  "| strategy | dflash/tau_sim | dflash/tau | dflash/speedup | dflash/exact_match | "
+                  + " | ".join(f"acc_k{k}" for k in ks) + " |", "|---|---|---|---|---|" + "---|" * len(ks)]
+        for r in spec_rows:
+            m = r["metrics"]
+            lines.append(f"| {r['strategy']} | {_fmt(m.get('dflash/tau_sim'), 3)} | {_fmt(m.get('dflash/tau'), 3)} | "
+                         f"{_fmt(m.get('dflash/speedup'), 2)} | {_fmt(m.get('dflash/exact_match'), 2)} | "
+                         + " | ".join(_fmt(m.get(f"dflash/acc_k{k}"), 3) for k in ks) + " |")
+        lines += ["", "`dflash/tau`: tokens committed per target forward in speculative decoding of held-out prompts "
+                  "(accepted draft prefix + the target's bonus token); `dflash/tau_sim` and `acc_k` are its "
+                  "teacher-forced proxy and per-offset accuracy; `dflash/speedup` = target-only greedy wall time ÷ "
+                  "speculative wall time on the same prompts, same run; `dflash/exact_match` = share of prompts whose "
+                  "speculative output equals target-only greedy decoding (must be 1).", ""]
     lines += ["## Quality vs NFE", "", "| strategy | steps | eval/nfe | tokens/forward | gen_ppl | entropy | tokens/s |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:

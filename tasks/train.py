@@ -20,16 +20,42 @@ from tasks.common import StageRef, code_version, prefect_task, store_for
 STAGE = "train"
 
 
+DFLASH_EVAL_KEYS = {"eval_prompts", "eval_prompt_len", "eval_max_new_tokens"}
+
+
+def dflash_options(spec: PipelineSpec) -> dict:
+    """The `dflash:` keys that shape training (the evaluation-only ones excluded)."""
+    return spec.dflash.model_dump(mode="json", exclude=DFLASH_EVAL_KEYS)
+
+
 def train_slice(spec: PipelineSpec, strategy: str) -> dict:
     dllm = spec.dllm.for_strategy(strategy)
-    return {"strategy": strategy, "model": spec.model.model_dump(mode="json"),
-            "train": spec.train.model_dump(mode="json"), "dllm": dllm.model_dump(mode="json")}
+    out = {"strategy": strategy, "model": spec.model.model_dump(mode="json"),
+           "train": spec.train.model_dump(mode="json"), "dllm": dllm.model_dump(mode="json")}
+    if strategy == "dflash":
+        out["dflash"] = dflash_options(spec)
+    return out
 
 
-def stage_of(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, **_) -> tuple[str, str]:
-    key = stage_key(STAGE, train_slice(spec, strategy), {"data": data.key},
+def stage_of(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, inputs: dict | None = None,
+             **_) -> tuple[str, str]:
+    """`inputs`: the upstream stages besides the data (dflash: its `target` and, cached, its `features`)."""
+    upstream = {"data": data.key, **{name: ref.key for name, ref in sorted((inputs or {}).items())}}
+    key = stage_key(STAGE, train_slice(spec, strategy), upstream,
                     code_version("strategies", "tasks.train", "dllm_common.checkpoint"))
     return STAGE, key
+
+
+def check_inputs(strategy: str, spec: PipelineSpec, inputs: dict | None) -> dict:
+    """dflash trains against a target stage (and reads a feature cache when cached); others need nothing."""
+    inputs = dict(inputs or {})
+    if strategy == "dflash":
+        if "target" not in inputs:
+            raise ValueError("train[dflash] needs its target stage: run it through the pipeline "
+                             "(pretrain_target / target → cache_target → train[dflash])")
+        if spec.dflash.target_features == "cached" and "features" not in inputs:
+            raise ValueError("dflash.target_features is 'cached' but no cache_target stage was given")
+    return inputs
 
 
 def check_strategies(names) -> None:
@@ -112,8 +138,11 @@ def prepare_strategy(name: str, spec: PipelineSpec, model, tokenizer, mask_token
     return prepare_strategy_with(name, spec.dllm.for_strategy(name), model, tokenizer, mask_token_id)
 
 
-def prepare_strategy_with(name: str, dllm, model, tokenizer, mask_token_id: int | None = None):
-    """`prepare_strategy` from the strategy's own `DLLMConfig` (what a checkpoint records)."""
+def prepare_strategy_with(name: str, dllm, model, tokenizer, mask_token_id: int | None = None, *,
+                          options: dict | None = None, extras: dict | None = None):
+    """`prepare_strategy` from the strategy's own `DLLMConfig` (what a checkpoint records). `options`
+    adds strategy-section keys the loss reads (dflash: the `dflash:` section); `extras` reaches
+    `setup_extra` (dflash: the frozen target and the feature source)."""
     from strategies import SetupContext, get_dllm_strategy
 
     strategy = get_dllm_strategy(name)
@@ -121,18 +150,22 @@ def prepare_strategy_with(name: str, dllm, model, tokenizer, mask_token_id: int 
         raise ValueError(f"Invalid normalization_mode {strategy.normalization_mode!r} for strategy {name!r}. "
                          "Must be 'supervised' or 'noise'.")
     # an unset dllm.vocab_size means "the model's": strategies that need it (scdd) get it resolved here
-    dllm = dllm.model_copy(update={"vocab_size": dllm.vocab_size or model.config.vocab_size})
-    loss_fn = strategy.create_loss_fn(dllm)
+    dllm = dllm.model_copy(update={"vocab_size": dllm.vocab_size or getattr(model.config, "vocab_size", None)})
+    loss_fn = strategy.create_loss_fn({**dllm.model_dump(), **options} if options else dllm)
     if mask_token_id is None:
         mask_token_id = dllm.mask_token_id if dllm.mask_token_id is not None else tokenizer.mask_token_id
-    resolved = strategy.setup_extra(SetupContext(model=model, tokenizer=tokenizer, mask_token_id=mask_token_id))
+    resolved = strategy.setup_extra(SetupContext(model=model, tokenizer=tokenizer, mask_token_id=mask_token_id,
+                                                 extras=extras or {}))
     mask_token_id = resolved if resolved is not None else mask_token_id
     if mask_token_id is None:
         raise ValueError("dllm.mask_token_id must be set in config, resolved by the tokenizer, or set by strategy.setup_extra().")
     return strategy, loss_fn, int(mask_token_id)
 
 
-def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device: str) -> Trainee:
+def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device: str,
+                  inputs: dict | None = None) -> Trainee:
+    if strategy_name == "dflash":
+        return _dflash_trainee(spec, data, device, check_inputs("dflash", spec, inputs))
     from strategies import get_dllm_strategy
     from strategies.models import (NATIVE, add_lora, build_model, enable_activation_checkpointing, load_pretrained,
                                    tiny_model_config, wrap_for_architecture)
@@ -163,6 +196,56 @@ def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device
     return Trainee(model.to(device), tokenizer, strategy, loss_fn, int(mask_id), spec.train.precision)
 
 
+def _dflash_trainee(spec: PipelineSpec, data: StageRef, device: str, inputs: dict) -> Trainee:
+    """The trained module is the DFlash draft; the frozen target lends embeddings, head and features."""
+    import torch
+
+    from strategies.dflash import DFlashDraftConfig, DFlashDraftModel
+    from strategies.dflash_strategy import CachedFeatures
+    from strategies.models import resolve_model_path
+    from tasks.cache_target import features_dir, layer_ids_for
+    from tasks.prepare_data import load_tokenizer
+    from tasks.target import load_target
+
+    d, m = spec.dflash, spec.model
+    if d.attention_backend == "flex_attention" and not str(device).startswith("cuda"):
+        raise ValueError("dflash.attention_backend 'flex_attention' trains on CUDA only (flex attention has no CPU "
+                         "backward in torch 2.13); use 'sdpa' here")
+    if spec.train.peft is not None or spec.train.activation_checkpointing:
+        raise ValueError("train.peft and train.activation_checkpointing do not apply to a DFlash draft; unset them")
+    tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
+    target_ref = inputs["target"]
+    target = load_target(target_ref.info["model_path"], d.target_torch_dtype, device, d.target_trust_remote_code)
+    hidden = target.config.hidden_size
+    mask_id = spec.dllm.mask_token_id if spec.dllm.mask_token_id is not None else tokenizer.mask_token_id
+    if mask_id is None or mask_id >= target.get_input_embeddings().num_embeddings:
+        raise ValueError(f"the DFlash mask token id {mask_id} is not a row of the target's embedding "
+                         f"({target.get_input_embeddings().num_embeddings}); set dllm.mask_token_id to an unused "
+                         "token the target knows")
+    if m.kind == "pretrained":
+        draft = DFlashDraftModel.load(resolve_model_path(m.path))
+    else:
+        if m.hidden_size != hidden:
+            raise ValueError(f"model.hidden_size ({m.hidden_size}) must equal the target's hidden size ({hidden}): "
+                             "the DFlash draft reads the target's embeddings and writes through its LM head")
+        if d.block_size < 2:
+            raise ValueError("Cannot infer block_size from draft config. Set dflash.block_size in the YAML.")
+        layer_ids = layer_ids_for(spec, target_ref)
+        cfg = DFlashDraftConfig(hidden_size=hidden, num_layers=m.num_layers, num_heads=m.num_heads,
+                                num_target_features=len(layer_ids), target_hidden_size=hidden, block_size=d.block_size,
+                                target_layer_ids=layer_ids, mask_token_id=int(mask_id),
+                                intermediate_size=m.intermediate_size,
+                                rope_theta=float(getattr(target.config, "rope_theta", None) or 10000.0))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.train.seed)
+            draft = DFlashDraftModel(cfg)
+    features = CachedFeatures(features_dir(inputs["features"])) if d.target_features == "cached" else None
+    strategy, loss_fn, mask_id = prepare_strategy_with("dflash", spec.dllm.for_strategy("dflash"), draft, tokenizer,
+                                                       int(mask_id), options=dflash_options(spec),
+                                                       extras={"target": target, "features": features})
+    return Trainee(draft.to(device), tokenizer, strategy, loss_fn, int(mask_id), spec.train.precision)
+
+
 def step_context(trainee: Trainee, spec: PipelineSpec, step: int, base_seed: int, grad_acc: int, model=None,
                  dist=None):
     """The step's context; under data parallelism `model` is the DDP wrapper and backward is scaled by N."""
@@ -176,10 +259,10 @@ def step_context(trainee: Trainee, spec: PipelineSpec, step: int, base_seed: int
                        grad_acc_steps=grad_acc, loss_scale=float(world))
 
 
-def microbatches(ids, loss, attn, rows, micro: int, device: str):
+def microbatches(ids, loss, attn, rows, micro: int, device: str, split: str = "train"):
     from strategies import Microbatch
 
-    return [Microbatch(ids[c], loss[c], attn[c], c).to(device) for c in rows.split(micro)]
+    return [Microbatch(ids[c], loss[c], attn[c], c, split).to(device) for c in rows.split(micro)]
 
 
 def run_step(trainee: Trainee, ctx, mbs, is_train: bool) -> tuple[float, int]:
@@ -213,7 +296,8 @@ def validation_loss(trainee: Trainee, spec: PipelineSpec, val, device: str, dist
     ctx = step_context(trainee, spec, step=0, base_seed=spec.train.seed + 1_000_000_007, grad_acc=1, dist=dist)
     trainee.model.eval()
     with torch.no_grad():
-        value, _ = run_step(trainee, ctx, microbatches(ids, loss, attn, rows, spec.train.micro_batch_size, device), False)
+        value, _ = run_step(trainee, ctx, microbatches(ids, loss, attn, rows, spec.train.micro_batch_size, device, "val"),
+                            False)
     trainee.model.train()
     return value
 
@@ -242,32 +326,34 @@ def make_optimizer(model, cfg):
 # ------------------------------------------------------------------ the stage
 
 
-def train(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, parent_run_id: str | None = None) -> StageRef:
+def train(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, parent_run_id: str | None = None,
+          inputs: dict | None = None) -> StageRef:
     """Train `strategy` on the prepared data (or reuse/resume it); publish the final checkpoint.
 
     With `train.nproc_per_node > 1` this launches torchrun and every rank runs `_train_loop`."""
     from tasks import distributed
 
+    inputs = check_inputs(strategy, spec, inputs)
     store = store_for(workdir)
-    stage, key = stage_of(spec, strategy, data, workdir)
+    stage, key = stage_of(spec, strategy, data, workdir, inputs)
     if (hit := store.lookup(stage, key)) is not None:
         return _ref(hit, strategy, reused=True)
     if spec.train.nproc_per_node > 1 and not distributed.under_torchrun():
-        distributed.launch(spec, strategy, data, workdir, parent_run_id, store.work_dir(stage, key))
+        distributed.launch(spec, strategy, data, workdir, parent_run_id, store.work_dir(stage, key), inputs)
         if (entry := store.lookup(stage, key)) is None:
             raise RuntimeError(f"torchrun finished but train[{strategy}] published nothing under {store.root}")
         shutil.rmtree(store.work_dir(stage, key), ignore_errors=True)
         return _ref(entry, strategy, reused=False)
     info = distributed.init_distributed(resolve_device(spec.train.device))
     try:
-        return _train_loop(spec, strategy, data, workdir, parent_run_id, key, info)
+        return _train_loop(spec, strategy, data, workdir, parent_run_id, key, info, inputs)
     finally:
         if info.world > 1:
             distributed.shutdown()
 
 
 def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, parent_run_id: str | None, key: str,
-                dist) -> StageRef | None:
+                dist, inputs: dict | None = None) -> StageRef | None:
     import torch
     from tqdm import tqdm
 
@@ -281,7 +367,7 @@ def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
         torch.set_num_threads(cfg.threads)
     device = rank_device(resolve_device(cfg.device), dist)
     train_t, val_t = load_split(data.path, "train"), load_split(data.path, "val")
-    trainee = build_trainee(spec, strategy, data, device)
+    trainee = build_trainee(spec, strategy, data, device, inputs)
     trainee.strategy.validate_data(train_t[1], train_t[2])
     model = trainee.model
     work = store.work_dir(STAGE, key)
@@ -320,7 +406,8 @@ def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
             print(f"[dllm-flow] train[{strategy}]: resuming from the step-{start} checkpoint in {ckpt_dir}", flush=True)
     tracker = _open_tracker(spec, workdir, strategy, parent_run_id, run_id, key) if dist.is_main else None
     if tracker is not None:
-        tracker.log_params({**flatten(train_slice(spec, strategy)), "data.key": data.key, "stage.key": key})
+        tracker.log_params({**flatten(train_slice(spec, strategy)), "data.key": data.key, "stage.key": key,
+                            **{f"{name}.key": ref.key for name, ref in (inputs or {}).items()}})
     order = DataOrder(len(train_t[0]), cfg.seed)
     local_batch = cfg.global_batch_size // dist.world
     grad_acc = local_batch // cfg.micro_batch_size
@@ -331,6 +418,10 @@ def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
                  "seq_len": spec.data.seq_len, "mlflow_run_id": tracker.run_id if tracker else None,
                  "dllm": spec.dllm.for_strategy(strategy).model_dump(mode="json"),  # rebuilds the strategy
                  "chat": spec.data.shape == "dialogue"}
+    if strategy == "dflash":  # what evaluation and `dllm-flow generate` need to find the frozen target
+        meta_base["dflash"] = dflash_options(spec)
+        meta_base["target"] = {"path": inputs["target"].info["model_path"], "stage": inputs["target"].stage,
+                               "key": inputs["target"].key, "weights_digest": inputs["target"].info["weights_digest"]}
 
     def flush():
         for s, metrics in buffer:
@@ -457,7 +548,7 @@ def model_dir(ref: StageRef) -> Path:
 
 
 def train_on_deployment(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
-                        parent_run_id: str | None = None) -> StageRef:
+                        parent_run_id: str | None = None, inputs: dict | None = None) -> StageRef:
     """Submit the train stage to `pipeline.train_deployment` (a GPU work pool) and wait for it.
 
     Only small descriptors cross: the resolved config, the data stage's descriptor and paths. The
@@ -466,13 +557,15 @@ def train_on_deployment(spec: PipelineSpec, strategy: str, data: StageRef, workd
 
     from prefect.deployments import run_deployment
 
+    inputs = check_inputs(strategy, spec, inputs)
     store = store_for(workdir)
-    stage, key = stage_of(spec, strategy, data, workdir)
+    stage, key = stage_of(spec, strategy, data, workdir, inputs)
     if (hit := store.lookup(stage, key)) is not None:
         return _ref(hit, strategy, reused=True)
     run = run_deployment(spec.pipeline.train_deployment, timeout=None,
                          parameters={"spec": spec.model_dump(mode="json"), "strategy": strategy, "data": asdict(data),
-                                     "workdir": str(Path(workdir).resolve()), "parent_run_id": parent_run_id})
+                                     "workdir": str(Path(workdir).resolve()), "parent_run_id": parent_run_id,
+                                     "inputs": {name: asdict(ref) for name, ref in inputs.items()}})
     if not run.state or not run.state.is_completed():
         raise RuntimeError(f"train[{strategy}] on deployment {spec.pipeline.train_deployment!r} ended "
                            f"{run.state.name if run.state else 'without a state'} (flow run {run.id}); "

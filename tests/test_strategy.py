@@ -8,7 +8,7 @@ from strategies.models import build_model, tiny_model_config
 
 
 def test_unknown_mode_lists_available():
-    with pytest.raises(ValueError, match=r"Unknown dllm.mode: 'nope'. Available: \['block_diffusion', 'hybrid', 'idlm', 'mdlm', 'scdd'\]"):
+    with pytest.raises(ValueError, match=r"Unknown dllm.mode: 'nope'. Available: \['block_diffusion', 'dflash', 'hybrid', 'idlm', 'mdlm', 'scdd'\]"):
         get_dllm_strategy("nope")
 
 

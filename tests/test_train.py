@@ -149,7 +149,9 @@ def test_each_strategy_trains_and_evaluates_through_the_stages(prepared, tiny_sp
     assert meta["strategy"] == strategy and out.nfe >= 1 and "".join(pieces) == out.text
 
 
-def test_every_registered_strategy_is_covered_above():
+def test_every_registered_strategy_is_covered():
+    """Five strategies run through the parametrized test above; dflash, which needs its target and
+    feature-cache stages, through `tests/test_dflash_stages.py`."""
     from strategies import DLLM_STRATEGIES
 
-    assert sorted(DLLM_STRATEGIES) == ["block_diffusion", "hybrid", "idlm", "mdlm", "scdd"]
+    assert sorted(DLLM_STRATEGIES) == ["block_diffusion", "dflash", "hybrid", "idlm", "mdlm", "scdd"]

@@ -1,0 +1,178 @@
+"""DFlash through the stages: pretrain_target → cache_target → train[dflash] → evaluate, the cache's
+key and reuse, the cross-process lock, cached vs online features, and the errors a user can fix."""
+import dataclasses
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm_common.config import ConfigError, validate_config
+from tasks.cache_target import cache_target
+from tasks.cache_target import stage_of as cache_stage_of
+from tasks.evaluate import evaluate
+from tasks.target import target
+from tasks.train import model_dir, train
+
+
+def _dflash_spec(tiny_spec, **dflash):
+    raw = tiny_spec.model_dump(mode="json")
+    raw["pipeline"]["strategies"] = ["dflash"]
+    raw["model"].update(hidden_size=32, num_layers=1, num_heads=2)
+    raw["train"].update(steps=16, val_every=4)
+    raw["dflash"] = {"pretrain": {"num_layers": 4, "num_heads": 2, "steps": 30, "batch_size": 8, "val_every": 10,
+                                  "val_rows": 8},
+                     "block_size": 4, "num_blocks_per_sample": 2, "eval_prompts": 2, "eval_prompt_len": 8,
+                     "eval_max_new_tokens": 8, **dflash}
+    return validate_config(raw)
+
+
+@pytest.fixture(scope="module")
+def dflash_run(prepared, tiny_spec, tmp_path_factory):
+    """One chain of stages in a fresh workdir (the prepared data is shared with the other tests)."""
+    data, _ = prepared
+    workdir = str(tmp_path_factory.mktemp("dflash"))
+    spec = _dflash_spec(tiny_spec)
+    tgt = target(spec, data, workdir)
+    feats = cache_target(spec, tgt, data, workdir)
+    trained = train(spec, "dflash", data, workdir, inputs={"target": tgt, "features": feats})
+    return spec, data, workdir, tgt, feats, trained
+
+
+def _history(workdir, run_id, key):
+    from mlflow.tracking import MlflowClient
+
+    from dllm_common.tracking import default_tracking_uri
+
+    client = MlflowClient(default_tracking_uri(workdir))
+    return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+def test_pretrained_target_learns_and_is_a_frozen_causal_lm(dflash_run):
+    spec, _, workdir, tgt, _, _ = dflash_run
+    assert tgt.stage == "pretrain_target" and tgt.info["num_layers"] == 4 and tgt.info["hidden_size"] == 32
+    val = _history(workdir, tgt.mlflow_run_id, "val/loss")
+    assert len(val) == 3 and val[-1] < val[0] - 0.5
+    from tasks.target import load_target
+
+    model = load_target(tgt.info["model_path"])
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+
+
+def test_cache_holds_the_selected_layers_of_every_row_and_is_reused(dflash_run, tmp_path):
+    spec, data, workdir, tgt, feats, _ = dflash_run
+    from safetensors import safe_open
+
+    from strategies.dflash import target_features
+    from tasks.prepare_data import load_split
+    from tasks.target import load_target
+
+    info = feats.info
+    assert info["layer_ids"] == [2]  # one draft layer reads the middle of a 4-layer target
+    assert info["rows"] == {"train": data.info["train_rows"], "val": data.info["val_rows"]}
+    assert info["bytes"] > 0 and info["build_seconds"] > 0 and info["dtype"] == "bf16"
+    index = json.loads((Path(feats.path) / "features" / "index.json").read_text())
+    with safe_open(str(Path(feats.path) / "features" / index["splits"]["val"][0]["file"]), framework="pt") as f:
+        stored = f.get_tensor("features")
+    ids = load_split(data.path, "val")[0]
+    fresh = target_features(load_target(tgt.info["model_path"]), ids, [2])[0]
+    assert stored.dtype == torch.bfloat16 and stored.shape == (len(ids), ids.shape[1], 32)
+    torch.testing.assert_close(stored.float(), fresh, atol=0.05, rtol=0.02)  # bf16 rounding
+    # a second run, and a draft with other training settings, reuse the same target and cache
+    other = spec.model_copy(update={"train": spec.train.model_copy(update={"lr": 1e-3})})
+    assert target(other, data, workdir).reused
+    again = cache_target(other, tgt, data, workdir)
+    assert again.reused and again.key == feats.key
+    # the key follows the layers and the dtype
+    fp16 = _dflash_spec_from(spec, cache_dtype="fp16")
+    assert cache_stage_of(fp16, tgt, data, workdir)[1] != feats.key
+
+
+def _dflash_spec_from(spec, **dflash):
+    raw = spec.model_dump(mode="json")
+    raw["dflash"].update(dflash)
+    return validate_config(raw)
+
+
+def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflash_run):
+    spec, data, workdir, tgt, _, trained = dflash_run
+    val = _history(workdir, trained.mlflow_run_id, "val/loss")
+    assert len(val) == 4 and val[-1] < val[0]
+    ckpt = model_dir(trained)
+    meta = json.loads((ckpt / "dllm.json").read_text())
+    assert meta["target"]["path"] == tgt.info["model_path"] and meta["dflash"]["block_size"] == 4
+    from dllm_common.checkpoint import load_weights_into
+    from strategies.dflash import DFlashDraftModel
+    from strategies.models import model_from_config_dir
+
+    draft = model_from_config_dir(ckpt)
+    load_weights_into(draft, ckpt)  # digests verified, strict
+    assert isinstance(draft, DFlashDraftModel) and not hasattr(draft, "embed_tokens")
+    ev = evaluate(spec, "dflash", trained, data, workdir)
+    m = ev.info["metrics"]
+    assert m["dflash/exact_match"] == 1.0  # speculative output == target-only greedy, every prompt
+    assert 1.0 <= m["dflash/tau"] <= 4.0 and 1.0 <= m["dflash/tau_sim"] <= 4.0
+    assert {f"dflash/acc_k{k}" for k in (1, 2, 3)} <= set(m) and m["dflash/speedup"] > 0
+    assert m["eval/ar_nll"] > 0 and m["eval/tokens_per_forward"] >= 1.0
+    bench = json.loads((Path(ev.path) / "speculative.json").read_text())
+    assert sum(int(k) * v for k, v in bench["histogram"].items()) / sum(bench["histogram"].values()) == pytest.approx(
+        m["dflash/tau"])
+
+
+def test_cached_and_online_features_train_the_same_draft(prepared, tiny_spec, tmp_path):
+    """fp32 cache vs a target forward every step: the same loss curve and the same weights."""
+    data, _ = prepared
+    spec = _dflash_spec(tiny_spec, cache_dtype="fp32")
+    spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": 6, "val_every": 3})})
+    wd = str(tmp_path)
+    tgt = target(spec, data, wd)
+    cached = train(spec, "dflash", data, wd, inputs={"target": tgt, "features": cache_target(spec, tgt, data, wd)})
+    online_spec = _dflash_spec_from(spec, target_features="online")
+    online = train(online_spec, "dflash", data, wd, inputs={"target": tgt})
+    assert cached.key != online.key
+    a, b = (_history(wd, r.mlflow_run_id, "train/loss") for r in (cached, online))
+    assert len(a) == 6 and a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def _build_cache(args):
+    spec_json, data, workdir, tgt = args
+    from dllm_common.config import validate_config as _v
+    from tasks.cache_target import cache_target as _c
+    from tasks.common import StageRef
+
+    ref = _c(_v(spec_json), StageRef(**tgt), StageRef(**data), workdir)
+    return ref.reused
+
+
+def test_two_workers_never_build_the_same_cache(dflash_run, tmp_path):
+    """Two processes ask for the same cache at once: the lock lets one build it, the other reuses it."""
+    spec, data, workdir, tgt, _, _ = dflash_run
+    other = _dflash_spec_from(spec, cache_dtype="fp16")  # a key nobody built yet
+    args = (other.model_dump(mode="json"), dataclasses.asdict(data), workdir, dataclasses.asdict(tgt))
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        reused = pool.map(_build_cache, [args, args])
+    assert sorted(reused) == [False, True]
+    stage, key = cache_stage_of(other, tgt, data, workdir)
+    assert len(list((Path(workdir) / "store" / stage).glob(f"{key}*"))) == 2  # the entry and its lock file only
+
+
+def test_errors_name_what_to_change(dflash_run, tiny_spec):
+    spec, data, workdir, tgt, feats, _ = dflash_run
+    with pytest.raises(ConfigError, match="dflash.block_size must be at least 2"):
+        _dflash_spec(tiny_spec, block_size=1)
+    with pytest.raises(ConfigError, match="target_features"):
+        _dflash_spec(tiny_spec, target_features="disk")
+    with pytest.raises(ValueError, match="needs its target stage"):
+        train(spec, "dflash", data, workdir)
+    wide = validate_config({**spec.model_dump(mode="json"), "model": {**spec.model.model_dump(mode="json"),
+                                                                      "hidden_size": 64}})
+    with pytest.raises(ValueError, match=r"model.hidden_size \(64\) must equal the target's hidden size \(32\)"):
+        train(wide, "dflash", data, workdir, inputs={"target": tgt, "features": feats})
+    with pytest.raises(ValueError, match="flex_attention' trains on CUDA only"):
+        train(_dflash_spec_from(spec, attention_backend="flex_attention"), "dflash", data, workdir,
+              inputs={"target": tgt, "features": feats})
+    with pytest.raises(ValueError, match="outside the target's 4 layers"):
+        cache_target(_dflash_spec_from(spec, target_layer_ids=[7]), tgt, data, workdir)
+    with pytest.raises(FileNotFoundError, match="not a local directory and not in the Hugging Face cache"):
+        target(_dflash_spec_from(spec, target_model_id="nobody/no-such-model"), data, workdir)
