@@ -36,7 +36,7 @@ compare: install  # mdlm, scdd, hybrid, idlm, block_diffusion on one prepared da
 	$(VENV)/bin/dllm-flow run configs/compare.yaml --workdir work/compare
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # ---- operations: Prefect + MLflow servers, work pools, deployments, workers (see deployments/prefect.yaml)
 server: install  # Prefect server (:4200) and MLflow server (:5000) on 127.0.0.1, until Ctrl-C

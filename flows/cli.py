@@ -112,6 +112,9 @@ def cmd_generate(args) -> int:
     model, tokenizer, strategy, mask_id, meta = load_for_generation(ckpt, device, args.adapter)
     sampler = check_sampler(meta["strategy"], args.sampler, args.infill)
     temperature = args.temperature if args.temperature is not None else (1.0 if sampler == "scdd" else 0.0)
+    if sampler == "speculative" and temperature > 0:
+        raise ValueError("--temperature: DFlash speculative decoding here is greedy (its output is the target's greedy "
+                         "text); drop --temperature")
     config = SamplerConfig(steps=args.steps, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                            temperature=temperature, remasking=args.remasking, threshold=args.threshold)
     chat = (meta.get("chat", False) or args.chat) and not args.raw
@@ -214,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream text from a checkpoint (path or models:/NAME@ALIAS)")
     gen.add_argument("--checkpoint", required=True, help="checkpoint dir, train store entry, or models:/NAME@ALIAS")
     gen.add_argument("--prompt", action="append", required=True, help="repeatable")
-    gen.add_argument("--sampler", default="auto", choices=["auto", "llada", "idlm", "scdd", "hybrid", "canvas"])
+    gen.add_argument("--sampler", default="auto", choices=["auto", "llada", "idlm", "scdd", "hybrid", "canvas",
+                                                                "speculative"])
     gen.add_argument("--steps", type=int, default=64)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--block-size", type=int, default=16)

@@ -7,6 +7,8 @@ Samplers (`--sampler`): `auto` runs the strategy's own; the others are accepted 
   scdd    ancestral posterior sampler with the final noise-removal pass (scdd)
   hybrid  blocks seeded by the causal branch, completed by diffusion (hybrid)
   canvas  uniform-noise canvas decoding (block_diffusion)
+  speculative  DFlash: the draft proposes a block, the frozen target verifies it (dflash); the text is
+          the target's own greedy decoding, produced in fewer target forwards
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ SAMPLERS = {  # strategy → samplers that fit it, its own first
     "idlm": ("idlm",),
     "hybrid": ("hybrid", "llada"),
     "block_diffusion": ("canvas",),
+    "dflash": ("speculative",),
 }
 INFILL_SAMPLERS = ("llada", "idlm")
 INFILL_SPAN = 20  # each [MASK] in an --infill prompt becomes this many mask tokens
@@ -57,7 +60,8 @@ def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None,
         ref = local
     path = Path(ref)
     for candidate in (path, path / "model"):
-        if (candidate / "config.json").is_file() and (candidate / "dllm.json").is_file():
+        has_config = (candidate / "config.json").is_file() or (candidate / "dflash_draft.json").is_file()
+        if has_config and (candidate / "dllm.json").is_file():
             return candidate
     raise FileNotFoundError(f"--checkpoint {ref}: not a dllm-flow checkpoint (expected config.json and dllm.json "
                             "in it or in its model/ folder), nor a models:/NAME@ALIAS URI")
@@ -78,7 +82,15 @@ def load_for_generation(ckpt: Path, device: str, adapter: str | None = None):
         apply_adapter(model, adapter)
     tokenizer = load_tokenizer(str(ckpt))
     dllm = DLLMConfig(**{**meta.get("dllm", {}), "mode": meta["strategy"]})
-    strategy, _, mask_id = prepare_strategy_with(meta["strategy"], dllm, model, tokenizer, meta["mask_token_id"])
+    options = extras = None
+    if meta["strategy"] == "dflash":  # the draft decodes for the frozen target its checkpoint names
+        from tasks.target import load_target
+
+        options = meta["dflash"]
+        extras = {"target": load_target(meta["target"]["path"], options["target_torch_dtype"], device,
+                                        options["target_trust_remote_code"])}
+    strategy, _, mask_id = prepare_strategy_with(meta["strategy"], dllm, model, tokenizer, meta["mask_token_id"],
+                                                 options=options, extras=extras)
     return model, tokenizer, strategy, mask_id, meta
 
 
@@ -123,6 +135,16 @@ def generate(model, tokenizer, strategy, mask_id: int, prompt: str, sampler: str
     prompt_ids = encode_prompts(tokenizer, [prompt], chat)[0]
     if not prompt_ids:
         raise ValueError("--prompt is empty after tokenization; give some text")
+    if sampler == "speculative":
+        from strategies.dflash import speculative_generate
+
+        t0 = time.perf_counter()
+        res = speculative_generate(strategy.target, model, prompt_ids, config.max_new_tokens, eos)
+        seconds = time.perf_counter() - t0
+        text = tokenizer.decode(res.tokens)
+        if stream:
+            stream(text)
+        return Generated(text, res.target_forwards, len(res.tokens), seconds)
     shown = [""]
 
     def on_block(canvas):

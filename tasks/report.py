@@ -135,13 +135,14 @@ def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str])
             lines.append(f"| {r['strategy']} | {_fmt(m.get('dflash/tau_sim'), 3)} | {_fmt(m.get('dflash/tau'), 3)} | "
                          f"{_fmt(m.get('dflash/speedup'), 2)} | {_fmt(m.get('dflash/exact_match'), 2)} | "
                          + " | ".join(_fmt(m.get(f"dflash/acc_k{k}"), 3) for k in ks) + " |")
-        lines += ["", "`dflash/tau`: tokens committed per target forward in speculative decoding of held-out prompts "
-                  "(accepted draft prefix + the target's bonus token); `dflash/tau_sim` and `acc_k` are its "
+        lines += ["", "`dflash/tau`: tokens committed per verification cycle in speculative decoding of held-out "
+                  "prompts (accepted draft prefix + the target's bonus token); `dflash/tau_sim` and `acc_k` are its "
                   "teacher-forced proxy and per-offset accuracy; `dflash/speedup` = target-only greedy wall time ÷ "
                   "speculative wall time on the same prompts, same run; `dflash/exact_match` = share of prompts whose "
                   "speculative output equals target-only greedy decoding (must be 1).", ""]
-    lines += ["## Quality vs NFE", "", "| strategy | steps | eval/nfe | tokens/forward | gen_ppl | entropy | tokens/s |",
-              "|---|---|---|---|---|---|---|"]
+    if any(r["curve"] for r in rows):
+        lines += ["## Quality vs NFE", "", "| strategy | steps | eval/nfe | tokens/forward | gen_ppl | entropy | tokens/s |",
+                  "|---|---|---|---|---|---|---|"]
     for r in rows:
         for p in r["curve"]:
             lines.append(f"| {r['strategy']} | {p['steps']} | {_fmt(p.get('nfe'), 1)} | {_fmt(p.get('tokens_per_forward'), 2)} | "
@@ -204,17 +205,18 @@ def render_plots(rows: list[dict], out: Path) -> list[str]:
         ax.legend()
         save(fig, PLOTS[2])
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    key = "gen_ppl" if have_ppl else "entropy"
-    for r in rows:
-        pts = sorted((p["nfe"], p[key]) for p in r["curve"] if p.get(key) is not None)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=r["strategy"])
-    ax.set(xlabel="NFE (forwards per sequence)", ylabel=key, xscale="log", title=f"Quality vs NFE ({key})")
-    if have_ppl:
-        ax.set_yscale("log")
-    ax.legend()
-    save(fig, PLOTS[3])
+    if any(r["curve"] for r in rows):  # (DFlash evaluates by acceptance length, not by a step budget)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        key = "gen_ppl" if have_ppl else "entropy"
+        for r in rows:
+            pts = sorted((p["nfe"], p[key]) for p in r["curve"] if p.get(key) is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=r["strategy"])
+        ax.set(xlabel="NFE (forwards per sequence)", ylabel=key, xscale="log", title=f"Quality vs NFE ({key})")
+        if have_ppl:
+            ax.set_yscale("log")
+        ax.legend()
+        save(fig, PLOTS[3])
     return written
 
 

@@ -115,6 +115,18 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     assert 1.0 <= m["dflash/tau"] <= 4.0 and 1.0 <= m["dflash/tau_sim"] <= 4.0
     assert {f"dflash/acc_k{k}" for k in (1, 2, 3)} <= set(m) and m["dflash/speedup"] > 0
     assert m["eval/ar_nll"] > 0 and m["eval/tokens_per_forward"] >= 1.0
+    # `dllm-flow generate` rebuilds draft + target from the checkpoint: the text is the target's greedy text
+    from strategies.dflash import greedy_generate
+    from strategies.sampling import SamplerConfig
+    from tasks.generate import check_sampler, generate, load_for_generation
+
+    model, tok, strat, mask, _ = load_for_generation(ckpt, "cpu")
+    out = generate(model, tok, strat, mask, "O", check_sampler("dflash", "auto", False), SamplerConfig(max_new_tokens=8),
+                   seed=0, device="cpu", chat=False)
+    prompt = tok("O", add_special_tokens=False)["input_ids"]
+    assert out.text == tok.decode(greedy_generate(strat.target, prompt, 8, tok.eos_token_id)) and out.nfe >= 1
+    with pytest.raises(ValueError, match="does not fit a dflash checkpoint"):
+        check_sampler("dflash", "llada", False)
     bench = json.loads((Path(ev.path) / "speculative.json").read_text())
     assert sum(int(k) * v for k, v in bench["histogram"].items()) / sum(bench["histogram"].values()) == pytest.approx(
         m["dflash/tau"])
@@ -176,3 +188,36 @@ def test_errors_name_what_to_change(dflash_run, tiny_spec):
         cache_target(_dflash_spec_from(spec, target_layer_ids=[7]), tgt, data, workdir)
     with pytest.raises(FileNotFoundError, match="not a local directory and not in the Hugging Face cache"):
         target(_dflash_spec_from(spec, target_model_id="nobody/no-such-model"), data, workdir)
+
+
+@pytest.mark.slow
+def test_dflash_pipeline_runs_and_a_second_draft_reuses_target_and_cache(tmp_path):
+    """`dllm-flow run configs/dflash.yaml` (shrunk): pretrain_target → cache_target → train → evaluate →
+    report; a rerun with another draft learning rate reuses the target and the cache."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    shrink = ["--set", "data.max_documents=4", "--set", "data.max_train_rows=128", "--set", "data.max_val_rows=16",
+              "--set", "data.seq_len=32", "--set", "tokenizer.vocab_size=320", "--set", "model.hidden_size=32",
+              "--set", "model.num_heads=2", "--set", "dflash.pretrain.num_heads=2", "--set", "dflash.pretrain.num_layers=2",
+              "--set", "dflash.pretrain.steps=10", "--set", "train.steps=4", "--set", "train.global_batch_size=8",
+              "--set", "train.micro_batch_size=8", "--set", "train.val_every=2", "--set", "train.val_rows=8",
+              "--set", "eval.val_rows=8", "--set", "eval.num_samples=1", "--set", "eval.sample_length=4",
+              "--set", "dflash.eval_prompts=2", "--set", "dflash.eval_prompt_len=4", "--set", "dflash.eval_max_new_tokens=4"]
+
+    def run(*extra):
+        out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/dflash.yaml", *shrink, *extra,
+                              "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        record = json.loads(sorted((tmp_path / "runs").glob("*.json"))[-1].read_text())
+        return {s["name"]: s["status"] for s in record["stages"]}
+
+    assert run() == {"prepare_data": "COMPLETED", "pretrain_target": "COMPLETED", "cache_target": "COMPLETED",
+                     "train[dflash]": "COMPLETED", "evaluate[dflash]": "COMPLETED", "report": "COMPLETED"}
+    report = (tmp_path / "report.md").read_text()
+    assert "## Speculative decoding (DFlash)" in report and "| dflash |" in report
+    assert run("--set", "train.lr=1.0e-3") == {
+        "prepare_data": "REUSED", "pretrain_target": "REUSED", "cache_target": "REUSED",
+        "train[dflash]": "COMPLETED", "evaluate[dflash]": "COMPLETED", "report": "COMPLETED"}
