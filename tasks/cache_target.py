@@ -80,7 +80,8 @@ def cache_target(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: 
                       "layer_ids": layer_ids, "dtype": spec.dflash.cache_dtype,
                       "rows": {name: len(ids) for name, ids in splits.items()}}
         with store.publish(stage, key, {"upstream": {"target": target.key, "data": data.key}, "info": info}) as tmp:
-            index = write_feature_cache(model, splits, layer_ids, tmp / "features", dtype=spec.dflash.cache_dtype)
+            index = write_feature_cache(model, splits, layer_ids, tmp / "features", dtype=spec.dflash.cache_dtype,
+                                         progress=True)
             info.update(bytes=index["bytes"], build_seconds=index["seconds"])
     ref = _ref(store.lookup(stage, key), reused=False)
     print(f"[dllm-flow] cache_target: {sum(info['rows'].values())} rows × layers {layer_ids} ({info['dtype']}) = "

@@ -41,7 +41,26 @@ def _local_dir(target_id: str) -> Path:
                                 "download it once with hub access") from None
 
 
-def weights_digest(path: Path, gguf_file: str | None = None) -> str:
+def _file_digest(f: Path, memo_dir: Path | None) -> str:
+    """sha256 of a weight file, remembered per (path, size, mtime) under the store so a 16 GB target is
+    not re-read on every run; any change to the file changes the memo key."""
+    if memo_dir is None:
+        return sha256_file(f)
+    import json
+
+    from dllm_common.store import atomic_write_text
+
+    st = f.stat()
+    memo = memo_dir / "weights-digests.json"
+    entry = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    known = json.loads(memo.read_text()) if memo.is_file() else {}
+    if entry not in known:
+        known[entry] = sha256_file(f)
+        atomic_write_text(memo, json.dumps(known, indent=1))
+    return known[entry]
+
+
+def weights_digest(path: Path, gguf_file: str | None = None, memo_dir: Path | None = None) -> str:
     """sha256 over the names and digests of a checkpoint's weight files (or of its one GGUF file)."""
     if gguf_file:
         files = [path / gguf_file]
@@ -54,7 +73,7 @@ def weights_digest(path: Path, gguf_file: str | None = None) -> str:
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())
-        h.update(sha256_file(f).encode())
+        h.update(_file_digest(f, memo_dir).encode())
     return h.hexdigest()
 
 
@@ -70,8 +89,8 @@ def stage_of(spec: PipelineSpec, data: StageRef, workdir: str, **_) -> tuple[str
         return PRETRAIN, stage_key(PRETRAIN, config, {"data": data.key}, code_version("tasks.target"))
     local = _local_dir(d.target_model_id)
     config = {"id": d.target_model_id, "gguf_file": d.target_gguf_file, "trust_remote_code": d.target_trust_remote_code}
-    return EXTERNAL, stage_key(EXTERNAL, config, {"weights": weights_digest(local, d.target_gguf_file)},
-                               code_version("tasks.target"))
+    digest = weights_digest(local, d.target_gguf_file, store_for(workdir).root / EXTERNAL)
+    return EXTERNAL, stage_key(EXTERNAL, config, {"weights": digest}, code_version("tasks.target"))
 
 
 def load_target(model_path: str | Path, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
@@ -192,7 +211,7 @@ def _external(spec: PipelineSpec, key: str, workdir: str) -> None:
     d, store = spec.dflash, store_for(workdir)
     local = _local_dir(d.target_model_id)
     info = {"kind": "external", "source": d.target_model_id, "gguf_file": d.target_gguf_file,
-            "weights_digest": weights_digest(local, d.target_gguf_file)}
+            "weights_digest": weights_digest(local, d.target_gguf_file, store.root / EXTERNAL)}
     with store.publish(EXTERNAL, key, {"info": info}) as tmp:
         if d.target_gguf_file:
             from tasks.scoring import _load, _save_dequantized

@@ -316,3 +316,26 @@ def test_draft_training_lowers_the_loss_and_touches_only_the_draft(pair):
     assert losses[-1] < 0.85 * losses[0]  # a frozen random 64-token head makes this slow; it does fall
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
     assert all(p.grad is None for p in target.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention has no CPU backward in torch 2.13; GPU check")
+def test_flex_block_mask_trains_like_the_dense_mask_on_gpu(pair):
+    """On CUDA the draft trains through the flex BlockMask: same loss and gradients as the dense mask."""
+    import copy
+
+    target, draft = (m.cuda() for m in copy.deepcopy(pair))
+    ids = torch.randint(0, 60, (2, 256), generator=torch.Generator().manual_seed(4)).cuda()
+    from strategies import Microbatch
+
+    mb = Microbatch(ids, torch.ones_like(ids, dtype=torch.float32), torch.ones_like(ids), torch.arange(2))
+    grads, losses = [], []
+    for backend in ("sdpa", "flex_attention"):
+        d = copy.deepcopy(draft).train()
+        s = _strategy(target, d, attention_backend=backend, num_blocks_per_sample=8)
+        ctx = _ctx(d)
+        batches, n, _ = s.pre_step(ctx, [mb])
+        out = s.forward_backward(ctx, batches[0], num_diffusion_tokens=n, num_ar_tokens=n, is_train=True)
+        losses.append(float(out.total_loss.detach()))
+        grads.append(torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-4, rtol=1e-3)

@@ -221,3 +221,22 @@ def test_dflash_pipeline_runs_and_a_second_draft_reuses_target_and_cache(tmp_pat
     assert run("--set", "train.lr=1.0e-3") == {
         "prepare_data": "REUSED", "pretrain_target": "REUSED", "cache_target": "REUSED",
         "train[dflash]": "COMPLETED", "evaluate[dflash]": "COMPLETED", "report": "COMPLETED"}
+
+
+def test_a_local_target_is_keyed_by_the_digest_of_its_weights(prepared, tiny_spec, tmp_path):
+    from strategies.models import build_model, tiny_model_config
+    from tasks.prepare_data import load_tokenizer
+    from tasks.target import stage_of as target_stage_of
+
+    data, _ = prepared
+    vocab = len(load_tokenizer(f"{data.path}/tokenizer"))
+    local = tmp_path / "my-target"
+    build_model(tiny_model_config("qwen3", vocab, 32, 32, 4, 2, None, None, False), 0).save_pretrained(local)
+    spec = _dflash_spec(tiny_spec, target_model_id=str(local))
+    wd = str(tmp_path / "w")
+    ref = target(spec, data, wd)
+    assert ref.stage == "target" and ref.info["model_path"] == str(local.resolve()) and ref.info["num_layers"] == 4
+    feats = cache_target(spec, ref, data, wd)
+    assert feats.info["layer_ids"] == [2] and target(spec, data, wd).reused
+    build_model(tiny_model_config("qwen3", vocab, 32, 32, 4, 2, None, None, False), 1).save_pretrained(local)
+    assert target_stage_of(spec, data, wd)[1] != ref.key  # new weights: a new target entry, hence a new cache
