@@ -263,6 +263,18 @@ class PretrainTargetConfig(_Section):
     log_every: int = Field(10, ge=1)
 
 
+class RegenerateConfig(_Section):
+    """Train the draft on the target's own text (DFlash paper §5.1): each training row keeps its first
+    `prompt_len` tokens and the target samples the rest at `temperature`; only the continuation is
+    supervised. Validation rows stay real text."""
+
+    prompt_len: int = Field(16, ge=1)
+    temperature: float = Field(0.8, ge=0)
+    max_rows: int | None = Field(None, ge=1)  # None → every training row
+    batch_size: int = Field(64, ge=1)
+    seed: int = 0
+
+
 class DFlashConfig(_Section):
     """DFlash options (spec §12.2) plus where its target and features come from."""
 
@@ -272,6 +284,7 @@ class DFlashConfig(_Section):
     target_torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     target_trust_remote_code: bool = False
     pretrain: PretrainTargetConfig = PretrainTargetConfig()
+    regenerate: RegenerateConfig | None = None  # None → train on the prepared rows as they are
     block_size: int = Field(0, ge=0)  # 0 → the draft checkpoint's
     loss_decay_gamma: float = 0.0  # ≤ 0 → the paper's γ for the block size
     num_blocks_per_sample: int = Field(1, ge=1)

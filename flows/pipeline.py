@@ -1,7 +1,7 @@
 """The pipeline flow: composition only. Load + validate the YAML once, then chain the stages:
 
-    prepare_data → [dflash: pretrain_target | target → cache_target] → train[strategy] → evaluate[strategy]
-    (for each strategy) → report
+    prepare_data → [dflash: pretrain_target | target → (regenerate) → cache_target] → train[strategy]
+    → evaluate[strategy] (for each strategy) → report
 
 Each stage is a cached Prefect task keyed by its store key; the flow records stage statuses in
 the workdir's run record and opens the parent MLflow run. No torch import here.
@@ -21,6 +21,7 @@ from tasks.common import StageRef, check_workdir
 from tasks.cache_target import cache_target_task
 from tasks.evaluate import evaluate_task
 from tasks.prepare_data import prepare_data_task
+from tasks.regenerate import regenerate_task
 from tasks.report import publish_report, report_task
 from tasks.target import stage_name as target_stage_name
 from tasks.target import target_task
@@ -116,18 +117,23 @@ def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str)
     storage = store_result_storage(wd)
     data = _run_stage(record, wd, storage, "prepare_data", prepare_data_task, spec=spec, workdir=workdir)
     inputs: dict[str, StageRef] = {}
-    if "dflash" in spec.pipeline.strategies:  # the frozen target, then (cached mode) its features
+    draft_data = data  # what the DFlash draft trains on: the prepared rows, or the target's rewrite of them
+    if "dflash" in spec.pipeline.strategies:  # the frozen target, its own text (optional), its features (cached)
         inputs["target"] = _run_stage(record, wd, storage, target_stage_name(spec), target_task, spec=spec, data=data,
                                       workdir=workdir, parent_run_id=parent_run_id)
+        if spec.dflash.regenerate is not None:
+            draft_data = _run_stage(record, wd, storage, "regenerate", regenerate_task, spec=spec,
+                                    target=inputs["target"], data=data, workdir=workdir)
         if spec.dflash.target_features == "cached":
             inputs["features"] = _run_stage(record, wd, storage, "cache_target", cache_target_task, spec=spec,
-                                            target=inputs["target"], data=data, workdir=workdir)
+                                            target=inputs["target"], data=draft_data, workdir=workdir)
     trained, evaluated = [], []
     trainer = train_remote_task if spec.pipeline.train_deployment else train_task
     for strategy in spec.pipeline.strategies:
-        t = _run_stage(record, wd, storage, f"train[{strategy}]", trainer, spec=spec, strategy=strategy, data=data,
-                       workdir=workdir, parent_run_id=parent_run_id,
-                       inputs=inputs if strategy == "dflash" else None)
+        dflash = strategy == "dflash"
+        t = _run_stage(record, wd, storage, f"train[{strategy}]", trainer, spec=spec, strategy=strategy,
+                       data=draft_data if dflash else data, workdir=workdir, parent_run_id=parent_run_id,
+                       inputs=inputs if dflash else None)
         e = _run_stage(record, wd, storage, f"evaluate[{strategy}]", evaluate_task, spec=spec, strategy=strategy, trained=t,
                        data=data, workdir=workdir)
         trained.append(t)

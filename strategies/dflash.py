@@ -464,3 +464,24 @@ def greedy_generate(target: nn.Module, prompt: list[int], max_new_tokens: int, e
         logits = target(input_ids=torch.tensor([[out[-1]]], device=device), cache=cache, use_cache=True).logits
         out.append(int(logits[0, -1].argmax()))
     return out
+
+
+@torch.no_grad()
+def sample_continuations(target: nn.Module, prompts: Tensor, new_tokens: int, temperature: float,
+                         generator: torch.Generator | None = None) -> Tensor:
+    """`[B, P + new_tokens]`: each prompt row continued by the target, batched with one KV cache,
+    sampled at `temperature` (greedy at 0) from `generator` only — so the same seed regenerates the
+    same data (DFlash trains best on the target's own outputs, paper §5.1)."""
+    cache = _new_cache(target)
+    logits = target(input_ids=prompts, cache=cache, use_cache=True).logits[:, -1]
+    out = [prompts]
+    for i in range(new_tokens):
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(prompts.device)
+        else:
+            nxt = logits.argmax(-1, keepdim=True)
+        out.append(nxt)
+        if i + 1 < new_tokens:
+            logits = target(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1]
+    return torch.cat(out, dim=1)

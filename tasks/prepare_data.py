@@ -282,12 +282,16 @@ def prepare_data(spec: PipelineSpec, workdir: str) -> StageRef:
     return _ref(store.lookup(STAGE, key), reused=False)
 
 
+def data_digest(manifest: dict) -> str:
+    """One sha256 for a prepared dataset's content (both splits): what MLflow records as its digest."""
+    files = manifest["files"]
+    return hashlib.sha256((files["train.safetensors"]["sha256"] + files["val.safetensors"]["sha256"]).encode()).hexdigest()
+
+
 def _ref(entry, reused: bool) -> StageRef:
     manifest = entry.manifest
-    digest = hashlib.sha256(
-        (manifest["files"]["train.safetensors"]["sha256"] + manifest["files"]["val.safetensors"]["sha256"]).encode()
-    ).hexdigest()
-    return StageRef(STAGE, entry.key, str(entry.path), reused=reused, info={**manifest["info"], "digest": digest})
+    return StageRef(STAGE, entry.key, str(entry.path), reused=reused,
+                    info={**manifest["info"], "digest": data_digest(manifest)})
 
 
 def _summarize(train, val, train_docs, val_docs, tokenizer) -> dict:

@@ -192,8 +192,8 @@ def test_errors_name_what_to_change(dflash_run, tiny_spec):
 
 @pytest.mark.slow
 def test_dflash_pipeline_runs_and_a_second_draft_reuses_target_and_cache(tmp_path):
-    """`dllm-flow run configs/dflash.yaml` (shrunk): pretrain_target → cache_target → train → evaluate →
-    report; a rerun with another draft learning rate reuses the target and the cache."""
+    """`dllm-flow run configs/dflash.yaml` (shrunk): pretrain_target → regenerate → cache_target → train →
+    evaluate → report; a rerun with another draft learning rate reuses the target, its text and the cache."""
     import subprocess
     import sys
 
@@ -214,12 +214,13 @@ def test_dflash_pipeline_runs_and_a_second_draft_reuses_target_and_cache(tmp_pat
         record = json.loads(sorted((tmp_path / "runs").glob("*.json"))[-1].read_text())
         return {s["name"]: s["status"] for s in record["stages"]}
 
-    assert run() == {"prepare_data": "COMPLETED", "pretrain_target": "COMPLETED", "cache_target": "COMPLETED",
-                     "train[dflash]": "COMPLETED", "evaluate[dflash]": "COMPLETED", "report": "COMPLETED"}
+    assert run() == {"prepare_data": "COMPLETED", "pretrain_target": "COMPLETED", "regenerate": "COMPLETED",
+                     "cache_target": "COMPLETED", "train[dflash]": "COMPLETED", "evaluate[dflash]": "COMPLETED",
+                     "report": "COMPLETED"}
     report = (tmp_path / "report.md").read_text()
     assert "## Speculative decoding (DFlash)" in report and "| dflash |" in report
     assert run("--set", "train.lr=1.0e-3") == {
-        "prepare_data": "REUSED", "pretrain_target": "REUSED", "cache_target": "REUSED",
+        "prepare_data": "REUSED", "pretrain_target": "REUSED", "regenerate": "REUSED", "cache_target": "REUSED",
         "train[dflash]": "COMPLETED", "evaluate[dflash]": "COMPLETED", "report": "COMPLETED"}
 
 
@@ -240,3 +241,36 @@ def test_a_local_target_is_keyed_by_the_digest_of_its_weights(prepared, tiny_spe
     assert feats.info["layer_ids"] == [2] and target(spec, data, wd).reused
     build_model(tiny_model_config("qwen3", vocab, 32, 32, 4, 2, None, None, False), 1).save_pretrained(local)
     assert target_stage_of(spec, data, wd)[1] != ref.key  # new weights: a new target entry, hence a new cache
+
+
+def test_regenerated_rows_are_the_targets_own_text_and_reproduce(dflash_run, tmp_path):
+    """dflash.regenerate: prompts kept, continuations sampled by the target (greedy at T=0, seeded at
+    T>0), only the continuation supervised, validation untouched; the draft trains on it."""
+    from safetensors.torch import load_file
+
+    from strategies.dflash import greedy_generate
+    from tasks.prepare_data import load_split
+    from tasks.regenerate import regenerate
+    from tasks.target import load_target
+
+    spec, data, workdir, tgt, _, _ = dflash_run
+    greedy = _dflash_spec_from(spec, regenerate={"prompt_len": 8, "temperature": 0.0, "max_rows": 16})
+    ref = regenerate(greedy, tgt, data, workdir)
+    ids, loss, attn = load_split(ref.path, "train")
+    orig = load_split(data.path, "train")[0]
+    assert ids.shape == (16, orig.shape[1]) and torch.equal(ids[:, :8], orig[:16, :8])
+    assert loss[:, :8].sum() == 0 and loss[:, 8:].all() and ref.info["train_supervised_tokens"] == 16 * (ids.shape[1] - 8)
+    row0 = greedy_generate(load_target(tgt.info["model_path"]), orig[0, :8].tolist(), ids.shape[1] - 8)
+    assert ids[0, 8:].tolist() == row0
+    assert load_file(str(Path(ref.path) / "val.safetensors")).keys() == load_file(str(Path(data.path) / "val.safetensors")).keys()
+    torch.testing.assert_close(load_split(ref.path, "val")[0], load_split(data.path, "val")[0])
+    sampled = _dflash_spec_from(spec, regenerate={"prompt_len": 8, "temperature": 1.0, "max_rows": 16})
+    a = regenerate(sampled, tgt, data, workdir)
+    b = regenerate(sampled, tgt, data, str(tmp_path))  # fresh store, same key: same rows
+    assert a.key == b.key and torch.equal(load_split(a.path, "train")[0], load_split(b.path, "train")[0])
+    assert not torch.equal(load_split(a.path, "train")[0], ids)
+    feats = cache_target(sampled, tgt, a, workdir)
+    assert feats.info["rows"]["train"] == 16
+    short = sampled.model_copy(update={"train": sampled.train.model_copy(update={"steps": 2, "val_every": 2})})
+    trained = train(short, "dflash", a, workdir, inputs={"target": tgt, "features": feats})
+    assert json.loads((model_dir(trained) / "dllm.json").read_text())["step"] == 2
