@@ -73,7 +73,8 @@ def shard_fsdp2(model) -> None:
     from torch.distributed.fsdp import fully_shard
 
     lm = getattr(model, "lm", model)
-    for layer in lm.model.layers:
+    layers = lm.layers if hasattr(lm, "layers") else lm.model.layers  # a DFlash draft holds its layers directly
+    for layer in layers:
         fully_shard(layer)
     fully_shard(model)
 

@@ -38,3 +38,24 @@ def test_two_gloo_processes_match_one_process(prepared, tiny_spec, tmp_path, str
     wa = load_file(str(model_dir(one) / "model.safetensors"))
     wb = load_file(str(model_dir(two) / "model.safetensors"))
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+
+
+def test_dflash_draft_under_two_gloo_processes_matches_one_process(prepared, tiny_spec, tmp_path):
+    """DDP over the DFlash draft (target frozen on every rank, cached features read per global row)."""
+    from tasks.cache_target import cache_target
+    from tasks.target import target
+    from test_dflash_stages import _dflash_spec
+
+    data, _ = prepared
+    base = _dflash_spec(tiny_spec)
+    shared = str(tmp_path / "shared")
+    tgt = target(base, data, shared)
+    inputs = {"target": tgt, "features": cache_target(base, tgt, data, shared)}
+    runs = {}
+    for nproc in (1, 2):
+        spec = base.model_copy(update={"train": _spec(base, nproc).train})
+        runs[nproc] = train(spec, "dflash", data, str(tmp_path / str(nproc)), inputs=inputs)
+    a = _metric_history(tmp_path / "1", runs[1].mlflow_run_id, "train/loss")
+    b = _metric_history(tmp_path / "2", runs[2].mlflow_run_id, "train/loss")
+    assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 6
+    assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 1e-5

@@ -15,6 +15,21 @@ def cli(*args, workdir=None, timeout=600):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def cli_here(capsys, *args, workdir=None):
+    """The same CLI entry point, in this process: for commands that neither boot Prefect nor train, this
+    skips the seconds of imports a fresh interpreter pays."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from flows.cli import main
+
+    capsys.readouterr()
+    with contextlib.chdir(ROOT):
+        code = main([*args] + (["--workdir", str(workdir)] if workdir else []))
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
 def latest_record(workdir):
     records = sorted((workdir / "runs").glob("*.json"))
     return json.loads(records[-1].read_text())
@@ -81,13 +96,13 @@ def test_mlflow_lineage(smoke_run):
             "report/quality_vs_nfe.png"} <= report_files
 
 
-def test_runs_command_lists_stages(smoke_run):
+def test_runs_command_lists_stages(smoke_run, capsys):
     workdir, _ = smoke_run
-    out = cli("runs", workdir=workdir)
+    out = cli_here(capsys, "runs", workdir=workdir)
     assert out.returncode == 0 and "train[mdlm]" in out.stdout and "mlflow_run=" in out.stdout
 
 
-def test_generate_streams_from_the_registry_and_the_store_alike(smoke_run):
+def test_generate_streams_from_the_registry_and_the_store_alike(smoke_run, capsys):
     workdir, _ = smoke_run
     args = ("--prompt", "To be", "--steps", "8", "--max-new-tokens", "16", "--block-size", "8", "--seed", "3")
     by_alias = cli("generate", "--checkpoint", "models:/smoke-mdlm@latest", *args, workdir=workdir)
@@ -97,16 +112,16 @@ def test_generate_streams_from_the_registry_and_the_store_alike(smoke_run):
     entry = next((workdir / "store" / "train").glob("*/model"))
     by_path = cli("generate", "--checkpoint", str(entry.parent), *args, workdir=workdir)
     assert by_path.returncode == 0 and by_path.stdout == by_alias.stdout  # same weights, same seed, same text
-    wrong = cli("generate", "--checkpoint", str(entry), "--sampler", "scdd", *args, workdir=workdir)
+    wrong = cli_here(capsys, "generate", "--checkpoint", str(entry), "--sampler", "scdd", *args, workdir=workdir)
     assert wrong.returncode == 2 and "does not fit a mdlm checkpoint" in wrong.stderr
-    missing = cli("generate", "--checkpoint", "models:/no-such-model@latest", *args, workdir=workdir)
+    missing = cli_here(capsys, "generate", "--checkpoint", "models:/no-such-model@latest", *args, workdir=workdir)
     assert missing.returncode == 2 and "not found in the MLflow registry" in missing.stderr
 
 
-def test_report_rerenders_from_mlflow_alone(smoke_run, tmp_path):
+def test_report_rerenders_from_mlflow_alone(smoke_run, tmp_path, capsys):
     workdir, _ = smoke_run
     run_id = latest_record(workdir)["run_id"]
-    out = cli("report", run_id, "--out", str(tmp_path / "r"), workdir=workdir)
+    out = cli_here(capsys, "report", run_id, "--out", str(tmp_path / "r"), workdir=workdir)
     assert out.returncode == 0, out.stderr[-2000:]
     table = lambda text: [ln for ln in text.splitlines() if ln.startswith("| mdlm")]  # noqa: E731
     assert table((tmp_path / "r" / "report.md").read_text()) == table((workdir / "report.md").read_text())
@@ -116,7 +131,7 @@ def test_report_rerenders_from_mlflow_alone(smoke_run, tmp_path):
         assert (workdir / png).is_file()
 
 
-def test_rerun_reuses_everything_then_eval_change_reruns_only_eval(smoke_run):
+def test_rerun_reuses_everything_then_eval_change_reruns_only_eval(smoke_run, capsys):
     workdir, _ = smoke_run
     again = cli("run", "configs/smoke.yaml", workdir=workdir)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -131,7 +146,7 @@ def test_rerun_reuses_everything_then_eval_change_reruns_only_eval(smoke_run):
     # its own evaluation's numbers
     table = lambda text: [ln for ln in text.splitlines() if ln.startswith("| mdlm |")][0]  # noqa: E731
     assert table((workdir / "report.md").read_text()) != table(first_report)
-    out = cli("report", first_run, "--out", str(workdir / "again"), workdir=workdir)
+    out = cli_here(capsys, "report", first_run, "--out", str(workdir / "again"), workdir=workdir)
     assert out.returncode == 0 and table((workdir / "again" / "report.md").read_text()) == table(first_report)
 
 
@@ -149,23 +164,23 @@ def test_corrupt_checkpoint_fails_evaluation_clearly(smoke_run):
         weights.write_bytes(original)
 
 
-def test_bad_input_gets_one_clear_error(tmp_path):
+def test_bad_input_gets_one_clear_error(tmp_path, capsys):
     missing = cli("run", "configs/nope.yaml", workdir=tmp_path)
     assert missing.returncode == 2 and "config file not found" in missing.stderr
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     unwritable = cli("run", "configs/smoke.yaml", workdir=blocker / "sub")
     assert unwritable.returncode == 2 and "is not writable" in unwritable.stderr
-    unknown = cli("validate", "configs/smoke.yaml", "--set", "pipeline.strategies=[mdlm, nope]")
+    unknown = cli_here(capsys, "validate", "configs/smoke.yaml", "--set", "pipeline.strategies=[mdlm, nope]")
     assert unknown.returncode == 2 and "'nope'" in unknown.stderr
-    bad_key = cli("validate", "configs/smoke.yaml", "--set", "train.learning_rate=1")
+    bad_key = cli_here(capsys, "validate", "configs/smoke.yaml", "--set", "train.learning_rate=1")
     assert bad_key.returncode == 2 and "train.learning_rate: unknown key" in bad_key.stderr
-    wrong_type = cli("validate", "configs/smoke.yaml", "--set", "train.steps=lots")
+    wrong_type = cli_here(capsys, "validate", "configs/smoke.yaml", "--set", "train.steps=lots")
     assert wrong_type.returncode == 2 and "train.steps" in wrong_type.stderr and "'lots'" in wrong_type.stderr
 
 
-def test_validate_prints_resolved_config():
-    out = cli("validate", "configs/smoke.yaml", "--set", "train.steps=5")
+def test_validate_prints_resolved_config(capsys):
+    out = cli_here(capsys, "validate", "configs/smoke.yaml", "--set", "train.steps=5")
     assert out.returncode == 0 and json.loads(out.stdout)["train"]["steps"] == 5
 
 
