@@ -265,23 +265,40 @@ def microbatches(ids, loss, attn, rows, micro: int, device: str, split: str = "t
     return [Microbatch(ids[c], loss[c], attn[c], c, split).to(device) for c in rows.split(micro)]
 
 
-def run_step(trainee: Trainee, ctx, mbs, is_train: bool) -> tuple[float, int]:
+def run_step(trainee: Trainee, ctx, mbs, is_train: bool) -> tuple[float, int, dict]:
     """pre_step over all micro-batches, then forward/backward each with step-level *global* counts.
 
     Returns the step's loss summed over micro-batches and data-parallel ranks (= the global token
-    mean, since every term is local sum ÷ global count) and the global supervised count."""
+    mean, since every term is local sum ÷ global count), the global supervised count, and the DFlash
+    draft accuracies when the loss reports per-offset counts (spec §7.3: `draft_acc`, `draft_acc_k{k}`)."""
     from strategies.base import global_sum
 
     corrupted, n_noise, n_sup = trainee.strategy.pre_step(ctx, mbs)
     n_noise, n_sup = global_sum(n_noise), global_sum(n_sup)
     n_diff, n_ar = trainee.strategy.loss_denominators(corrupted, n_noise, n_sup)
-    total = 0.0
+    total, correct, count = 0.0, None, None
     for batch in corrupted:
         with trainee.autocast():
             out = trainee.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar,
                                                     is_train=is_train)
         total += float(out.total_loss.detach())
-    return global_sum(total), n_sup
+        if out.draft_correct_per_pos is not None:
+            c, n = out.draft_correct_per_pos.detach().cpu(), out.draft_count_per_pos.detach().cpu()
+            correct, count = (c, n) if correct is None else (correct + c, count + n)
+    return global_sum(total), n_sup, _draft_accuracy(correct, count)
+
+
+def _draft_accuracy(correct, count) -> dict:
+    """Per-offset sums all-reduced over ranks → `draft_acc` = Σcorrect/Σcount and `draft_acc_k{k}`."""
+    from strategies.base import global_sum
+
+    if correct is None:
+        return {}
+    c = [global_sum(float(x)) for x in correct.tolist()]
+    n = [global_sum(float(x)) for x in count.tolist()]
+    out = {"draft_acc": sum(c) / sum(n) if sum(n) else float("nan")}
+    out.update({f"draft_acc_k{k}": ck / max(nk, 1.0) for k, (ck, nk) in enumerate(zip(c, n), start=1)})
+    return out
 
 
 def validation_loss(trainee: Trainee, spec: PipelineSpec, val, device: str, dist=None) -> float:
@@ -296,7 +313,7 @@ def validation_loss(trainee: Trainee, spec: PipelineSpec, val, device: str, dist
     ctx = step_context(trainee, spec, step=0, base_seed=spec.train.seed + 1_000_000_007, grad_acc=1, dist=dist)
     trainee.model.eval()
     with torch.no_grad():
-        value, _ = run_step(trainee, ctx, microbatches(ids, loss, attn, rows, spec.train.micro_batch_size, device, "val"),
+        value, _, _ = run_step(trainee, ctx, microbatches(ids, loss, attn, rows, spec.train.micro_batch_size, device, "val"),
                             False)
     trainee.model.train()
     return value
@@ -306,13 +323,14 @@ def train_step(trainee: Trainee, ctx, mbs, opt, sched, grad_clip: float) -> dict
     """One optimizer step: corrupt + forward/backward every micro-batch, clip, step, schedule."""
     import torch
 
-    loss, n_sup = run_step(trainee, ctx, mbs, True)
+    loss, n_sup, draft = run_step(trainee, ctx, mbs, True)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(trainee.model.parameters(), grad_clip))  # grads all-reduced by DDP
     lr = sched.get_last_lr()[0]
     opt.step()
     opt.zero_grad(set_to_none=True)
     sched.step()
-    return {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/supervised_tokens": n_sup}
+    return {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/supervised_tokens": n_sup,
+            **{f"train/{k}": v for k, v in draft.items()}}
 
 
 def make_optimizer(model, cfg):

@@ -99,6 +99,8 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     spec, data, workdir, tgt, _, trained = dflash_run
     val = _history(workdir, trained.mlflow_run_id, "val/loss")
     assert len(val) == 4 and val[-1] < val[0]
+    acc = {k: _history(workdir, trained.mlflow_run_id, f"train/draft_acc{k}") for k in ("", "_k1", "_k2", "_k3")}
+    assert all(len(v) == spec.train.steps and all(0 <= x <= 1 for x in v) for v in acc.values())
     ckpt = model_dir(trained)
     meta = json.loads((ckpt / "dllm.json").read_text())
     assert meta["target"]["path"] == tgt.info["model_path"] and meta["dflash"]["block_size"] == 4
