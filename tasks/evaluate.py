@@ -5,6 +5,10 @@ NELBO (evaluation spec §4.1): for each row, K stratified times t_k = (k + u)/K 
 range (0, 1), u seeded per batch; the one-sample estimate (1/t)·Σ_{masked ∧ supervised} −log p_θ
 is averaged over k. `eval/nelbo` = Σ_rows S_i / Σ_rows n_i (nats per supervised token) with the
 ratio estimator's standard error; `eval/ppl_bound` = exp(nelbo) bounds the perplexity.
+
+DFlash (evaluation spec §4.7) is judged by acceptance instead: `dflash/tau_sim` and `dflash/acc_k{k}`
+teacher-forced on validation rows, and the real `dflash/tau` and `dflash/speedup` from speculative
+decoding of held-out prompts, checked token for token against the target's greedy decoding.
 """
 from __future__ import annotations
 

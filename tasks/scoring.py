@@ -49,18 +49,18 @@ def load_scorer(cfg: ScorerConfig, workdir: str | Path):
         key = stage_key(STAGE, {"gguf": cfg.gguf_file}, {"file": sha256_file(gguf)}, "1")
         entry = store.lookup(STAGE, key)
         if entry is None:
-            model, tokenizer = _load(path, cfg.gguf_file, cfg.trust_remote_code)
+            model, tokenizer = load_causal_lm(path, cfg.gguf_file, cfg.trust_remote_code)
             with store.publish(STAGE, key, {"source": cfg.path, "gguf_file": cfg.gguf_file}) as tmp:
-                _save_dequantized(model, tokenizer, tmp / "model")
+                save_dequantized(model, tokenizer, tmp / "model")
             entry = store.lookup(STAGE, key)
-        model, tokenizer = _load(str(entry.path / "model"), None, False)
+        model, tokenizer = load_causal_lm(str(entry.path / "model"), None, False)
     else:
-        model, tokenizer = _load(path, None, cfg.trust_remote_code)
+        model, tokenizer = load_causal_lm(path, None, cfg.trust_remote_code)
     model.eval().requires_grad_(False)
     return model.to(torch.float32), tokenizer
 
 
-def _save_dequantized(model, tokenizer, dest: Path) -> None:
+def save_dequantized(model, tokenizer, dest: Path) -> None:
     """transformers refuses `save_pretrained` on a GGUF-loaded model; its weights are already
     de-quantized, so write them as plain safetensors with the config minus the quantization entry."""
     import json
@@ -75,7 +75,7 @@ def _save_dequantized(model, tokenizer, dest: Path) -> None:
     tokenizer.save_pretrained(dest)
 
 
-def _load(path: str, gguf_file: str | None, trust_remote_code: bool):
+def load_causal_lm(path: str, gguf_file: str | None, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}

@@ -214,10 +214,10 @@ def _external(spec: PipelineSpec, key: str, workdir: str) -> None:
             "weights_digest": weights_digest(local, d.target_gguf_file, store.root / EXTERNAL)}
     with store.publish(EXTERNAL, key, {"info": info}) as tmp:
         if d.target_gguf_file:
-            from tasks.scoring import _load, _save_dequantized
+            from tasks.scoring import load_causal_lm, save_dequantized
 
-            model, tokenizer = _load(str(local), d.target_gguf_file, d.target_trust_remote_code)
-            _save_dequantized(model, tokenizer, tmp / "model")
+            model, tokenizer = load_causal_lm(str(local), d.target_gguf_file, d.target_trust_remote_code)
+            save_dequantized(model, tokenizer, tmp / "model")
             model_path = "<entry>/model"
             config = model.config
         else:

