@@ -80,3 +80,29 @@ def stop_group(proc) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """One Prefect API server (127.0.0.1, free port) for the CLI pipeline tests of the session.
+
+    Without `PREFECT_API_URL` every `dllm-flow run` boots a temporary local API and migrates a fresh
+    database (~20 s on 2 cores); the smoke fixture keeps testing that zero-config path, the other CLI
+    runs point at this server instead. Stopped at the end of the session."""
+    import subprocess
+    import sys
+
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    log = home / "server.log"
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, start_new_session=True, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}/api"
+        wait_http(f"{url}/health", proc, log)
+        yield url
+    finally:
+        stop_group(proc)

@@ -193,13 +193,10 @@ def test_errors_name_what_to_change(dflash_run, tiny_spec):
 
 
 @pytest.mark.slow
-def test_dflash_pipeline_runs_and_a_second_draft_reuses_target_and_cache(tmp_path):
+def test_dflash_pipeline_runs_and_a_second_draft_reuses_target_and_cache(tmp_path, prefect_api):
     """`dllm-flow run configs/dflash.yaml` (shrunk): pretrain_target → regenerate → cache_target → train →
     evaluate → report; a rerun with another draft learning rate reuses the target, its text and the cache."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from test_pipeline import cli
 
     shrink = ["--set", "data.max_documents=4", "--set", "data.max_train_rows=128", "--set", "data.max_val_rows=16",
               "--set", "data.seq_len=32", "--set", "tokenizer.vocab_size=320", "--set", "model.hidden_size=32",
@@ -210,8 +207,7 @@ def test_dflash_pipeline_runs_and_a_second_draft_reuses_target_and_cache(tmp_pat
               "--set", "dflash.eval_prompts=2", "--set", "dflash.eval_prompt_len=4", "--set", "dflash.eval_max_new_tokens=4"]
 
     def run(*extra):
-        out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/dflash.yaml", *shrink, *extra,
-                              "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        out = cli("run", "configs/dflash.yaml", *shrink, *extra, workdir=tmp_path, api=prefect_api)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         record = json.loads(sorted((tmp_path / "runs").glob("*.json"))[-1].read_text())
         return {s["name"]: s["status"] for s in record["stages"]}

@@ -10,9 +10,14 @@ from conftest import ROOT
 pytestmark = pytest.mark.slow
 
 
-def cli(*args, workdir=None, timeout=600):
+def cli(*args, workdir=None, timeout=600, api=None):
+    """`dllm-flow ARGS` in a fresh interpreter; `api` points it at a running Prefect server (the
+    `prefect_api` fixture) instead of letting it boot a temporary one."""
+    import os
+
     cmd = [sys.executable, "-m", "flows.cli", *args] + (["--workdir", str(workdir)] if workdir else [])
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, "PREFECT_API_URL": api} if api else None
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def cli_here(capsys, *args, workdir=None):
@@ -105,12 +110,12 @@ def test_runs_command_lists_stages(smoke_run, capsys):
 def test_generate_streams_from_the_registry_and_the_store_alike(smoke_run, capsys):
     workdir, _ = smoke_run
     args = ("--prompt", "To be", "--steps", "8", "--max-new-tokens", "16", "--block-size", "8", "--seed", "3")
-    by_alias = cli("generate", "--checkpoint", "models:/smoke-mdlm@latest", *args, workdir=workdir)
+    by_alias = cli_here(capsys, "generate", "--checkpoint", "models:/smoke-mdlm@latest", *args, workdir=workdir)
     assert by_alias.returncode == 0, by_alias.stderr[-2000:]
     assert by_alias.stdout.startswith("[Prompt 0] To be\n")
     assert "NFE 8, " in by_alias.stderr and "tokens/s" in by_alias.stderr
     entry = next((workdir / "store" / "train").glob("*/model"))
-    by_path = cli("generate", "--checkpoint", str(entry.parent), *args, workdir=workdir)
+    by_path = cli_here(capsys, "generate", "--checkpoint", str(entry.parent), *args, workdir=workdir)
     assert by_path.returncode == 0 and by_path.stdout == by_alias.stdout  # same weights, same seed, same text
     wrong = cli_here(capsys, "generate", "--checkpoint", str(entry), "--sampler", "scdd", *args, workdir=workdir)
     assert wrong.returncode == 2 and "does not fit a mdlm checkpoint" in wrong.stderr
@@ -131,14 +136,14 @@ def test_report_rerenders_from_mlflow_alone(smoke_run, tmp_path, capsys):
         assert (workdir / png).is_file()
 
 
-def test_rerun_reuses_everything_then_eval_change_reruns_only_eval(smoke_run, capsys):
+def test_rerun_reuses_everything_then_eval_change_reruns_only_eval(smoke_run, capsys, prefect_api):
     workdir, _ = smoke_run
-    again = cli("run", "configs/smoke.yaml", workdir=workdir)
+    again = cli("run", "configs/smoke.yaml", workdir=workdir, api=prefect_api)
     assert again.returncode == 0, again.stderr[-3000:]
     assert set(stage_status(latest_record(workdir)).values()) == {"REUSED"}
     assert "train[mdlm]: reused" in again.stdout
     first_run, first_report = latest_record(workdir)["run_id"], (workdir / "report.md").read_text()
-    changed = cli("run", "configs/smoke.yaml", "--set", "eval.t_samples=3", workdir=workdir)
+    changed = cli("run", "configs/smoke.yaml", "--set", "eval.t_samples=3", workdir=workdir, api=prefect_api)
     assert changed.returncode == 0, changed.stderr[-3000:]
     assert stage_status(latest_record(workdir)) == {"prepare_data": "REUSED", "train[mdlm]": "REUSED",
                                                     "evaluate[mdlm]": "COMPLETED", "report": "COMPLETED"}
@@ -150,13 +155,13 @@ def test_rerun_reuses_everything_then_eval_change_reruns_only_eval(smoke_run, ca
     assert out.returncode == 0 and table((workdir / "again" / "report.md").read_text()) == table(first_report)
 
 
-def test_corrupt_checkpoint_fails_evaluation_clearly(smoke_run):
+def test_corrupt_checkpoint_fails_evaluation_clearly(smoke_run, prefect_api):
     workdir, _ = smoke_run
     weights = next((workdir / "store" / "train").glob("*/model/model.safetensors"))
     original = weights.read_bytes()
     try:
         weights.write_bytes(original[:-16] + bytes(16))
-        out = cli("run", "configs/smoke.yaml", "--set", "eval.t_samples=4", workdir=workdir)
+        out = cli("run", "configs/smoke.yaml", "--set", "eval.t_samples=4", workdir=workdir, api=prefect_api)
         assert out.returncode == 2
         assert "corrupt (sha256 mismatch, not loaded)" in out.stderr
         assert stage_status(latest_record(workdir))["evaluate[mdlm]"] == "FAILED"
@@ -184,7 +189,7 @@ def test_validate_prints_resolved_config(capsys):
     assert out.returncode == 0 and json.loads(out.stdout)["train"]["steps"] == 5
 
 
-def test_sigkilled_training_is_marked_crashed_and_resume_reruns_it(tmp_path):
+def test_sigkilled_training_is_marked_crashed_and_resume_reruns_it(tmp_path, capsys, prefect_api):
     import os
     import signal
     import time
@@ -192,6 +197,7 @@ def test_sigkilled_training_is_marked_crashed_and_resume_reruns_it(tmp_path):
     args = ["run", "configs/smoke.yaml", "--set", "train.steps=80", "--set", "train.checkpoint_every=10",
             "--workdir", str(tmp_path)]
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, start_new_session=True,
+                            env={**os.environ, "PREFECT_API_URL": prefect_api},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     try:
@@ -205,10 +211,10 @@ def test_sigkilled_training_is_marked_crashed_and_resume_reruns_it(tmp_path):
     step = json.loads(checkpoint.read_text())["step"]
     assert step >= 10 and not list((tmp_path / "store" / "train").glob("*/manifest.json"))
     killed = latest_record(tmp_path)["run_id"]
-    listing = cli("runs", workdir=tmp_path)
+    listing = cli_here(capsys, "runs", workdir=tmp_path)
     assert f"{killed}  CRASHED" in listing.stdout  # the dead process is detected, its stage marked
     assert stage_status(latest_record(tmp_path))["train[mdlm]"] == "CRASHED"
-    rerun = cli("resume", killed, workdir=tmp_path)
+    rerun = cli("resume", killed, workdir=tmp_path, api=prefect_api)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "completed before, will be reused: prepare_data" in rerun.stdout
     assert "resuming from the step-" in rerun.stdout
@@ -217,9 +223,9 @@ def test_sigkilled_training_is_marked_crashed_and_resume_reruns_it(tmp_path):
         (tmp_path / "runs" / f"{killed}.json").read_text())["config"]
     status = stage_status(record)
     assert status["prepare_data"] == "REUSED" and status["train[mdlm]"] == "COMPLETED"
-    again = cli("resume", record["run_id"], workdir=tmp_path)
+    again = cli_here(capsys, "resume", record["run_id"], workdir=tmp_path)
     assert again.returncode == 0 and "nothing to resume" in again.stdout
-    missing = cli("resume", "no-such-run", workdir=tmp_path)
+    missing = cli_here(capsys, "resume", "no-such-run", workdir=tmp_path)
     assert missing.returncode == 2 and "no pipeline run 'no-such-run'" in missing.stderr
 
     from mlflow.tracking import MlflowClient
