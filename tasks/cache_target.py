@@ -18,16 +18,6 @@ from tasks.common import StageRef, code_version, prefect_task, store_for
 STAGE = "cache_target"
 
 
-def draft_layers(spec: PipelineSpec) -> int:
-    """Layers of the draft this pipeline trains (a tiny one from `model:`, or a draft checkpoint's)."""
-    if spec.model.kind == "pretrained":
-        from strategies.dflash import DFlashDraftConfig
-        from strategies.models import resolve_model_path
-
-        return DFlashDraftConfig.from_dir(resolve_model_path(spec.model.path)).num_layers
-    return spec.model.num_layers
-
-
 def layer_ids_for(spec: PipelineSpec, target: StageRef) -> list[int]:
     """`dflash.target_layer_ids`, a draft checkpoint's own, or `_build_target_layer_ids(target, draft)`."""
     from strategies.dflash import _build_target_layer_ids
@@ -40,7 +30,7 @@ def layer_ids_for(spec: PipelineSpec, target: StageRef) -> list[int]:
 
         ids = list(DFlashDraftConfig.from_dir(resolve_model_path(spec.model.path)).target_layer_ids)
     else:
-        ids = _build_target_layer_ids(int(target.info["num_layers"]), draft_layers(spec))
+        ids = _build_target_layer_ids(int(target.info["num_layers"]), spec.model.num_layers)  # a draft built from `model:`
     bad = [i for i in ids if not 0 <= i < int(target.info["num_layers"])]
     if bad:
         raise ValueError(f"dflash.target_layer_ids {bad} are outside the target's {target.info['num_layers']} layers")
@@ -55,12 +45,10 @@ def stage_of(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str,
 
 def cache_target(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str) -> StageRef:
     """Publish (or reuse) the feature cache of `target` over both prepared splits."""
-    import torch
-
     from strategies.feature_cache import write_feature_cache
     from tasks.prepare_data import load_split
-    from tasks.target import load_target
-    from tasks.train import resolve_device
+    from tasks.target import load_spec_target
+    from tasks.train import stage_device
 
     store = store_for(workdir)
     stage, key = stage_of(spec, target, data, workdir)
@@ -69,11 +57,7 @@ def cache_target(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: 
     with store.lock(stage, key):
         if (hit := store.lookup(stage, key)) is not None:  # a concurrent worker built it while we waited
             return _ref(hit, reused=True)
-        if spec.train.threads:
-            torch.set_num_threads(spec.train.threads)
-        device = resolve_device(spec.train.device)
-        model = load_target(target.info["model_path"], spec.dflash.target_torch_dtype, device,
-                            spec.dflash.target_trust_remote_code)
+        model = load_spec_target(spec, target.info["model_path"], stage_device(spec))
         splits = {name: load_split(data.path, name)[0] for name in ("train", "val")}
         layer_ids = layer_ids_for(spec, target)
         info: dict = {"target": target.key, "target_weights": target.info["weights_digest"], "data": data.key,

@@ -90,6 +90,11 @@ def exact_ar_nll(strategy, model, ids, loss_mask, attention_mask, batch_size: in
     return nll, se, sum(counts)
 
 
+def ar_nll_metrics(nll: float, se: float, n_tokens: int) -> dict:
+    """The exact causal NLL's metric names (the same for every model that has a causal path)."""
+    return {"eval/ar_nll": nll, "eval/ar_nll_se": se, "eval/ar_ppl": math.exp(min(nll, 50.0)), "eval/tokens": n_tokens}
+
+
 def encode_prompts(tokenizer, texts: list[str], chat: bool) -> list[list[int]]:
     """Token ids of each prompt: through the chat template (with generation prompt) for dialogue models."""
     if chat:
@@ -186,8 +191,6 @@ def repro_card(spec: PipelineSpec, strategy_name: str, strategy, model, ckpt: Pa
 
 
 def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str) -> StageRef:
-    import torch
-
     from dllm_common.checkpoint import read_meta
     from dllm_common.tracking import Tracking
     from tasks.prepare_data import load_split, load_tokenizer
@@ -250,9 +253,7 @@ def _dllm_evaluation(spec: PipelineSpec, strategy: str, model, tokenizer, mask_i
         metrics.update({"eval/nelbo": nelbo, "eval/nelbo_se": se, "eval/ppl_bound": math.exp(min(nelbo, 50.0)),
                         "eval/tokens": n_tokens})
     if hasattr(strat, "ar_nll_rows"):  # strategies with an exact causal path
-        nll, se, n_tokens = exact_ar_nll(strat, model, ids, loss_mask, attn, spec.eval.batch_size)
-        metrics.update({"eval/ar_nll": nll, "eval/ar_nll_se": se, "eval/ar_ppl": math.exp(min(nll, 50.0)),
-                        "eval/tokens": n_tokens})
+        metrics.update(ar_nll_metrics(*exact_ar_nll(strat, model, ids, loss_mask, attn, spec.eval.batch_size)))
     headline, curve, text = sample_quality(strat, model, tokenizer, mask_id, spec, device, scorer)
     metrics.update(headline)
     return strat, metrics, curve, text
@@ -331,13 +332,14 @@ def dflash_evaluation(spec: PipelineSpec, draft, tokenizer, mask_id: int, ckpt: 
     """DFlash metrics: τ_sim and acc_k (teacher-forced), real τ and speedup from speculative decoding
     checked token for token against target-only greedy, the target's exact NLL, and samples."""
     from dllm_common.checkpoint import read_meta
+    from strategies.dflash import speculative_generate
     from tasks.scoring import generative_perplexity, mean_entropy
-    from tasks.target import load_target
+    from tasks.target import load_spec_target
     from tasks.train import dflash_options, prepare_strategy_with
 
     ids, loss_mask, attn = val
-    d, meta = spec.dflash, read_meta(ckpt)
-    target = load_target(meta["target"]["path"], d.target_torch_dtype, device, d.target_trust_remote_code)
+    d = spec.dflash
+    target = load_spec_target(spec, read_meta(ckpt)["target"]["path"], device)
     strat, _, mask_id = prepare_strategy_with("dflash", spec.dllm.for_strategy("dflash"), draft, tokenizer, mask_id,
                                               options=dflash_options(spec), extras={"target": target})
     draft.eval()
@@ -346,19 +348,19 @@ def dflash_evaluation(spec: PipelineSpec, draft, tokenizer, mask_id: int, ckpt: 
     nll, se, n_tokens = exact_ar_nll(_CausalTarget(), target, ids, loss_mask, attn, spec.eval.batch_size)
     bench = speculative_benchmark(target, draft, speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len),
                                   d.eval_max_new_tokens, tokenizer.eos_token_id)
-    # the report's shared columns, from speculative decoding of the report's text prompts
+    # the report's shared columns, from speculative decoding of the report's text prompts (no timing
+    # or greedy check needed here: the benchmark above did both)
     texts = list(spec.eval.prompts[: spec.eval.num_samples]) or ["O"]
-    prompts = encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")
-    shown = speculative_benchmark(target, draft, prompts, spec.eval.sample_length, tokenizer.eos_token_id)
-    decoded = [tokenizer.decode(t) for t in shown["outputs"]]
+    shown = [speculative_generate(target, draft, p, spec.eval.sample_length, tokenizer.eos_token_id).tokens
+             for p in encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")]
+    decoded = [tokenizer.decode(t) for t in shown]
     metrics = {"dflash/tau_sim": tau_sim, **{f"dflash/acc_k{k + 1}": a for k, a in enumerate(acc)},
                "dflash/blocks": blocks, "dflash/tau": bench["tau"], "dflash/speedup": bench["speedup"],
-               "dflash/exact_match": bench["exact_match"], "eval/ar_nll": nll, "eval/ar_nll_se": se,
-               "eval/ar_ppl": math.exp(min(nll, 50.0)), "eval/tokens": n_tokens,
+               "dflash/exact_match": bench["exact_match"], **ar_nll_metrics(nll, se, n_tokens),
                "eval/nfe": bench["target_forwards"] / len(bench["outputs"]),
                "eval/tokens_per_forward": bench["tokens"] / max(bench["target_forwards"], 1),
                "eval/tokens_per_s": bench["tokens"] / bench["speculative_seconds"],
-               "eval/entropy": mean_entropy(shown["outputs"])}
+               "eval/entropy": mean_entropy(shown)}
     if scorer is not None:
         metrics["eval/gen_ppl"], _ = generative_perplexity(*scorer, list(zip(texts, decoded)))
     text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))

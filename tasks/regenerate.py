@@ -37,8 +37,8 @@ def regenerate(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: st
 
     from strategies.dflash import sample_continuations
     from tasks.prepare_data import load_split
-    from tasks.target import load_target
-    from tasks.train import resolve_device
+    from tasks.target import load_spec_target
+    from tasks.train import stage_device
 
     cfg = spec.dflash.regenerate
     if cfg is None:
@@ -59,11 +59,8 @@ def regenerate(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: st
     with store.lock(stage, key):
         if (hit := store.lookup(stage, key)) is not None:
             return _ref(hit, reused=True)
-        if spec.train.threads:
-            torch.set_num_threads(spec.train.threads)
-        device = resolve_device(spec.train.device)
-        model = load_target(target.info["model_path"], spec.dflash.target_torch_dtype, device,
-                            spec.dflash.target_trust_remote_code)
+        device = stage_device(spec)
+        model = load_spec_target(spec, target.info["model_path"], device)
         gen = torch.Generator().manual_seed(cfg.seed)
         t0, parts = time.perf_counter(), []
         for start in tqdm(range(0, len(rows), cfg.batch_size), desc="regenerate", unit="batch", dynamic_ncols=True):

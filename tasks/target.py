@@ -114,6 +114,12 @@ def load_target(model_path: str | Path, dtype: str = "float32", device: str = "c
     return model.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
 
 
+def load_spec_target(spec: PipelineSpec, model_path: str | Path, device: str):
+    """`load_target` with the config's `dflash.target_torch_dtype` and `target_trust_remote_code`."""
+    d = spec.dflash
+    return load_target(model_path, d.target_torch_dtype, device, d.target_trust_remote_code)
+
+
 # ------------------------------------------------------------------ the stage
 
 
@@ -141,15 +147,13 @@ def _pretrain(spec: PipelineSpec, data: StageRef, workdir: str, parent_run_id: s
     from dllm_common.tracking import Tracking
     from strategies.models import build_model, tiny_model_config
     from tasks.prepare_data import load_split, load_tokenizer
-    from tasks.train import DataOrder, make_optimizer, resolve_device
+    from tasks.train import DataOrder, make_optimizer, stage_device
 
     p, store = spec.dflash.pretrain, store_for(workdir)
     if spec.model.hidden_size % p.num_heads:
         raise ValueError(f"model.hidden_size ({spec.model.hidden_size}) must be divisible by "
                          f"dflash.pretrain.num_heads ({p.num_heads})")
-    if spec.train.threads:
-        torch.set_num_threads(spec.train.threads)
-    device = resolve_device(spec.train.device)
+    device = stage_device(spec)
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
     config = tiny_model_config(p.family, len(tokenizer), spec.data.seq_len, spec.model.hidden_size, p.num_layers,
                                p.num_heads, None, p.intermediate_size, True)

@@ -100,6 +100,15 @@ def lr_lambda(step: int, cfg) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
+def stage_device(spec: PipelineSpec) -> str:
+    """What every stage that runs a model starts with: `train.threads` applied, `train.device` resolved."""
+    import torch
+
+    if spec.train.threads:
+        torch.set_num_threads(spec.train.threads)
+    return resolve_device(spec.train.device)
+
+
 def resolve_device(name: str) -> str:
     import torch
 
@@ -205,7 +214,7 @@ def _dflash_trainee(spec: PipelineSpec, data: StageRef, device: str, inputs: dic
     from strategies.models import resolve_model_path
     from tasks.cache_target import features_dir, layer_ids_for
     from tasks.prepare_data import load_tokenizer
-    from tasks.target import load_target
+    from tasks.target import load_spec_target
 
     d, m = spec.dflash, spec.model
     if d.attention_backend == "flex_attention" and not str(device).startswith("cuda"):
@@ -215,7 +224,7 @@ def _dflash_trainee(spec: PipelineSpec, data: StageRef, device: str, inputs: dic
         raise ValueError("train.peft and train.activation_checkpointing do not apply to a DFlash draft; unset them")
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
     target_ref = inputs["target"]
-    target = load_target(target_ref.info["model_path"], d.target_torch_dtype, device, d.target_trust_remote_code)
+    target = load_spec_target(spec, target_ref.info["model_path"], device)
     hidden = target.config.hidden_size
     mask_id = spec.dllm.mask_token_id if spec.dllm.mask_token_id is not None else tokenizer.mask_token_id
     if mask_id is None or mask_id >= target.get_input_embeddings().num_embeddings:
@@ -381,9 +390,7 @@ def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
 
     store = store_for(workdir)
     cfg = spec.train
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = rank_device(resolve_device(cfg.device), dist)
+    device = rank_device(stage_device(spec), dist)
     train_t, val_t = load_split(data.path, "train"), load_split(data.path, "val")
     trainee = build_trainee(spec, strategy, data, device, inputs)
     trainee.strategy.validate_data(train_t[1], train_t[2])
