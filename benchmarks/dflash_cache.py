@@ -12,6 +12,7 @@ memory of the dense DFlash mask vs the flex `BlockMask`, in one run.
 
     python benchmarks/dflash_cache.py [--steps 20] [--batch 32] [--seq 128]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,16 +24,28 @@ import time
 import torch
 
 from strategies import Microbatch, SetupContext, StepContext
-from strategies.dflash import (DFlashDraftConfig, DFlashDraftModel, _build_target_layer_ids, create_dflash_block_mask,
-                               create_dflash_sdpa_mask)
+from strategies.dflash import (
+    DFlashDraftConfig,
+    DFlashDraftModel,
+    _build_target_layer_ids,
+    create_dflash_block_mask,
+    create_dflash_sdpa_mask,
+)
 from strategies.dflash_strategy import CachedFeatures, DFlashStrategy
 from strategies.feature_cache import write_feature_cache
 from strategies.models import build_model, count_parameters, tiny_model_config
 
 
 def make_pair(vocab: int, seq: int, hidden: int, target_layers: int, draft_layers: int, block: int):
-    target = build_model(tiny_model_config("llama", vocab, seq, hidden, target_layers, 4, None, None, True), seed=0,
-                         dllm_attention="causal").eval().requires_grad_(False)
+    target = (
+        build_model(
+            tiny_model_config("llama", vocab, seq, hidden, target_layers, 4, None, None, True),
+            seed=0,
+            dllm_attention="causal",
+        )
+        .eval()
+        .requires_grad_(False)
+    )
     ids = _build_target_layer_ids(target_layers, draft_layers)
     torch.manual_seed(1)
     draft = DFlashDraftModel(DFlashDraftConfig(hidden, draft_layers, 4, len(ids), hidden, block, ids, vocab - 1))
@@ -42,8 +55,14 @@ def make_pair(vocab: int, seq: int, hidden: int, target_layers: int, draft_layer
 def strategy_for(target, draft, features, blocks: int):
     s = DFlashStrategy()
     s.create_loss_fn({"block_size": draft.config.block_size, "num_blocks_per_sample": blocks})
-    s.setup_extra(SetupContext(model=draft, tokenizer=None, mask_token_id=draft.config.mask_token_id,
-                               extras={"target": target, **({"features": features} if features else {})}))
+    s.setup_extra(
+        SetupContext(
+            model=draft,
+            tokenizer=None,
+            mask_token_id=draft.config.mask_token_id,
+            extras={"target": target, **({"features": features} if features else {})},
+        )
+    )
     return s
 
 
@@ -91,15 +110,23 @@ def step_times(args) -> None:
                     losses[name].append(loss)
     cached, online = statistics.median(times["cached"]), statistics.median(times["online"])
     drift = max(abs(a - b) / abs(b) for a, b in zip(losses["cached"], losses["online"]))
-    print(f"threads={torch.get_num_threads()} batch={args.batch} seq={args.seq} block={args.block} "
-          f"blocks/sample={args.blocks} steps={args.steps}")
-    print(f"target {args.target_layers} layers: {n_t / 1e6:.2f} M params; draft {args.draft_layers} layer(s): "
-          f"{n_d / 1e6:.2f} M params (target/draft = {n_t / n_d:.1f}x)")
-    print(f"cache: {rows} rows, layers {draft.config.target_layer_ids}, bf16, {index['bytes'] / 2**20:.1f} MiB, "
-          f"built in {build:.1f} s")
+    print(
+        f"threads={torch.get_num_threads()} batch={args.batch} seq={args.seq} block={args.block} "
+        f"blocks/sample={args.blocks} steps={args.steps}"
+    )
+    print(
+        f"target {args.target_layers} layers: {n_t / 1e6:.2f} M params; draft {args.draft_layers} layer(s): "
+        f"{n_d / 1e6:.2f} M params (target/draft = {n_t / n_d:.1f}x)"
+    )
+    print(
+        f"cache: {rows} rows, layers {draft.config.target_layer_ids}, bf16, {index['bytes'] / 2**20:.1f} MiB, "
+        f"built in {build:.1f} s"
+    )
     print(f"draft step, cached features (median): {cached * 1000:8.1f} ms")
     print(f"draft step, online target   (median): {online * 1000:8.1f} ms")
-    print(f"ratio online/cached                  : {online / cached:8.2f}x   (max relative loss gap {drift:.1e}: bf16 cache)")
+    print(
+        f"ratio online/cached                  : {online / cached:8.2f}x   (max relative loss gap {drift:.1e}: bf16 cache)"
+    )
 
 
 def block_mask_bytes(mask) -> int:
@@ -125,16 +152,19 @@ def mask_memory(args) -> None:
             dense_bf16 = dense.numel() * dense.element_size()
             del dense
         flex = block_mask_bytes(create_dflash_block_mask(anchors, keep, args.mask_ctx, args.mask_block))
-        print(f"{n:>5} {dense_bf16 * 2 / 2**20:>10.1f}Mi {dense_bf16 / 2**20:>10.1f}Mi {flex / 2**10:>13.1f}Ki "
-              f"{dense_bf16 / flex:>17.0f}x")
+        print(
+            f"{n:>5} {dense_bf16 * 2 / 2**20:>10.1f}Mi {dense_bf16 / 2**20:>10.1f}Mi {flex / 2**10:>13.1f}Ki "
+            f"{dense_bf16 / flex:>17.0f}x"
+        )
 
 
 def gpu_training_memory(args) -> None:
     if not torch.cuda.is_available():
         print("\nflex training memory: no CUDA device visible here; run this script on a GPU machine to measure it")
         return
-    target, draft = make_pair(args.vocab, args.mask_ctx, args.hidden, args.target_layers, args.draft_layers,
-                              args.mask_block)
+    target, draft = make_pair(
+        args.vocab, args.mask_ctx, args.hidden, args.target_layers, args.draft_layers, args.mask_block
+    )
     target, draft = target.cuda(), draft.cuda()
     data = torch.randint(0, args.vocab - 1, (args.mask_batch, args.mask_ctx), device="cuda")
     ones = torch.ones(data.shape, device="cuda")

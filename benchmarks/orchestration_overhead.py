@@ -8,6 +8,7 @@
 Each is a fresh subprocess, timed end to end; ratios are against `plain`. Usage:
     .venv/bin/python benchmarks/orchestration_overhead.py [--repeats 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(sys.executable).parent.parent
-QUIET = {"HF_HUB_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true",
-         "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
+QUIET = {
+    "HF_HUB_OFFLINE": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 PLAIN = """
 import sys
@@ -84,24 +90,58 @@ def main() -> None:
     env.pop("PREFECT_API_URL", None)
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
-    served = {**env, "DLLM_SERVER_DIR": str(tmp / "server"), "PREFECT_PORT": str(port), "MLFLOW_PORT": str(_free_port()),
-              "VENV_BIN": str(VENV / "bin"), "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_HOME": str(tmp / "home")}
+    served = {
+        **env,
+        "DLLM_SERVER_DIR": str(tmp / "server"),
+        "PREFECT_PORT": str(port),
+        "MLFLOW_PORT": str(_free_port()),
+        "VENV_BIN": str(VENV / "bin"),
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_HOME": str(tmp / "home"),
+    }
     make = ["make", "-o", "install", f"VENV={VENV}", f"DLLM_PREFECT_API={api}"]
-    procs = [subprocess.Popen([*make, "server"], cwd=ROOT, env=served, start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    procs = [
+        subprocess.Popen(
+            [*make, "server"],
+            cwd=ROOT,
+            env=served,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
     try:
         _wait(f"{api}/health")
         subprocess.run([*make, "deploy"], cwd=ROOT, env=served, check=True, capture_output=True)
-        procs.append(subprocess.Popen([*make, "worker-cpu"], cwd=ROOT, env=served, start_new_session=True,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [*make, "worker-cpu"],
+                cwd=ROOT,
+                env=served,
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         time.sleep(5)
         rows: dict[str, list[float]] = {"plain": [], "in-process": [], "deployment": []}
         for r in range(args.repeats):
             rows["plain"].append(_timed([sys.executable, "-c", PLAIN, str(tmp / f"plain{r}")], env))
-            rows["in-process"].append(_timed([str(VENV / "bin" / "dllm-flow"), "run", "configs/smoke.yaml",
-                                              "--workdir", str(tmp / f"inproc{r}")], env))
-            rows["deployment"].append(_timed([sys.executable, "-c", TRIGGER, str(tmp / f"deployed{r}")],
-                                             {**served, "PREFECT_API_URL": api}))
+            rows["in-process"].append(
+                _timed(
+                    [
+                        str(VENV / "bin" / "dllm-flow"),
+                        "run",
+                        "configs/smoke.yaml",
+                        "--workdir",
+                        str(tmp / f"inproc{r}"),
+                    ],
+                    env,
+                )
+            )
+            rows["deployment"].append(
+                _timed([sys.executable, "-c", TRIGGER, str(tmp / f"deployed{r}")], {**served, "PREFECT_API_URL": api})
+            )
     finally:
         for p in reversed(procs):
             if p.poll() is None:

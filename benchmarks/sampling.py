@@ -9,6 +9,7 @@ says so (timings still valid, threshold savings not).
     python benchmarks/sampling.py [--workdir work/compare] [--length 64] [--steps 64] [--block 16]
                                   [--prompts 4] [--threshold 0.9] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,20 +32,23 @@ def trained_checkpoints(workdir: Path) -> list[Path]:
 
 def random_models():
     """Random-init embedded-default models (llama 128×4) for every strategy, when nothing is trained."""
-    from dllm_common.config import DLLMConfig
+    from dllm_common.config import DLLMConfig, TokenizerConfig
     from strategies import SetupContext, get_dllm_strategy
     from strategies.models import build_model, tiny_model_config, wrap_for_architecture
-    from dllm_common.config import TokenizerConfig
     from tasks.prepare_data import shakespeare_documents, train_tokenizer
 
-    tokenizer = train_tokenizer([d.text for d in shakespeare_documents("pretrain")[:20]], TokenizerConfig(vocab_size=2048))
+    tokenizer = train_tokenizer(
+        [d.text for d in shakespeare_documents("pretrain")[:20]], TokenizerConfig(vocab_size=2048)
+    )
     for name in ("mdlm", "scdd", "hybrid", "idlm", "block_diffusion"):
         cfg = tiny_model_config("llama", len(tokenizer), 256, 128, 4, 4, None, None, True)
         strategy = get_dllm_strategy(name)
         model = wrap_for_architecture(build_model(cfg, seed=0), strategy.model_architecture).eval()
         dllm = DLLMConfig(mode=name, vocab_size=len(tokenizer), block_size=16)
         strategy.create_loss_fn(dllm)
-        mask = strategy.setup_extra(SetupContext(model=model, tokenizer=tokenizer, mask_token_id=tokenizer.mask_token_id))
+        mask = strategy.setup_extra(
+            SetupContext(model=model, tokenizer=tokenizer, mask_token_id=tokenizer.mask_token_id)
+        )
         yield name, model, tokenizer, strategy, mask if mask is not None else tokenizer.mask_token_id
 
 
@@ -78,18 +82,26 @@ def main() -> None:
     torch.manual_seed(0)
     paths = trained_checkpoints(Path(args.workdir))
     models = loaded_models(paths) if paths else random_models()
-    print(f"threads={torch.get_num_threads()} output={args.length} tokens × {args.prompts} prompts, steps={args.steps}, "
-          f"block={args.block}; models: {'trained, ' + args.workdir if paths else 'RANDOM INIT (no trained workdir)'}")
+    print(
+        f"threads={torch.get_num_threads()} output={args.length} tokens × {args.prompts} prompts, steps={args.steps}, "
+        f"block={args.block}; models: {'trained, ' + args.workdir if paths else 'RANDOM INIT (no trained workdir)'}"
+    )
     print(f"{'strategy':<16}{'sampler':<26}{'NFE':>8}{'tok/fwd':>9}{'tok/s':>9}{'entropy':>9}")
     for name, model, tokenizer, strategy, mask in models:
         prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[: args.prompts]]
-        cfg = SamplerConfig(steps=args.steps, max_new_tokens=args.length, block_size=args.block,
-                            temperature=0.0, logit_shift=strategy.logit_shift)
+        cfg = SamplerConfig(
+            steps=args.steps,
+            max_new_tokens=args.length,
+            block_size=args.block,
+            temperature=0.0,
+            logit_shift=strategy.logit_shift,
+        )
 
         def run(config, own=True):
             gen = torch.Generator().manual_seed(0)
-            kw = dict(mask_token_id=mask, pad_token_id=tokenizer.pad_token_id or 0, config=config, generator=gen,
-                      device="cpu")
+            kw = dict(
+                mask_token_id=mask, pad_token_id=tokenizer.pad_token_id or 0, config=config, generator=gen, device="cpu"
+            )
             if own:
                 return strategy.sample(model, prompts, **kw)
             return absorbing_sample(strategy.denoiser(model), prompts, **kw)
@@ -97,7 +109,9 @@ def main() -> None:
         def line(label, res, seconds):
             ids = [res.generated(i).tolist() for i in range(len(prompts))]
             tps = len(prompts) * args.length / seconds
-            print(f"{name:<16}{label:<26}{res.nfe:>8.1f}{args.length / res.nfe:>9.2f}{tps:>9.1f}{mean_entropy(ids):>9.3f}")
+            print(
+                f"{name:<16}{label:<26}{res.nfe:>8.1f}{args.length / res.nfe:>9.2f}{tps:>9.1f}{mean_entropy(ids):>9.3f}"
+            )
             return tps
 
         with torch.no_grad():
@@ -107,7 +121,9 @@ def main() -> None:
                 thr = dataclasses.replace(cfg, threshold=args.threshold)
                 res_t, sec_t = timed(lambda: run(thr, own=name not in ("scdd",)), args.repeats)
                 thr_tps = line(f"{'llada ' if name == 'scdd' else ''}threshold {args.threshold}", res_t, sec_t)
-                print(f"{'':<16}{'ratio threshold/fixed':<26}{res_t.nfe / res.nfe:>8.2f}{'':>9}{thr_tps / fixed_tps:>9.2f}")
+                print(
+                    f"{'':<16}{'ratio threshold/fixed':<26}{res_t.nfe / res.nfe:>8.2f}{'':>9}{thr_tps / fixed_tps:>9.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ the ratio of median step times is printed (goal ≤ 1.05).
 
     python benchmarks/step_overhead.py [--steps 30] [--batch 32] [--seq 128]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,12 +48,23 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=2048)
     args = ap.parse_args()
-    spec = validate_config({"train": {"global_batch_size": args.batch, "micro_batch_size": args.batch, "lr": 3e-3,
-                                      "warmup_steps": 0, "schedule": "constant"}})
+    spec = validate_config(
+        {
+            "train": {
+                "global_batch_size": args.batch,
+                "micro_batch_size": args.batch,
+                "lr": 3e-3,
+                "warmup_steps": 0,
+                "schedule": "constant",
+            }
+        }
+    )
     cfg = tiny_model_config("llama", args.vocab, args.seq, 128, 4, 4, None, None, True)
     base = build_model(cfg, seed=0)
     mask_id = args.vocab - 1
-    data = torch.randint(0, args.vocab - 1, (args.batch * (args.steps + 2), args.seq), generator=torch.Generator().manual_seed(0))
+    data = torch.randint(
+        0, args.vocab - 1, (args.batch * (args.steps + 2), args.seq), generator=torch.Generator().manual_seed(0)
+    )
     loss_mask = torch.ones(data.shape)
     attn = torch.ones(data.shape, dtype=torch.long)
 
@@ -70,15 +82,27 @@ def main() -> None:
     pipe_times, bare_times = [], []
     for warm in range(2):  # warm-up, not timed
         rows = batch(warm)
-        train_step(trainee, step_context(trainee, spec, warm, 0, 1),
-                   microbatches(data, loss_mask, attn, rows, args.batch, "cpu"), pipe_opt, pipe_sched, 1.0)
+        train_step(
+            trainee,
+            step_context(trainee, spec, warm, 0, 1),
+            microbatches(data, loss_mask, attn, rows, args.batch, "cpu"),
+            pipe_opt,
+            pipe_sched,
+            1.0,
+        )
         bare_step(bare_model, bare_opt, data[rows], loss_mask[rows], mask_id, 1e-3, gen, 1.0)
     for start in range(2, args.steps + 2, args.block):
         for step in range(start, min(start + args.block, args.steps + 2)):
             rows = batch(step)
             t0 = time.perf_counter()
-            train_step(trainee, step_context(trainee, spec, step, 0, 1),
-                       microbatches(data, loss_mask, attn, rows, args.batch, "cpu"), pipe_opt, pipe_sched, 1.0)
+            train_step(
+                trainee,
+                step_context(trainee, spec, step, 0, 1),
+                microbatches(data, loss_mask, attn, rows, args.batch, "cpu"),
+                pipe_opt,
+                pipe_sched,
+                1.0,
+            )
             pipe_times.append(time.perf_counter() - t0)
         for step in range(start, min(start + args.block, args.steps + 2)):
             rows = batch(step)

@@ -2,6 +2,7 @@
 Crashed: flow runs emit a heartbeat every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (180 by default
 since Prefect 3.6.22); when no flow-run event follows a heartbeat within three periods, the run is
 set to CRASHED, which also frees the gpu pool's concurrency slot. Run by `make deploy`."""
+
 from __future__ import annotations
 
 import os
@@ -30,9 +31,12 @@ def automation(window: timedelta, name: str = NAME):
             threshold=1,
             within=window,
         ),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED,
-                                    message=f"no heartbeat for {int(window.total_seconds())} s: the worker or its "
-                                            "machine died")],
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=f"no heartbeat for {int(window.total_seconds())} s: the worker or its machine died",
+            )
+        ],
     )
 
 

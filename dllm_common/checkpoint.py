@@ -11,6 +11,7 @@ Layout of a checkpoint dir:
 A file whose digest does not match is never deserialized: `CorruptCheckpointError` names it.
 Checkpoints are written to a temp dir and renamed into place, so a crash never leaves a torn one.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,9 @@ class CorruptCheckpointError(RuntimeError):
     pass
 
 
-def write_checkpoint(dest: Path, model, tokenizer=None, meta: dict | None = None, trainer_state: dict | None = None) -> Path:
+def write_checkpoint(
+    dest: Path, model, tokenizer=None, meta: dict | None = None, trainer_state: dict | None = None
+) -> Path:
     """Atomically (re)write checkpoint `dest` from a model (+ tokenizer, metadata, optimizer state)."""
     import torch
     from safetensors.torch import save_model

@@ -3,6 +3,7 @@
 Unknown keys are rejected; every error names the dotted key path, the bad value and what is
 allowed (see `ConfigError`). `load_config(path, overrides)` is the single entry point.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,9 +33,9 @@ class PipelineConfig(_Section):
     train_deployment: str | None = None
 
     @model_validator(mode="after")
-    def _known_strategies(self) -> "PipelineConfig":
+    def _known_strategies(self) -> PipelineConfig:
         if not self.strategies:
-            raise ValueError("pipeline.strategies is empty; list at least one of " f"{list(STRATEGY_NAMES)}")
+            raise ValueError(f"pipeline.strategies is empty; list at least one of {list(STRATEGY_NAMES)}")
         for name in self.strategies:
             if name not in STRATEGY_NAMES:
                 raise ValueError(f"unknown strategy {name!r}; allowed: {list(STRATEGY_NAMES)}")
@@ -62,7 +63,7 @@ class DataConfig(_Section):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _path_needed(self) -> "DataConfig":
+    def _path_needed(self) -> DataConfig:
         if self.source != "shakespeare" and not self.path:
             raise ValueError(f"data.path is required when data.source is {self.source!r}")
         return self
@@ -77,7 +78,7 @@ class TokenizerConfig(_Section):
     trust_remote_code: bool = False
 
     @model_validator(mode="after")
-    def _path_needed(self) -> "TokenizerConfig":
+    def _path_needed(self) -> TokenizerConfig:
         if self.kind == "pretrained" and not self.path:
             raise ValueError("tokenizer.path is required when tokenizer.kind is 'pretrained'")
         return self
@@ -99,11 +100,13 @@ class ModelConfig(_Section):
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
 
     @model_validator(mode="after")
-    def _shape(self) -> "ModelConfig":
+    def _shape(self) -> ModelConfig:
         if self.kind == "pretrained" and not self.path:
             raise ValueError("model.path is required when model.kind is 'pretrained'")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})")
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})"
+            )
         return self
 
 
@@ -143,7 +146,7 @@ class TrainConfig(_Section):
     peft: PeftConfig | None = None
 
     @model_validator(mode="after")
-    def _batch_divides(self) -> "TrainConfig":
+    def _batch_divides(self) -> TrainConfig:
         per_rank = self.global_batch_size // self.nproc_per_node
         if self.global_batch_size % self.nproc_per_node or per_rank % self.micro_batch_size:
             raise ValueError(
@@ -222,23 +225,27 @@ class DLLMConfig(_Section):
     overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _overrides_are_valid(self) -> "DLLMConfig":
+    def _overrides_are_valid(self) -> DLLMConfig:
         for name, values in self.overrides.items():
             if name not in STRATEGY_NAMES:
                 raise ValueError(f"dllm.overrides: unknown strategy {name!r}; allowed: {list(STRATEGY_NAMES)}")
             bad = sorted(set(values) - (set(DLLMConfig.model_fields) - {"mode", "overrides"}))
             if bad:
-                raise ValueError(f"dllm.overrides.{name}: unknown key(s) {bad}; allowed keys: "
-                                 f"{sorted(set(DLLMConfig.model_fields) - {'mode', 'overrides'})}")
+                raise ValueError(
+                    f"dllm.overrides.{name}: unknown key(s) {bad}; allowed keys: "
+                    f"{sorted(set(DLLMConfig.model_fields) - {'mode', 'overrides'})}"
+                )
             try:
                 DLLMConfig.model_validate({**self.model_dump(exclude={"overrides"}), **values})
             except ValidationError as err:
                 first = err.errors()[0]
                 where = ".".join(str(p) for p in first["loc"])
-                raise ValueError(f"dllm.overrides.{name}.{where}: {first['msg']} (got {first.get('input')!r})") from None
+                raise ValueError(
+                    f"dllm.overrides.{name}.{where}: {first['msg']} (got {first.get('input')!r})"
+                ) from None
         return self
 
-    def for_strategy(self, name: str) -> "DLLMConfig":
+    def for_strategy(self, name: str) -> DLLMConfig:
         """The options `name` trains with: shared values, its overrides applied, `mode` set."""
         merged = {**self.model_dump(exclude={"overrides"}), **self.overrides.get(name, {}), "mode": name}
         return DLLMConfig.model_validate(merged)
@@ -293,7 +300,9 @@ class DFlashConfig(_Section):
     use_fused_linear_ce: bool = True
     ce_chunk_size: int = Field(1024, ge=1)
     target_layer_ids: tuple[int, ...] | None = None  # None → _build_target_layer_ids(target, draft layers)
-    target_features: Literal["cached", "online"] = "cached"  # cached: the cache_target stage; online: a target forward per step
+    target_features: Literal["cached", "online"] = (
+        "cached"  # cached: the cache_target stage; online: a target forward per step
+    )
     cache_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     # speculative decoding at evaluation: held-out prompts = the first `eval_prompt_len` tokens of val rows
     eval_prompts: int = Field(16, ge=1)
@@ -301,7 +310,7 @@ class DFlashConfig(_Section):
     eval_max_new_tokens: int = Field(48, ge=1)
 
     @model_validator(mode="after")
-    def _block(self) -> "DFlashConfig":
+    def _block(self) -> DFlashConfig:
         if self.block_size == 1:
             raise ValueError("dflash.block_size must be at least 2 (or 0 to read it from the draft checkpoint)")
         if self.target_gguf_file and not self.target_model_id:

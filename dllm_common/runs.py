@@ -3,6 +3,7 @@
 They back `dllm-flow runs` (status of each stage, MLflow run ids) and hold the resolved config,
 so a failed run can be rerun with exactly what it was given.
 """
+
 from __future__ import annotations
 
 import json
@@ -102,5 +103,7 @@ def list_records(workdir: Path) -> list[RunRecord]:
 def find_record(workdir: Path, run_id: str) -> RunRecord:
     path = Path(workdir) / "runs" / f"{run_id}.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no pipeline run {run_id!r} in {workdir}; `dllm-flow runs --workdir {workdir}` lists them")
+        raise FileNotFoundError(
+            f"no pipeline run {run_id!r} in {workdir}; `dllm-flow runs --workdir {workdir}` lists them"
+        )
     return detect_crash(load_record(path), workdir)

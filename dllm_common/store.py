@@ -5,6 +5,7 @@ private temp dir and publishes it with one atomic rename after fsync, so a half-
 never a cache hit. A stage that must survive a crash mid-way (training) keeps its resumable state
 in `work_dir(stage, key)`, which is separate from the published entry.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,9 +15,10 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dllm_common.config import canonical_json
 
@@ -118,8 +120,14 @@ class Store:
                 for p in sorted(tmp.rglob("*"))
                 if p.is_file()
             }
-            full = {**manifest, "stage": stage, "key": key, "files": files,
-                    "published_at": time.time(), "publish_seconds": time.time() - started}
+            full = {
+                **manifest,
+                "stage": stage,
+                "key": key,
+                "files": files,
+                "published_at": time.time(),
+                "publish_seconds": time.time() - started,
+            }
             (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str))
             fsync_tree(tmp)
             if final.exists():  # a concurrent twin won the race; identical content by construction

@@ -4,6 +4,7 @@ MLflow's "active run" is thread-local and Prefect runs tasks in threads, so ever
 through `MlflowClient` with explicit run ids: one parent run per pipeline run, one child run per
 strategy created with an explicit `mlflow.parentRunId` tag. `NullTracker` is the no-op twin.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,8 +64,9 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, int(step)) for k, v in metrics.items()
-                 if v is not None and v == v]  # None/NaN: nothing to log
+        batch = [
+            Metric(k, float(v), now, int(step)) for k, v in metrics.items() if v is not None and v == v
+        ]  # None/NaN: nothing to log
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
@@ -86,12 +88,12 @@ class MlflowTracker:
             self.client.log_artifact(self.run_id, str(p), artifact_path)
 
     def log_dataset(self, path: Path, name: str, digest: str, context: str = "training") -> None:
+        import warnings
+
         from mlflow.data.dataset_source_registry import resolve_dataset_source
         from mlflow.data.meta_dataset import MetaDataset
         from mlflow.entities import DatasetInput, InputTag
         from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
-
-        import warnings
 
         with warnings.catch_warnings():  # two equivalent local-source classes are registered; either is right
             warnings.simplefilter("ignore", UserWarning)

@@ -4,6 +4,7 @@ Environment is set before Prefect/MLflow are imported: telemetry off, hub offlin
 user says otherwise, and (when no Prefect server is configured) Prefect's state kept inside the
 workdir so a pipeline's whole history lives in one folder.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,10 @@ def cmd_resume(args) -> int:
         print(f"[dllm-flow] pipeline run {record.run_id} completed; nothing to resume")
         return 0
     if record.status == "RUNNING":
-        raise ValueError(f"pipeline run {record.run_id} is still running (pid {record.pid} on {record.host}); "
-                         "wait for it or stop it before resuming")
+        raise ValueError(
+            f"pipeline run {record.run_id} is still running (pid {record.pid} on {record.host}); "
+            "wait for it or stop it before resuming"
+        )
     done = [s.name for s in record.stages if s.status in ("COMPLETED", "REUSED")]
     todo = [s.name for s in record.stages if s.status not in ("COMPLETED", "REUSED")]
     print(f"[dllm-flow] resuming pipeline run {record.run_id} ({record.status}) with its recorded config")
@@ -66,9 +69,16 @@ def cmd_resume(args) -> int:
     _prefect_env(workdir)
     from flows.pipeline import dllm_pipeline
 
-    result = dllm_pipeline(config_path=record.config_path, overrides=record.overrides, workdir=str(workdir),
-                           config=record.config, resumed_from=record.run_id)
-    print(f"[dllm-flow] pipeline run {result['run_id']} (resuming {record.run_id}) completed; report: {result['report']}")
+    result = dllm_pipeline(
+        config_path=record.config_path,
+        overrides=record.overrides,
+        workdir=str(workdir),
+        config=record.config,
+        resumed_from=record.run_id,
+    )
+    print(
+        f"[dllm-flow] pipeline run {result['run_id']} (resuming {record.run_id}) completed; report: {result['report']}"
+    )
     return 0
 
 
@@ -90,8 +100,10 @@ def cmd_runs(args) -> int:
         return 0
     for r in records:
         resumed = f"  resumes={r.resumed_from}" if r.resumed_from else ""
-        print(f"{r.run_id}  {r.status:<9}  {r.pipeline}  config={r.config_path}  mlflow_parent={r.parent_mlflow_run_id}"
-              f"{resumed}")
+        print(
+            f"{r.run_id}  {r.status:<9}  {r.pipeline}  config={r.config_path}  mlflow_parent={r.parent_mlflow_run_id}"
+            f"{resumed}"
+        )
         for s in r.stages:
             extra = f"  mlflow_run={s.mlflow_run_id}" if s.mlflow_run_id else ""
             err = f"  error={s.error.splitlines()[0][:120]}" if s.error else ""
@@ -113,24 +125,52 @@ def cmd_generate(args) -> int:
     sampler = check_sampler(meta["strategy"], args.sampler, args.infill)
     temperature = args.temperature if args.temperature is not None else (1.0 if sampler == "scdd" else 0.0)
     if sampler == "speculative" and temperature > 0:
-        raise ValueError("--temperature: DFlash speculative decoding here is greedy (its output is the target's greedy "
-                         "text); drop --temperature")
-    config = SamplerConfig(steps=args.steps, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                           temperature=temperature, remasking=args.remasking, threshold=args.threshold)
+        raise ValueError(
+            "--temperature: DFlash speculative decoding here is greedy (its output is the target's greedy "
+            "text); drop --temperature"
+        )
+    config = SamplerConfig(
+        steps=args.steps,
+        max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size,
+        temperature=temperature,
+        remasking=args.remasking,
+        threshold=args.threshold,
+    )
     chat = (meta.get("chat", False) or args.chat) and not args.raw
-    print(f"[dllm-flow] {ckpt} ({meta['strategy']}, sampler {sampler}, steps {args.steps}, "
-          f"temperature {temperature}, seed {args.seed})", file=sys.stderr, flush=True)
+    print(
+        f"[dllm-flow] {ckpt} ({meta['strategy']}, sampler {sampler}, steps {args.steps}, "
+        f"temperature {temperature}, seed {args.seed})",
+        file=sys.stderr,
+        flush=True,
+    )
     for i, prompt in enumerate(args.prompt):
         print(f"[Prompt {i}] {prompt}", flush=True)
 
         def stream(text: str) -> None:
             print(text, end="", flush=True)
-        out = generate(model, tokenizer, strategy, mask_id, prompt, sampler, config, seed=args.seed, device=device,
-                       chat=chat, infill=args.infill, stream=stream)
+
+        out = generate(
+            model,
+            tokenizer,
+            strategy,
+            mask_id,
+            prompt,
+            sampler,
+            config,
+            seed=args.seed,
+            device=device,
+            chat=chat,
+            infill=args.infill,
+            stream=stream,
+        )
         print(flush=True)
-        print(f"[dllm-flow] NFE {out.nfe:g}, {out.tokens} tokens in {out.seconds:.2f} s "
-              f"({out.tokens / max(out.seconds, 1e-9):.1f} tokens/s, {out.tokens / max(out.nfe, 1e-9):.2f} tokens/forward)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[dllm-flow] NFE {out.nfe:g}, {out.tokens} tokens in {out.seconds:.2f} s "
+            f"({out.tokens / max(out.seconds, 1e-9):.1f} tokens/s, {out.tokens / max(out.nfe, 1e-9):.2f} tokens/forward)",
+            file=sys.stderr,
+            flush=True,
+        )
     return 0
 
 
@@ -161,7 +201,9 @@ def _parent_run(client, run_id: str) -> str:
     try:
         return client.get_run(run_id).info.run_id
     except Exception:
-        raise FileNotFoundError(f"no pipeline run {run_id!r} in this tracking store; list them with dllm-flow runs") from None
+        raise FileNotFoundError(
+            f"no pipeline run {run_id!r} in this tracking store; list them with dllm-flow runs"
+        ) from None
 
 
 def chart_view_url(host: str, port: int, experiment_id: str) -> str:
@@ -175,7 +217,9 @@ def latest_experiment(uri: str) -> str:
 
     experiments = [e for e in MlflowClient(uri).search_experiments() if e.name != "Default"]
     if not experiments:
-        raise FileNotFoundError("no dllm-flow experiments in this workdir yet; run a pipeline first (dllm-flow run CONFIG)")
+        raise FileNotFoundError(
+            "no dllm-flow experiments in this workdir yet; run a pipeline first (dllm-flow run CONFIG)"
+        )
     return max(experiments, key=lambda e: e.creation_time).name
 
 
@@ -190,8 +234,22 @@ def cmd_ui(args) -> int:
     experiment_id = Tracking(workdir, uri, args.experiment or latest_experiment(uri)).experiment_id
     url = chart_view_url(args.host, args.port, experiment_id)
     print(f"MLflow UI for {workdir.resolve()}: {url}", flush=True)
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--default-artifact-root",
-           artifact_root(workdir), "--host", args.host, "--port", str(args.port), "--workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        uri,
+        "--default-artifact-root",
+        artifact_root(workdir),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--workers",
+        "1",
+    ]
     return subprocess.call(cmd)
 
 
@@ -217,8 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream text from a checkpoint (path or models:/NAME@ALIAS)")
     gen.add_argument("--checkpoint", required=True, help="checkpoint dir, train store entry, or models:/NAME@ALIAS")
     gen.add_argument("--prompt", action="append", required=True, help="repeatable")
-    gen.add_argument("--sampler", default="auto", choices=["auto", "llada", "idlm", "scdd", "hybrid", "canvas",
-                                                                "speculative"])
+    gen.add_argument(
+        "--sampler", default="auto", choices=["auto", "llada", "idlm", "scdd", "hybrid", "canvas", "speculative"]
+    )
     gen.add_argument("--steps", type=int, default=64)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--block-size", type=int, default=16)

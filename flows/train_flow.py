@@ -4,6 +4,7 @@ Parameters are small descriptors (resolved config, the data stage's descriptor, 
 calls the same `train` stage function as a local run, against the same content-addressed store,
 so a deployed training and an in-process one publish the same entry under the same key.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -16,12 +17,19 @@ from tasks.train import train
 
 
 @flow(name="dllm-train")
-def dllm_train(spec: dict, strategy: str, data: dict, workdir: str, parent_run_id: str | None = None,
-               inputs: dict | None = None) -> dict:
+def dllm_train(
+    spec: dict, strategy: str, data: dict, workdir: str, parent_run_id: str | None = None, inputs: dict | None = None
+) -> dict:
     """Train one strategy on prepared data (or reuse / resume it) and return the train stage's descriptor.
     `inputs`: descriptors of further upstream stages (dflash: `target`, `features`)."""
     resolved = validate_config(spec, "deployment parameters")
     check_workdir(workdir)
-    ref = train(resolved, strategy, StageRef(**data), workdir, parent_run_id,
-                {name: StageRef(**value) for name, value in (inputs or {}).items()})
+    ref = train(
+        resolved,
+        strategy,
+        StageRef(**data),
+        workdir,
+        parent_run_id,
+        {name: StageRef(**value) for name, value in (inputs or {}).items()},
+    )
     return asdict(ref)

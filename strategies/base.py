@@ -8,10 +8,12 @@ corruption of every micro-batch (`pre_step`), the micro-batch forward/backward
 
 To add a variant: subclass, override what differs, register it in `DLLM_STRATEGIES`.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,9 +34,14 @@ class Microbatch:
     row_ids: Tensor | None = None  # the rows' indices in their split (cached per-row features, e.g. DFlash)
     split: str = "train"  # which prepared split the rows come from
 
-    def to(self, device: torch.device | str) -> "Microbatch":
-        return Microbatch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
-                          self.row_ids, self.split)
+    def to(self, device: torch.device | str) -> Microbatch:
+        return Microbatch(
+            self.input_ids.to(device),
+            self.loss_mask.to(device),
+            self.attention_mask.to(device),
+            self.row_ids,
+            self.split,
+        )
 
 
 @dataclass(frozen=True)
@@ -120,9 +127,17 @@ class DLLMStrategy:
         """Validate the model/tokenizer pairing; return a resolved mask id (or None to keep it)."""
         return None
 
-    def apply_corruption(self, input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, *, eps: float,
-                         block_size: int | None, half_life_ratio: float | None,
-                         generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def apply_corruption(
+        self,
+        input_ids: Tensor,
+        loss_mask: Tensor,
+        mask_token_id: int,
+        *,
+        eps: float,
+        block_size: int | None,
+        half_life_ratio: float | None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
 
     @staticmethod
@@ -130,7 +145,9 @@ class DLLMStrategy:
         """The batch minus `attention_mask` / `use_cache`: what every dLLM `prepare_batch` starts from."""
         return {k: v for k, v in batch.items() if k not in ("attention_mask", "use_cache")}
 
-    def prepare_batch(self, batch: dict[str, Tensor], noisy: Tensor, noise_mask: Tensor, clean: Tensor) -> dict[str, Tensor]:
+    def prepare_batch(
+        self, batch: dict[str, Tensor], noisy: Tensor, noise_mask: Tensor, clean: Tensor
+    ) -> dict[str, Tensor]:
         """Noisy ids in, attention mask out: the denoiser sees every position (padding included)."""
         return {**self.without_attention_mask(batch), "input_ids": noisy}
 
@@ -140,17 +157,29 @@ class DLLMStrategy:
     def row_seeds(ctx: StepContext, mb: Microbatch, microbatch_idx: int) -> list[int]:
         """Per-row noise seeds: a pure function of (base seed, step, global sample index), spec §3."""
         local_bs = mb.input_ids.shape[0]
-        return [corruption_sample_seed(ctx.base_seed, ctx.step, ctx.dp_rank, ctx.dp_size, local_bs, ctx.grad_acc_steps,
-                                       microbatch_idx, offset) for offset in range(local_bs)]
+        return [
+            corruption_sample_seed(
+                ctx.base_seed, ctx.step, ctx.dp_rank, ctx.dp_size, local_bs, ctx.grad_acc_steps, microbatch_idx, offset
+            )
+            for offset in range(local_bs)
+        ]
 
     def corrupt_microbatch(self, ctx: StepContext, mb: Microbatch, microbatch_idx: int) -> CorruptedBatch:
         """Corrupt row by row, each with its own generator seeded from (seed, step, global index)."""
         rows = []
         for offset, seed in enumerate(self.row_seeds(ctx, mb, microbatch_idx)):
             gen = seeded_generator(seed, mb.input_ids.device)
-            rows.append(self.apply_corruption(mb.input_ids[offset:offset + 1], mb.loss_mask[offset:offset + 1],
-                                              ctx.mask_token_id, eps=ctx.eps, block_size=ctx.block_size,
-                                              half_life_ratio=ctx.half_life_ratio, generator=gen))
+            rows.append(
+                self.apply_corruption(
+                    mb.input_ids[offset : offset + 1],
+                    mb.loss_mask[offset : offset + 1],
+                    ctx.mask_token_id,
+                    eps=ctx.eps,
+                    block_size=ctx.block_size,
+                    half_life_ratio=ctx.half_life_ratio,
+                    generator=gen,
+                )
+            )
         noisy, noise, p = (torch.cat(parts) for parts in zip(*rows))
         return CorruptedBatch(mb.input_ids, noisy, noise, p, mb.loss_mask, mb.attention_mask)
 
@@ -161,8 +190,9 @@ class DLLMStrategy:
         num_sup = sum(int(c.loss_mask.bool().sum()) for c in corrupted)
         return corrupted, num_noise, num_sup
 
-    def loss_denominators(self, corrupted: list[CorruptedBatch], num_noise: int, num_supervised: int
-                          ) -> tuple[int, int]:
+    def loss_denominators(
+        self, corrupted: list[CorruptedBatch], num_noise: int, num_supervised: int
+    ) -> tuple[int, int]:
         """(num_diffusion_tokens, num_ar_tokens) from the step's global counts (spec §7.2)."""
         diffusion = num_noise if self.normalization_mode == "noise" else num_supervised
         return diffusion, num_supervised
@@ -170,27 +200,54 @@ class DLLMStrategy:
     def validate_data(self, loss_mask: Tensor, attention_mask: Tensor) -> None:
         """Reject a dataset the strategy cannot train on (before any step runs). Default: anything goes."""
 
-    def sample(self, model: nn.Module, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
-               config, generator: torch.Generator | None, device: str, on_block=None):
+    def sample(
+        self,
+        model: nn.Module,
+        prompts: list[list[int]],
+        *,
+        mask_token_id: int,
+        pad_token_id: int,
+        config,
+        generator: torch.Generator | None,
+        device: str,
+        on_block=None,
+    ):
         """Generate continuations of `prompts` (default: the absorbing sampler over `denoiser`);
         `on_block(canvas)` is called after each finished block (streaming)."""
         from strategies.sampling import absorbing_sample
 
-        return absorbing_sample(self.denoiser(model), prompts, mask_token_id=mask_token_id, pad_token_id=pad_token_id,
-                                config=config, generator=generator, device=device, on_block=on_block)
+        return absorbing_sample(
+            self.denoiser(model),
+            prompts,
+            mask_token_id=mask_token_id,
+            pad_token_id=pad_token_id,
+            config=config,
+            generator=generator,
+            device=device,
+            on_block=on_block,
+        )
 
     def denoiser(self, model: nn.Module):
         """`(x [B,T], attention_mask [B,T]) → logits [B,T,V]` for the samplers (bidirectional by default)."""
         return lambda x, attn: model_logits(model, {"input_ids": x})
 
-    def forward_backward(self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int,
-                         num_ar_tokens: int, is_train: bool) -> DLLMLossOutput:
+    def forward_backward(
+        self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int, num_ar_tokens: int, is_train: bool
+    ) -> DLLMLossOutput:
         """Default micro-batch step: prepare inputs, forward, loss, backward × loss_scale."""
-        inputs = self.prepare_batch({"attention_mask": batch.attention_mask}, batch.noisy_ids, batch.noise_mask,
-                                    batch.clean_ids)
+        inputs = self.prepare_batch(
+            {"attention_mask": batch.attention_mask}, batch.noisy_ids, batch.noise_mask, batch.clean_ids
+        )
         logits = model_logits(ctx.model, inputs)
-        out = ctx.loss_fn(logits, batch.clean_ids, batch.noise_mask, batch.p_mask, batch.loss_mask,
-                          num_diffusion_tokens=num_diffusion_tokens, noisy_input_ids=batch.noisy_ids)
+        out = ctx.loss_fn(
+            logits,
+            batch.clean_ids,
+            batch.noise_mask,
+            batch.p_mask,
+            batch.loss_mask,
+            num_diffusion_tokens=num_diffusion_tokens,
+            noisy_input_ids=batch.noisy_ids,
+        )
         if is_train:
             (out.total_loss * ctx.loss_scale).backward()
         return out
@@ -204,12 +261,20 @@ class MDLMStrategy(DLLMStrategy):
     def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
         return MDLMCrossEntropyLoss(weighting=_get(dllm_cfg, "loss_weighting", "elbo"))
 
-    def apply_corruption(self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio,
-                         generator=None):
+    def apply_corruption(
+        self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio, generator=None
+    ):
         return corrupt_uniform(input_ids, loss_mask, mask_token_id, eps=eps, generator=generator)
 
-    def nelbo_rows(self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, mask_token_id: int, t: Tensor,
-                   generator: torch.Generator) -> Tensor:
+    def nelbo_rows(
+        self,
+        model: nn.Module,
+        clean_ids: Tensor,
+        loss_mask: Tensor,
+        mask_token_id: int,
+        t: Tensor,
+        generator: torch.Generator,
+    ) -> Tensor:
         """One-sample NELBO estimate per row at masking level t [B]: (1/t)·Σ_{masked ∧ ℓ} −log p_θ(x|z)."""
         from strategies.corruption import mask_at_level
         from strategies.losses import per_token_nll

@@ -11,6 +11,7 @@ Randomness: corruption, block choice and the self-conditioning coin are drawn pe
 the sample's own seed (spec §3), so they are identical across resume and any data-parallel layout.
 (The reference seeds block choice per (step, micro-batch); per-sample is strictly stronger.)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +22,12 @@ from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, _get, global_sum
 from strategies.corruption import corrupt_uniform_random
-from strategies.losses import (BlockDiffusionCrossEntropyLoss, DLLMLossOutput, encoder_ar_loss,
-                               uniform_diffusion_nelbo_terms)
+from strategies.losses import (
+    BlockDiffusionCrossEntropyLoss,
+    DLLMLossOutput,
+    encoder_ar_loss,
+    uniform_diffusion_nelbo_terms,
+)
 from strategies.masks import build_block_diffusion_training_mask
 from strategies.models import BLOCK_DIFFUSION
 from strategies.seeding import seeded_generator
@@ -56,8 +61,14 @@ def supervised_runs(loss_mask: Tensor) -> Tensor:
     return starts[:, 0]
 
 
-def batched_block_mask(prefix: Tensor, response_lengths: Tensor, width: int, enc_len: int, block_size: int,
-                       sliding_window: int | None = None) -> dict[str, Tensor]:
+def batched_block_mask(
+    prefix: Tensor,
+    response_lengths: Tensor,
+    width: int,
+    enc_len: int,
+    block_size: int,
+    sliding_window: int | None = None,
+) -> dict[str, Tensor]:
     """Per-example block-causal masks (each with its own response length) pasted into `[B, 1, R, S + R]`.
 
     Encoder columns map directly, example b's canvas columns go to `[S, S + R_b)`; the canvas diagonal
@@ -70,20 +81,29 @@ def batched_block_mask(prefix: Tensor, response_lengths: Tensor, width: int, enc
     for b in range(batch):
         r_b = int(response_lengths[b])
         if r_b > 0:
-            f, s = build_block_diffusion_training_mask(prefix[b:b + 1], r_b, enc_len, block_size,
-                                                       sliding_window=sliding_window, device=device)
+            f, s = build_block_diffusion_training_mask(
+                prefix[b : b + 1], r_b, enc_len, block_size, sliding_window=sliding_window, device=device
+            )
             for dst, src in ((full, f), (sliding, s)):
                 dst[b, :, :r_b, :enc_len] = src[0, :, :, :enc_len]
-                dst[b, :, :r_b, enc_len:enc_len + r_b] = src[0, :, :, enc_len:]
+                dst[b, :, :r_b, enc_len : enc_len + r_b] = src[0, :, :, enc_len:]
     diag = torch.arange(width, device=device)
     full[:, 0, diag, enc_len + diag] = True
     sliding[:, 0, diag, enc_len + diag] = True
     return {"full_attention": full, "sliding_attention": sliding}
 
 
-def build_response_window(clean: Tensor, noisy: Tensor, noise_mask: Tensor, loss_mask: Tensor, p_mask: Tensor,
-                          attention_mask: Tensor | None, block_size: int, block_u: Tensor | None,
-                          sliding_window: int | None = None) -> ResponseWindow:
+def build_response_window(
+    clean: Tensor,
+    noisy: Tensor,
+    noise_mask: Tensor,
+    loss_mask: Tensor,
+    p_mask: Tensor,
+    attention_mask: Tensor | None,
+    block_size: int,
+    block_u: Tensor | None,
+    sliding_window: int | None = None,
+) -> ResponseWindow:
     """Spec §9.2: gather the response into a canvas and (if `block_u` is given) keep one scored block.
 
     `block_u [B]` in [0, 1) picks block ⌊u·n_blocks⌋ per example; None scores every block (evaluation).
@@ -107,11 +127,20 @@ def build_response_window(clean: Tensor, noisy: Tensor, noise_mask: Tensor, loss
         loss = loss & (block_ids == chosen[:, None])
     masks = batched_block_mask(prefix, resp, width, length, block_size, sliding_window)
     return ResponseWindow(
-        canvas_ids=gather(noisy), target_ids=gather(clean), noise_mask=gather(noise_mask.bool()) & valid,
-        loss_mask=loss, p_mask=gather(p_mask), block_ids=block_ids, decoder_attention_mask=masks,
+        canvas_ids=gather(noisy),
+        target_ids=gather(clean),
+        noise_mask=gather(noise_mask.bool()) & valid,
+        loss_mask=loss,
+        p_mask=gather(p_mask),
+        block_ids=block_ids,
+        decoder_attention_mask=masks,
         encoder_position_ids=torch.arange(length, device=device)[None].expand(batch, -1),
         encoder_padding_mask=None if attention_mask is None else ~attention_mask.bool(),
-        decoder_position_ids=index, decoder_padding_mask=~valid, prefix_lengths=prefix, response_lengths=resp)
+        decoder_position_ids=index,
+        decoder_padding_mask=~valid,
+        prefix_lengths=prefix,
+        response_lengths=resp,
+    )
 
 
 class BlockDiffusionStrategy(DLLMStrategy):
@@ -137,20 +166,26 @@ class BlockDiffusionStrategy(DLLMStrategy):
         """Random-token corruption never uses [MASK]: an unset mask id is 0 (spec §9.1)."""
         return 0 if setup.mask_token_id is None else int(setup.mask_token_id)
 
-    def apply_corruption(self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio,
-                         generator=None):
+    def apply_corruption(
+        self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio, generator=None
+    ):
         if self.vocab_size is None:
-            raise ValueError("BlockDiffusionStrategy requires dllm.vocab_size (replacement tokens are drawn "
-                             "uniformly from it); set dllm.vocab_size or call create_loss_fn first")
-        return corrupt_uniform_random(input_ids, loss_mask, self.vocab_size, block_size=None, eps=eps,
-                                      generator=generator)
+            raise ValueError(
+                "BlockDiffusionStrategy requires dllm.vocab_size (replacement tokens are drawn "
+                "uniformly from it); set dllm.vocab_size or call create_loss_fn first"
+            )
+        return corrupt_uniform_random(
+            input_ids, loss_mask, self.vocab_size, block_size=None, eps=eps, generator=generator
+        )
 
     @staticmethod
     def split_prompt_response(input_ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
         """prefix_b = index of the first supervised token (L if none); response = positions ≥ prefix_b."""
         length = input_ids.shape[1]
         sup = loss_mask.bool()
-        first = torch.where(sup.any(dim=1), sup.long().argmax(dim=1), torch.full_like(sup[:, 0], length, dtype=torch.long))
+        first = torch.where(
+            sup.any(dim=1), sup.long().argmax(dim=1), torch.full_like(sup[:, 0], length, dtype=torch.long)
+        )
         response = torch.arange(length, device=input_ids.device)[None, :] >= first[:, None]
         return first, response
 
@@ -158,11 +193,15 @@ class BlockDiffusionStrategy(DLLMStrategy):
         runs = supervised_runs(loss_mask)
         bad = (runs > 1).nonzero().flatten()
         if len(bad):
-            raise ValueError(f"block_diffusion is single-turn: {len(bad)} row(s) have more than one supervised "
-                             f"run (multi-turn), e.g. row {int(bad[0])} has {int(runs[bad[0]])}; use "
-                             "data.shape: pretrain or single-turn prompt/response data")
+            raise ValueError(
+                f"block_diffusion is single-turn: {len(bad)} row(s) have more than one supervised "
+                f"run (multi-turn), e.g. row {int(bad[0])} has {int(runs[bad[0]])}; use "
+                "data.shape: pretrain or single-turn prompt/response data"
+            )
 
-    def prepare_batch(self, batch: dict[str, Tensor], noisy: Tensor, noise_mask: Tensor, clean: Tensor) -> dict[str, Tensor]:
+    def prepare_batch(
+        self, batch: dict[str, Tensor], noisy: Tensor, noise_mask: Tensor, clean: Tensor
+    ) -> dict[str, Tensor]:
         out = self.without_attention_mask(batch)
         out.update(input_ids=clean, canvas_ids=noisy)
         return out
@@ -170,16 +209,36 @@ class BlockDiffusionStrategy(DLLMStrategy):
     def corrupt_microbatch(self, ctx: StepContext, mb: Microbatch, microbatch_idx: int) -> CorruptedBatch:
         self.validate_data(mb.loss_mask, mb.attention_mask)
         base = super().corrupt_microbatch(ctx, mb, microbatch_idx)
-        draws = torch.stack([torch.rand(2, generator=seeded_generator(seed ^ _AUX_SEED_XOR))
-                             for seed in self.row_seeds(ctx, mb, microbatch_idx)])
-        window = build_response_window(base.clean_ids, base.noisy_ids, base.noise_mask, base.loss_mask, base.p_mask,
-                                       base.attention_mask, self.block_size, draws[:, 0])
+        draws = torch.stack(
+            [
+                torch.rand(2, generator=seeded_generator(seed ^ _AUX_SEED_XOR))
+                for seed in self.row_seeds(ctx, mb, microbatch_idx)
+            ]
+        )
+        window = build_response_window(
+            base.clean_ids,
+            base.noisy_ids,
+            base.noise_mask,
+            base.loss_mask,
+            base.p_mask,
+            base.attention_mask,
+            self.block_size,
+            draws[:, 0],
+        )
         coins = (draws[:, 1] < self.self_conditioning_p).to(base.clean_ids.device)
-        return CorruptedBatch(base.clean_ids, base.noisy_ids, base.noise_mask, base.p_mask, base.loss_mask,
-                              base.attention_mask, {"window": window, "self_condition": coins})
+        return CorruptedBatch(
+            base.clean_ids,
+            base.noisy_ids,
+            base.noise_mask,
+            base.p_mask,
+            base.loss_mask,
+            base.attention_mask,
+            {"window": window, "self_condition": coins},
+        )
 
-    def loss_denominators(self, corrupted: list[CorruptedBatch], num_noise: int, num_supervised: int
-                          ) -> tuple[int, int]:
+    def loss_denominators(
+        self, corrupted: list[CorruptedBatch], num_noise: int, num_supervised: int
+    ) -> tuple[int, int]:
         """Spec §9.3: N_diff = scored tokens of the selected blocks; N_AR = clean next-token pairs; both
         summed over the data-parallel group and clamped to ≥ 1."""
         n_diff = sum(int(c.extras["window"].loss_mask.sum()) for c in corrupted)
@@ -187,21 +246,31 @@ class BlockDiffusionStrategy(DLLMStrategy):
         return max(global_sum(n_diff), 1), max(global_sum(n_ar), 1)
 
     def model_inputs(self, batch: CorruptedBatch, window: ResponseWindow) -> dict:
-        inputs = self.prepare_batch({"attention_mask": batch.attention_mask}, window.canvas_ids, window.noise_mask,
-                                    batch.clean_ids)
-        inputs.update(decoder_attention_mask=window.decoder_attention_mask,
-                      encoder_position_ids=window.encoder_position_ids,
-                      encoder_padding_mask=window.encoder_padding_mask,
-                      decoder_position_ids=window.decoder_position_ids,
-                      decoder_padding_mask=window.decoder_padding_mask)
+        inputs = self.prepare_batch(
+            {"attention_mask": batch.attention_mask}, window.canvas_ids, window.noise_mask, batch.clean_ids
+        )
+        inputs.update(
+            decoder_attention_mask=window.decoder_attention_mask,
+            encoder_position_ids=window.encoder_position_ids,
+            encoder_padding_mask=window.encoder_padding_mask,
+            decoder_position_ids=window.decoder_position_ids,
+            decoder_padding_mask=window.decoder_padding_mask,
+        )
         return inputs
 
-    def forward_backward(self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int,
-                         num_ar_tokens: int, is_train: bool) -> DLLMLossOutput:
+    def forward_backward(
+        self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int, num_ar_tokens: int, is_train: bool
+    ) -> DLLMLossOutput:
         window: ResponseWindow = batch.extras["window"]
         out = ctx.model(**self.model_inputs(batch, window), do_self_conditioning=batch.extras["self_condition"])
-        loss = ctx.loss_fn(out.logits, window.target_ids, window.noise_mask, window.p_mask, window.loss_mask,
-                           num_diffusion_tokens=num_diffusion_tokens)
+        loss = ctx.loss_fn(
+            out.logits,
+            window.target_ids,
+            window.noise_mask,
+            window.p_mask,
+            window.loss_mask,
+            num_diffusion_tokens=num_diffusion_tokens,
+        )
         encoder_logits = getattr(out, "encoder_logits", None)
         if is_train and encoder_logits is not None and self.encoder_loss_weight > 0:
             ar = encoder_ar_loss(encoder_logits, batch.clean_ids, batch.attention_mask, num_tokens=num_ar_tokens)
@@ -210,29 +279,64 @@ class BlockDiffusionStrategy(DLLMStrategy):
             (loss.total_loss * ctx.loss_scale).backward()
         return loss
 
-    def nelbo_rows(self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, mask_token_id: int, t: Tensor,
-                   generator: torch.Generator, attention_mask: Tensor | None = None) -> Tensor:
+    def nelbo_rows(
+        self,
+        model: nn.Module,
+        clean_ids: Tensor,
+        loss_mask: Tensor,
+        mask_token_id: int,
+        t: Tensor,
+        generator: torch.Generator,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
         """Blockwise bound per row at noise level t [B]: every response block scored given the clean
         blocks before it (evaluation spec §4.2), each token by the continuous-time uniform-noise term."""
         vocab = self.vocab_size or model.config.vocab_size
         batch, length = clean_ids.shape
         t = t.clamp(1e-6, 1 - 1e-6)
         u = torch.rand(batch, length, generator=generator, device=clean_ids.device)
-        r = torch.randint(0, vocab, (batch, length), generator=generator, device=clean_ids.device, dtype=clean_ids.dtype)
+        r = torch.randint(
+            0, vocab, (batch, length), generator=generator, device=clean_ids.device, dtype=clean_ids.dtype
+        )
         noise = (u < t[:, None]) & loss_mask.bool()
         noisy = torch.where(noise, r, clean_ids)
-        window = build_response_window(clean_ids, noisy, noise, loss_mask, torch.ones_like(u), attention_mask,
-                                       self.block_size, None)
-        batch_view = CorruptedBatch(clean_ids, noisy, noise, torch.ones_like(u), loss_mask,
-                                    attention_mask if attention_mask is not None else torch.ones_like(loss_mask))
+        window = build_response_window(
+            clean_ids, noisy, noise, loss_mask, torch.ones_like(u), attention_mask, self.block_size, None
+        )
+        batch_view = CorruptedBatch(
+            clean_ids,
+            noisy,
+            noise,
+            torch.ones_like(u),
+            loss_mask,
+            attention_mask if attention_mask is not None else torch.ones_like(loss_mask),
+        )
         logits = model(**self.model_inputs(batch_view, window)).logits
         terms = uniform_diffusion_nelbo_terms(logits, window.target_ids, window.canvas_ids, 1 - t, vocab)
         return (terms * window.loss_mask).sum(dim=1)
 
-    def sample(self, model: nn.Module, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
-               config, generator: torch.Generator | None, device: str, on_block=None):
+    def sample(
+        self,
+        model: nn.Module,
+        prompts: list[list[int]],
+        *,
+        mask_token_id: int,
+        pad_token_id: int,
+        config,
+        generator: torch.Generator | None,
+        device: str,
+        on_block=None,
+    ):
         from strategies.sampling import block_canvas_sample
 
-        return block_canvas_sample(model, prompts, vocab_size=self.vocab_size or model.config.vocab_size,
-                                   block_size=min(self.block_size, config.block_size), pad_token_id=pad_token_id,
-                                   config=config, generator=generator, device=device, on_block=on_block)
+        return block_canvas_sample(
+            model,
+            prompts,
+            vocab_size=self.vocab_size or model.config.vocab_size,
+            block_size=min(self.block_size, config.block_size),
+            pad_token_id=pad_token_id,
+            config=config,
+            generator=generator,
+            device=device,
+            on_block=on_block,
+        )

@@ -3,6 +3,7 @@
 All take `[B, L]` ids and a `[B, L]` loss mask, corrupt only supervised positions, and draw
 randomness only from the passed `torch.Generator` (never the global RNG when one is given).
 """
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,14 @@ import torch
 from torch import Tensor
 
 
-def corrupt_uniform(input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, *, eps: float = 1e-3,
-                    generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def corrupt_uniform(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    mask_token_id: int,
+    *,
+    eps: float = 1e-3,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """MDLM/LLaDA absorbing kernel (spec §4.2).
 
     Per row: t ~ U[0,1), p = (1−eps)·t + eps; per position u ~ U[0,1), n = (u < p) ∧ ℓ;
@@ -30,8 +37,9 @@ def corrupt_uniform(input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, *,
     return noisy, noise_mask, p_mask
 
 
-def mask_at_level(input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, p: Tensor,
-                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+def mask_at_level(
+    input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, p: Tensor, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
     """Absorbing corruption at given per-row levels p [B] (used by the fixed-noise NELBO)."""
     u = torch.rand(input_ids.shape, generator=generator, device=input_ids.device)
     noise_mask = (u < p[:, None]) & loss_mask.bool()
@@ -56,9 +64,16 @@ def gumbel_topk_rows(log_w: Tensor, k: Tensor, generator: torch.Generator | None
     return chosen & torch.isfinite(log_w)
 
 
-def corrupt_blockwise(input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, *, block_size: int | None = None,
-                      eps: float = 1e-3, half_life_ratio: float = 0.25,
-                      generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def corrupt_blockwise(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    mask_token_id: int,
+    *,
+    block_size: int | None = None,
+    eps: float = 1e-3,
+    half_life_ratio: float = 0.25,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Exact-k masking with a bias toward later positions (hybrid strategy, spec §4.3).
 
     Sequence path (block_size None): per row m ~ eps + (1−eps)·U, k = clamp(round(m·L), 1, L),
@@ -97,8 +112,15 @@ def corrupt_blockwise(input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, 
 # ---------------------------------------------------------------- uniform-replacement kernels (§4.4–4.6)
 
 
-def corrupt_uniform_random(input_ids: Tensor, loss_mask: Tensor, vocab_size: int, *, block_size: int | None = None,
-                           eps: float = 1e-3, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def corrupt_uniform_random(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    vocab_size: int,
+    *,
+    block_size: int | None = None,
+    eps: float = 1e-3,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """D3PM-uniform kernel (DiffusionGemma, spec §4.4): replace with uniform random tokens, no [MASK].
 
     One level t ~ eps + (1−eps)·U per row (or per block of `block_size`); n = (u < t) ∧ ℓ;
@@ -120,16 +142,25 @@ def corrupt_uniform_random(input_ids: Tensor, loss_mask: Tensor, vocab_size: int
     return noisy, noise_mask, torch.ones(batch, length, dtype=torch.float32, device=device)
 
 
-def corrupt_all_masked(input_ids: Tensor, loss_mask: Tensor, mask_token_id: int,
-                       generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def corrupt_all_masked(
+    input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """I-DLM kernel (spec §4.5): every supervised token becomes [MASK]; deterministic; p_mask = 1."""
     noise_mask = loss_mask.bool()
     noisy = torch.where(noise_mask, torch.full_like(input_ids, mask_token_id), input_ids)
     return noisy, noise_mask, torch.ones(input_ids.shape, dtype=torch.float32, device=input_ids.device)
 
 
-def corrupt_mix(input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, vocab_size: int, *, mask_prob: Tensor,
-                uniform_prob: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+def corrupt_mix(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    mask_token_id: int,
+    vocab_size: int,
+    *,
+    mask_prob: Tensor,
+    uniform_prob: Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
     """SCDD forward kernel (spec §4.6): absorb to [MASK] or move to a *different* non-mask token.
 
     One u ~ U[0,1) per position: absorbed = u < mask_prob ∧ ℓ; transitioned =
@@ -157,8 +188,13 @@ def corrupt_mix(input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, vocab_
     return noisy, absorbed | transitioned
 
 
-def scdd_grid_times(batch: int, num_timesteps: int, eps: float, generator: torch.Generator | None = None,
-                    device: torch.device | str = "cpu") -> Tensor:
+def scdd_grid_times(
+    batch: int,
+    num_timesteps: int,
+    eps: float,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> Tensor:
     """SCDD time sampling (spec §5.8): u' = (1−eps)u + eps, t = (⌊u'·T⌋ + 1)/T, then t ≤ 1 − 1/T."""
     u = (1 - eps) * torch.rand(batch, generator=generator, device=device) + eps
     t = (torch.floor(u * num_timesteps) + 1) / num_timesteps

@@ -6,6 +6,7 @@ Pure PyTorch: no Prefect, no MLflow. Fixes relative to the reference: the mask i
 (G1: no future context for any number of blocks), the non-overlapping sampler never under-fills
 (G3), and anchors come only from the generators passed in (G5: resume-reproducible).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,10 @@ def _build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> li
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     if num_target_layers < 4:
-        raise ValueError(f"a {num_draft_layers}-layer draft needs a target with at least 4 layers "
-                         f"(got {num_target_layers}); use one draft layer or a deeper target")
+        raise ValueError(
+            f"a {num_draft_layers}-layer draft needs a target with at least 4 layers "
+            f"(got {num_target_layers}); use one draft layer or a deeper target"
+        )
     return [round(1 + i * (num_target_layers - 4) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
@@ -52,9 +55,17 @@ class AnchorBlocks(NamedTuple):
     block_mask: Tensor  # [B, N·(bs−1)] float: supervised ∧ inside the sequence ∧ kept
 
 
-def sample_anchor_blocks(input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor | None, *, block_size: int,
-                         num_blocks: int, mask_token_id: int, overlap: bool = True,
-                         generators: list[torch.Generator] | None = None) -> AnchorBlocks:
+def sample_anchor_blocks(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    loss_mask: Tensor | None,
+    *,
+    block_size: int,
+    num_blocks: int,
+    mask_token_id: int,
+    overlap: bool = True,
+    generators: list[torch.Generator] | None = None,
+) -> AnchorBlocks:
     """Spec §10.3. Overlapping (default): per row and block, A = clamp(1 + round(U·(maxA − 1)), 1, maxA)
     with U from that row's own generator. Non-overlapping: batch-shared distinct starts; when fewer
     than N fit, only those that fit are kept (fix G3)."""
@@ -111,8 +122,9 @@ def block_position_ids(anchors: Tensor, ctx_len: int, block_size: int) -> Tensor
 # ---------------------------------------------------------------------------------------- masks
 
 
-def dflash_visibility(anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int,
-                      causal: bool = False) -> Tensor:
+def dflash_visibility(
+    anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int, causal: bool = False
+) -> Tensor:
     """Bool [B, N·bs, S + N·bs]: query q (block b = q // bs, offset o) sees context key k < min(A_b, S)
     when block b is kept, and the noise keys of its own block (with `causal`, those at offsets ≤ o)."""
     bsz, n_blocks = anchor_positions.shape
@@ -130,16 +142,24 @@ def dflash_visibility(anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len
     return ctx | noise[None]
 
 
-def create_dflash_sdpa_mask(anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int,
-                            device=None, dtype: torch.dtype = torch.float32, causal: bool = False) -> Tensor:
+def create_dflash_sdpa_mask(
+    anchor_positions: Tensor,
+    block_keep_mask: Tensor,
+    ctx_len: int,
+    block_size: int,
+    device=None,
+    dtype: torch.dtype = torch.float32,
+    causal: bool = False,
+) -> Tensor:
     """Additive DFlash mask [B, 1, N·bs, S + N·bs]: 0 where visible, −inf elsewhere (spec §6.2)."""
     anchors = anchor_positions.to(device) if device is not None else anchor_positions
     visible = dflash_visibility(anchors, block_keep_mask.to(anchors.device), ctx_len, block_size, causal)
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, -math.inf)[:, None]
 
 
-def build_dflash_mask_mod(anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int,
-                          causal: bool = False):
+def build_dflash_mask_mod(
+    anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int, causal: bool = False
+):
     """The same predicate as a flex-attention `mask_mod(b, h, q_idx, kv_idx)`."""
     n_blocks = anchor_positions.shape[1]
     keep = block_keep_mask.bool()
@@ -157,15 +177,17 @@ def build_dflash_mask_mod(anchor_positions: Tensor, block_keep_mask: Tensor, ctx
     return mask_mod
 
 
-def create_dflash_block_mask(anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int,
-                             causal: bool = False):
+def create_dflash_block_mask(
+    anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int, causal: bool = False
+):
     """Flex-attention `BlockMask` for the DFlash layout (Q = N·bs, KV = S + N·bs, default 128 tiles)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     bsz, n_blocks = anchor_positions.shape
     mod = build_dflash_mask_mod(anchor_positions, block_keep_mask, ctx_len, block_size, causal)
-    return create_block_mask(mod, bsz, None, n_blocks * block_size, ctx_len + n_blocks * block_size,
-                             device=anchor_positions.device)
+    return create_block_mask(
+        mod, bsz, None, n_blocks * block_size, ctx_len + n_blocks * block_size, device=anchor_positions.device
+    )
 
 
 # ---------------------------------------------------------------------------------------- loss
@@ -178,8 +200,13 @@ class DFlashDecayLoss(nn.Module):
     Returns `DLLMLossOutput` with per-offset correct/count sums when the block layout is known.
     """
 
-    def __init__(self, loss_gamma: float | None = 7.0, use_fused_linear_ce: bool = False, chunk_size: int = 1024,
-                 normalize: str = "tokens"):
+    def __init__(
+        self,
+        loss_gamma: float | None = 7.0,
+        use_fused_linear_ce: bool = False,
+        chunk_size: int = 1024,
+        normalize: str = "tokens",
+    ):
         super().__init__()
         if normalize not in ("tokens", "mean"):
             raise ValueError(f"normalize must be 'tokens' or 'mean', got {normalize!r}")
@@ -208,15 +235,23 @@ class DFlashDecayLoss(nn.Module):
             per_count = m.sum(dim=(0, 1))
         return DLLMLossOutput(total, total.detach(), per_correct, per_count)
 
-    def forward(self, logits: Tensor, target_ids: Tensor, block_mask: Tensor, num_tokens=None,
-                block_size: int | None = None) -> DLLMLossOutput:
+    def forward(
+        self, logits: Tensor, target_ids: Tensor, block_mask: Tensor, num_tokens=None, block_size: int | None = None
+    ) -> DLLMLossOutput:
         nll = F.cross_entropy(logits.float().flatten(0, 1), target_ids.flatten(), reduction="none").view_as(target_ids)
         correct = logits.argmax(dim=-1) == target_ids
         return self._reduce(nll, correct, block_mask, num_tokens, block_size)
 
-    def forward_fused(self, hidden: Tensor, lm_head_weight: Tensor, target_ids: Tensor, block_mask: Tensor,
-                      num_tokens=None, block_size: int | None = None, lm_head_bias: Tensor | None = None
-                      ) -> DLLMLossOutput:
+    def forward_fused(
+        self,
+        hidden: Tensor,
+        lm_head_weight: Tensor,
+        target_ids: Tensor,
+        block_mask: Tensor,
+        num_tokens=None,
+        block_size: int | None = None,
+        lm_head_bias: Tensor | None = None,
+    ) -> DLLMLossOutput:
         """Chunks of `chunk_size` rows through linear + CE under activation checkpointing: the
         [B·T, V] logits never stay alive for backward."""
         flat, tgt = hidden.flatten(0, 1), target_ids.flatten()
@@ -227,7 +262,7 @@ class DFlashDecayLoss(nn.Module):
 
         nlls, corrects = [], []
         for start in range(0, flat.shape[0], self.chunk_size):
-            h, t = flat[start:start + self.chunk_size], tgt[start:start + self.chunk_size]
+            h, t = flat[start : start + self.chunk_size], tgt[start : start + self.chunk_size]
             nll, corr = checkpoint(chunk, h, t, use_reentrant=False)
             nlls.append(nll)
             corrects.append(corr)
@@ -272,7 +307,7 @@ class DFlashDraftConfig:
         Path(dest, DFlashDraftModel.CONFIG).write_text(json.dumps(asdict(self), indent=2))
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "DFlashDraftConfig":
+    def from_dir(cls, path: str | Path) -> DFlashDraftConfig:
         f = Path(path) / DFlashDraftModel.CONFIG
         if not f.is_file():
             raise FileNotFoundError(f"{path} is not a DFlash draft checkpoint (no {DFlashDraftModel.CONFIG})")
@@ -296,7 +331,11 @@ class _DraftLayer(nn.Module):
         self.cfg = cfg
         self.attn_norm, self.mlp_norm = nn.RMSNorm(h, eps=cfg.rms_eps), nn.RMSNorm(h, eps=cfg.rms_eps)
         self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
-        self.gate, self.up, self.down = nn.Linear(h, inner, bias=False), nn.Linear(h, inner, bias=False), nn.Linear(inner, h, bias=False)
+        self.gate, self.up, self.down = (
+            nn.Linear(h, inner, bias=False),
+            nn.Linear(h, inner, bias=False),
+            nn.Linear(inner, h, bias=False),
+        )
 
     def forward(self, x: Tensor, ctx: Tensor, positions: Tensor, mask) -> Tensor:
         cfg, (bsz, q_len, _), s = self.cfg, x.shape, ctx.shape[1]
@@ -334,8 +373,9 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(_DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
 
-    def forward(self, target_hidden: Tensor, noise_embedding: Tensor, position_ids: Tensor,
-                attention_mask=None) -> Tensor:
+    def forward(
+        self, target_hidden: Tensor, noise_embedding: Tensor, position_ids: Tensor, attention_mask=None
+    ) -> Tensor:
         ctx = self.ctx_norm(self.fc(target_hidden))
         x = noise_embedding
         for layer in self.layers:
@@ -352,7 +392,7 @@ class DFlashDraftModel(nn.Module):
         save_model(self, str(dest / self.WEIGHTS))
 
     @classmethod
-    def load(cls, path: str | Path, device="cpu") -> "DFlashDraftModel":
+    def load(cls, path: str | Path, device="cpu") -> DFlashDraftModel:
         from safetensors.torch import load_model
 
         model = cls(DFlashDraftConfig.from_dir(path))
@@ -376,8 +416,9 @@ def _embed_and_head(target: nn.Module):
     return emb, head
 
 
-def draft_block_logits(draft: DFlashDraftModel, target: nn.Module, ctx_features: Tensor, anchors: Tensor,
-                       keep: Tensor, block_ids: Tensor) -> Tensor:
+def draft_block_logits(
+    draft: DFlashDraftModel, target: nn.Module, ctx_features: Tensor, anchors: Tensor, keep: Tensor, block_ids: Tensor
+) -> Tensor:
     """Logits [B, N·bs, V] of the draft for N blocks under the (always applied) DFlash mask."""
     emb, head = _embed_and_head(target)
     bs = draft.config.block_size
@@ -403,8 +444,9 @@ class SpeculativeResult:
 
 
 @torch.no_grad()
-def speculative_generate(target: nn.Module, draft: DFlashDraftModel, prompt: list[int], max_new_tokens: int,
-                         eos_token_id: int | None = None) -> SpeculativeResult:
+def speculative_generate(
+    target: nn.Module, draft: DFlashDraftModel, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None
+) -> SpeculativeResult:
     """Greedy DFlash decoding: the draft proposes bs − 1 tokens after the anchor in one forward, the
     target verifies them in one forward, the longest matching prefix plus the target's bonus token is
     committed, and the target cache is cropped to what was committed. Output = target-only greedy."""
@@ -420,8 +462,9 @@ def speculative_generate(target: nn.Module, draft: DFlashDraftModel, prompt: lis
         anchor = torch.tensor([[committed]], device=device)
         block = torch.full((1, bs), cfg.mask_token_id, device=device)
         block[0, 0] = out[-1]
-        proposal = draft_block_logits(draft, target, ctx, anchor, torch.ones_like(anchor, dtype=torch.bool),
-                                      block)[0, 1:].argmax(-1)
+        proposal = draft_block_logits(draft, target, ctx, anchor, torch.ones_like(anchor, dtype=torch.bool), block)[
+            0, 1:
+        ].argmax(-1)
         verify_in = torch.cat([block[:, :1], proposal[None]], dim=1)  # anchor + bs − 1 proposals
         v_feats, v_logits, cache = target_features(target, verify_in, cfg.target_layer_ids, past_key_values=cache)
         forwards += 1
@@ -453,8 +496,9 @@ def _new_cache(target: nn.Module):
 
 
 @torch.no_grad()
-def greedy_generate(target: nn.Module, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None
-                    ) -> list[int]:
+def greedy_generate(
+    target: nn.Module, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None
+) -> list[int]:
     """Target-only greedy decoding with a KV cache (the reference DFlash must reproduce)."""
     device = next(target.parameters()).device
     cache = _new_cache(target)
@@ -467,8 +511,9 @@ def greedy_generate(target: nn.Module, prompt: list[int], max_new_tokens: int, e
 
 
 @torch.no_grad()
-def sample_continuations(target: nn.Module, prompts: Tensor, new_tokens: int, temperature: float,
-                         generator: torch.Generator | None = None) -> Tensor:
+def sample_continuations(
+    target: nn.Module, prompts: Tensor, new_tokens: int, temperature: float, generator: torch.Generator | None = None
+) -> Tensor:
     """`[B, P + new_tokens]`: each prompt row continued by the target, batched with one KV cache,
     sampled at `temperature` (greedy at 0) from `generator` only — so the same seed regenerates the
     same data (DFlash trains best on the target's own outputs, paper §5.1)."""

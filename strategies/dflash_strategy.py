@@ -9,6 +9,7 @@ wrote. Both give the same loss on the same batch (tested).
 Anchors are drawn per row from generators seeded by (base seed, step, global sample index), like
 every other strategy's noise (fix G5), and the DFlash mask is always applied (fix G1).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,16 @@ from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, _get
 from strategies.corruption import corrupt_uniform
-from strategies.dflash import (DFlashDecayLoss, _embed_and_head, block_position_ids, create_dflash_block_mask,
-                               create_dflash_sdpa_mask, default_gamma, sample_anchor_blocks, target_features)
+from strategies.dflash import (
+    DFlashDecayLoss,
+    _embed_and_head,
+    block_position_ids,
+    create_dflash_block_mask,
+    create_dflash_sdpa_mask,
+    default_gamma,
+    sample_anchor_blocks,
+    target_features,
+)
 from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss
 from strategies.seeding import seeded_generator
 
@@ -46,7 +55,9 @@ class CachedFeatures:
         self.root = Path(root)
         index = self.root / self.INDEX
         if not index.is_file():
-            raise FileNotFoundError(f"{self.root} holds no target-feature cache ({self.INDEX} missing); rerun cache_target")
+            raise FileNotFoundError(
+                f"{self.root} holds no target-feature cache ({self.INDEX} missing); rerun cache_target"
+            )
         self.index = json.loads(index.read_text())
         self.layer_ids = self.index["layer_ids"]
         self._handles: dict[str, Any] = {}
@@ -115,14 +126,17 @@ class DFlashStrategy(DLLMStrategy):
         layer_ids = list(setup.model.config.target_layer_ids)
         self.features = setup.extras.get("features") or OnlineFeatures(target, layer_ids)
         if list(self.features.layer_ids) != layer_ids:
-            raise ValueError(f"the target-feature cache holds layers {list(self.features.layer_ids)} but the draft reads "
-                             f"{layer_ids}; rebuild the cache (cache_target) for this draft or use dflash.target_features: online")
+            raise ValueError(
+                f"the target-feature cache holds layers {list(self.features.layer_ids)} but the draft reads "
+                f"{layer_ids}; rebuild the cache (cache_target) for this draft or use dflash.target_features: online"
+            )
         return setup.mask_token_id
 
     # ------------------------------------------------------------------ interface-only hooks (spec §8.5)
 
-    def apply_corruption(self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio,
-                         generator=None):
+    def apply_corruption(
+        self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio, generator=None
+    ):
         return corrupt_uniform(input_ids, loss_mask, mask_token_id, eps=eps, generator=generator)
 
     def prepare_batch(self, batch, noisy, noise_mask, clean):
@@ -135,20 +149,42 @@ class DFlashStrategy(DLLMStrategy):
         out, total = [], 0
         for i, mb in enumerate(microbatches):
             gens = [seeded_generator(seed, "cpu") for seed in self.row_seeds(ctx, mb, i)]
-            blocks = sample_anchor_blocks(mb.input_ids, mb.attention_mask, mb.loss_mask, block_size=self.block_size,
-                                          num_blocks=self.num_blocks, mask_token_id=ctx.mask_token_id,
-                                          overlap=self.overlap, generators=gens)
+            blocks = sample_anchor_blocks(
+                mb.input_ids,
+                mb.attention_mask,
+                mb.loss_mask,
+                block_size=self.block_size,
+                num_blocks=self.num_blocks,
+                mask_token_id=ctx.mask_token_id,
+                overlap=self.overlap,
+                generators=gens,
+            )
             feats = self.features(mb)
-            extras = {"anchors": blocks.anchors, "keep": blocks.keep, "block_ids": blocks.block_ids,
-                      "targets": blocks.targets, "block_mask": blocks.block_mask, "features": feats}
-            out.append(CorruptedBatch(mb.input_ids, mb.input_ids, torch.zeros_like(mb.loss_mask, dtype=torch.bool),
-                                      torch.ones_like(mb.loss_mask, dtype=torch.float32), mb.loss_mask,
-                                      mb.attention_mask, extras))
+            extras = {
+                "anchors": blocks.anchors,
+                "keep": blocks.keep,
+                "block_ids": blocks.block_ids,
+                "targets": blocks.targets,
+                "block_mask": blocks.block_mask,
+                "features": feats,
+            }
+            out.append(
+                CorruptedBatch(
+                    mb.input_ids,
+                    mb.input_ids,
+                    torch.zeros_like(mb.loss_mask, dtype=torch.bool),
+                    torch.ones_like(mb.loss_mask, dtype=torch.float32),
+                    mb.loss_mask,
+                    mb.attention_mask,
+                    extras,
+                )
+            )
             total += int(blocks.block_mask.sum())
         return out, total, total
 
-    def forward_backward(self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int,
-                         num_ar_tokens: int, is_train: bool) -> DLLMLossOutput:
+    def forward_backward(
+        self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int, num_ar_tokens: int, is_train: bool
+    ) -> DLLMLossOutput:
         e, bs = batch.extras, self.block_size
         emb, head = _embed_and_head(self.target)
         feats = e["features"].to(next(ctx.model.parameters()).dtype)  # a bf16/fp16 cache feeds an fp32 draft
@@ -157,14 +193,22 @@ class DFlashStrategy(DLLMStrategy):
         if self.backend == "flex_attention":  # sparse BlockMask (needs a GPU for backward in torch 2.13)
             mask = create_dflash_block_mask(e["anchors"], e["keep"], feats.shape[1], bs)
         else:
-            mask = create_dflash_sdpa_mask(e["anchors"], e["keep"], feats.shape[1], bs, dtype=noise.dtype)  # always (G1)
+            mask = create_dflash_sdpa_mask(
+                e["anchors"], e["keep"], feats.shape[1], bs, dtype=noise.dtype
+            )  # always (G1)
         h = ctx.model(feats, noise, positions, mask)
         b, n = e["anchors"].shape
         pred = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
         if self._fused:
-            out = self.loss.forward_fused(pred, head.weight, e["targets"], e["block_mask"],
-                                          num_tokens=num_diffusion_tokens, block_size=bs,
-                                          lm_head_bias=getattr(head, "bias", None))
+            out = self.loss.forward_fused(
+                pred,
+                head.weight,
+                e["targets"],
+                e["block_mask"],
+                num_tokens=num_diffusion_tokens,
+                block_size=bs,
+                lm_head_bias=getattr(head, "bias", None),
+            )
         else:
             out = self.loss(head(pred), e["targets"], e["block_mask"], num_tokens=num_diffusion_tokens, block_size=bs)
         if is_train:

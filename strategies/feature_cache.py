@@ -4,6 +4,7 @@ plus an `index.json` (layer ids, dtype, rows per shard, bytes, seconds). `Cached
 
 Pure of Prefect/MLflow: the `cache_target` stage adds the content key and the cross-process lock.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @torch.no_grad()
-def write_feature_cache(target: nn.Module, splits: dict[str, Tensor], layer_ids: list[int], dest: str | Path, *,
-                        dtype: str = "bf16", batch_size: int = 16, shard_rows: int = 1024,
-                        progress: bool = False) -> dict:
+def write_feature_cache(
+    target: nn.Module,
+    splits: dict[str, Tensor],
+    layer_ids: list[int],
+    dest: str | Path,
+    *,
+    dtype: str = "bf16",
+    batch_size: int = 16,
+    shard_rows: int = 1024,
+    progress: bool = False,
+) -> dict:
     """Features of `splits` ({name: ids [R, L]}) into `dest`; returns the index it wrote."""
     from safetensors.torch import save_file
 
@@ -34,16 +43,22 @@ def write_feature_cache(target: nn.Module, splits: dict[str, Tensor], layer_ids:
     device = next(target.parameters()).device
     t0 = time.perf_counter()
     index: dict = {"layer_ids": list(layer_ids), "dtype": dtype, "splits": {}, "bytes": 0}
-    bar = tqdm(total=sum(len(ids) for ids in splits.values()), desc="cache_target", unit="row", dynamic_ncols=True,
-               disable=not progress)
+    bar = tqdm(
+        total=sum(len(ids) for ids in splits.values()),
+        desc="cache_target",
+        unit="row",
+        dynamic_ncols=True,
+        disable=not progress,
+    )
     for name, ids in splits.items():
         shards = []
         for start in range(0, len(ids), shard_rows):
-            rows = ids[start:start + shard_rows]
+            rows = ids[start : start + shard_rows]
             parts = []
             for b in range(0, len(rows), batch_size):
-                parts.append(target_features(target, rows[b:b + batch_size].to(device), layer_ids)[0]
-                             .to(DTYPES[dtype]).cpu())
+                parts.append(
+                    target_features(target, rows[b : b + batch_size].to(device), layer_ids)[0].to(DTYPES[dtype]).cpu()
+                )
                 bar.update(len(parts[-1]))
             file = f"{name}-{len(shards):05d}.safetensors"
             save_file({"features": torch.cat(parts).contiguous()}, str(dest / file))

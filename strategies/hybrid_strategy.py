@@ -7,6 +7,7 @@ sequence) and the causal branch (left-to-right over the clean sequence). The los
 α·L_diff + L_AR with the diffusion term normalized by the global *noise* count. The causal branch
 gives an exact left-to-right NLL (`eval/ar_nll`); the diffusion branch an MDLM bound (`eval/nelbo`).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -39,30 +40,48 @@ class HybridStrategy(MDLMStrategy):
         setup.model.config.dllm_mask_token_id = int(setup.mask_token_id)
         return int(setup.mask_token_id)
 
-    def apply_corruption(self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio,
-                         generator=None):
+    def apply_corruption(
+        self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio, generator=None
+    ):
         if block_size is None:
             return corrupt_uniform(input_ids, loss_mask, mask_token_id, eps=eps, generator=generator)
-        return corrupt_blockwise(input_ids, loss_mask, mask_token_id, block_size=block_size, eps=eps,
-                                 half_life_ratio=half_life_ratio if half_life_ratio is not None else 0.25,
-                                 generator=generator)
+        return corrupt_blockwise(
+            input_ids,
+            loss_mask,
+            mask_token_id,
+            block_size=block_size,
+            eps=eps,
+            half_life_ratio=half_life_ratio if half_life_ratio is not None else 0.25,
+            generator=generator,
+        )
 
-    def prepare_batch(self, batch: dict[str, Tensor], noisy: Tensor, noise_mask: Tensor, clean: Tensor) -> dict[str, Tensor]:
+    def prepare_batch(
+        self, batch: dict[str, Tensor], noisy: Tensor, noise_mask: Tensor, clean: Tensor
+    ) -> dict[str, Tensor]:
         out = self.without_attention_mask(batch)
         out.update(input_ids=clean, masked_indices=noise_mask, labels=clean, skip_loss=True)
         return out
 
-    def forward_backward(self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int,
-                         num_ar_tokens: int, is_train: bool) -> DLLMLossOutput:
-        inputs = self.prepare_batch({"attention_mask": batch.attention_mask}, batch.noisy_ids, batch.noise_mask,
-                                    batch.clean_ids)
+    def forward_backward(
+        self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int, num_ar_tokens: int, is_train: bool
+    ) -> DLLMLossOutput:
+        inputs = self.prepare_batch(
+            {"attention_mask": batch.attention_mask}, batch.noisy_ids, batch.noise_mask, batch.clean_ids
+        )
         out = ctx.model(**inputs)
         causal = getattr(out, "causal_logits", None)
-        loss = ctx.loss_fn(out.logits, batch.clean_ids, batch.noise_mask, batch.p_mask, batch.loss_mask,
-                           loss_mask_ar=batch.loss_mask if causal is not None else None,
-                           num_diffusion_tokens=num_diffusion_tokens,
-                           num_ar_tokens=num_ar_tokens if causal is not None else None,
-                           causal_logits=causal, noisy_input_ids=batch.noisy_ids)
+        loss = ctx.loss_fn(
+            out.logits,
+            batch.clean_ids,
+            batch.noise_mask,
+            batch.p_mask,
+            batch.loss_mask,
+            loss_mask_ar=batch.loss_mask if causal is not None else None,
+            num_diffusion_tokens=num_diffusion_tokens,
+            num_ar_tokens=num_ar_tokens if causal is not None else None,
+            causal_logits=causal,
+            noisy_input_ids=batch.noisy_ids,
+        )
         if is_train:
             (loss.total_loss * ctx.loss_scale).backward()
         return loss
@@ -71,15 +90,34 @@ class HybridStrategy(MDLMStrategy):
         """The diffusion branch on ids that already carry [MASK] (the sampler's contract)."""
         return lambda x, attn: model(input_ids=x).logits
 
-    def sample(self, model: nn.Module, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
-               config, generator: torch.Generator | None, device: str, on_block=None):
+    def sample(
+        self,
+        model: nn.Module,
+        prompts: list[list[int]],
+        *,
+        mask_token_id: int,
+        pad_token_id: int,
+        config,
+        generator: torch.Generator | None,
+        device: str,
+        on_block=None,
+    ):
         """Blocks seeded by the causal branch, completed by the diffusion branch (Nemotron decoding)."""
         from strategies.sampling import hybrid_sample
 
-        return hybrid_sample(model, prompts, mask_token_id=mask_token_id, pad_token_id=pad_token_id, config=config,
-                             generator=generator, device=device, on_block=on_block)
+        return hybrid_sample(
+            model,
+            prompts,
+            mask_token_id=mask_token_id,
+            pad_token_id=pad_token_id,
+            config=config,
+            generator=generator,
+            device=device,
+            on_block=on_block,
+        )
 
-    def ar_nll_rows(self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
-                    ) -> tuple[Tensor, Tensor]:
+    def ar_nll_rows(
+        self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Exact left-to-right NLL of the supervised tokens under the causal branch: (Σ nll, count) per row."""
         return causal_nll_rows(model.causal_logits(clean_ids, attention_mask), clean_ids, loss_mask, attention_mask)

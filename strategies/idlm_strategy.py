@@ -5,6 +5,7 @@ Every supervised token of the noisy copy becomes [MASK]; the model runs once ove
 with the next-token shift. The clean half is an ordinary causal LM, so its NLL is exact
 (`eval/ar_nll`). Generation uses plain causal attention with logit shift 1.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,14 +32,18 @@ class IDLMStrategy(DLLMStrategy):
 
     def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
         self.block_length = int(_get(dllm_cfg, "block_length", 1))
-        return IDLMLoss(clean_loss_weight=float(_get(dllm_cfg, "clean_loss_weight", 0.2)),
-                        auto_balance=bool(_get(dllm_cfg, "auto_balance_clean_loss", False)))
+        return IDLMLoss(
+            clean_loss_weight=float(_get(dllm_cfg, "clean_loss_weight", 0.2)),
+            auto_balance=bool(_get(dllm_cfg, "auto_balance_clean_loss", False)),
+        )
 
     def setup_extra(self, setup: SetupContext) -> int | None:
         config = getattr(setup.model, "config", None)
         if getattr(config, "_attn_implementation", None) == "flash_attention_2":
-            raise ValueError("I-DLM needs the block-diffusion attention mask; set the model's attn_implementation "
-                             "to 'sdpa' (FlashAttention-2 ignores 4D masks).")
+            raise ValueError(
+                "I-DLM needs the block-diffusion attention mask; set the model's attn_implementation "
+                "to 'sdpa' (FlashAttention-2 ignores 4D masks)."
+            )
         if setup.mask_token_id is None:
             raise ValueError("I-DLM requires dllm.mask_token_id to be set explicitly.")
         vocab = getattr(config, "vocab_size", None)
@@ -46,8 +51,9 @@ class IDLMStrategy(DLLMStrategy):
             raise ValueError(f"dllm.mask_token_id={setup.mask_token_id} is outside the model vocab (size {vocab}).")
         return int(setup.mask_token_id)
 
-    def apply_corruption(self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio,
-                         generator=None):
+    def apply_corruption(
+        self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio, generator=None
+    ):
         return corrupt_all_masked(input_ids, loss_mask, mask_token_id)
 
     def joint_logits(self, model: nn.Module, noisy: Tensor, clean: Tensor, valid: Tensor) -> Tensor:
@@ -56,16 +62,24 @@ class IDLMStrategy(DLLMStrategy):
         positions = torch.arange(length, device=clean.device).repeat(2)[None, :].expand(clean.shape[0], -1)
         dtype = next(model.parameters()).dtype
         mask = create_idlm_sdpa_mask(length, self.block_length, valid, device=clean.device, dtype=dtype)
-        out = model(input_ids=torch.cat([noisy, clean], dim=1), attention_mask=mask, position_ids=positions,
-                    use_cache=False)
+        out = model(
+            input_ids=torch.cat([noisy, clean], dim=1), attention_mask=mask, position_ids=positions, use_cache=False
+        )
         return out.logits
 
-    def forward_backward(self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int,
-                         num_ar_tokens: int, is_train: bool) -> DLLMLossOutput:
+    def forward_backward(
+        self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int, num_ar_tokens: int, is_train: bool
+    ) -> DLLMLossOutput:
         valid = batch.attention_mask.bool()
         logits = self.joint_logits(ctx.model, batch.noisy_ids, batch.clean_ids, valid)
-        out = ctx.loss_fn(logits, batch.clean_ids, batch.noise_mask, valid, seq_len=batch.clean_ids.shape[1],
-                          num_diffusion_tokens=num_diffusion_tokens)
+        out = ctx.loss_fn(
+            logits,
+            batch.clean_ids,
+            batch.noise_mask,
+            valid,
+            seq_len=batch.clean_ids.shape[1],
+            num_diffusion_tokens=num_diffusion_tokens,
+        )
         if is_train:
             (out.total_loss * ctx.loss_scale).backward()
         return out
@@ -74,8 +88,9 @@ class IDLMStrategy(DLLMStrategy):
         """Decoding uses plain causal attention; the sampler applies `logit_shift`."""
         return lambda x, attn: model(input_ids=x, use_cache=False).logits
 
-    def ar_nll_rows(self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
-                    ) -> tuple[Tensor, Tensor]:
+    def ar_nll_rows(
+        self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Exact left-to-right NLL of the supervised tokens under the causal path: (Σ nll, count) per row."""
         logits = model(input_ids=clean_ids, attention_mask=attention_mask, use_cache=False).logits
         return causal_nll_rows(logits, clean_ids, loss_mask, attention_mask)

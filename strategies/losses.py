@@ -5,6 +5,7 @@ num_diffusion_tokens=None, num_ar_tokens=None, causal_logits=None, noisy_input_i
 returns `DLLMLossOutput(total_loss, dllm_loss, ...)`. Denominators are the *global* token counts
 of the whole optimizer step (all micro-batches, all-reduced over data-parallel ranks).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -29,8 +30,9 @@ def per_token_nll(logits: Tensor, target_ids: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, vocab), target_ids.reshape(-1), reduction="none").view(target_ids.shape)
 
 
-def causal_nll_rows(causal_logits: Tensor, target_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
-                    ) -> tuple[Tensor, Tensor]:
+def causal_nll_rows(
+    causal_logits: Tensor, target_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
+) -> tuple[Tensor, Tensor]:
     """Exact left-to-right NLL of the supervised tokens (logit i−1 predicts x_i): (Σ nll, count) per row."""
     scored = (loss_mask.bool() & attention_mask.bool())[:, 1:]
     nll = per_token_nll(causal_logits[:, :-1].float(), target_ids[:, 1:]) * scored
@@ -53,10 +55,20 @@ class MDLMCrossEntropyLoss(nn.Module):
             raise ValueError(f"weighting must be 'elbo' or 'flat', got {weighting!r}")
         self.weighting = weighting
 
-    def forward(self, logits: Tensor, target_ids: Tensor, noise_mask: Tensor, p_mask: Tensor, loss_mask: Tensor, *,
-                loss_mask_ar: Tensor | None = None, num_diffusion_tokens: int | Tensor | None = None,
-                num_ar_tokens: int | Tensor | None = None, causal_logits: Tensor | None = None,
-                noisy_input_ids: Tensor | None = None) -> DLLMLossOutput:
+    def forward(
+        self,
+        logits: Tensor,
+        target_ids: Tensor,
+        noise_mask: Tensor,
+        p_mask: Tensor,
+        loss_mask: Tensor,
+        *,
+        loss_mask_ar: Tensor | None = None,
+        num_diffusion_tokens: int | Tensor | None = None,
+        num_ar_tokens: int | Tensor | None = None,
+        causal_logits: Tensor | None = None,
+        noisy_input_ids: Tensor | None = None,
+    ) -> DLLMLossOutput:
         selected = noise_mask.bool() & loss_mask.bool()
         nll = per_token_nll(logits[selected], target_ids[selected])  # only the scored rows of the vocab matmul
         if self.weighting == "elbo":
@@ -86,17 +98,28 @@ class HybridDiffusionLLMLoss(nn.Module):
         super().__init__()
         self.alpha = alpha
 
-    def forward(self, logits: Tensor, target_ids: Tensor, noise_mask: Tensor, p_mask: Tensor, loss_mask: Tensor, *,
-                loss_mask_ar: Tensor | None = None, num_diffusion_tokens: int | Tensor | None = None,
-                num_ar_tokens: int | Tensor | None = None, causal_logits: Tensor | None = None,
-                noisy_input_ids: Tensor | None = None) -> DLLMLossOutput:
+    def forward(
+        self,
+        logits: Tensor,
+        target_ids: Tensor,
+        noise_mask: Tensor,
+        p_mask: Tensor,
+        loss_mask: Tensor,
+        *,
+        loss_mask_ar: Tensor | None = None,
+        num_diffusion_tokens: int | Tensor | None = None,
+        num_ar_tokens: int | Tensor | None = None,
+        causal_logits: Tensor | None = None,
+        noisy_input_ids: Tensor | None = None,
+    ) -> DLLMLossOutput:
         length = target_ids.shape[1]
         if causal_logits is None and logits.shape[1] > length:
             logits, causal_logits = logits[:, :length], logits[:, length:]
         selected = noise_mask.bool() & loss_mask.bool()
         weight = torch.nan_to_num(1.0 / p_mask[selected].clamp_min(1e-8), posinf=1.0, neginf=1.0)
-        diffusion = _maybe_divide((per_token_nll(logits[selected], target_ids[selected]) * weight).sum(),
-                                  num_diffusion_tokens)
+        diffusion = _maybe_divide(
+            (per_token_nll(logits[selected], target_ids[selected]) * weight).sum(), num_diffusion_tokens
+        )
         total = self.alpha * diffusion
         dllm = total.detach()
         if causal_logits is not None and loss_mask_ar is not None:
@@ -112,10 +135,20 @@ class BlockDiffusionCrossEntropyLoss(nn.Module):
     No 1/p weight and no noise gating: every supervised canvas token counts, corrupted or not.
     """
 
-    def forward(self, logits: Tensor, target_ids: Tensor, noise_mask: Tensor | None, p_mask: Tensor | None,
-                loss_mask: Tensor, *, loss_mask_ar: Tensor | None = None,
-                num_diffusion_tokens: int | Tensor | None = None, num_ar_tokens: int | Tensor | None = None,
-                causal_logits: Tensor | None = None, noisy_input_ids: Tensor | None = None) -> DLLMLossOutput:
+    def forward(
+        self,
+        logits: Tensor,
+        target_ids: Tensor,
+        noise_mask: Tensor | None,
+        p_mask: Tensor | None,
+        loss_mask: Tensor,
+        *,
+        loss_mask_ar: Tensor | None = None,
+        num_diffusion_tokens: int | Tensor | None = None,
+        num_ar_tokens: int | Tensor | None = None,
+        causal_logits: Tensor | None = None,
+        noisy_input_ids: Tensor | None = None,
+    ) -> DLLMLossOutput:
         selected = loss_mask.bool()
         total = per_token_nll(logits[selected], target_ids[selected]).sum()
         count = num_diffusion_tokens if num_diffusion_tokens is not None else int(selected.sum())
@@ -123,8 +156,9 @@ class BlockDiffusionCrossEntropyLoss(nn.Module):
         return DLLMLossOutput(total, total.detach())
 
 
-def encoder_ar_loss(encoder_logits: Tensor, input_ids: Tensor, valid_mask: Tensor | None = None,
-                    num_tokens: int | Tensor | None = None) -> Tensor:
+def encoder_ar_loss(
+    encoder_logits: Tensor, input_ids: Tensor, valid_mask: Tensor | None = None, num_tokens: int | Tensor | None = None
+) -> Tensor:
     """Next-token CE over the clean sequence (spec §5.5): logits at i predict x_{i+1}, counted where
     valid_i ∧ valid_{i+1}; divided by max(num_tokens or the local count, 1)."""
     valid = torch.ones_like(input_ids, dtype=torch.bool) if valid_mask is None else valid_mask.bool()
@@ -148,19 +182,28 @@ class IDLMLoss(nn.Module):
         super().__init__()
         self.clean_loss_weight, self.auto_balance = clean_loss_weight, auto_balance
 
-    def forward(self, logits: Tensor, target_ids: Tensor, answer_mask: Tensor, valid_mask: Tensor, *, seq_len: int,
-                num_diffusion_tokens: int | Tensor | None = None) -> DLLMLossOutput:
+    def forward(
+        self,
+        logits: Tensor,
+        target_ids: Tensor,
+        answer_mask: Tensor,
+        valid_mask: Tensor,
+        *,
+        seq_len: int,
+        num_diffusion_tokens: int | Tensor | None = None,
+    ) -> DLLMLossOutput:
         support = (answer_mask.bool() & valid_mask.bool())[:, 1:]
         targets = target_ids[:, 1:][support]
         denom = max(int(num_diffusion_tokens), 1) if num_diffusion_tokens is not None else max(int(support.sum()), 1)
         ce_noisy = per_token_nll(logits[:, : seq_len - 1][support], targets).sum() / denom
-        ce_clean = per_token_nll(logits[:, seq_len: 2 * seq_len - 1][support], targets).sum() / denom
+        ce_clean = per_token_nll(logits[:, seq_len : 2 * seq_len - 1][support], targets).sum() / denom
         alpha = (ce_noisy / ce_clean.clamp_min(1e-6)).detach() if self.auto_balance else self.clean_loss_weight
         return DLLMLossOutput(ce_noisy + alpha * ce_clean, ce_noisy.detach())
 
 
-def uniform_diffusion_nelbo_terms(logits: Tensor, target_ids: Tensor, noisy_ids: Tensor, alpha: Tensor,
-                                  vocab_size: int) -> Tensor:
+def uniform_diffusion_nelbo_terms(
+    logits: Tensor, target_ids: Tensor, noisy_ids: Tensor, alpha: Tensor, vocab_size: int
+) -> Tensor:
     """Per-token integrand of the continuous-time NELBO of uniform-noise diffusion, linear α_t = 1 − t.
 
     Forward: q(z_t | x) = α_t·e_x + (1 − α_t)/N. With x̄ = N·α_t·e_x + (1 − α_t) and

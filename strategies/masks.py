@@ -4,6 +4,7 @@ Each mask is defined once as an element-wise predicate over index tensors; the d
 evaluate it on a broadcast grid and the flex builders hand the same predicate to
 `create_block_mask`, so the two forms cannot drift apart.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,8 +35,15 @@ def _additive(keep: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
 
 
-def create_idlm_sdpa_mask(seq_len: int, block_size: int, valid_mask: Tensor | None, *, device=None,
-                          dtype: torch.dtype = torch.float32, batch_size: int | None = None) -> Tensor:
+def create_idlm_sdpa_mask(
+    seq_len: int,
+    block_size: int,
+    valid_mask: Tensor | None,
+    *,
+    device=None,
+    dtype: torch.dtype = torch.float32,
+    batch_size: int | None = None,
+) -> Tensor:
     """Dense additive I-DLM mask [B, 1, 2L, 2L] with 0 (attend) / −inf (hidden)."""
     if valid_mask is None:
         valid_mask = torch.ones(batch_size or 1, seq_len, dtype=torch.bool, device=device)
@@ -46,8 +54,15 @@ def create_idlm_sdpa_mask(seq_len: int, block_size: int, valid_mask: Tensor | No
     return _additive(keep, dtype)
 
 
-def create_idlm_block_mask(seq_len: int, block_size: int, valid_mask: Tensor | None, *, device=None,
-                           batch_size: int | None = None, use_compile: bool = True):
+def create_idlm_block_mask(
+    seq_len: int,
+    block_size: int,
+    valid_mask: Tensor | None,
+    *,
+    device=None,
+    batch_size: int | None = None,
+    use_compile: bool = True,
+):
     """The same predicate as a flex-attention `BlockMask` (B = batch, H = None, Q = KV = 2L)."""
     if valid_mask is None:
         valid_mask = torch.ones(batch_size or 1, seq_len, dtype=torch.bool, device=device)
@@ -91,9 +106,17 @@ def _prefix_tensor(prefix_lengths, batch_size: int | None, device) -> Tensor:
     return prefix
 
 
-def build_block_diffusion_training_mask(prefix_lengths, response_length: int, enc_len: int, block_size: int, *,
-                                        sliding_window: int | None = None, batch_size: int | None = None,
-                                        device="cpu", dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+def build_block_diffusion_training_mask(
+    prefix_lengths,
+    response_length: int,
+    enc_len: int,
+    block_size: int,
+    *,
+    sliding_window: int | None = None,
+    batch_size: int | None = None,
+    device="cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
     """Block-causal canvas mask (spec §6.3) → (full, sliding), each [B, 1, R, S + R].
 
     Query j is canvas position j in block q = j // bs. Encoder column e (clean KV): rel = e − P,
@@ -104,8 +127,10 @@ def build_block_diffusion_training_mask(prefix_lengths, response_length: int, en
     """
     prefix = _prefix_tensor(prefix_lengths, batch_size, device)
     if int((prefix + response_length).max()) > enc_len:
-        raise ValueError(f"enc_len ({enc_len}) too small: need prefix + response_length <= enc_len "
-                         f"(max prefix {int(prefix.max())}, response_length {response_length})")
+        raise ValueError(
+            f"enc_len ({enc_len}) too small: need prefix + response_length <= enc_len "
+            f"(max prefix {int(prefix.max())}, response_length {response_length})"
+        )
     j = torch.arange(response_length, device=device)[None, :, None]  # [1,R,1]
     q_blk = j // block_size
     e = torch.arange(enc_len, device=device)[None, None, :]  # [1,1,S]

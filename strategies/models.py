@@ -5,6 +5,7 @@ A stock causal LM (Llama/Qwen3) becomes a bidirectional denoiser by handing it a
 without its causal flag. Models that are natively bidirectional (LLaDA remote code) are called
 with ids only. Which path applies is recorded on the model config as `dllm_attention`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,17 +17,31 @@ BIDIRECTIONAL_MASK = "bidirectional_4d"
 NATIVE = "native"
 
 
-def tiny_model_config(family: str, vocab_size: int, max_len: int, hidden_size: int, num_layers: int,
-                      num_heads: int, num_kv_heads: int | None, intermediate_size: int | None,
-                      tie_embeddings: bool, attn_implementation: str = "sdpa"):
+def tiny_model_config(
+    family: str,
+    vocab_size: int,
+    max_len: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int | None,
+    intermediate_size: int | None,
+    tie_embeddings: bool,
+    attn_implementation: str = "sdpa",
+):
     """A small Llama- or Qwen3-style config built from the pipeline's `model:` section."""
     from transformers import LlamaConfig, Qwen3Config
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
-        intermediate_size=intermediate_size or 3 * hidden_size, max_position_embeddings=max_len,
-        tie_word_embeddings=tie_embeddings, rms_norm_eps=1e-5,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
+        intermediate_size=intermediate_size or 3 * hidden_size,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=tie_embeddings,
+        rms_norm_eps=1e-5,
     )
     cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[family]
     if family == "qwen3":
@@ -58,13 +73,21 @@ def resolve_model_path(path: str) -> str:
     name = path.split(":", 1)[1]
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"model path {path!r}: no installed package {name!r} (pip install it, or give a directory)")
+        raise FileNotFoundError(
+            f"model path {path!r}: no installed package {name!r} (pip install it, or give a directory)"
+        )
     return str(Path(spec.origin).parent)
 
 
-def load_pretrained(path: str, *, dtype: str = "float32", trust_remote_code: bool = False,
-                    gguf_file: str | None = None, attn_implementation: str = "sdpa",
-                    dllm_attention: str | None = None) -> nn.Module:
+def load_pretrained(
+    path: str,
+    *,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    gguf_file: str | None = None,
+    attn_implementation: str = "sdpa",
+    dllm_attention: str | None = None,
+) -> nn.Module:
     """Load a causal LM from a local dir or hub id (hub access only if the user has one)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -141,12 +164,21 @@ class HybridLM(nn.Module):
     def causal_logits(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         return self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
-    def forward(self, input_ids: Tensor, masked_indices: Tensor | None = None, attention_mask: Tensor | None = None,
-                labels: Tensor | None = None, skip_loss: bool = True, **_) -> DLLMOutput:
+    def forward(
+        self,
+        input_ids: Tensor,
+        masked_indices: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        skip_loss: bool = True,
+        **_,
+    ) -> DLLMOutput:
         if masked_indices is None:  # inference contract: ids already carry [MASK]
             return DLLMOutput(logits=self.diffusion_logits(input_ids))
         noisy = torch.where(masked_indices.bool(), torch.full_like(input_ids, self.mask_token_id), input_ids)
-        return DLLMOutput(logits=self.diffusion_logits(noisy), causal_logits=self.causal_logits(input_ids, attention_mask))
+        return DLLMOutput(
+            logits=self.diffusion_logits(noisy), causal_logits=self.causal_logits(input_ids, attention_mask)
+        )
 
 
 class BlockDiffusionLM(nn.Module):
@@ -190,15 +222,24 @@ class BlockDiffusionLM(nn.Module):
         embeds = self.backbone.embed_tokens(canvas_ids)
         if soft is not None:
             embeds = embeds + self.self_cond(soft)
-        out = self.backbone(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, cache=cache,
-                            use_cache=True)
+        out = self.backbone(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
+        )
         return self.lm.lm_head(out.last_hidden_state).float()
 
-    def forward(self, input_ids: Tensor | None = None, canvas_ids: Tensor | None = None,
-                decoder_attention_mask: Tensor | dict | None = None, encoder_position_ids: Tensor | None = None,
-                encoder_padding_mask: Tensor | None = None, decoder_position_ids: Tensor | None = None,
-                decoder_padding_mask: Tensor | None = None, do_self_conditioning: Tensor | None = None,
-                self_conditioning_logits: Tensor | None = None, **_) -> DLLMOutput:
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        canvas_ids: Tensor | None = None,
+        decoder_attention_mask: Tensor | dict | None = None,
+        encoder_position_ids: Tensor | None = None,
+        encoder_padding_mask: Tensor | None = None,
+        decoder_position_ids: Tensor | None = None,
+        decoder_padding_mask: Tensor | None = None,
+        do_self_conditioning: Tensor | None = None,
+        self_conditioning_logits: Tensor | None = None,
+        **_,
+    ) -> DLLMOutput:
         if input_ids is None or canvas_ids is None or decoder_attention_mask is None:
             raise ValueError("BlockDiffusionLM.forward needs input_ids, canvas_ids and decoder_attention_mask")
         if isinstance(decoder_attention_mask, dict):
@@ -206,7 +247,9 @@ class BlockDiffusionLM(nn.Module):
         if decoder_position_ids is None:
             if canvas_ids.shape[1] != input_ids.shape[1]:
                 raise ValueError("decoder_position_ids is required when the canvas is shorter than the sequence")
-            decoder_position_ids = torch.arange(canvas_ids.shape[1], device=canvas_ids.device)[None].expand_as(canvas_ids)
+            decoder_position_ids = torch.arange(canvas_ids.shape[1], device=canvas_ids.device)[None].expand_as(
+                canvas_ids
+            )
         if self.training and do_self_conditioning is None and self_conditioning_logits is None:
             raise ValueError("do_self_conditioning must be given in training (a [B] bool tensor)")
         hidden, kv = self.encode(input_ids, encoder_position_ids, encoder_padding_mask)
@@ -269,8 +312,12 @@ def add_lora(lm: nn.Module, *, r: int, alpha: int, dropout: float, target_module
     from peft import LoraConfig, inject_adapter_in_model
 
     spec = {"r": int(r), "alpha": int(alpha), "dropout": float(dropout), "target_modules": list(target_modules)}
-    inject_adapter_in_model(LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"],
-                                       target_modules=spec["target_modules"]), lm)
+    inject_adapter_in_model(
+        LoraConfig(
+            r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"], target_modules=spec["target_modules"]
+        ),
+        lm,
+    )
     for name, param in lm.named_parameters():
         param.requires_grad = "lora_" in name
     lm.config.dllm_lora = spec
@@ -298,8 +345,10 @@ def apply_adapter(model: nn.Module, adapter_dir) -> None:
     state = load_file(str(weights))
     missing = [k for k in lm.state_dict() if "lora_" in k and k not in state]
     if missing or not state:
-        raise ValueError(f"--adapter {adapter_dir} does not fit this model (missing {missing[:3]}…); "
-                         "was it trained on this base checkpoint?")
+        raise ValueError(
+            f"--adapter {adapter_dir} does not fit this model (missing {missing[:3]}…); "
+            "was it trained on this base checkpoint?"
+        )
     lm.load_state_dict(state, strict=False)
     merge_lora(model)
 

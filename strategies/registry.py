@@ -1,4 +1,5 @@
 """The strategy registry: a literal dict from `dllm.mode` to strategy class."""
+
 from __future__ import annotations
 
 from strategies.base import DLLMStrategy, MDLMStrategy

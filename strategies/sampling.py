@@ -4,11 +4,12 @@ transfer schedule, low-confidence or random remasking, optional confidence thres
 `denoise(x [B,T], attention_mask [B,T]) -> logits [B,T,V]` is any callable, so the sampler is
 pure of models, Prefect and MLflow. Randomness only from the passed generator.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -37,7 +38,7 @@ class SampleResult:
 
     def generated(self, row: int) -> Tensor:
         start = self.prompt_lengths[row]
-        return self.tokens[row, start: start + self.tokens.shape[1] - self.prompt_width]
+        return self.tokens[row, start : start + self.tokens.shape[1] - self.prompt_width]
 
 
 def num_transfer_tokens(mask_count: Tensor, steps: int) -> Tensor:
@@ -96,9 +97,17 @@ def _select(confidence: Tensor, candidates: Tensor, counts: Tensor, threshold: f
 Progress = Callable[[Tensor], None]  # called with the canvas after each finished block (streaming)
 
 
-def _denoise_window(denoise: Denoiser, x: Tensor, attn: Tensor, window: Tensor, steps: int, mask_token_id: int,
-                    config: SamplerConfig, generator: torch.Generator | None,
-                    stop: Callable[[Tensor], bool] | None = None) -> tuple[Tensor, int]:
+def _denoise_window(
+    denoise: Denoiser,
+    x: Tensor,
+    attn: Tensor,
+    window: Tensor,
+    steps: int,
+    mask_token_id: int,
+    config: SamplerConfig,
+    generator: torch.Generator | None,
+    stop: Callable[[Tensor], bool] | None = None,
+) -> tuple[Tensor, int]:
     """Reveal every [MASK] inside `window` [B,T] in at most `steps` forwards (spec §11.2 step 4).
 
     Candidates are restricted to the window *before* top-k; the per-row transfer schedule spreads the
@@ -128,9 +137,17 @@ def _denoise_window(denoise: Denoiser, x: Tensor, attn: Tensor, window: Tensor, 
 
 
 @torch.no_grad()
-def absorbing_sample(denoise: Denoiser, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
-                     config: SamplerConfig, generator: torch.Generator | None = None,
-                     device: torch.device | str = "cpu", on_block: Progress | None = None) -> SampleResult:
+def absorbing_sample(
+    denoise: Denoiser,
+    prompts: list[list[int]],
+    *,
+    mask_token_id: int,
+    pad_token_id: int,
+    config: SamplerConfig,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+    on_block: Progress | None = None,
+) -> SampleResult:
     """Fill `max_new_tokens` masks after each prompt, block by block (LLaDA low-confidence remasking)."""
     gen_len, bs = config.max_new_tokens, min(config.block_size, config.max_new_tokens)
     n_blocks = math.ceil(gen_len / bs)
@@ -151,8 +168,9 @@ def absorbing_sample(denoise: Denoiser, prompts: list[list[int]], *, mask_token_
     return SampleResult(x, starts, width, nfe)
 
 
-def _canvas(prompts: list[list[int]], gen_len: int, mask_token_id: int, pad_token_id: int, eos_token_id: int | None,
-            device) -> tuple[Tensor, Tensor, list[int], int]:
+def _canvas(
+    prompts: list[list[int]], gen_len: int, mask_token_id: int, pad_token_id: int, eos_token_id: int | None, device
+) -> tuple[Tensor, Tensor, list[int], int]:
     """Canvas [B, P_max + G] filled with EOS (or pad): row i is its prompt then G masks; attention on both."""
     width = max(len(p) for p in prompts)
     fill = eos_token_id if eos_token_id is not None else pad_token_id
@@ -160,7 +178,7 @@ def _canvas(prompts: list[list[int]], gen_len: int, mask_token_id: int, pad_toke
     attn = torch.zeros_like(x)
     for i, p in enumerate(prompts):
         x[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        x[i, len(p): len(p) + gen_len] = mask_token_id
+        x[i, len(p) : len(p) + gen_len] = mask_token_id
         attn[i, : len(p) + gen_len] = 1
     return x, attn, [len(p) for p in prompts], width
 
@@ -169,25 +187,39 @@ def _row_windows(x: Tensor, starts: list[int], lo: int, hi: int) -> Tensor:
     """Bool [B,T]: each row's own window [start + lo, start + hi)."""
     window = torch.zeros_like(x, dtype=torch.bool)
     for i, start in enumerate(starts):
-        window[i, start + lo: start + hi] = True
+        window[i, start + lo : start + hi] = True
     return window
 
 
-def _per_row_result(prompts: list[list[int]], generated: list[Tensor], gen_len: int, eos_token_id: int | None,
-                    pad_token_id: int, device, forwards: int) -> SampleResult:
+def _per_row_result(
+    prompts: list[list[int]],
+    generated: list[Tensor],
+    gen_len: int,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    device,
+    forwards: int,
+) -> SampleResult:
     """The canvas of samplers that decode one row at a time: each prompt then what it generated, the
     rest EOS (or pad); NFE is the forwards per sequence."""
     fill = eos_token_id if eos_token_id is not None else pad_token_id
     out, _, starts, width = _canvas(prompts, gen_len, fill, pad_token_id, eos_token_id, device)  # nothing masked
     for row, (start, ids) in enumerate(zip(starts, generated)):
-        out[row, start: start + len(ids)] = ids
+        out[row, start : start + len(ids)] = ids
     return SampleResult(out, starts, width, forwards / len(prompts))
 
 
 @torch.no_grad()
-def infill_sample(denoise: Denoiser, sequences: list[list[int]], *, mask_token_id: int, pad_token_id: int,
-                  config: SamplerConfig, generator: torch.Generator | None = None,
-                  device: torch.device | str = "cpu") -> SampleResult:
+def infill_sample(
+    denoise: Denoiser,
+    sequences: list[list[int]],
+    *,
+    mask_token_id: int,
+    pad_token_id: int,
+    config: SamplerConfig,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> SampleResult:
     """Fill the [MASK] tokens already in `sequences`: windows of `block_size` from position 0 over the
     whole sequence, each with its own transfer schedule and in-window candidates (spec §11.2 infill)."""
     width = max(len(s) for s in sequences)
@@ -207,9 +239,17 @@ def infill_sample(denoise: Denoiser, sequences: list[list[int]], *, mask_token_i
 
 
 @torch.no_grad()
-def hybrid_sample(model, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int, config: SamplerConfig,
-                  generator: torch.Generator | None = None, device: torch.device | str = "cpu",
-                  on_block: Progress | None = None) -> SampleResult:
+def hybrid_sample(
+    model,
+    prompts: list[list[int]],
+    *,
+    mask_token_id: int,
+    pad_token_id: int,
+    config: SamplerConfig,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+    on_block: Progress | None = None,
+) -> SampleResult:
     """Nemotron-Labs-Diffusion decoding for a `HybridLM`: semi-autoregressive blocks, each seeded by the
     causal branch (the block's first token is the causal forward's next-token prediction given the
     context) and then completed by the diffusion branch over context + block (no future masks).
@@ -230,24 +270,35 @@ def hybrid_sample(model, prompts: list[list[int]], *, mask_token_id: int, pad_to
             nfe += 1
             x = torch.cat([context, seed, torch.full((1, size - 1), mask_token_id, dtype=torch.long, device=device)], 1)
             window = torch.zeros_like(x, dtype=torch.bool)
-            window[:, context.shape[1]:] = True
-            x, used = _denoise_window(denoise, x, torch.ones_like(x), window, steps_per_block, mask_token_id, config,
-                                      generator)
+            window[:, context.shape[1] :] = True
+            x, used = _denoise_window(
+                denoise, x, torch.ones_like(x), window, steps_per_block, mask_token_id, config, generator
+            )
             nfe += used
             context = x
             if on_block is not None:
                 on_block(context)
-            if eos is not None and bool((x[0, len(prompt):] == eos).any()):
+            if eos is not None and bool((x[0, len(prompt) :] == eos).any()):
                 break
-        rows.append(context[0, len(prompt):])
+        rows.append(context[0, len(prompt) :])
     return _per_row_result(prompts, rows, gen_len, eos, pad_token_id, device, nfe)
 
 
 @torch.no_grad()
-def scdd_ancestral_sample(denoise: Denoiser, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
-                          vocab_size: int, schedule: Callable[[Tensor], "object"], config: SamplerConfig,
-                          eps: float = 1e-3, generator: torch.Generator | None = None,
-                          device: torch.device | str = "cpu", on_block: Progress | None = None) -> SampleResult:
+def scdd_ancestral_sample(
+    denoise: Denoiser,
+    prompts: list[list[int]],
+    *,
+    mask_token_id: int,
+    pad_token_id: int,
+    vocab_size: int,
+    schedule: Callable[[Tensor], object],
+    config: SamplerConfig,
+    eps: float = 1e-3,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+    on_block: Progress | None = None,
+) -> SampleResult:
     """SCDD ancestral posterior sampler (spec §11.5) over the generation window of each row.
 
     Times 1 = t_0 > … > t_steps = eps. At (t, s): C = clean_t/clean_s, Υ = γ_t/γ_s − C, Ā = 1 − γ_t/γ_s.
@@ -258,8 +309,9 @@ def scdd_ancestral_sample(denoise: Denoiser, prompts: list[list[int]], *, mask_t
     `schedule(t)` → an object with clean_mass, uniform_mass, absorbed_mass, gamma (as `scdd_schedule`).
     """
     k = vocab_size - 1
-    x, attn, starts, width = _canvas(prompts, config.max_new_tokens, mask_token_id, pad_token_id,
-                                     config.eos_token_id, device)
+    x, attn, starts, width = _canvas(
+        prompts, config.max_new_tokens, mask_token_id, pad_token_id, config.eos_token_id, device
+    )
     window = _row_windows(x, starts, 0, config.max_new_tokens)
 
     def log_probs(canvas: Tensor) -> Tensor:
@@ -272,7 +324,7 @@ def scdd_ancestral_sample(denoise: Denoiser, prompts: list[list[int]], *, mask_t
 
     times = torch.linspace(1.0, eps, config.steps + 1, dtype=torch.float64)
     for i in range(config.steps):
-        at_t, at_s = schedule(times[i:i + 1]), schedule(times[i + 1:i + 2])
+        at_t, at_s = schedule(times[i : i + 1]), schedule(times[i + 1 : i + 2])
         clean_t, clean_s = float(at_t.clean_mass), float(at_s.clean_mass)
         unif_t, unif_s = float(at_t.uniform_mass), float(at_s.uniform_mass)
         abs_t, abs_s = float(at_t.absorbed_mass), float(at_s.absorbed_mass)
@@ -323,7 +375,7 @@ def trim_at_eos(tokens: Tensor, eos_token_id: int | None) -> list[int]:
 def uniform_posterior(probs: Tensor, z_t: Tensor, alpha_t: float, alpha_s: float) -> Tensor:
     """Reverse step of uniform-noise diffusion with the denoiser's x̂ plugged in (spec §4.4 kernel):
 
-        p(z_s = j | z_t = i) ∝ (α_{t|s}·[i = j] + (1 − α_{t|s})/V) · (α_s·π_j + (1 − α_s)/V),  α_{t|s} = α_t/α_s
+    p(z_s = j | z_t = i) ∝ (α_{t|s}·[i = j] + (1 − α_{t|s})/V) · (α_s·π_j + (1 − α_s)/V),  α_{t|s} = α_t/α_s
     """
     vocab = probs.shape[-1]
     a_ts = alpha_t / alpha_s
@@ -334,9 +386,18 @@ def uniform_posterior(probs: Tensor, z_t: Tensor, alpha_t: float, alpha_s: float
 
 
 @torch.no_grad()
-def block_canvas_sample(model, prompts: list[list[int]], *, vocab_size: int, block_size: int, pad_token_id: int,
-                        config: SamplerConfig, generator: torch.Generator | None = None,
-                        device: torch.device | str = "cpu", on_block: Progress | None = None) -> SampleResult:
+def block_canvas_sample(
+    model,
+    prompts: list[list[int]],
+    *,
+    vocab_size: int,
+    block_size: int,
+    pad_token_id: int,
+    config: SamplerConfig,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+    on_block: Progress | None = None,
+) -> SampleResult:
     """Block-diffusion canvas decoding for a `BlockDiffusionLM` (uniform noise, no [MASK]).
 
     Per block: the canvas starts as uniform random tokens; for k = 0..K−1 the model (encoder over the
@@ -359,15 +420,21 @@ def block_canvas_sample(model, prompts: list[list[int]], *, vocab_size: int, blo
             enc = torch.cat([context, torch.full((block_size,), pad_token_id, dtype=torch.long, device=device)])[None]
             pad_mask = torch.zeros_like(enc, dtype=torch.bool)
             pad_mask[:, p_len:] = True
-            mask, _ = build_block_diffusion_training_mask(torch.tensor([p_len], device=device), block_size,
-                                                          p_len + block_size, block_size, device=device)
+            mask, _ = build_block_diffusion_training_mask(
+                torch.tensor([p_len], device=device), block_size, p_len + block_size, block_size, device=device
+            )
             positions = (p_len + torch.arange(block_size, device=device))[None]
             canvas = torch.randint(0, vocab_size, (1, block_size), generator=generator, device=device)
             previous = None
             for k in range(steps):
-                logits = model(input_ids=enc, canvas_ids=canvas, decoder_attention_mask=mask,
-                               encoder_padding_mask=pad_mask, decoder_position_ids=positions,
-                               self_conditioning_logits=previous).logits.double()
+                logits = model(
+                    input_ids=enc,
+                    canvas_ids=canvas,
+                    decoder_attention_mask=mask,
+                    encoder_padding_mask=pad_mask,
+                    decoder_position_ids=positions,
+                    self_conditioning_logits=previous,
+                ).logits.double()
                 nfe += 1
                 previous = logits
                 if config.temperature == 0:

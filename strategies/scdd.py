@@ -1,6 +1,7 @@
 """Self-correcting discrete diffusion (SCDD): the mask+uniform schedule and its discrete-time NELBO
 (spec §5.8). Pure math; the strategy that drives it lives with the other strategies.
 """
+
 from __future__ import annotations
 
 import math
@@ -73,22 +74,44 @@ class SCDDLoss(nn.Module):
     Only the [chunk, V] log terms are built per chunk, each under a non-reentrant checkpoint.
     """
 
-    def __init__(self, mask_token_id: int, num_timesteps: int = 1000, max_ratio: float = 0.1, gamma_shape: float = 1.0,
-                 t_peak: float = 0.5, chunk_size: int | None = 1024):
+    def __init__(
+        self,
+        mask_token_id: int,
+        num_timesteps: int = 1000,
+        max_ratio: float = 0.1,
+        gamma_shape: float = 1.0,
+        t_peak: float = 0.5,
+        chunk_size: int | None = 1024,
+    ):
         super().__init__()
         if num_timesteps < 2:
             raise ValueError(f"SCDDLoss requires num_timesteps >= 2 (got {num_timesteps})")
         self.mask_token_id = int(mask_token_id)
-        self.num_timesteps, self.max_ratio, self.gamma_shape, self.t_peak = num_timesteps, max_ratio, gamma_shape, t_peak
+        self.num_timesteps, self.max_ratio, self.gamma_shape, self.t_peak = (
+            num_timesteps,
+            max_ratio,
+            gamma_shape,
+            t_peak,
+        )
         self.chunk_size = _validate_chunk(chunk_size)
 
     def _schedule(self, t: Tensor) -> SCDDSchedule:
         return scdd_schedule(t, max_ratio=self.max_ratio, gamma_shape=self.gamma_shape, t_peak=self.t_peak)
 
-    def forward(self, logits: Tensor, target_ids: Tensor, noise_mask: Tensor | None, p_mask: Tensor, loss_mask: Tensor,
-                *, loss_mask_ar: Tensor | None = None, num_diffusion_tokens: int | Tensor | None = None,
-                num_ar_tokens: int | Tensor | None = None, causal_logits: Tensor | None = None,
-                noisy_input_ids: Tensor | None = None) -> DLLMLossOutput:
+    def forward(
+        self,
+        logits: Tensor,
+        target_ids: Tensor,
+        noise_mask: Tensor | None,
+        p_mask: Tensor,
+        loss_mask: Tensor,
+        *,
+        loss_mask_ar: Tensor | None = None,
+        num_diffusion_tokens: int | Tensor | None = None,
+        num_ar_tokens: int | Tensor | None = None,
+        causal_logits: Tensor | None = None,
+        noisy_input_ids: Tensor | None = None,
+    ) -> DLLMLossOutput:
         if noisy_input_ids is None:
             raise ValueError("SCDDLoss needs noisy_input_ids (the corrupted z_t) to score visible tokens")
         batch, length, vocab = logits.shape
@@ -106,9 +129,19 @@ class SCDDLoss(nn.Module):
         x0, zt = target_ids.reshape(-1), noisy_input_ids.reshape(-1)
         log_bs, log_rs = row(beta_s.clamp_min(_TINY).log()).float(), row(at_s.rho.clamp_min(_TINY).log()).float()
         step = self.chunk_size or flat_logits.shape[0]
-        parts = [checkpoint(_vocab_terms, flat_logits[i:i + step], x0[i:i + step], zt[i:i + step], log_bs[i:i + step],
-                            log_rs[i:i + step], self.mask_token_id, use_reentrant=False)
-                 for i in range(0, flat_logits.shape[0], step)]
+        parts = [
+            checkpoint(
+                _vocab_terms,
+                flat_logits[i : i + step],
+                x0[i : i + step],
+                zt[i : i + step],
+                log_bs[i : i + step],
+                log_rs[i : i + step],
+                self.mask_token_id,
+                use_reentrant=False,
+            )
+            for i in range(0, flat_logits.shape[0], step)
+        ]
         sigma, tau_x, tau_z, logp_z = (torch.cat(p).double() for p in zip(*parts))
 
         b_s, r_s, b_t, r_t = row(beta_s), row(at_s.rho), row(beta_t), row(rho_t)
@@ -116,8 +149,12 @@ class SCDDLoss(nn.Module):
         lam = torch.logaddexp(b_t.clamp_min(_TINY).log(), r_t.clamp_min(_TINY).log() + logp_z)
         delta = (zt == x0).float()
         j_abs = -kap * (b_s * sigma + r_s * tau_x)
-        s_vis = (b_s * c_u * (sigma - k * lam) + r_s * c_u * (tau_x - lam) + b_s * c_c * (tau_z - lam)
-                 + r_s * c_c * delta * (tau_x - lam))
+        s_vis = (
+            b_s * c_u * (sigma - k * lam)
+            + r_s * c_u * (tau_x - lam)
+            + b_s * c_c * (tau_z - lam)
+            + r_s * c_c * delta * (tau_x - lam)
+        )
         j_vis = -s_vis / (b_t + r_t * delta).clamp_min(_TINY)
         per_token = self.num_timesteps * torch.where(zt == self.mask_token_id, j_abs, j_vis)
         sup = loss_mask.reshape(-1).double()

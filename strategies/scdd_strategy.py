@@ -4,9 +4,11 @@ Corruption mixes the absorbing [MASK] channel with a uniform "different token" c
 time t (the p_mask slot carries t); the loss is SCDD's discrete-time NELBO. The model sees noisy
 ids with no attention mask, exactly like MDLM.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -35,15 +37,20 @@ class SCDDStrategy(MDLMStrategy):
     def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
         vocab = _raw(dllm_cfg, "vocab_size", None)
         if vocab is None:
-            raise ValueError("SCDDStrategy requires dllm.vocab_size (the model's vocabulary size; the uniform "
-                             "channel draws replacement tokens from it)")
+            raise ValueError(
+                "SCDDStrategy requires dllm.vocab_size (the model's vocabulary size; the uniform "
+                "channel draws replacement tokens from it)"
+            )
         self.vocab_size = int(vocab)
         mask = _raw(dllm_cfg, "mask_token_id", None)  # null and absent alike: installed by setup_extra
-        self.loss_fn = SCDDLoss(0 if mask is None else int(mask), num_timesteps=int(_get(dllm_cfg, "num_timesteps", 1000)),
-                                max_ratio=float(_get(dllm_cfg, "uniform_ratio", 0.1)),
-                                gamma_shape=float(_get(dllm_cfg, "schedule_shape", 1.0)),
-                                t_peak=float(_get(dllm_cfg, "schedule_peak", 0.5)),
-                                chunk_size=_raw(dllm_cfg, "chunk_size", 1024))
+        self.loss_fn = SCDDLoss(
+            0 if mask is None else int(mask),
+            num_timesteps=int(_get(dllm_cfg, "num_timesteps", 1000)),
+            max_ratio=float(_get(dllm_cfg, "uniform_ratio", 0.1)),
+            gamma_shape=float(_get(dllm_cfg, "schedule_shape", 1.0)),
+            t_peak=float(_get(dllm_cfg, "schedule_peak", 0.5)),
+            chunk_size=_raw(dllm_cfg, "chunk_size", 1024),
+        )
         return self.loss_fn
 
     def setup_extra(self, setup: SetupContext) -> int | None:
@@ -66,42 +73,96 @@ class SCDDStrategy(MDLMStrategy):
         # a uniform draw lands on the clean token with prob 1/K: only (K−1)/K goes to "a different token"
         return sched.absorbed_mass, sched.uniform_mass * (k - 1) / k
 
-    def apply_corruption(self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio,
-                         generator=None):
+    def apply_corruption(
+        self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio, generator=None
+    ):
         if self.loss_fn is None:
-            raise ValueError("SCDDStrategy.create_loss_fn must run before corruption (it sets vocab_size and the schedule)")
+            raise ValueError(
+                "SCDDStrategy.create_loss_fn must run before corruption (it sets vocab_size and the schedule)"
+            )
         batch, length = input_ids.shape
         t = scdd_grid_times(batch, self.loss_fn.num_timesteps, eps, generator, input_ids.device)
         mask_prob, uniform_prob = self._channel_probs(t)
-        noisy, noise = corrupt_mix(input_ids, loss_mask, mask_token_id, self.vocab_size, mask_prob=mask_prob,
-                                   uniform_prob=uniform_prob, generator=generator)
+        noisy, noise = corrupt_mix(
+            input_ids,
+            loss_mask,
+            mask_token_id,
+            self.vocab_size,
+            mask_prob=mask_prob,
+            uniform_prob=uniform_prob,
+            generator=generator,
+        )
         return noisy, noise, t[:, None].expand(batch, length).to(torch.float32).contiguous()
 
-    def nelbo_rows(self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, mask_token_id: int, t: Tensor,
-                   generator: torch.Generator) -> Tensor:
+    def nelbo_rows(
+        self,
+        model: nn.Module,
+        clean_ids: Tensor,
+        loss_mask: Tensor,
+        mask_token_id: int,
+        t: Tensor,
+        generator: torch.Generator,
+    ) -> Tensor:
         """Per-row discrete-time NELBO term at t snapped to the training grid {1/T, …, (T−1)/T}."""
         steps = self.loss_fn.num_timesteps
         t = (torch.ceil(t * steps) / steps).clamp(1 / steps, 1 - 1 / steps)
         mask_prob, uniform_prob = self._channel_probs(t)
-        noisy, _ = corrupt_mix(clean_ids, loss_mask, mask_token_id, self.vocab_size, mask_prob=mask_prob,
-                               uniform_prob=uniform_prob, generator=generator)
+        noisy, _ = corrupt_mix(
+            clean_ids,
+            loss_mask,
+            mask_token_id,
+            self.vocab_size,
+            mask_prob=mask_prob,
+            uniform_prob=uniform_prob,
+            generator=generator,
+        )
         logits = model_logits(model, {"input_ids": noisy})
         p = t[:, None].expand_as(clean_ids)
-        return torch.stack([self.loss_fn(logits[i:i + 1].float(), clean_ids[i:i + 1], None, p[i:i + 1],
-                                         loss_mask[i:i + 1], noisy_input_ids=noisy[i:i + 1],
-                                         num_diffusion_tokens=1).total_loss for i in range(len(clean_ids))])
+        return torch.stack(
+            [
+                self.loss_fn(
+                    logits[i : i + 1].float(),
+                    clean_ids[i : i + 1],
+                    None,
+                    p[i : i + 1],
+                    loss_mask[i : i + 1],
+                    noisy_input_ids=noisy[i : i + 1],
+                    num_diffusion_tokens=1,
+                ).total_loss
+                for i in range(len(clean_ids))
+            ]
+        )
 
     def schedule_at(self, t: Tensor):
         loss = self.loss_fn
         return scdd_schedule(t, max_ratio=loss.max_ratio, gamma_shape=loss.gamma_shape, t_peak=loss.t_peak)
 
-    def sample(self, model: nn.Module, prompts: list[list[int]], *, mask_token_id: int, pad_token_id: int,
-               config, generator: torch.Generator | None, device: str, on_block=None):
+    def sample(
+        self,
+        model: nn.Module,
+        prompts: list[list[int]],
+        *,
+        mask_token_id: int,
+        pad_token_id: int,
+        config,
+        generator: torch.Generator | None,
+        device: str,
+        on_block=None,
+    ):
         """Ancestral posterior sampling with the training schedule, then the noise-removal pass (§11.5)."""
         from strategies.sampling import scdd_ancestral_sample
 
         if self.loss_fn is None:
             raise ValueError("SCDDStrategy.create_loss_fn must run before sampling (the sampler uses its schedule)")
-        return scdd_ancestral_sample(self.denoiser(model), prompts, mask_token_id=mask_token_id,
-                                     pad_token_id=pad_token_id, vocab_size=self.vocab_size, schedule=self.schedule_at,
-                                     config=config, generator=generator, device=device, on_block=on_block)
+        return scdd_ancestral_sample(
+            self.denoiser(model),
+            prompts,
+            mask_token_id=mask_token_id,
+            pad_token_id=pad_token_id,
+            vocab_size=self.vocab_size,
+            schedule=self.schedule_at,
+            config=config,
+            generator=generator,
+            device=device,
+            on_block=on_block,
+        )

@@ -7,6 +7,7 @@ code). Draft trainings with `dflash.target_features: cached` read them memory-ma
 or worker with the same key reuses the entry, and the store's cross-process lock keeps two workers
 from computing it twice. The manifest records rows, bytes and build seconds.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,7 +31,9 @@ def layer_ids_for(spec: PipelineSpec, target: StageRef) -> list[int]:
 
         ids = list(DFlashDraftConfig.from_dir(resolve_model_path(spec.model.path)).target_layer_ids)
     else:
-        ids = _build_target_layer_ids(int(target.info["num_layers"]), spec.model.num_layers)  # a draft built from `model:`
+        ids = _build_target_layer_ids(
+            int(target.info["num_layers"]), spec.model.num_layers
+        )  # a draft built from `model:`
     bad = [i for i in ids if not 0 <= i < int(target.info["num_layers"])]
     if bad:
         raise ValueError(f"dflash.target_layer_ids {bad} are outside the target's {target.info['num_layers']} layers")
@@ -60,16 +63,25 @@ def cache_target(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: 
         model = load_spec_target(spec, target.info["model_path"], stage_device(spec))
         splits = {name: load_split(data.path, name)[0] for name in ("train", "val")}
         layer_ids = layer_ids_for(spec, target)
-        info: dict = {"target": target.key, "target_weights": target.info["weights_digest"], "data": data.key,
-                      "layer_ids": layer_ids, "dtype": spec.dflash.cache_dtype,
-                      "rows": {name: len(ids) for name, ids in splits.items()}}
+        info: dict = {
+            "target": target.key,
+            "target_weights": target.info["weights_digest"],
+            "data": data.key,
+            "layer_ids": layer_ids,
+            "dtype": spec.dflash.cache_dtype,
+            "rows": {name: len(ids) for name, ids in splits.items()},
+        }
         with store.publish(stage, key, {"upstream": {"target": target.key, "data": data.key}, "info": info}) as tmp:
-            index = write_feature_cache(model, splits, layer_ids, tmp / "features", dtype=spec.dflash.cache_dtype,
-                                         progress=True)
+            index = write_feature_cache(
+                model, splits, layer_ids, tmp / "features", dtype=spec.dflash.cache_dtype, progress=True
+            )
             info.update(bytes=index["bytes"], build_seconds=index["seconds"])
     ref = _ref(store.lookup(stage, key), reused=False)
-    print(f"[dllm-flow] cache_target: {sum(info['rows'].values())} rows × layers {layer_ids} ({info['dtype']}) = "
-          f"{info['bytes'] / 2**20:.1f} MiB in {info['build_seconds']:.1f}s", flush=True)
+    print(
+        f"[dllm-flow] cache_target: {sum(info['rows'].values())} rows × layers {layer_ids} ({info['dtype']}) = "
+        f"{info['bytes'] / 2**20:.1f} MiB in {info['build_seconds']:.1f}s",
+        flush=True,
+    )
     return ref
 
 

@@ -2,14 +2,16 @@
 
 Stages exchange `StageRef`s (store paths, keys, run ids), never tensors or models.
 """
+
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dllm_common.store import Store
 
@@ -23,7 +25,7 @@ class StageRef:
     mlflow_run_id: str | None = None
     info: dict = field(default_factory=dict)
 
-    def as_reused(self) -> "StageRef":
+    def as_reused(self) -> StageRef:
         return replace(self, reused=True)
 
 
@@ -57,7 +59,9 @@ def check_workdir(workdir: str | Path) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
-        raise PermissionError(f"workdir {p} is not writable ({exc.strerror}); pass --workdir DIR with a writable path") from None
+        raise PermissionError(
+            f"workdir {p} is not writable ({exc.strerror}); pass --workdir DIR with a writable path"
+        ) from None
     return p
 
 

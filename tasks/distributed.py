@@ -9,6 +9,7 @@ Token counts are all-reduced, each rank's loss is local sum ÷ global count and 
 by N (DDP averages), which makes the applied gradient the global token mean (spec §7.2). Rank 0
 tracks, checkpoints and publishes; the launching process then reads the published store entry.
 """
+
 from __future__ import annotations
 
 import json
@@ -95,25 +96,44 @@ def load_full_optimizer_state(model, optimizer, state) -> None:
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def launch(spec, strategy: str, data, workdir: str, parent_run_id: str | None, work_dir: Path,
-           inputs: dict | None = None) -> None:
+def launch(
+    spec, strategy: str, data, workdir: str, parent_run_id: str | None, work_dir: Path, inputs: dict | None = None
+) -> None:
     """Run the train stage under torchrun with `spec.train.nproc_per_node` processes; raise if it fails."""
     work_dir.mkdir(parents=True, exist_ok=True)
     args_file = work_dir / "torchrun-args.json"
-    args_file.write_text(json.dumps({"spec": spec.model_dump(mode="json"), "strategy": strategy,
-                                     "data": asdict(data), "workdir": str(workdir),
-                                     "parent_run_id": parent_run_id,
-                                     "inputs": {name: asdict(ref) for name, ref in (inputs or {}).items()}}))
+    args_file.write_text(
+        json.dumps(
+            {
+                "spec": spec.model_dump(mode="json"),
+                "strategy": strategy,
+                "data": asdict(data),
+                "workdir": str(workdir),
+                "parent_run_id": parent_run_id,
+                "inputs": {name: asdict(ref) for name, ref in (inputs or {}).items()},
+            }
+        )
+    )
     nproc = spec.train.nproc_per_node
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "tasks.distributed", str(args_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "tasks.distributed",
+        str(args_file),
+    ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(spec.train.threads or 1))
     print(f"[dllm-flow] train[{strategy}]: launching torchrun with {nproc} processes", flush=True)
     code = subprocess.call(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     if code != 0:
-        raise RuntimeError(f"torchrun for train[{strategy}] exited with status {code}; see the rank logs above. "
-                           "Rerun to resume from the last checkpoint.")
+        raise RuntimeError(
+            f"torchrun for train[{strategy}] exited with status {code}; see the rank logs above. "
+            "Rerun to resume from the last checkpoint."
+        )
 
 
 def _main(args_path: str) -> None:

@@ -10,6 +10,7 @@ DFlash (evaluation spec §4.7) is judged by acceptance instead: `dflash/tau_sim`
 teacher-forced on validation rows, and the real `dflash/tau` and `dflash/speedup` from speculative
 decoding of held-out prompts, checked token for token against the target's greedy decoding.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,12 +25,17 @@ from tasks.common import StageRef, code_version, prefect_task, store_for
 STAGE = "evaluate"
 
 
-def stage_of(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str, **_) -> tuple[str, str]:
+def stage_of(
+    spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str, **_
+) -> tuple[str, str]:
     config = {"strategy": strategy, "eval": spec.eval.model_dump(mode="json")}
     if strategy == "dflash":  # speculative decoding settings
-        config["dflash"] = spec.dflash.model_dump(mode="json", include={"eval_prompts", "eval_prompt_len",
-                                                                         "eval_max_new_tokens", "target_torch_dtype"})
-    key = stage_key(STAGE, config, {"train": trained.key, "data": data.key}, code_version("strategies", "tasks.evaluate"))
+        config["dflash"] = spec.dflash.model_dump(
+            mode="json", include={"eval_prompts", "eval_prompt_len", "eval_max_new_tokens", "target_torch_dtype"}
+        )
+    key = stage_key(
+        STAGE, config, {"train": trained.key, "data": data.key}, code_version("strategies", "tasks.evaluate")
+    )
     return STAGE, key
 
 
@@ -51,8 +57,9 @@ def ratio_with_se(sums: list[float], counts: list[int]) -> tuple[float, float]:
     return r, math.sqrt(var) / mean_n
 
 
-def fixed_noise_nelbo(strategy, model, ids, loss_mask, mask_token_id: int, t_samples: int, batch_size: int,
-                      seed: int) -> tuple[float, float, int]:
+def fixed_noise_nelbo(
+    strategy, model, ids, loss_mask, mask_token_id: int, t_samples: int, batch_size: int, seed: int
+) -> tuple[float, float, int]:
     import torch
 
     from strategies.seeding import seeded_generator
@@ -61,7 +68,7 @@ def fixed_noise_nelbo(strategy, model, ids, loss_mask, mask_token_id: int, t_sam
     model.eval()
     with torch.no_grad():
         for start in range(0, len(ids), batch_size):
-            x, lm = ids[start:start + batch_size], loss_mask[start:start + batch_size]
+            x, lm = ids[start : start + batch_size], loss_mask[start : start + batch_size]
             gen = seeded_generator(seed * 1_000_003 + start, x.device)
             u = torch.rand(len(x), generator=gen, device=x.device)
             total = torch.zeros(len(x), device=x.device)
@@ -98,8 +105,10 @@ def ar_nll_metrics(nll: float, se: float, n_tokens: int) -> dict:
 def encode_prompts(tokenizer, texts: list[str], chat: bool) -> list[list[int]]:
     """Token ids of each prompt: through the chat template (with generation prompt) for dialogue models."""
     if chat:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                 for p in texts]
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in texts
+        ]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
@@ -107,13 +116,28 @@ def sampler_config(spec: PipelineSpec, strategy, steps: int, eos_token_id: int |
     from strategies.sampling import SamplerConfig
 
     e = spec.eval
-    return SamplerConfig(steps=steps, max_new_tokens=e.sample_length, block_size=e.sample_block_size,
-                         temperature=e.temperature, remasking="low_confidence", threshold=e.threshold,
-                         eos_token_id=eos_token_id, logit_shift=strategy.logit_shift)
+    return SamplerConfig(
+        steps=steps,
+        max_new_tokens=e.sample_length,
+        block_size=e.sample_block_size,
+        temperature=e.temperature,
+        remasking="low_confidence",
+        threshold=e.threshold,
+        eos_token_id=eos_token_id,
+        logit_shift=strategy.logit_shift,
+    )
 
 
-def draw_samples(strategy, model, tokenizer, mask_token_id: int, spec: PipelineSpec, prompts: list[list[int]],
-                 steps: int, device: str) -> tuple[list[list[int]], dict]:
+def draw_samples(
+    strategy,
+    model,
+    tokenizer,
+    mask_token_id: int,
+    spec: PipelineSpec,
+    prompts: list[list[int]],
+    steps: int,
+    device: str,
+) -> tuple[list[list[int]], dict]:
     """Generated token ids (cut at EOS) for each prompt at one step budget, and the sampling-cost metrics."""
     import torch
 
@@ -122,18 +146,29 @@ def draw_samples(strategy, model, tokenizer, mask_token_id: int, spec: PipelineS
     cfg = sampler_config(spec, strategy, steps, tokenizer.eos_token_id)
     gen = torch.Generator(device=device).manual_seed(spec.eval.seed)
     t0 = time.perf_counter()
-    result = strategy.sample(model, prompts, mask_token_id=mask_token_id, pad_token_id=tokenizer.pad_token_id or 0,
-                             config=cfg, generator=gen, device=device)
+    result = strategy.sample(
+        model,
+        prompts,
+        mask_token_id=mask_token_id,
+        pad_token_id=tokenizer.pad_token_id or 0,
+        config=cfg,
+        generator=gen,
+        device=device,
+    )
     seconds = time.perf_counter() - t0
     ids = [trim_at_eos(result.generated(i), tokenizer.eos_token_id) for i in range(len(prompts))]
     per_row = spec.eval.sample_length
-    stats = {"eval/nfe": float(result.nfe), "eval/tokens_per_forward": per_row / max(result.nfe, 1e-9),
-             "eval/tokens_per_s": len(prompts) * per_row / seconds}
+    stats = {
+        "eval/nfe": float(result.nfe),
+        "eval/tokens_per_forward": per_row / max(result.nfe, 1e-9),
+        "eval/tokens_per_s": len(prompts) * per_row / seconds,
+    }
     return ids, stats
 
 
-def sample_quality(strategy, model, tokenizer, mask_token_id: int, spec: PipelineSpec, device: str, scorer=None
-                   ) -> tuple[dict, list[dict], str]:
+def sample_quality(
+    strategy, model, tokenizer, mask_token_id: int, spec: PipelineSpec, device: str, scorer=None
+) -> tuple[dict, list[dict], str]:
     """Samples at every step budget of the quality-vs-NFE curve: (headline metrics at `sample_steps`,
     curve points, the headline samples as text). gen_ppl needs a scorer; entropy is always there."""
     from tasks.scoring import generative_perplexity, mean_entropy
@@ -157,14 +192,38 @@ def sample_quality(strategy, model, tokenizer, mask_token_id: int, spec: Pipelin
 
 
 # Card fields that change a result: two evaluations that differ on one are not silently compared.
-RESULT_FIELDS = ("data_key", "eval.val_rows", "eval.t_samples", "eval.batch_size", "eval.seed", "sampler.steps",
-                 "sampler.max_new_tokens", "sampler.block_size", "sampler.temperature", "sampler.remasking",
-                 "sampler.threshold", "eval.nfe_budgets", "eval.prompts", "scorer", "dtype", "device",
-                 "versions.torch", "versions.transformers")
+RESULT_FIELDS = (
+    "data_key",
+    "eval.val_rows",
+    "eval.t_samples",
+    "eval.batch_size",
+    "eval.seed",
+    "sampler.steps",
+    "sampler.max_new_tokens",
+    "sampler.block_size",
+    "sampler.temperature",
+    "sampler.remasking",
+    "sampler.threshold",
+    "eval.nfe_budgets",
+    "eval.prompts",
+    "scorer",
+    "dtype",
+    "device",
+    "versions.torch",
+    "versions.transformers",
+)
 
 
-def repro_card(spec: PipelineSpec, strategy_name: str, strategy, model, ckpt: Path, data_key: str, device: str,
-               eos_token_id: int | None) -> dict:
+def repro_card(
+    spec: PipelineSpec,
+    strategy_name: str,
+    strategy,
+    model,
+    ckpt: Path,
+    data_key: str,
+    device: str,
+    eos_token_id: int | None,
+) -> dict:
     """Everything needed to reproduce (or refuse to compare) this evaluation's numbers."""
     import platform
     from dataclasses import asdict
@@ -178,14 +237,27 @@ def repro_card(spec: PipelineSpec, strategy_name: str, strategy, model, ckpt: Pa
     e = spec.eval
     sampler = asdict(sampler_config(spec, strategy, e.sample_steps, eos_token_id))
     return {
-        "strategy": strategy_name, "sampler_name": strategy.sampler_name, "sampler": sampler,
-        "eval": {"val_rows": e.val_rows, "t_samples": e.t_samples, "batch_size": e.batch_size, "seed": e.seed,
-                 "nfe_budgets": e.budgets(), "prompts": list(e.prompts[: e.num_samples])},
-        "train_seed": spec.train.seed, "data_key": data_key,
+        "strategy": strategy_name,
+        "sampler_name": strategy.sampler_name,
+        "sampler": sampler,
+        "eval": {
+            "val_rows": e.val_rows,
+            "t_samples": e.t_samples,
+            "batch_size": e.batch_size,
+            "seed": e.seed,
+            "nfe_budgets": e.budgets(),
+            "prompts": list(e.prompts[: e.num_samples]),
+        },
+        "train_seed": spec.train.seed,
+        "data_key": data_key,
         "scorer": e.scorer.model_dump(mode="json") if e.scorer else None,
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "device": device,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "device": device,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
         "checkpoint_digest": sha256_file(ckpt / DIGESTS) if (ckpt / DIGESTS).is_file() else None,
     }
 
@@ -213,14 +285,23 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
         scorer = load_scorer(spec.eval.scorer, workdir)
     extra_files: dict[str, str] = {}
     if strategy == "dflash":
-        strat, metrics, curve, text, extra_files = dflash_evaluation(spec, model, tokenizer, mask_id, ckpt,
-                                                                     (ids, loss_mask, attn), device, scorer)
+        strat, metrics, curve, text, extra_files = dflash_evaluation(
+            spec, model, tokenizer, mask_id, ckpt, (ids, loss_mask, attn), device, scorer
+        )
     else:
-        strat, metrics, curve, text = _dllm_evaluation(spec, strategy, model, tokenizer, mask_id, (ids, loss_mask, attn),
-                                                       device, scorer)
+        strat, metrics, curve, text = _dllm_evaluation(
+            spec, strategy, model, tokenizer, mask_id, (ids, loss_mask, attn), device, scorer
+        )
     card = repro_card(spec, strategy, strat, model, ckpt, data.key, device, tokenizer.eos_token_id)
-    with store.publish(STAGE, key, {"strategy": strategy, "upstream": {"train": trained.key},
-                                    "info": {"metrics": metrics, "train_run_id": trained.mlflow_run_id}}) as tmp:
+    with store.publish(
+        STAGE,
+        key,
+        {
+            "strategy": strategy,
+            "upstream": {"train": trained.key},
+            "info": {"metrics": metrics, "train_run_id": trained.mlflow_run_id},
+        },
+    ) as tmp:
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
         (tmp / "samples.txt").write_text(text)
         (tmp / "curve.json").write_text(json.dumps(curve, indent=2))
@@ -248,10 +329,17 @@ def _dllm_evaluation(spec: PipelineSpec, strategy: str, model, tokenizer, mask_i
     strat, _, mask_id = prepare_strategy(strategy, spec, model, tokenizer, mask_id)
     metrics: dict = {}
     if hasattr(strat, "nelbo_rows"):  # strategies with a diffusion ELBO
-        nelbo, se, n_tokens = fixed_noise_nelbo(strat, model, ids, loss_mask, mask_id, spec.eval.t_samples,
-                                                spec.eval.batch_size, spec.eval.seed)
-        metrics.update({"eval/nelbo": nelbo, "eval/nelbo_se": se, "eval/ppl_bound": math.exp(min(nelbo, 50.0)),
-                        "eval/tokens": n_tokens})
+        nelbo, se, n_tokens = fixed_noise_nelbo(
+            strat, model, ids, loss_mask, mask_id, spec.eval.t_samples, spec.eval.batch_size, spec.eval.seed
+        )
+        metrics.update(
+            {
+                "eval/nelbo": nelbo,
+                "eval/nelbo_se": se,
+                "eval/ppl_bound": math.exp(min(nelbo, 50.0)),
+                "eval/tokens": n_tokens,
+            }
+        )
     if hasattr(strat, "ar_nll_rows"):  # strategies with an exact causal path
         metrics.update(ar_nll_metrics(*exact_ar_nll(strat, model, ids, loss_mask, attn, spec.eval.batch_size)))
     headline, curve, text = sample_quality(strat, model, tokenizer, mask_id, spec, device, scorer)
@@ -262,8 +350,9 @@ def _dllm_evaluation(spec: PipelineSpec, strategy: str, model, tokenizer, mask_i
 # ------------------------------------------------------------------ DFlash (evaluation spec §4.7)
 
 
-def teacher_forced_acceptance(strat, draft, ids, loss_mask, attn, mask_id: int, batch_size: int, seed: int
-                              ) -> tuple[float, list[float], int]:
+def teacher_forced_acceptance(
+    strat, draft, ids, loss_mask, attn, mask_id: int, batch_size: int, seed: int
+) -> tuple[float, list[float], int]:
     """τ_sim and acc_k over validation rows: anchors drawn with the eval seed, the target's features
     computed online, the draft's argmax compared with the true continuation (no generation)."""
     import torch
@@ -299,8 +388,9 @@ def speculative_prompts(ids, attn, count: int, length: int) -> list[list[int]]:
     return [ids[r, :length].tolist() for r in rows[::stride][:count]]
 
 
-def speculative_benchmark(target, draft, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None
-                          ) -> dict:
+def speculative_benchmark(
+    target, draft, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None
+) -> dict:
     """Real τ, output equality with target-only greedy decoding, and the decode-time ratio, same prompts,
     same run: one warm-up call each, then the two decoders alternate prompt by prompt so machine drift
     hits both alike."""
@@ -320,11 +410,15 @@ def speculative_benchmark(target, draft, prompts: list[list[int]], max_new_token
     acceptance = [a for r in spec for a in r.acceptance]
     tokens = sum(len(r.tokens) for r in spec)
     return {
-        "tau": sum(acceptance) / max(len(acceptance), 1), "speedup": t_greedy / t_spec,
+        "tau": sum(acceptance) / max(len(acceptance), 1),
+        "speedup": t_greedy / t_spec,
         "exact_match": sum(r.tokens == g for r, g in zip(spec, greedy)) / len(prompts),
-        "target_forwards": sum(r.target_forwards for r in spec), "tokens": tokens,
-        "greedy_seconds": t_greedy, "speculative_seconds": t_spec,
-        "histogram": dict(sorted(Counter(acceptance).items())), "outputs": [r.tokens for r in spec],
+        "target_forwards": sum(r.target_forwards for r in spec),
+        "tokens": tokens,
+        "greedy_seconds": t_greedy,
+        "speculative_seconds": t_spec,
+        "histogram": dict(sorted(Counter(acceptance).items())),
+        "outputs": [r.tokens for r in spec],
     }
 
 
@@ -340,27 +434,48 @@ def dflash_evaluation(spec: PipelineSpec, draft, tokenizer, mask_id: int, ckpt: 
     ids, loss_mask, attn = val
     d = spec.dflash
     target = load_spec_target(spec, read_meta(ckpt)["target"]["path"], device)
-    strat, _, mask_id = prepare_strategy_with("dflash", spec.dllm.for_strategy("dflash"), draft, tokenizer, mask_id,
-                                              options=dflash_options(spec), extras={"target": target})
+    strat, _, mask_id = prepare_strategy_with(
+        "dflash",
+        spec.dllm.for_strategy("dflash"),
+        draft,
+        tokenizer,
+        mask_id,
+        options=dflash_options(spec),
+        extras={"target": target},
+    )
     draft.eval()
-    tau_sim, acc, blocks = teacher_forced_acceptance(strat, draft, ids, loss_mask, attn, mask_id, spec.eval.batch_size,
-                                                     spec.eval.seed)
+    tau_sim, acc, blocks = teacher_forced_acceptance(
+        strat, draft, ids, loss_mask, attn, mask_id, spec.eval.batch_size, spec.eval.seed
+    )
     nll, se, n_tokens = exact_ar_nll(_CausalTarget(), target, ids, loss_mask, attn, spec.eval.batch_size)
-    bench = speculative_benchmark(target, draft, speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len),
-                                  d.eval_max_new_tokens, tokenizer.eos_token_id)
+    bench = speculative_benchmark(
+        target,
+        draft,
+        speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len),
+        d.eval_max_new_tokens,
+        tokenizer.eos_token_id,
+    )
     # the report's shared columns, from speculative decoding of the report's text prompts (no timing
     # or greedy check needed here: the benchmark above did both)
     texts = list(spec.eval.prompts[: spec.eval.num_samples]) or ["O"]
-    shown = [speculative_generate(target, draft, p, spec.eval.sample_length, tokenizer.eos_token_id).tokens
-             for p in encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")]
+    shown = [
+        speculative_generate(target, draft, p, spec.eval.sample_length, tokenizer.eos_token_id).tokens
+        for p in encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")
+    ]
     decoded = [tokenizer.decode(t) for t in shown]
-    metrics = {"dflash/tau_sim": tau_sim, **{f"dflash/acc_k{k + 1}": a for k, a in enumerate(acc)},
-               "dflash/blocks": blocks, "dflash/tau": bench["tau"], "dflash/speedup": bench["speedup"],
-               "dflash/exact_match": bench["exact_match"], **ar_nll_metrics(nll, se, n_tokens),
-               "eval/nfe": bench["target_forwards"] / len(bench["outputs"]),
-               "eval/tokens_per_forward": bench["tokens"] / max(bench["target_forwards"], 1),
-               "eval/tokens_per_s": bench["tokens"] / bench["speculative_seconds"],
-               "eval/entropy": mean_entropy(shown)}
+    metrics = {
+        "dflash/tau_sim": tau_sim,
+        **{f"dflash/acc_k{k + 1}": a for k, a in enumerate(acc)},
+        "dflash/blocks": blocks,
+        "dflash/tau": bench["tau"],
+        "dflash/speedup": bench["speedup"],
+        "dflash/exact_match": bench["exact_match"],
+        **ar_nll_metrics(nll, se, n_tokens),
+        "eval/nfe": bench["target_forwards"] / len(bench["outputs"]),
+        "eval/tokens_per_forward": bench["tokens"] / max(bench["target_forwards"], 1),
+        "eval/tokens_per_s": bench["tokens"] / bench["speculative_seconds"],
+        "eval/entropy": mean_entropy(shown),
+    }
     if scorer is not None:
         metrics["eval/gen_ppl"], _ = generative_perplexity(*scorer, list(zip(texts, decoded)))
     text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
@@ -375,8 +490,9 @@ class _CausalTarget:
     def ar_nll_rows(model, ids, loss_mask, attention_mask):
         from strategies.losses import causal_nll_rows
 
-        return causal_nll_rows(model(input_ids=ids, attention_mask=attention_mask).logits, ids, loss_mask,
-                               attention_mask)
+        return causal_nll_rows(
+            model(input_ids=ids, attention_mask=attention_mask).logits, ids, loss_mask, attention_mask
+        )
 
 
 def _load_model(ckpt: Path, device: str):
@@ -390,8 +506,14 @@ def _load_model(ckpt: Path, device: str):
 
 def _ref(entry, strategy: str, reused: bool) -> StageRef:
     info = entry.manifest["info"]
-    return StageRef(f"evaluate[{strategy}]", entry.key, str(entry.path), reused=reused,
-                    mlflow_run_id=info.get("train_run_id"), info=info)
+    return StageRef(
+        f"evaluate[{strategy}]",
+        entry.key,
+        str(entry.path),
+        reused=reused,
+        mlflow_run_id=info.get("train_run_id"),
+        info=info,
+    )
 
 
 evaluate_task = prefect_task(evaluate, name="evaluate", stage_of=stage_of)

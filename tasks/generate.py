@@ -10,6 +10,7 @@ Samplers (`--sampler`): `auto` runs the strategy's own; the others are accepted 
   speculative  DFlash: the draft proposes a block, the frozen target verifies it (dflash); the text is
           the target's own greedy decoding, produced in fewer target forwards
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,17 +55,21 @@ def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None,
         try:
             local = mlflow.artifacts.download_artifacts(artifact_uri=ref, dst_path=str(dest))
         except Exception as exc:  # MlflowException for an unknown name/alias/version
-            raise FileNotFoundError(f"--checkpoint {ref}: not found in the MLflow registry at {uri} ({exc}); "
-                                    "check the name and alias (dllm-flow registers <pipeline>-<strategy> with alias "
-                                    "'latest'), or pass --workdir / --tracking-uri") from None
+            raise FileNotFoundError(
+                f"--checkpoint {ref}: not found in the MLflow registry at {uri} ({exc}); "
+                "check the name and alias (dllm-flow registers <pipeline>-<strategy> with alias "
+                "'latest'), or pass --workdir / --tracking-uri"
+            ) from None
         ref = local
     path = Path(ref)
     for candidate in (path, path / "model"):
         has_config = (candidate / "config.json").is_file() or (candidate / "dflash_draft.json").is_file()
         if has_config and (candidate / "dllm.json").is_file():
             return candidate
-    raise FileNotFoundError(f"--checkpoint {ref}: not a dllm-flow checkpoint (expected config.json and dllm.json "
-                            "in it or in its model/ folder), nor a models:/NAME@ALIAS URI")
+    raise FileNotFoundError(
+        f"--checkpoint {ref}: not a dllm-flow checkpoint (expected config.json and dllm.json "
+        "in it or in its model/ folder), nor a models:/NAME@ALIAS URI"
+    )
 
 
 def load_for_generation(ckpt: Path, device: str, adapter: str | None = None):
@@ -87,10 +92,14 @@ def load_for_generation(ckpt: Path, device: str, adapter: str | None = None):
         from tasks.target import load_target
 
         options = meta["dflash"]
-        extras = {"target": load_target(meta["target"]["path"], options["target_torch_dtype"], device,
-                                        options["target_trust_remote_code"])}
-    strategy, _, mask_id = prepare_strategy_with(meta["strategy"], dllm, model, tokenizer, meta["mask_token_id"],
-                                                 options=options, extras=extras)
+        extras = {
+            "target": load_target(
+                meta["target"]["path"], options["target_torch_dtype"], device, options["target_trust_remote_code"]
+            )
+        }
+    strategy, _, mask_id = prepare_strategy_with(
+        meta["strategy"], dllm, model, tokenizer, meta["mask_token_id"], options=options, extras=extras
+    )
     return model, tokenizer, strategy, mask_id, meta
 
 
@@ -98,15 +107,32 @@ def check_sampler(strategy_name: str, sampler: str, infill: bool) -> str:
     fits = SAMPLERS.get(strategy_name, ("llada",))
     chosen = fits[0] if sampler == "auto" else sampler
     if chosen not in fits:
-        raise ValueError(f"--sampler {sampler} does not fit a {strategy_name} checkpoint; use one of: auto, {', '.join(fits)}")
+        raise ValueError(
+            f"--sampler {sampler} does not fit a {strategy_name} checkpoint; use one of: auto, {', '.join(fits)}"
+        )
     if infill and chosen not in INFILL_SAMPLERS:
-        raise ValueError(f"--infill needs a [MASK]-filling sampler ({', '.join(INFILL_SAMPLERS)}); "
-                         f"the {chosen} sampler cannot infill")
+        raise ValueError(
+            f"--infill needs a [MASK]-filling sampler ({', '.join(INFILL_SAMPLERS)}); "
+            f"the {chosen} sampler cannot infill"
+        )
     return chosen
 
 
-def generate(model, tokenizer, strategy, mask_id: int, prompt: str, sampler: str, config, *, seed: int, device: str,
-             chat: bool, infill: bool = False, stream=None) -> Generated:
+def generate(
+    model,
+    tokenizer,
+    strategy,
+    mask_id: int,
+    prompt: str,
+    sampler: str,
+    config,
+    *,
+    seed: int,
+    device: str,
+    chat: bool,
+    infill: bool = False,
+    stream=None,
+) -> Generated:
     """One prompt: sample, calling `stream(new_text)` as blocks finish; returns the text and its cost."""
     import torch
 
@@ -125,8 +151,15 @@ def generate(model, tokenizer, strategy, mask_id: int, prompt: str, sampler: str
             if i < len(pieces) - 1:
                 ids += [mask_id] * INFILL_SPAN
         t0 = time.perf_counter()
-        res = infill_sample(strategy.denoiser(model), [ids], mask_token_id=mask_id, pad_token_id=tokenizer.pad_token_id or 0,
-                            config=config, generator=gen, device=device)
+        res = infill_sample(
+            strategy.denoiser(model),
+            [ids],
+            mask_token_id=mask_id,
+            pad_token_id=tokenizer.pad_token_id or 0,
+            config=config,
+            generator=gen,
+            device=device,
+        )
         seconds = time.perf_counter() - t0
         text = tokenizer.decode(res.tokens[0].tolist())
         if stream:
@@ -148,18 +181,24 @@ def generate(model, tokenizer, strategy, mask_id: int, prompt: str, sampler: str
     shown = [""]
 
     def on_block(canvas):
-        row = canvas[0, len(prompt_ids):].tolist()
+        row = canvas[0, len(prompt_ids) :].tolist()
         if mask_id in row:
             row = row[: row.index(mask_id)]
         text = tokenizer.decode(trim_at_eos(torch.tensor(row), eos))
         if stream and text.startswith(shown[0]) and len(text) > len(shown[0]):
-            stream(text[len(shown[0]):])
+            stream(text[len(shown[0]) :])
             shown[0] = text
 
     config = dataclasses.replace(config, eos_token_id=eos)
     t0 = time.perf_counter()
-    kwargs = dict(mask_token_id=mask_id, pad_token_id=tokenizer.pad_token_id or 0, config=config, generator=gen,
-                  device=device, on_block=on_block)
+    kwargs = dict(
+        mask_token_id=mask_id,
+        pad_token_id=tokenizer.pad_token_id or 0,
+        config=config,
+        generator=gen,
+        device=device,
+        on_block=on_block,
+    )
     if sampler in ("llada", "idlm"):
         res = absorbing_sample(strategy.denoiser(model), [prompt_ids], **kwargs)
     else:
@@ -168,5 +207,5 @@ def generate(model, tokenizer, strategy, mask_id: int, prompt: str, sampler: str
     ids = trim_at_eos(res.generated(0), eos)
     text = tokenizer.decode(ids)
     if stream and text != shown[0]:
-        stream(text[len(shown[0]):] if text.startswith(shown[0]) else "\n" + text)
+        stream(text[len(shown[0]) :] if text.startswith(shown[0]) else "\n" + text)
     return Generated(text, res.nfe, len(ids), seconds)

@@ -6,6 +6,7 @@ path. Shapes: `pretrain` packs documents into chunks that are all supervised; `d
 consecutive turns with the tokenizer's chat template and supervises only the response.
 The train/val split is by document, so no play leaks across it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,8 +21,14 @@ from dllm_common.store import stage_key
 from tasks.common import StageRef, code_version, prefect_task, store_for
 
 STAGE = "prepare_data"
-SPECIAL = {"pad": "<|pad|>", "eos": "<|eos|>", "mask": "<|mask|>", "user": "<|user|>", "assistant": "<|assistant|>",
-           "system": "<|system|>"}
+SPECIAL = {
+    "pad": "<|pad|>",
+    "eos": "<|eos|>",
+    "mask": "<|mask|>",
+    "user": "<|user|>",
+    "assistant": "<|assistant|>",
+    "system": "<|system|>",
+}
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|eos|>"
@@ -89,7 +96,8 @@ def shakespeare_documents(shape: str) -> list[Document]:
         else:
             pairs = tuple(
                 ({"role": "user", "content": f"{a[0]}: {a[1]}"}, {"role": "assistant", "content": f"{b[0]}: {b[1]}"})
-                for scene in scenes for a, b in zip(scene, scene[1:])
+                for scene in scenes
+                for a, b in zip(scene, scene[1:])
             )
             docs.append(Document(path.stem, dialogues=pairs))
     return docs
@@ -130,7 +138,9 @@ def record_documents(cfg: DataConfig) -> list[Document]:
     grouped: dict[str, list] = {}
     for i, row in enumerate(rows):
         if field not in row:
-            raise DataError(f"row {i} of {cfg.path} has no {field!r} field (set data.{'text' if cfg.shape == 'pretrain' else 'messages'}_field)")
+            raise DataError(
+                f"row {i} of {cfg.path} has no {field!r} field (set data.{'text' if cfg.shape == 'pretrain' else 'messages'}_field)"
+            )
         doc = str(row.get(cfg.document_field, i)) if cfg.document_field else str(i)
         grouped.setdefault(doc, []).append(row[field])
     if cfg.shape == "pretrain":
@@ -149,6 +159,7 @@ def load_documents(cfg: DataConfig) -> list[Document]:
 
 def split_documents(docs: list[Document], val_fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
     """Deterministic split by document id hash; each side gets at least one document."""
+
     def score(d: Document) -> float:
         return int(hashlib.sha256(f"{seed}:{d.doc_id}".encode()).hexdigest()[:8], 16) / 16**8
 
@@ -169,12 +180,21 @@ def train_tokenizer(texts: list[str], cfg: TokenizerConfig):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
-                                  special_tokens=list(SPECIAL.values()),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=list(SPECIAL.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIAL["pad"], eos_token=SPECIAL["eos"],
-                                 mask_token=SPECIAL["mask"], additional_special_tokens=[SPECIAL["user"], SPECIAL["assistant"], SPECIAL["system"]])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=SPECIAL["pad"],
+        eos_token=SPECIAL["eos"],
+        mask_token=SPECIAL["mask"],
+        additional_special_tokens=[SPECIAL["user"], SPECIAL["assistant"], SPECIAL["system"]],
+    )
     hf.chat_template = CHAT_TEMPLATE
     return hf
 
@@ -285,13 +305,16 @@ def prepare_data(spec: PipelineSpec, workdir: str) -> StageRef:
 def data_digest(manifest: dict) -> str:
     """One sha256 for a prepared dataset's content (both splits): what MLflow records as its digest."""
     files = manifest["files"]
-    return hashlib.sha256((files["train.safetensors"]["sha256"] + files["val.safetensors"]["sha256"]).encode()).hexdigest()
+    return hashlib.sha256(
+        (files["train.safetensors"]["sha256"] + files["val.safetensors"]["sha256"]).encode()
+    ).hexdigest()
 
 
 def _ref(entry, reused: bool) -> StageRef:
     manifest = entry.manifest
-    return StageRef(STAGE, entry.key, str(entry.path), reused=reused,
-                    info={**manifest["info"], "digest": data_digest(manifest)})
+    return StageRef(
+        STAGE, entry.key, str(entry.path), reused=reused, info={**manifest["info"], "digest": data_digest(manifest)}
+    )
 
 
 def _summarize(train, val, train_docs, val_docs, tokenizer) -> dict:
@@ -305,12 +328,18 @@ def _summarize(train, val, train_docs, val_docs, tokenizer) -> dict:
     if len(val[0]) == 0:
         raise DataError("the validation split produced no rows; raise data.val_fraction or lower data.seq_len")
     return {
-        "train_rows": len(train[0]), "val_rows": len(val[0]), "seq_len": int(train[0].shape[1]),
-        "train_supervised_tokens": n_sup, "val_supervised_tokens": int(val[1].sum()),
-        "train_documents": len(train_docs), "val_documents": len(val_docs),
+        "train_rows": len(train[0]),
+        "val_rows": len(val[0]),
+        "seq_len": int(train[0].shape[1]),
+        "train_supervised_tokens": n_sup,
+        "val_supervised_tokens": int(val[1].sum()),
+        "train_documents": len(train_docs),
+        "val_documents": len(val_docs),
         "val_document_ids": sorted(d.doc_id for d in val_docs),
-        "vocab_size": len(tokenizer), "mask_token_id": tokenizer.mask_token_id,
-        "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "vocab_size": len(tokenizer),
+        "mask_token_id": tokenizer.mask_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
     }
 
 

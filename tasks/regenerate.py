@@ -9,6 +9,7 @@ the layout of a `prepare_data` entry, and `cache_target` and `train[dflash]` rea
 
 key = (regenerate settings, target weights digest, data key, code).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -50,12 +51,15 @@ def regenerate(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: st
     ids, loss, attn = load_split(data.path, "train")
     seq_len = ids.shape[1]
     if cfg.prompt_len >= seq_len:
-        raise ValueError(f"dflash.regenerate.prompt_len ({cfg.prompt_len}) must be shorter than data.seq_len ({seq_len})")
+        raise ValueError(
+            f"dflash.regenerate.prompt_len ({cfg.prompt_len}) must be shorter than data.seq_len ({seq_len})"
+        )
     full = attn.sum(dim=1) >= cfg.prompt_len  # rows whose prompt is real text, not padding
     rows = torch.nonzero(full).flatten()[: cfg.max_rows]
     if len(rows) == 0:
-        raise ValueError(f"no training row has {cfg.prompt_len} tokens to prompt the target with; lower "
-                         "dflash.regenerate.prompt_len")
+        raise ValueError(
+            f"no training row has {cfg.prompt_len} tokens to prompt the target with; lower dflash.regenerate.prompt_len"
+        )
     with store.lock(stage, key):
         if (hit := store.lookup(stage, key)) is not None:
             return _ref(hit, reused=True)
@@ -64,21 +68,35 @@ def regenerate(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: st
         gen = torch.Generator().manual_seed(cfg.seed)
         t0, parts = time.perf_counter(), []
         for start in tqdm(range(0, len(rows), cfg.batch_size), desc="regenerate", unit="batch", dynamic_ncols=True):
-            prompts = ids[rows[start:start + cfg.batch_size], : cfg.prompt_len].to(device)
+            prompts = ids[rows[start : start + cfg.batch_size], : cfg.prompt_len].to(device)
             parts.append(sample_continuations(model, prompts, seq_len - cfg.prompt_len, cfg.temperature, gen).cpu())
         new_ids = torch.cat(parts)
         new_loss = torch.ones(new_ids.shape, dtype=loss.dtype)
         new_loss[:, : cfg.prompt_len] = 0
-        info = {**{k: v for k, v in data.info.items() if k != "digest"}, "train_rows": len(new_ids),
-                "train_supervised_tokens": int(new_loss.sum()), "regenerated_from": data.key,
-                "target": target.key, "regenerate_seconds": round(time.perf_counter() - t0, 2)}
+        info = {
+            **{k: v for k, v in data.info.items() if k != "digest"},
+            "train_rows": len(new_ids),
+            "train_supervised_tokens": int(new_loss.sum()),
+            "regenerated_from": data.key,
+            "target": target.key,
+            "regenerate_seconds": round(time.perf_counter() - t0, 2),
+        }
         with store.publish(stage, key, {"upstream": {"data": data.key, "target": target.key}, "info": info}) as tmp:
             shutil.copytree(Path(data.path) / "tokenizer", tmp / "tokenizer")
             shutil.copy2(Path(data.path) / "val.safetensors", tmp / "val.safetensors")
-            save_file({"input_ids": new_ids.contiguous(), "loss_mask": new_loss.to(torch.uint8),
-                       "attention_mask": torch.ones_like(new_ids)}, str(tmp / "train.safetensors"))
-    print(f"[dllm-flow] regenerate: {len(new_ids)} rows continued by the target from {cfg.prompt_len}-token prompts "
-          f"at T={cfg.temperature} in {info['regenerate_seconds']:.1f}s", flush=True)
+            save_file(
+                {
+                    "input_ids": new_ids.contiguous(),
+                    "loss_mask": new_loss.to(torch.uint8),
+                    "attention_mask": torch.ones_like(new_ids),
+                },
+                str(tmp / "train.safetensors"),
+            )
+    print(
+        f"[dllm-flow] regenerate: {len(new_ids)} rows continued by the target from {cfg.prompt_len}-token prompts "
+        f"at T={cfg.temperature} in {info['regenerate_seconds']:.1f}s",
+        flush=True,
+    )
     return _ref(store.lookup(stage, key), reused=False)
 
 
@@ -86,8 +104,9 @@ def _ref(entry, reused: bool) -> StageRef:
     from tasks.prepare_data import data_digest
 
     manifest = entry.manifest
-    return StageRef(STAGE, entry.key, str(entry.path), reused=reused,
-                    info={**manifest["info"], "digest": data_digest(manifest)})
+    return StageRef(
+        STAGE, entry.key, str(entry.path), reused=reused, info={**manifest["info"], "digest": data_digest(manifest)}
+    )
 
 
 regenerate_task = prefect_task(regenerate, name="regenerate", stage_of=stage_of)

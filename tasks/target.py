@@ -11,6 +11,7 @@ Both return a `StageRef` whose info holds `model_path`, `weights_digest` (what `
 keys on), `num_layers`, `hidden_size` and `vocab_size`. Both run under the store's cross-process
 lock, so two workers never train or convert the same target.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,9 +37,11 @@ def _local_dir(target_id: str) -> Path:
 
         return Path(snapshot_download(str(target_id)))
     except Exception as exc:  # noqa: BLE001 - offline miss, unknown repo, bad id: one message
-        raise FileNotFoundError(f"dflash.target_model_id {target_id!r} is not a local directory and not in the "
-                                f"Hugging Face cache ({type(exc).__name__}); give a local path, `package:NAME`, or "
-                                "download it once with hub access") from None
+        raise FileNotFoundError(
+            f"dflash.target_model_id {target_id!r} is not a local directory and not in the "
+            f"Hugging Face cache ({type(exc).__name__}); give a local path, `package:NAME`, or "
+            "download it once with hub access"
+        ) from None
 
 
 def _file_digest(f: Path, memo_dir: Path | None) -> str:
@@ -65,7 +68,9 @@ def weights_digest(path: Path, gguf_file: str | None = None, memo_dir: Path | No
     if gguf_file:
         files = [path / gguf_file]
         if not files[0].is_file():
-            raise FileNotFoundError(f"dflash.target_gguf_file: no file {files[0]}; name a .gguf inside dflash.target_model_id")
+            raise FileNotFoundError(
+                f"dflash.target_gguf_file: no file {files[0]}; name a .gguf inside dflash.target_model_id"
+            )
     else:
         files = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
         if not files:
@@ -84,8 +89,12 @@ def stage_name(spec: PipelineSpec) -> str:
 def stage_of(spec: PipelineSpec, data: StageRef, workdir: str, **_) -> tuple[str, str]:
     d = spec.dflash
     if d.target_model_id is None:
-        config = {"pretrain": d.pretrain.model_dump(mode="json"), "hidden_size": spec.model.hidden_size,
-                  "seq_len": spec.data.seq_len, "device": spec.train.device}
+        config = {
+            "pretrain": d.pretrain.model_dump(mode="json"),
+            "hidden_size": spec.model.hidden_size,
+            "seq_len": spec.data.seq_len,
+            "device": spec.train.device,
+        }
         return PRETRAIN, stage_key(PRETRAIN, config, {"data": data.key}, code_version("tasks.target"))
     local = _local_dir(d.target_model_id)
     config = {"id": d.target_model_id, "gguf_file": d.target_gguf_file, "trust_remote_code": d.target_trust_remote_code}
@@ -102,8 +111,10 @@ def load_target(model_path: str | Path, dtype: str = "float32", device: str = "c
 
     path = Path(model_path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"DFlash target {path} has no config.json; rerun the target stage "
-                                "(or set dflash.target_model_id to a causal LM checkpoint)")
+        raise FileNotFoundError(
+            f"DFlash target {path} has no config.json; rerun the target stage "
+            "(or set dflash.target_model_id to a causal LM checkpoint)"
+        )
     if (path / DIGESTS).is_file():
         model = model_from_config_dir(path)
         load_weights_into(model, path)
@@ -151,23 +162,52 @@ def _pretrain(spec: PipelineSpec, data: StageRef, workdir: str, parent_run_id: s
 
     p, store = spec.dflash.pretrain, store_for(workdir)
     if spec.model.hidden_size % p.num_heads:
-        raise ValueError(f"model.hidden_size ({spec.model.hidden_size}) must be divisible by "
-                         f"dflash.pretrain.num_heads ({p.num_heads})")
+        raise ValueError(
+            f"model.hidden_size ({spec.model.hidden_size}) must be divisible by "
+            f"dflash.pretrain.num_heads ({p.num_heads})"
+        )
     device = stage_device(spec)
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
-    config = tiny_model_config(p.family, len(tokenizer), spec.data.seq_len, spec.model.hidden_size, p.num_layers,
-                               p.num_heads, None, p.intermediate_size, True)
+    config = tiny_model_config(
+        p.family,
+        len(tokenizer),
+        spec.data.seq_len,
+        spec.model.hidden_size,
+        p.num_layers,
+        p.num_heads,
+        None,
+        p.intermediate_size,
+        True,
+    )
     model = build_model(config, p.seed, dllm_attention="causal").to(device)
-    cfg = TrainConfig(steps=p.steps, global_batch_size=p.batch_size, micro_batch_size=p.batch_size, lr=p.lr,
-                      warmup_steps=p.warmup_steps, seed=p.seed)
+    cfg = TrainConfig(
+        steps=p.steps,
+        global_batch_size=p.batch_size,
+        micro_batch_size=p.batch_size,
+        lr=p.lr,
+        warmup_steps=p.warmup_steps,
+        seed=p.seed,
+    )
     opt, sched = make_optimizer(model, cfg)
-    (ids, lm, attn), val = load_split(data.path, "train"), [t[: p.val_rows].to(device) for t in load_split(data.path, "val")]
+    (ids, lm, attn), val = (
+        load_split(data.path, "train"),
+        [t[: p.val_rows].to(device) for t in load_split(data.path, "val")],
+    )
     order = DataOrder(len(ids), p.seed)
     tracking = Tracking(Path(workdir), spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
-    tracker = tracking.start_run("pretrain_target", {"dllm.stage": PRETRAIN, "dllm.stage_key": key,
-                                                     "strategy": "dflash-target"}, parent_run_id=parent_run_id)
-    tracker.log_params({**{f"pretrain.{k}": v for k, v in p.model_dump(mode="json").items()},
-                        "model.hidden_size": spec.model.hidden_size, "data.key": data.key, "stage.key": key})
+    tracker = tracking.start_run(
+        "pretrain_target",
+        {"dllm.stage": PRETRAIN, "dllm.stage_key": key, "strategy": "dflash-target"},
+        parent_run_id=parent_run_id,
+    )
+    tracker.log_params(
+        {
+            **{f"pretrain.{k}": v for k, v in p.model_dump(mode="json").items()},
+            "model.hidden_size": spec.model.hidden_size,
+            "data.key": data.key,
+            "stage.key": key,
+        }
+    )
     t0, val_loss = time.perf_counter(), None
     model.train()
     for step in tqdm(range(p.steps), desc="pretrain_target", unit="step", dynamic_ncols=True):
@@ -187,11 +227,19 @@ def _pretrain(spec: PipelineSpec, data: StageRef, workdir: str, parent_run_id: s
         if (step + 1) % p.log_every == 0 or "val/loss" in metrics:
             tracker.log_metrics(metrics, step=step)
     model.eval()
-    info = {"kind": "pretrained_here", "final_val_loss": val_loss, "train_seconds": round(time.perf_counter() - t0, 2),
-            "mlflow_run_id": tracker.run_id, "num_layers": p.num_layers, "hidden_size": spec.model.hidden_size,
-            "vocab_size": len(tokenizer), "data_key": data.key}
-    with store.publish(PRETRAIN, key, {"config": p.model_dump(mode="json"), "upstream": {"data": data.key},
-                                       "info": info}) as tmp:
+    info = {
+        "kind": "pretrained_here",
+        "final_val_loss": val_loss,
+        "train_seconds": round(time.perf_counter() - t0, 2),
+        "mlflow_run_id": tracker.run_id,
+        "num_layers": p.num_layers,
+        "hidden_size": spec.model.hidden_size,
+        "vocab_size": len(tokenizer),
+        "data_key": data.key,
+    }
+    with store.publish(
+        PRETRAIN, key, {"config": p.model_dump(mode="json"), "upstream": {"data": data.key}, "info": info}
+    ) as tmp:
         write_checkpoint(tmp / "model", model, tokenizer, {"strategy": "dflash-target", "stage_key": key, **info})
     entry = store.lookup(PRETRAIN, key)
     if spec.tracking.log_checkpoints:
@@ -214,8 +262,12 @@ def _external(spec: PipelineSpec, key: str, workdir: str) -> None:
 
     d, store = spec.dflash, store_for(workdir)
     local = _local_dir(d.target_model_id)
-    info = {"kind": "external", "source": d.target_model_id, "gguf_file": d.target_gguf_file,
-            "weights_digest": weights_digest(local, d.target_gguf_file, store.root / EXTERNAL)}
+    info = {
+        "kind": "external",
+        "source": d.target_model_id,
+        "gguf_file": d.target_gguf_file,
+        "weights_digest": weights_digest(local, d.target_gguf_file, store.root / EXTERNAL),
+    }
     with store.publish(EXTERNAL, key, {"info": info}) as tmp:
         if d.target_gguf_file:
             from tasks.scoring import load_causal_lm, save_dequantized
@@ -227,8 +279,12 @@ def _external(spec: PipelineSpec, key: str, workdir: str) -> None:
         else:
             model_path = str(local.resolve())
             config = AutoConfig.from_pretrained(local, trust_remote_code=d.target_trust_remote_code)
-        info.update(model_path=model_path, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                    vocab_size=config.vocab_size)
+        info.update(
+            model_path=model_path,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+        )
 
 
 def _ref(entry, reused: bool) -> StageRef:
@@ -237,8 +293,9 @@ def _ref(entry, reused: bool) -> StageRef:
         info["model_path"] = str(entry.path / "model")
     if "weights_digest" not in info:
         info["weights_digest"] = entry.manifest["files"]["model/model.safetensors"]["sha256"]
-    return StageRef(entry.stage, entry.key, str(entry.path), reused=reused, mlflow_run_id=info.get("mlflow_run_id"),
-                    info=info)
+    return StageRef(
+        entry.stage, entry.key, str(entry.path), reused=reused, mlflow_run_id=info.get("mlflow_run_id"), info=info
+    )
 
 
 target_task = prefect_task(target, name="target", stage_of=stage_of)

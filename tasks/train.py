@@ -5,6 +5,7 @@ run id go to `store/train/<key>.work/checkpoint` (atomically). Data order is a p
 (seed, step) and corruption noise of (seed, step, sample), so a resumed run continues exactly.
 The finished model is published to `store/train/<key>/model`.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,19 +31,28 @@ def dflash_options(spec: PipelineSpec) -> dict:
 
 def train_slice(spec: PipelineSpec, strategy: str) -> dict:
     dllm = spec.dllm.for_strategy(strategy)
-    out = {"strategy": strategy, "model": spec.model.model_dump(mode="json"),
-           "train": spec.train.model_dump(mode="json"), "dllm": dllm.model_dump(mode="json")}
+    out = {
+        "strategy": strategy,
+        "model": spec.model.model_dump(mode="json"),
+        "train": spec.train.model_dump(mode="json"),
+        "dllm": dllm.model_dump(mode="json"),
+    }
     if strategy == "dflash":
         out["dflash"] = dflash_options(spec)
     return out
 
 
-def stage_of(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, inputs: dict | None = None,
-             **_) -> tuple[str, str]:
+def stage_of(
+    spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, inputs: dict | None = None, **_
+) -> tuple[str, str]:
     """`inputs`: the upstream stages besides the data (dflash: its `target` and, cached, its `features`)."""
     upstream = {"data": data.key, **{name: ref.key for name, ref in sorted((inputs or {}).items())}}
-    key = stage_key(STAGE, train_slice(spec, strategy), upstream,
-                    code_version("strategies", "tasks.train", "dllm_common.checkpoint"))
+    key = stage_key(
+        STAGE,
+        train_slice(spec, strategy),
+        upstream,
+        code_version("strategies", "tasks.train", "dllm_common.checkpoint"),
+    )
     return STAGE, key
 
 
@@ -51,8 +61,10 @@ def check_inputs(strategy: str, spec: PipelineSpec, inputs: dict | None) -> dict
     inputs = dict(inputs or {})
     if strategy == "dflash":
         if "target" not in inputs:
-            raise ValueError("train[dflash] needs its target stage: run it through the pipeline "
-                             "(pretrain_target / target → cache_target → train[dflash])")
+            raise ValueError(
+                "train[dflash] needs its target stage: run it through the pipeline "
+                "(pretrain_target / target → cache_target → train[dflash])"
+            )
         if spec.dflash.target_features == "cached" and "features" not in inputs:
             raise ValueError("dflash.target_features is 'cached' but no cache_target stage was given")
     return inputs
@@ -147,8 +159,16 @@ def prepare_strategy(name: str, spec: PipelineSpec, model, tokenizer, mask_token
     return prepare_strategy_with(name, spec.dllm.for_strategy(name), model, tokenizer, mask_token_id)
 
 
-def prepare_strategy_with(name: str, dllm, model, tokenizer, mask_token_id: int | None = None, *,
-                          options: dict | None = None, extras: dict | None = None):
+def prepare_strategy_with(
+    name: str,
+    dllm,
+    model,
+    tokenizer,
+    mask_token_id: int | None = None,
+    *,
+    options: dict | None = None,
+    extras: dict | None = None,
+):
     """`prepare_strategy` from the strategy's own `DLLMConfig` (what a checkpoint records). `options`
     adds strategy-section keys the loss reads (dflash: the `dflash:` section); `extras` reaches
     `setup_extra` (dflash: the frozen target and the feature source)."""
@@ -156,47 +176,76 @@ def prepare_strategy_with(name: str, dllm, model, tokenizer, mask_token_id: int 
 
     strategy = get_dllm_strategy(name)
     if strategy.normalization_mode not in ("supervised", "noise"):
-        raise ValueError(f"Invalid normalization_mode {strategy.normalization_mode!r} for strategy {name!r}. "
-                         "Must be 'supervised' or 'noise'.")
+        raise ValueError(
+            f"Invalid normalization_mode {strategy.normalization_mode!r} for strategy {name!r}. "
+            "Must be 'supervised' or 'noise'."
+        )
     # an unset dllm.vocab_size means "the model's": strategies that need it (scdd) get it resolved here
     dllm = dllm.model_copy(update={"vocab_size": dllm.vocab_size or getattr(model.config, "vocab_size", None)})
     loss_fn = strategy.create_loss_fn({**dllm.model_dump(), **options} if options else dllm)
     if mask_token_id is None:
         mask_token_id = dllm.mask_token_id if dllm.mask_token_id is not None else tokenizer.mask_token_id
-    resolved = strategy.setup_extra(SetupContext(model=model, tokenizer=tokenizer, mask_token_id=mask_token_id,
-                                                 extras=extras or {}))
+    resolved = strategy.setup_extra(
+        SetupContext(model=model, tokenizer=tokenizer, mask_token_id=mask_token_id, extras=extras or {})
+    )
     mask_token_id = resolved if resolved is not None else mask_token_id
     if mask_token_id is None:
-        raise ValueError("dllm.mask_token_id must be set in config, resolved by the tokenizer, or set by strategy.setup_extra().")
+        raise ValueError(
+            "dllm.mask_token_id must be set in config, resolved by the tokenizer, or set by strategy.setup_extra()."
+        )
     return strategy, loss_fn, int(mask_token_id)
 
 
-def build_trainee(spec: PipelineSpec, strategy_name: str, data: StageRef, device: str,
-                  inputs: dict | None = None) -> Trainee:
+def build_trainee(
+    spec: PipelineSpec, strategy_name: str, data: StageRef, device: str, inputs: dict | None = None
+) -> Trainee:
     if strategy_name == "dflash":
         return _dflash_trainee(spec, data, device, check_inputs("dflash", spec, inputs))
     from strategies import get_dllm_strategy
-    from strategies.models import (NATIVE, add_lora, build_model, enable_activation_checkpointing, load_pretrained,
-                                   tiny_model_config, wrap_for_architecture)
+    from strategies.models import (
+        NATIVE,
+        add_lora,
+        build_model,
+        enable_activation_checkpointing,
+        load_pretrained,
+        tiny_model_config,
+        wrap_for_architecture,
+    )
     from tasks.prepare_data import load_tokenizer
 
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
     m = spec.model
     if m.kind == "tiny":
-        config = tiny_model_config(m.family, len(tokenizer), spec.data.seq_len, m.hidden_size, m.num_layers,
-                                   m.num_heads, m.num_kv_heads, m.intermediate_size, m.tie_embeddings,
-                                   m.attn_implementation)
+        config = tiny_model_config(
+            m.family,
+            len(tokenizer),
+            spec.data.seq_len,
+            m.hidden_size,
+            m.num_layers,
+            m.num_heads,
+            m.num_kv_heads,
+            m.intermediate_size,
+            m.tie_embeddings,
+            m.attn_implementation,
+        )
         model = build_model(config, spec.train.seed)
     else:
-        model = load_pretrained(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, gguf_file=m.gguf_file,
-                                attn_implementation=m.attn_implementation)
+        model = load_pretrained(
+            m.path,
+            dtype=m.dtype,
+            trust_remote_code=m.trust_remote_code,
+            gguf_file=m.gguf_file,
+            attn_implementation=m.attn_implementation,
+        )
     if spec.train.peft is not None:  # adapters on the backbone; strategy-owned modules stay trainable
         p = spec.train.peft
         add_lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules)
     if spec.train.activation_checkpointing:
         if strategy_name == "block_diffusion":
-            raise ValueError("train.activation_checkpointing is not supported with block_diffusion: its canvas pass "
-                             "reads every encoder layer's K/V cache, which recomputed layers do not keep; set it to false")
+            raise ValueError(
+                "train.activation_checkpointing is not supported with block_diffusion: its canvas pass "
+                "reads every encoder layer's K/V cache, which recomputed layers do not keep; set it to false"
+            )
         enable_activation_checkpointing(model)
     architecture = get_dllm_strategy(strategy_name).model_architecture
     if getattr(model.config, "dllm_attention", None) != NATIVE:  # remote-code dLLMs bring their own shape
@@ -218,8 +267,10 @@ def _dflash_trainee(spec: PipelineSpec, data: StageRef, device: str, inputs: dic
 
     d, m = spec.dflash, spec.model
     if d.attention_backend == "flex_attention" and not str(device).startswith("cuda"):
-        raise ValueError("dflash.attention_backend 'flex_attention' trains on CUDA only (flex attention has no CPU "
-                         "backward in torch 2.13); use 'sdpa' here")
+        raise ValueError(
+            "dflash.attention_backend 'flex_attention' trains on CUDA only (flex attention has no CPU "
+            "backward in torch 2.13); use 'sdpa' here"
+        )
     if spec.train.peft is not None or spec.train.activation_checkpointing:
         raise ValueError("train.peft and train.activation_checkpointing do not apply to a DFlash draft; unset them")
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
@@ -228,44 +279,70 @@ def _dflash_trainee(spec: PipelineSpec, data: StageRef, device: str, inputs: dic
     hidden = target.config.hidden_size
     mask_id = spec.dllm.mask_token_id if spec.dllm.mask_token_id is not None else tokenizer.mask_token_id
     if mask_id is None or mask_id >= target.get_input_embeddings().num_embeddings:
-        raise ValueError(f"the DFlash mask token id {mask_id} is not a row of the target's embedding "
-                         f"({target.get_input_embeddings().num_embeddings}); set dllm.mask_token_id to an unused "
-                         "token the target knows")
+        raise ValueError(
+            f"the DFlash mask token id {mask_id} is not a row of the target's embedding "
+            f"({target.get_input_embeddings().num_embeddings}); set dllm.mask_token_id to an unused "
+            "token the target knows"
+        )
     if m.kind == "pretrained":
         draft = DFlashDraftModel.load(resolve_model_path(m.path))
     else:
         if m.hidden_size != hidden:
-            raise ValueError(f"model.hidden_size ({m.hidden_size}) must equal the target's hidden size ({hidden}): "
-                             "the DFlash draft reads the target's embeddings and writes through its LM head")
+            raise ValueError(
+                f"model.hidden_size ({m.hidden_size}) must equal the target's hidden size ({hidden}): "
+                "the DFlash draft reads the target's embeddings and writes through its LM head"
+            )
         if d.block_size < 2:
             raise ValueError("Cannot infer block_size from draft config. Set dflash.block_size in the YAML.")
         layer_ids = layer_ids_for(spec, target_ref)
-        cfg = DFlashDraftConfig(hidden_size=hidden, num_layers=m.num_layers, num_heads=m.num_heads,
-                                num_target_features=len(layer_ids), target_hidden_size=hidden, block_size=d.block_size,
-                                target_layer_ids=layer_ids, mask_token_id=int(mask_id),
-                                intermediate_size=m.intermediate_size,
-                                rope_theta=float(getattr(target.config, "rope_theta", None) or 10000.0))
+        cfg = DFlashDraftConfig(
+            hidden_size=hidden,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            num_target_features=len(layer_ids),
+            target_hidden_size=hidden,
+            block_size=d.block_size,
+            target_layer_ids=layer_ids,
+            mask_token_id=int(mask_id),
+            intermediate_size=m.intermediate_size,
+            rope_theta=float(getattr(target.config, "rope_theta", None) or 10000.0),
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.train.seed)
             draft = DFlashDraftModel(cfg)
     features = CachedFeatures(features_dir(inputs["features"])) if d.target_features == "cached" else None
-    strategy, loss_fn, mask_id = prepare_strategy_with("dflash", spec.dllm.for_strategy("dflash"), draft, tokenizer,
-                                                       int(mask_id), options=dflash_options(spec),
-                                                       extras={"target": target, "features": features})
+    strategy, loss_fn, mask_id = prepare_strategy_with(
+        "dflash",
+        spec.dllm.for_strategy("dflash"),
+        draft,
+        tokenizer,
+        int(mask_id),
+        options=dflash_options(spec),
+        extras={"target": target, "features": features},
+    )
     return Trainee(draft.to(device), tokenizer, strategy, loss_fn, int(mask_id), spec.train.precision)
 
 
-def step_context(trainee: Trainee, spec: PipelineSpec, step: int, base_seed: int, grad_acc: int, model=None,
-                 dist=None):
+def step_context(trainee: Trainee, spec: PipelineSpec, step: int, base_seed: int, grad_acc: int, model=None, dist=None):
     """The step's context; under data parallelism `model` is the DDP wrapper and backward is scaled by N."""
     from strategies import StepContext
 
     d = spec.dllm.for_strategy(trainee.strategy.name)
     rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
-    return StepContext(model=model if model is not None else trainee.model, loss_fn=trainee.loss_fn,
-                       mask_token_id=trainee.mask_token_id, step=step, base_seed=base_seed, eps=d.eps,
-                       block_size=d.block_size, half_life_ratio=d.half_life_ratio, dp_rank=rank, dp_size=world,
-                       grad_acc_steps=grad_acc, loss_scale=float(world))
+    return StepContext(
+        model=model if model is not None else trainee.model,
+        loss_fn=trainee.loss_fn,
+        mask_token_id=trainee.mask_token_id,
+        step=step,
+        base_seed=base_seed,
+        eps=d.eps,
+        block_size=d.block_size,
+        half_life_ratio=d.half_life_ratio,
+        dp_rank=rank,
+        dp_size=world,
+        grad_acc_steps=grad_acc,
+        loss_scale=float(world),
+    )
 
 
 def microbatches(ids, loss, attn, rows, micro: int, device: str, split: str = "train"):
@@ -288,8 +365,9 @@ def run_step(trainee: Trainee, ctx, mbs, is_train: bool) -> tuple[float, int, di
     total, correct, count = 0.0, None, None
     for batch in corrupted:
         with trainee.autocast():
-            out = trainee.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar,
-                                                    is_train=is_train)
+            out = trainee.strategy.forward_backward(
+                ctx, batch, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar, is_train=is_train
+            )
         total += float(out.total_loss.detach())
         if out.draft_correct_per_pos is not None:
             c, n = out.draft_correct_per_pos.detach().cpu(), out.draft_count_per_pos.detach().cpu()
@@ -318,12 +396,13 @@ def validation_loss(trainee: Trainee, spec: PipelineSpec, val, device: str, dist
     ids, loss, attn = (t[: spec.train.val_rows] for t in val)
     rows = torch.arange(len(ids))
     if dist is not None and dist.world > 1:
-        rows = rows[dist.rank::dist.world]
+        rows = rows[dist.rank :: dist.world]
     ctx = step_context(trainee, spec, step=0, base_seed=spec.train.seed + 1_000_000_007, grad_acc=1, dist=dist)
     trainee.model.eval()
     with torch.no_grad():
-        value, _, _ = run_step(trainee, ctx, microbatches(ids, loss, attn, rows, spec.train.micro_batch_size, device, "val"),
-                            False)
+        value, _, _ = run_step(
+            trainee, ctx, microbatches(ids, loss, attn, rows, spec.train.micro_batch_size, device, "val"), False
+        )
     trainee.model.train()
     return value
 
@@ -338,8 +417,13 @@ def train_step(trainee: Trainee, ctx, mbs, opt, sched, grad_clip: float) -> dict
     opt.step()
     opt.zero_grad(set_to_none=True)
     sched.step()
-    return {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/supervised_tokens": n_sup,
-            **{f"train/{k}": v for k, v in draft.items()}}
+    return {
+        "train/loss": loss,
+        "train/lr": lr,
+        "train/grad_norm": grad_norm,
+        "train/supervised_tokens": n_sup,
+        **{f"train/{k}": v for k, v in draft.items()},
+    }
 
 
 def make_optimizer(model, cfg):
@@ -353,8 +437,14 @@ def make_optimizer(model, cfg):
 # ------------------------------------------------------------------ the stage
 
 
-def train(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, parent_run_id: str | None = None,
-          inputs: dict | None = None) -> StageRef:
+def train(
+    spec: PipelineSpec,
+    strategy: str,
+    data: StageRef,
+    workdir: str,
+    parent_run_id: str | None = None,
+    inputs: dict | None = None,
+) -> StageRef:
     """Train `strategy` on the prepared data (or reuse/resume it); publish the final checkpoint.
 
     With `train.nproc_per_node > 1` this launches torchrun and every rank runs `_train_loop`."""
@@ -379,9 +469,16 @@ def train(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, paren
             distributed.shutdown()
 
 
-def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str, parent_run_id: str | None, key: str,
-                dist, inputs: dict | None = None) -> StageRef | None:
-    import torch
+def _train_loop(
+    spec: PipelineSpec,
+    strategy: str,
+    data: StageRef,
+    workdir: str,
+    parent_run_id: str | None,
+    key: str,
+    dist,
+    inputs: dict | None = None,
+) -> StageRef | None:
     from tqdm import tqdm
 
     from dllm_common.checkpoint import load_trainer_state, load_weights_into, read_meta, write_checkpoint
@@ -431,22 +528,37 @@ def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
             print(f"[dllm-flow] train[{strategy}]: resuming from the step-{start} checkpoint in {ckpt_dir}", flush=True)
     tracker = _open_tracker(spec, workdir, strategy, parent_run_id, run_id, key) if dist.is_main else None
     if tracker is not None:
-        tracker.log_params({**flatten(train_slice(spec, strategy)), "data.key": data.key, "stage.key": key,
-                            **{f"{name}.key": ref.key for name, ref in (inputs or {}).items()}})
+        tracker.log_params(
+            {
+                **flatten(train_slice(spec, strategy)),
+                "data.key": data.key,
+                "stage.key": key,
+                **{f"{name}.key": ref.key for name, ref in (inputs or {}).items()},
+            }
+        )
     order = DataOrder(len(train_t[0]), cfg.seed)
     local_batch = cfg.global_batch_size // dist.world
     grad_acc = local_batch // cfg.micro_batch_size
     tokens_per_step = cfg.global_batch_size * train_t[0].shape[1]
     buffer: list[tuple[int, dict]] = []
     logged_upto = tracker.last_step("train/loss") if (start and tracker) else -1  # steps a crashed attempt logged
-    meta_base = {"strategy": strategy, "mask_token_id": trainee.mask_token_id, "stage_key": key,
-                 "seq_len": spec.data.seq_len, "mlflow_run_id": tracker.run_id if tracker else None,
-                 "dllm": spec.dllm.for_strategy(strategy).model_dump(mode="json"),  # rebuilds the strategy
-                 "chat": spec.data.shape == "dialogue"}
+    meta_base = {
+        "strategy": strategy,
+        "mask_token_id": trainee.mask_token_id,
+        "stage_key": key,
+        "seq_len": spec.data.seq_len,
+        "mlflow_run_id": tracker.run_id if tracker else None,
+        "dllm": spec.dllm.for_strategy(strategy).model_dump(mode="json"),  # rebuilds the strategy
+        "chat": spec.data.shape == "dialogue",
+    }
     if strategy == "dflash":  # what evaluation and `dllm-flow generate` need to find the frozen target
         meta_base["dflash"] = dflash_options(spec)
-        meta_base["target"] = {"path": inputs["target"].info["model_path"], "stage": inputs["target"].stage,
-                               "key": inputs["target"].key, "weights_digest": inputs["target"].info["weights_digest"]}
+        meta_base["target"] = {
+            "path": inputs["target"].info["model_path"],
+            "stage": inputs["target"].stage,
+            "key": inputs["target"].key,
+            "weights_digest": inputs["target"].info["weights_digest"],
+        }
 
     def flush():
         for s, metrics in buffer:
@@ -462,29 +574,51 @@ def _train_loop(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
             weights, optim = gather_full_state(model, opt)
             if dist.is_main:
                 shadow.load_state_dict(weights)
-                write_checkpoint(ckpt_dir, shadow, trainee.tokenizer, {**meta_base, "step": step},
-                                 {"optimizer_full": optim, "scheduler": sched.state_dict()})
+                write_checkpoint(
+                    ckpt_dir,
+                    shadow,
+                    trainee.tokenizer,
+                    {**meta_base, "step": step},
+                    {"optimizer_full": optim, "scheduler": sched.state_dict()},
+                )
         elif dist.is_main:
-            write_checkpoint(ckpt_dir, model, trainee.tokenizer, {**meta_base, "step": step},
-                             {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+            write_checkpoint(
+                ckpt_dir,
+                model,
+                trainee.tokenizer,
+                {**meta_base, "step": step},
+                {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
+            )
         barrier()
 
     model.train()
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train[{strategy}]", unit="step",
-               dynamic_ncols=True, disable=not dist.is_main)
+    bar = tqdm(
+        range(start, cfg.steps),
+        initial=start,
+        total=cfg.steps,
+        desc=f"train[{strategy}]",
+        unit="step",
+        dynamic_ncols=True,
+        disable=not dist.is_main,
+    )
     val_loss = None
     for step in bar:
         t0 = time.perf_counter()
         ctx = step_context(trainee, spec, step, cfg.seed, grad_acc, model=stepper, dist=dist)
-        rows = order.rows(step, cfg.global_batch_size)[dist.rank::dist.world]
-        metrics = train_step(trainee, ctx, microbatches(*train_t, rows, cfg.micro_batch_size, device), opt, sched,
-                             cfg.grad_clip)
+        rows = order.rows(step, cfg.global_batch_size)[dist.rank :: dist.world]
+        metrics = train_step(
+            trainee, ctx, microbatches(*train_t, rows, cfg.micro_batch_size, device), opt, sched, cfg.grad_clip
+        )
         metrics["train/tokens_per_s"] = tps = tokens_per_step / (time.perf_counter() - t0)
         if (step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps:
             val_loss = validation_loss(trainee, spec, val_t, device, dist)
             metrics["val/loss"] = val_loss
         buffer.append((step, metrics))
-        bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", val=f"{val_loss:.3f}" if val_loss is not None else "-", tok_s=f"{tps:,.0f}")
+        bar.set_postfix(
+            loss=f"{metrics['train/loss']:.3f}",
+            val=f"{val_loss:.3f}" if val_loss is not None else "-",
+            tok_s=f"{tps:,.0f}",
+        )
         if (step + 1) % cfg.log_every == 0:
             flush()
         if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
@@ -524,8 +658,16 @@ def _publish(spec, strategy, data, workdir, trainee, tracker, key, meta_base, va
     peft = spec.train.peft
     if peft is not None:
         final_meta["peft"] = {**peft.model_dump(mode="json"), "merged": peft.merge}
-    with store.publish(STAGE, key, {"strategy": strategy, "config": train_slice(spec, strategy),
-                                    "upstream": {"data": data.key}, "info": final_meta}) as tmp:
+    with store.publish(
+        STAGE,
+        key,
+        {
+            "strategy": strategy,
+            "config": train_slice(spec, strategy),
+            "upstream": {"data": data.key},
+            "info": final_meta,
+        },
+    ) as tmp:
         if peft is not None:
             _write_adapter(tmp / "adapter", trainee.model, peft)
             if peft.merge:
@@ -558,22 +700,35 @@ def _write_adapter(dest: Path, model, peft) -> None:
 
     dest.mkdir(parents=True)
     save_file(lora_state_dict(model), str(dest / "adapter_model.safetensors"))
-    (dest / "adapter_config.json").write_text(_json.dumps({**peft.model_dump(mode="json"), "peft_type": "LORA"},
-                                                          indent=2))
+    (dest / "adapter_config.json").write_text(
+        _json.dumps({**peft.model_dump(mode="json"), "peft_type": "LORA"}, indent=2)
+    )
 
 
 def _ref(entry, strategy: str, reused: bool) -> StageRef:
     info = entry.manifest["info"]
-    return StageRef(f"train[{strategy}]", entry.key, str(entry.path), reused=reused,
-                    mlflow_run_id=info.get("mlflow_run_id"), info=info)
+    return StageRef(
+        f"train[{strategy}]",
+        entry.key,
+        str(entry.path),
+        reused=reused,
+        mlflow_run_id=info.get("mlflow_run_id"),
+        info=info,
+    )
 
 
 def model_dir(ref: StageRef) -> Path:
     return Path(ref.path) / "model"
 
 
-def train_on_deployment(spec: PipelineSpec, strategy: str, data: StageRef, workdir: str,
-                        parent_run_id: str | None = None, inputs: dict | None = None) -> StageRef:
+def train_on_deployment(
+    spec: PipelineSpec,
+    strategy: str,
+    data: StageRef,
+    workdir: str,
+    parent_run_id: str | None = None,
+    inputs: dict | None = None,
+) -> StageRef:
     """Submit the train stage to `pipeline.train_deployment` (a GPU work pool) and wait for it.
 
     Only small descriptors cross: the resolved config, the data stage's descriptor and paths. The
@@ -587,17 +742,29 @@ def train_on_deployment(spec: PipelineSpec, strategy: str, data: StageRef, workd
     stage, key = stage_of(spec, strategy, data, workdir, inputs)
     if (hit := store.lookup(stage, key)) is not None:
         return _ref(hit, strategy, reused=True)
-    run = run_deployment(spec.pipeline.train_deployment, timeout=None,
-                         parameters={"spec": spec.model_dump(mode="json"), "strategy": strategy, "data": asdict(data),
-                                     "workdir": str(Path(workdir).resolve()), "parent_run_id": parent_run_id,
-                                     "inputs": {name: asdict(ref) for name, ref in inputs.items()}})
+    run = run_deployment(
+        spec.pipeline.train_deployment,
+        timeout=None,
+        parameters={
+            "spec": spec.model_dump(mode="json"),
+            "strategy": strategy,
+            "data": asdict(data),
+            "workdir": str(Path(workdir).resolve()),
+            "parent_run_id": parent_run_id,
+            "inputs": {name: asdict(ref) for name, ref in inputs.items()},
+        },
+    )
     if not run.state or not run.state.is_completed():
-        raise RuntimeError(f"train[{strategy}] on deployment {spec.pipeline.train_deployment!r} ended "
-                           f"{run.state.name if run.state else 'without a state'} (flow run {run.id}); "
-                           "`prefect flow-run logs` shows why, `prefect flow-run retry` reruns it")
+        raise RuntimeError(
+            f"train[{strategy}] on deployment {spec.pipeline.train_deployment!r} ended "
+            f"{run.state.name if run.state else 'without a state'} (flow run {run.id}); "
+            "`prefect flow-run logs` shows why, `prefect flow-run retry` reruns it"
+        )
     if (entry := store.lookup(stage, key)) is None:
-        raise RuntimeError(f"deployment run {run.id} completed but published nothing under {store.root}; "
-                           "is the workdir on storage the worker can see?")
+        raise RuntimeError(
+            f"deployment run {run.id} completed but published nothing under {store.root}; "
+            "is the workdir on storage the worker can see?"
+        )
     return _ref(entry, strategy, reused=False)
 
 

@@ -1,9 +1,14 @@
 """Test-wide environment: no telemetry, no hub, small thread pools."""
+
 import os
 
 for key, value in {
-    "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
 }.items():
     os.environ.setdefault(key, value)
 
@@ -19,16 +24,33 @@ def tiny_spec():
     """A config small enough to prepare and train in seconds."""
     from dllm_common.config import validate_config
 
-    return validate_config({
-        "pipeline": {"name": "t", "strategies": ["mdlm"]},
-        "data": {"seq_len": 32, "max_documents": 4, "max_train_rows": 128, "max_val_rows": 16},
-        "tokenizer": {"vocab_size": 320},
-        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2},
-        "train": {"steps": 12, "global_batch_size": 8, "micro_batch_size": 4, "lr": 3e-3, "warmup_steps": 2,
-                  "val_every": 4, "val_rows": 8, "log_every": 2, "checkpoint_every": 4},
-        "eval": {"val_rows": 8, "t_samples": 2, "num_samples": 1, "sample_length": 8, "sample_steps": 4,
-                 "sample_block_size": 4},
-    })
+    return validate_config(
+        {
+            "pipeline": {"name": "t", "strategies": ["mdlm"]},
+            "data": {"seq_len": 32, "max_documents": 4, "max_train_rows": 128, "max_val_rows": 16},
+            "tokenizer": {"vocab_size": 320},
+            "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2},
+            "train": {
+                "steps": 12,
+                "global_batch_size": 8,
+                "micro_batch_size": 4,
+                "lr": 3e-3,
+                "warmup_steps": 2,
+                "val_every": 4,
+                "val_rows": 8,
+                "log_every": 2,
+                "checkpoint_every": 4,
+            },
+            "eval": {
+                "val_rows": 8,
+                "t_samples": 2,
+                "num_samples": 1,
+                "sample_length": 8,
+                "sample_steps": 4,
+                "sample_block_size": 4,
+            },
+        }
+    )
 
 
 @pytest.fixture(scope="session")
@@ -97,9 +119,13 @@ def prefect_api(tmp_path_factory):
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     log = home / "server.log"
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, start_new_session=True, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        start_new_session=True,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         url = f"http://127.0.0.1:{port}/api"
         wait_http(f"{url}/health", proc, log)

@@ -1,13 +1,22 @@
 """BlockDiffusionStrategy, BlockDiffusionLM, the response window, the uniform-noise bound and the
 canvas sampler (spec §8.6, §9, §14.5; evaluation spec §4.2)."""
+
 import math
 
 import pytest
 import torch
 
-from strategies import (BlockDiffusionCrossEntropyLoss, BlockDiffusionStrategy, Microbatch, SetupContext,
-                        StepContext, build_block_diffusion_training_mask, build_response_window, get_dllm_strategy,
-                        uniform_diffusion_nelbo_terms)
+from strategies import (
+    BlockDiffusionCrossEntropyLoss,
+    BlockDiffusionStrategy,
+    Microbatch,
+    SetupContext,
+    StepContext,
+    build_block_diffusion_training_mask,
+    build_response_window,
+    get_dllm_strategy,
+    uniform_diffusion_nelbo_terms,
+)
 from strategies.block_diffusion_strategy import batched_block_mask, supervised_runs
 from strategies.losses import encoder_ar_loss, per_token_nll
 from strategies.models import BlockDiffusionLM, build_model, model_from_config_dir, tiny_model_config
@@ -43,8 +52,9 @@ def test_corruption_needs_vocab_and_draws_in_range():
     loss[:, :24] = 1
     with pytest.raises(ValueError, match="BlockDiffusionStrategy requires dllm.vocab_size"):
         BlockDiffusionStrategy().apply_corruption(ids, loss, 999, eps=1e-3, block_size=None, half_life_ratio=None)
-    noisy, noise, p = _strategy().apply_corruption(ids, loss, 999, eps=1e-3, block_size=None, half_life_ratio=None,
-                                                   generator=torch.Generator().manual_seed(0))
+    noisy, noise, p = _strategy().apply_corruption(
+        ids, loss, 999, eps=1e-3, block_size=None, half_life_ratio=None, generator=torch.Generator().manual_seed(0)
+    )
     assert noisy.min() >= 0 and noisy.max() < V and not (noisy == 999).any()
     assert torch.equal(p, torch.ones(4, 32)) and not noise[:, 24:].any() and torch.equal(noisy[:, 24:], ids[:, 24:])
 
@@ -106,7 +116,9 @@ def test_window_gathers_response_and_scores_exactly_one_block():
     w = build_response_window(clean, noisy, noise, loss, torch.ones(2, 10), attn, 3, torch.tensor([0.99, 0.0]))
     assert w.prefix_lengths.tolist() == [3, 1] and w.response_lengths.tolist() == [7, 8]
     assert w.canvas_ids.shape == (2, 8) and w.target_ids[0, :7].tolist() == list(range(3, 10))
-    assert w.canvas_ids[1].tolist() == list(range(101, 109)) and w.decoder_position_ids[0].tolist()[:7] == list(range(3, 10))
+    assert w.canvas_ids[1].tolist() == list(range(101, 109)) and w.decoder_position_ids[0].tolist()[:7] == list(
+        range(3, 10)
+    )
     assert w.decoder_padding_mask[0].tolist() == [False] * 7 + [True]
     # row 0: 3 blocks of 3 over 7 tokens, u=0.99 → last block (positions 6); row 1: u=0 → first block
     assert w.loss_mask[0].nonzero().flatten().tolist() == [6]
@@ -127,8 +139,13 @@ def test_pre_step_denominators_and_per_sample_reproducible_choices():
     assert n_ar == 4 * 15 and n_sup == 64
     # the same rows split 2+2 over two micro-batches get the same noise, blocks and coins
     ctx2 = StepContext(model=None, loss_fn=None, mask_token_id=0, step=7, base_seed=1, grad_acc_steps=2)
-    halves, _, _ = s.pre_step(ctx2, [Microbatch(ids[:2], mb.loss_mask[:2], mb.attention_mask[:2]),
-                                     Microbatch(ids[2:], mb.loss_mask[2:], mb.attention_mask[2:])])
+    halves, _, _ = s.pre_step(
+        ctx2,
+        [
+            Microbatch(ids[:2], mb.loss_mask[:2], mb.attention_mask[:2]),
+            Microbatch(ids[2:], mb.loss_mask[2:], mb.attention_mask[2:]),
+        ],
+    )
     assert torch.equal(torch.cat([h.noisy_ids for h in halves]), corrupted[0].noisy_ids)
     assert torch.equal(torch.cat([h.extras["window"].loss_mask for h in halves]), window.loss_mask)
     assert torch.equal(torch.cat([h.extras["self_condition"] for h in halves]), corrupted[0].extras["self_condition"])
@@ -159,8 +176,12 @@ def test_model_training_path_two_passes_and_gradients():
     model = _model().train()
     ids, canvas = torch.randint(0, V, (2, 8)), torch.randint(0, V, (2, 8))
     full, _ = build_block_diffusion_training_mask(0, 8, 8, 4, batch_size=2)
-    out = model(input_ids=ids, canvas_ids=canvas, decoder_attention_mask={"full_attention": full},
-                do_self_conditioning=torch.tensor([True, False]))
+    out = model(
+        input_ids=ids,
+        canvas_ids=canvas,
+        decoder_attention_mask={"full_attention": full},
+        do_self_conditioning=torch.tensor([True, False]),
+    )
     assert out.logits.shape == out.encoder_logits.shape == (2, 8, V)
     (out.logits.sum() + encoder_ar_loss(out.encoder_logits, ids)).backward()
     assert model.self_cond.weight.grad.abs().sum() > 0  # pass 2 trains the self-conditioning projection
@@ -169,7 +190,12 @@ def test_model_training_path_two_passes_and_gradients():
     # with the coin off for every row the output equals a single no-self-conditioning pass
     model.zero_grad()
     torch.nn.init.normal_(model.self_cond.weight)
-    off = model(input_ids=ids, canvas_ids=canvas, decoder_attention_mask=full, do_self_conditioning=torch.zeros(2, dtype=torch.bool))
+    off = model(
+        input_ids=ids,
+        canvas_ids=canvas,
+        decoder_attention_mask=full,
+        do_self_conditioning=torch.zeros(2, dtype=torch.bool),
+    )
     model.eval()
     with torch.no_grad():
         single = model(input_ids=ids, canvas_ids=canvas, decoder_attention_mask=full)
@@ -200,8 +226,10 @@ def test_checkpoint_round_trip_rebuilds_the_wrapper(tmp_path):
     ids = torch.randint(0, V, (1, 8))
     full, _ = build_block_diffusion_training_mask(0, 8, 8, 4, batch_size=1)
     with torch.no_grad():
-        assert torch.equal(model(input_ids=ids, canvas_ids=ids, decoder_attention_mask=full).logits,
-                           again.eval()(input_ids=ids, canvas_ids=ids, decoder_attention_mask=full).logits)
+        assert torch.equal(
+            model(input_ids=ids, canvas_ids=ids, decoder_attention_mask=full).logits,
+            again.eval()(input_ids=ids, canvas_ids=ids, decoder_attention_mask=full).logits,
+        )
 
 
 def test_forward_backward_equals_hand_loss():
@@ -265,8 +293,9 @@ def test_uniform_bound_is_the_continuous_limit_of_the_discrete_time_nelbo():
     cont = 0.0
     for z in range(vocab):
         qz = (1 - t) * float(z == x) + t / vocab
-        terms = uniform_diffusion_nelbo_terms(pi_logits(z, t[:, None])[:, None, :], torch.full((m, 1), x),
-                                              torch.full((m, 1), z), 1 - t, vocab)[:, 0]
+        terms = uniform_diffusion_nelbo_terms(
+            pi_logits(z, t[:, None])[:, None, :], torch.full((m, 1), x), torch.full((m, 1), z), 1 - t, vocab
+        )[:, 0]
         cont += float((qz * terms).mean())
     coarse, fine = _discrete_bound(pi_logits, x, vocab, 500), _discrete_bound(pi_logits, x, vocab, 1000)
     assert fine < coarse and abs(fine - cont) < abs(coarse - cont)  # the discrete bound tightens toward it
@@ -289,8 +318,9 @@ def test_nelbo_rows_scores_every_block_and_is_finite():
     model = _model().eval()
     ids = torch.randint(0, 40, (3, 12))
     with torch.no_grad():
-        rows = s.nelbo_rows(model, ids, torch.ones(3, 12), 0, torch.tensor([0.2, 0.5, 0.9]),
-                            torch.Generator().manual_seed(0))
+        rows = s.nelbo_rows(
+            model, ids, torch.ones(3, 12), 0, torch.tensor([0.2, 0.5, 0.9]), torch.Generator().manual_seed(0)
+        )
     assert rows.shape == (3,) and torch.isfinite(rows).all() and (rows > 0).all()
 
 
@@ -303,7 +333,9 @@ def test_uniform_posterior_is_a_distribution_and_exact_at_the_end():
     post = uniform_posterior(probs, z, 0.3, 0.6)
     assert torch.allclose(post.sum(-1), torch.ones(2, 3, dtype=torch.float64)) and (post >= 0).all()
     onehot = torch.nn.functional.one_hot(torch.tensor([[4, 4, 4]]), 7).double()
-    assert torch.equal(uniform_posterior(onehot, torch.tensor([[0, 4, 6]]), 0.5, 1.0).argmax(-1), torch.tensor([[4, 4, 4]]))
+    assert torch.equal(
+        uniform_posterior(onehot, torch.tensor([[0, 4, 6]]), 0.5, 1.0).argmax(-1), torch.tensor([[4, 4, 4]])
+    )
 
 
 class _Confident(torch.nn.Module):
@@ -312,14 +344,22 @@ class _Confident(torch.nn.Module):
     def forward(self, input_ids, canvas_ids, decoder_attention_mask, decoder_position_ids=None, **_):
         target = decoder_position_ids % 7 + 10
         from strategies.models import DLLMOutput
+
         return DLLMOutput(logits=torch.nn.functional.one_hot(target, V).float() * 50)
 
 
 def test_canvas_sampler_reproduces_a_confident_denoiser_and_keeps_the_prompt():
     prompts = [[1, 2, 3], [4]]
     cfg = SamplerConfig(steps=8, max_new_tokens=8, block_size=4, temperature=0.0)
-    res = block_canvas_sample(_Confident(), prompts, vocab_size=V, block_size=4, pad_token_id=0, config=cfg,
-                              generator=torch.Generator().manual_seed(0))
+    res = block_canvas_sample(
+        _Confident(),
+        prompts,
+        vocab_size=V,
+        block_size=4,
+        pad_token_id=0,
+        config=cfg,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert isinstance(res, SampleResult) and res.nfe == 2 * 4  # blocks × steps per block, per row
     for row, p in enumerate(prompts):
         assert res.tokens[row, : len(p)].tolist() == p
@@ -328,8 +368,15 @@ def test_canvas_sampler_reproduces_a_confident_denoiser_and_keeps_the_prompt():
 
 def test_canvas_sampler_stops_after_an_eos_block():
     cfg = SamplerConfig(steps=12, max_new_tokens=12, block_size=4, temperature=0.0, eos_token_id=12)
-    res = block_canvas_sample(_Confident(), [[1]], vocab_size=V, block_size=4, pad_token_id=0, config=cfg,
-                              generator=torch.Generator().manual_seed(0))
+    res = block_canvas_sample(
+        _Confident(),
+        [[1]],
+        vocab_size=V,
+        block_size=4,
+        pad_token_id=0,
+        config=cfg,
+        generator=torch.Generator().manual_seed(0),
+    )
     # positions 1..4 → 11, 12(EOS), 13, 14: the first block holds EOS, so one block only
     assert res.nfe == 4 and res.generated(0).tolist()[:4] == [11, 12, 13, 14]
     assert res.generated(0).tolist()[4:] == [12] * 8  # EOS fill after the stop

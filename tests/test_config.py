@@ -1,7 +1,8 @@
 """Declarative config: every shipped YAML validates; bad input gets one clear message."""
-import pytest
 
+import pytest
 from conftest import ROOT
+
 from dllm_common.config import ConfigError, PipelineSpec, apply_overrides, flatten, load_config, validate_config
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -74,14 +75,17 @@ def test_flatten_gives_dotted_params():
 
 
 def test_per_strategy_dllm_overrides_merge_and_validate():
-    spec = validate_config({"dllm": {"block_size": 8, "ar_loss_alpha": 0.5,
-                                     "overrides": {"block_diffusion": {"block_size": 16}}}})
+    spec = validate_config(
+        {"dllm": {"block_size": 8, "ar_loss_alpha": 0.5, "overrides": {"block_diffusion": {"block_size": 16}}}}
+    )
     assert spec.dllm.for_strategy("block_diffusion").block_size == 16
     assert spec.dllm.for_strategy("block_diffusion").mode == "block_diffusion"
     hybrid = spec.dllm.for_strategy("hybrid")
     assert hybrid.block_size == 8 and hybrid.ar_loss_alpha == 0.5 and hybrid.mode == "hybrid"
-    for bad, message in [({"nope": {}}, "unknown strategy 'nope'"),
-                         ({"hybrid": {"bogus": 1}}, r"dllm.overrides.hybrid: unknown key\(s\) \['bogus'\]"),
-                         ({"hybrid": {"block_size": 0}}, "dllm.overrides.hybrid.block_size: Input should be greater")]:
+    for bad, message in [
+        ({"nope": {}}, "unknown strategy 'nope'"),
+        ({"hybrid": {"bogus": 1}}, r"dllm.overrides.hybrid: unknown key\(s\) \['bogus'\]"),
+        ({"hybrid": {"block_size": 0}}, "dllm.overrides.hybrid.block_size: Input should be greater"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             validate_config({"dllm": {"overrides": bad}})

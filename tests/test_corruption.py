@@ -1,4 +1,5 @@
 """corrupt_uniform (spec §4.2) and the per-sample seeding of spec §3."""
+
 import pytest
 import torch
 

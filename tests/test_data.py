@@ -1,12 +1,21 @@
 """prepare_data: embedded corpus parsing, document split, both row shapes, user data, bad data."""
+
 import json
 
 import pytest
 import torch
 
 from dllm_common.config import validate_config
-from tasks.prepare_data import (DataError, Document, dialogue_row, load_split, parse_play, prepare_data,
-                                split_documents, train_tokenizer)
+from tasks.prepare_data import (
+    DataError,
+    Document,
+    dialogue_row,
+    load_split,
+    parse_play,
+    prepare_data,
+    split_documents,
+    train_tokenizer,
+)
 
 PLAY = """# A Play
 
@@ -32,8 +41,10 @@ Farewell.
 
 def test_parse_play_turns_and_scenes():
     scenes = parse_play(PLAY)
-    assert scenes == [[("ALPHA", "Good morrow, friend. How fare you?"), ("BETA", "Well, I thank you.")],
-                      [("ALPHA", "Farewell.")]]
+    assert scenes == [
+        [("ALPHA", "Good morrow, friend. How fare you?"), ("BETA", "Well, I thank you.")],
+        [("ALPHA", "Farewell.")],
+    ]
 
 
 def test_split_is_by_document_deterministic_and_disjoint():
@@ -52,14 +63,18 @@ def test_pretrain_rows_all_supervised_and_split_by_play(prepared):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_tokenizer(["Good morrow, friend. How fare you? Well, I thank you."] * 20,
-                           validate_config({}).tokenizer.model_copy(update={"vocab_size": 300}))
+    return train_tokenizer(
+        ["Good morrow, friend. How fare you? Well, I thank you."] * 20,
+        validate_config({}).tokenizer.model_copy(update={"vocab_size": 300}),
+    )
 
 
 def test_tokenizer_has_specials_and_chat_template(tokenizer):
     assert None not in (tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id)
     assert len({tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id}) == 3
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|assistant|>")
 
 
@@ -82,9 +97,14 @@ def test_jsonl_text_and_chat_messages(tmp_path):
     ref = prepare_data(_spec(tmp_path, source="jsonl", path=str(text)), str(tmp_path / "w1"))
     assert ref.info["train_rows"] > 0 and ref.info["val_rows"] > 0
     chat = tmp_path / "c.jsonl"
-    chat.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
-                                                        {"role": "assistant", "content": f"answer {i}"}]})
-                              for i in range(6)))
+    chat.write_text(
+        "\n".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+            )
+            for i in range(6)
+        )
+    )
     ref = prepare_data(_spec(tmp_path, source="jsonl", path=str(chat), shape="dialogue"), str(tmp_path / "w2"))
     ids, loss, attn = load_split(ref.path, "train")
     assert 0 < loss.sum() < attn.sum()  # the prompt is not supervised

@@ -6,6 +6,7 @@ then the `smoke-gpu-training` deployment is triggered: the pipeline runs on the 
 submits its training to the `train-gpu` deployment, which the gpu worker runs. Then a deployment
 run left Running with a silent worker is marked Crashed by the automation and `prefect flow-run
 retry` reruns it. Everything is stopped by process group at the end."""
+
 import json
 import os
 import subprocess
@@ -14,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, free_port, stop_group, wait_http
 
 pytestmark = pytest.mark.slow
@@ -26,17 +26,25 @@ def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path):
     prefect_port, mlflow_port = free_port(), free_port()
     api = f"http://127.0.0.1:{prefect_port}/api"
     mlflow_url = f"http://127.0.0.1:{mlflow_port}"
-    env = {**os.environ, "DLLM_SERVER_DIR": str(tmp_path / "server"), "PREFECT_PORT": str(prefect_port),
-           "MLFLOW_PORT": str(mlflow_port), "VENV_BIN": str(VENV / "bin"), "PREFECT_WORKER_QUERY_SECONDS": "2",
-           "PREFECT_HOME": str(tmp_path / "client-prefect-home"), "PREFECT_LOGGING_LEVEL": "INFO"}
+    env = {
+        **os.environ,
+        "DLLM_SERVER_DIR": str(tmp_path / "server"),
+        "PREFECT_PORT": str(prefect_port),
+        "MLFLOW_PORT": str(mlflow_port),
+        "VENV_BIN": str(VENV / "bin"),
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_HOME": str(tmp_path / "client-prefect-home"),
+        "PREFECT_LOGGING_LEVEL": "INFO",
+    }
     env.pop("PREFECT_API_URL", None)
     make = ["make", "-o", "install", f"VENV={VENV}", f"DLLM_PREFECT_API={api}"]
     procs = []
 
     def start(args, name):
         log = tmp_path / f"{name}.log"
-        proc = subprocess.Popen(args, cwd=ROOT, env=env, start_new_session=True, stdout=open(log, "w"),
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            args, cwd=ROOT, env=env, start_new_session=True, stdout=open(log, "w"), stderr=subprocess.STDOUT
+        )
         procs.append(proc)
         return proc, log
 
@@ -60,8 +68,14 @@ run = run_deployment("dllm-pipeline/smoke-gpu-training", timeout=900, parameters
     "overrides": ["pipeline.train_deployment=dllm-train/train-gpu", "tracking.uri={mlflow_url}"]}})
 print(json.dumps({{"state": run.state.type.value, "id": str(run.id)}}))
 """
-        out = subprocess.run([sys.executable, "-c", trigger], cwd=ROOT, env={**env, "PREFECT_API_URL": api},
-                             capture_output=True, text=True, timeout=1000)
+        out = subprocess.run(
+            [sys.executable, "-c", trigger],
+            cwd=ROOT,
+            env={**env, "PREFECT_API_URL": api},
+            capture_output=True,
+            text=True,
+            timeout=1000,
+        )
         assert out.returncode == 0, out.stderr[-4000:]
         result = json.loads(out.stdout.strip().splitlines()[-1])
         logs = "".join((tmp_path / f"{n}.log").read_text()[-3000:] for n in ("worker-cpu", "worker-gpu"))
@@ -69,8 +83,11 @@ print(json.dumps({{"state": run.state.type.value, "id": str(run.id)}}))
         record = json.loads(next((workdir / "runs").glob("*.json")).read_text())
         assert record["status"] == "COMPLETED"
         assert {s["name"]: s["status"] for s in record["stages"]} == {
-            "prepare_data": "COMPLETED", "train[mdlm]": "COMPLETED", "evaluate[mdlm]": "COMPLETED",
-            "report": "COMPLETED"}
+            "prepare_data": "COMPLETED",
+            "train[mdlm]": "COMPLETED",
+            "evaluate[mdlm]": "COMPLETED",
+            "report": "COMPLETED",
+        }
         assert "dllm-train" in gpu_log.read_text()  # the training flow ran on the gpu pool's worker
         from mlflow.tracking import MlflowClient
 
@@ -111,13 +128,25 @@ while time.time() - t0 < 120 and asyncio.run(state(rid)).type.value == "RUNNING"
 short.delete()  # the 10 s window would also crash the healthy retry below
 print(json.dumps({{"id": str(rid), "state": asyncio.run(state(rid)).type.value}}))
 """
-        out = subprocess.run([sys.executable, "-c", zombie], cwd=ROOT, env={**env, "PREFECT_API_URL": api},
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", zombie],
+            cwd=ROOT,
+            env={**env, "PREFECT_API_URL": api},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-4000:]
         crashed = json.loads(out.stdout.strip().splitlines()[-1])
         assert crashed["state"] == "CRASHED"
-        retry = subprocess.run([str(VENV / "bin" / "prefect"), "flow-run", "retry", crashed["id"]], cwd=ROOT,
-                               env={**env, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=600)
+        retry = subprocess.run(
+            [str(VENV / "bin" / "prefect"), "flow-run", "retry", crashed["id"]],
+            cwd=ROOT,
+            env={**env, "PREFECT_API_URL": api},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert retry.returncode == 0 and "scheduled for retry" in retry.stdout, retry.stdout[-3000:] + retry.stderr
         deadline, rerun = time.time() + 400, None
         while time.time() < deadline and not (rerun and rerun["status"] in ("COMPLETED", "FAILED")):

@@ -1,14 +1,26 @@
 """DFlash pieces (spec §5.7, §6.2, §10, §14): layer ids, anchors, the mask against an element-wise
 reference (dense and flex), the decay loss by hand, leakage, and speculative decoding = greedy."""
+
 import math
 
 import pytest
 import torch
 
-from strategies.dflash import (DFlashDecayLoss, DFlashDraftConfig, DFlashDraftModel, _build_target_layer_ids,
-                               acceptance_from_correct, build_dflash_mask_mod, create_dflash_block_mask,
-                               create_dflash_sdpa_mask, draft_block_logits, greedy_generate, sample_anchor_blocks,
-                               speculative_generate, target_features)
+from strategies.dflash import (
+    DFlashDecayLoss,
+    DFlashDraftConfig,
+    DFlashDraftModel,
+    _build_target_layer_ids,
+    acceptance_from_correct,
+    build_dflash_mask_mod,
+    create_dflash_block_mask,
+    create_dflash_sdpa_mask,
+    draft_block_logits,
+    greedy_generate,
+    sample_anchor_blocks,
+    speculative_generate,
+    target_features,
+)
 from strategies.models import build_model, tiny_model_config
 
 MASK = 63
@@ -68,11 +80,15 @@ def test_decay_loss_by_hand():
     assert math.isclose(out.total_loss.item(), num / 3, rel_tol=1e-6)
     assert math.isclose(loss(logits, targets, mask, block_size=3).total_loss.item(), num, rel_tol=1e-6)  # unnormalized
     mono = [math.exp(-j / 2) for j in range(4)]  # no block size: one decaying vector over all T positions
-    assert math.isclose(loss(logits, targets, mask).total_loss.item(),
-                        sum(n * wi * m for n, wi, m in zip(nll, mono, mask[0].tolist())), rel_tol=1e-6)
+    assert math.isclose(
+        loss(logits, targets, mask).total_loss.item(),
+        sum(n * wi * m for n, wi, m in zip(nll, mono, mask[0].tolist())),
+        rel_tol=1e-6,
+    )
     mean = DFlashDecayLoss(loss_gamma=2.0, normalize="mean")(logits, targets, mask, block_size=3)
-    assert math.isclose(mean.total_loss.item(), num / (sum(wi * m for wi, m in zip(w, mask[0].tolist())) + 1e-6),
-                        rel_tol=1e-6)
+    assert math.isclose(
+        mean.total_loss.item(), num / (sum(wi * m for wi, m in zip(w, mask[0].tolist())) + 1e-6), rel_tol=1e-6
+    )
     flat = DFlashDecayLoss(loss_gamma=None)(logits, targets, mask, num_tokens=3)
     assert math.isclose(flat.total_loss.item(), (nll[0] + nll[1] + nll[3]) / 3, rel_tol=1e-6)
     # argmax [0 (tie → first), 0, 1, 0] vs targets [0, 0, 0, 1]: correct [1, 1, 0, 0]; blocks (pos 0, 1), (2, 3)
@@ -117,8 +133,8 @@ def test_anchor_blocks_follow_the_spec_and_reproduce_from_seeds():
     assert blocks.keep[0].all() and not blocks.keep[1].any()
     for n in range(3):
         anchor = int(a[0, n])
-        assert blocks.block_ids[0, n * 4] == x[0, anchor] and (blocks.block_ids[0, n * 4 + 1: n * 4 + 4] == MASK).all()
-        assert blocks.targets[0, n * 3: n * 3 + 3].tolist() == x[0, anchor + 1: anchor + 4].tolist()
+        assert blocks.block_ids[0, n * 4] == x[0, anchor] and (blocks.block_ids[0, n * 4 + 1 : n * 4 + 4] == MASK).all()
+        assert blocks.targets[0, n * 3 : n * 3 + 3].tolist() == x[0, anchor + 1 : anchor + 4].tolist()
     assert (blocks.block_ids[1] == MASK).all() and (blocks.block_mask[1] == 0).all()
 
 
@@ -127,8 +143,16 @@ def test_non_overlapping_sampler_with_fewer_slots_than_blocks_does_not_break():
     x = torch.randint(0, 50, (2, 30))
     attn = torch.ones(2, 30, dtype=torch.long)
     attn[0, 26:] = 0
-    blocks = sample_anchor_blocks(x, attn, None, block_size=8, num_blocks=4, mask_token_id=MASK, overlap=False,
-                                  generators=[torch.Generator().manual_seed(0)] * 2)
+    blocks = sample_anchor_blocks(
+        x,
+        attn,
+        None,
+        block_size=8,
+        num_blocks=4,
+        mask_token_id=MASK,
+        overlap=False,
+        generators=[torch.Generator().manual_seed(0)] * 2,
+    )
     kept = blocks.anchors[0][blocks.keep[0]].tolist()
     assert len(kept) == 2 and kept == sorted(kept) and kept[1] - kept[0] >= 8
     assert torch.equal(blocks.anchors[0], blocks.anchors[1])  # batch-shared
@@ -138,8 +162,16 @@ def test_non_overlapping_sampler_with_fewer_slots_than_blocks_does_not_break():
 def pair():
     target = build_model(tiny_model_config("llama", 64, 128, 32, 4, 4, None, None, False), seed=0).eval()
     ids = _build_target_layer_ids(4, 2)
-    cfg = DFlashDraftConfig(hidden_size=32, num_layers=2, num_heads=4, num_target_features=len(ids),
-                            target_hidden_size=32, block_size=4, target_layer_ids=ids, mask_token_id=MASK)
+    cfg = DFlashDraftConfig(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_target_features=len(ids),
+        target_hidden_size=32,
+        block_size=4,
+        target_layer_ids=ids,
+        mask_token_id=MASK,
+    )
     torch.manual_seed(1)
     return target, DFlashDraftModel(cfg).eval()
 
@@ -150,8 +182,15 @@ def test_no_leakage_from_context_at_or_after_the_anchor(pair, n_blocks):
     target, draft = pair
     x = torch.randint(0, 60, (1, 24), generator=torch.Generator().manual_seed(2))
     feats, _, _ = target_features(target, x, draft.config.target_layer_ids)
-    blocks = sample_anchor_blocks(x, torch.ones_like(x), None, block_size=4, num_blocks=n_blocks, mask_token_id=MASK,
-                                  generators=[torch.Generator().manual_seed(5)])
+    blocks = sample_anchor_blocks(
+        x,
+        torch.ones_like(x),
+        None,
+        block_size=4,
+        num_blocks=n_blocks,
+        mask_token_id=MASK,
+        generators=[torch.Generator().manual_seed(5)],
+    )
     with torch.no_grad():
         base = draft_block_logits(draft, target, feats, blocks.anchors, blocks.keep, blocks.block_ids)
         for n in range(n_blocks):
@@ -159,12 +198,15 @@ def test_no_leakage_from_context_at_or_after_the_anchor(pair, n_blocks):
             poked = feats.clone()
             poked[:, anchor:] += 5 * torch.randn_like(poked[:, anchor:])
             moved = draft_block_logits(draft, target, poked, blocks.anchors, blocks.keep, blocks.block_ids)
-            assert torch.allclose(moved[0, n * 4:(n + 1) * 4], base[0, n * 4:(n + 1) * 4], atol=1e-5)
+            assert torch.allclose(moved[0, n * 4 : (n + 1) * 4], base[0, n * 4 : (n + 1) * 4], atol=1e-5)
             earlier = feats.clone()
             earlier[:, : max(anchor - 1, 1)] += 5.0
-            assert not torch.allclose(draft_block_logits(draft, target, earlier, blocks.anchors, blocks.keep,
-                                                         blocks.block_ids)[0, n * 4:(n + 1) * 4],
-                                      base[0, n * 4:(n + 1) * 4])  # the context before it is read
+            assert not torch.allclose(
+                draft_block_logits(draft, target, earlier, blocks.anchors, blocks.keep, blocks.block_ids)[
+                    0, n * 4 : (n + 1) * 4
+                ],
+                base[0, n * 4 : (n + 1) * 4],
+            )  # the context before it is read
 
 
 def test_speculative_decoding_equals_target_greedy(pair):
@@ -221,8 +263,14 @@ def _strategy(target, draft, features=None, **cfg):
 
     s = DFlashStrategy()
     s.create_loss_fn({"block_size": 4, "num_blocks_per_sample": 3, **cfg})
-    s.setup_extra(SetupContext(model=draft, tokenizer=None, mask_token_id=MASK,
-                               extras={"target": target, **({"features": features} if features else {})}))
+    s.setup_extra(
+        SetupContext(
+            model=draft,
+            tokenizer=None,
+            mask_token_id=MASK,
+            extras={"target": target, **({"features": features} if features else {})},
+        )
+    )
     return s
 
 
@@ -253,8 +301,15 @@ def test_cached_and_online_features_give_the_same_loss(pair, tmp_path):
     target, draft = pair
     ids, mb = _batch()
     online, batches = _loss(_strategy(target, draft), draft, mb)
-    index = write_feature_cache(target, {"train": ids}, draft.config.target_layer_ids, tmp_path / "fp32", dtype="fp32",
-                                batch_size=3, shard_rows=3)  # 2 shards, batches across them
+    index = write_feature_cache(
+        target,
+        {"train": ids},
+        draft.config.target_layer_ids,
+        tmp_path / "fp32",
+        dtype="fp32",
+        batch_size=3,
+        shard_rows=3,
+    )  # 2 shards, batches across them
     assert [s["rows"] for s in index["splits"]["train"]] == [3, 1] and index["bytes"] > 0
     cached, cached_batches = _loss(_strategy(target, draft, CachedFeatures(tmp_path / "fp32")), draft, mb)
     assert torch.equal(batches[0].extras["anchors"], cached_batches[0].extras["anchors"])

@@ -1,5 +1,6 @@
 """DFlash through the stages: pretrain_target → cache_target → train[dflash] → evaluate, the cache's
 key and reuse, the cross-process lock, cached vs online features, and the errors a user can fix."""
+
 import dataclasses
 import json
 import multiprocessing
@@ -21,10 +22,15 @@ def _dflash_spec(tiny_spec, **dflash):
     raw["pipeline"]["strategies"] = ["dflash"]
     raw["model"].update(hidden_size=32, num_layers=1, num_heads=2)
     raw["train"].update(steps=16, val_every=4)
-    raw["dflash"] = {"pretrain": {"num_layers": 4, "num_heads": 2, "steps": 30, "batch_size": 8, "val_every": 10,
-                                  "val_rows": 8},
-                     "block_size": 4, "num_blocks_per_sample": 2, "eval_prompts": 2, "eval_prompt_len": 8,
-                     "eval_max_new_tokens": 8, **dflash}
+    raw["dflash"] = {
+        "pretrain": {"num_layers": 4, "num_heads": 2, "steps": 30, "batch_size": 8, "val_every": 10, "val_rows": 8},
+        "block_size": 4,
+        "num_blocks_per_sample": 2,
+        "eval_prompts": 2,
+        "eval_prompt_len": 8,
+        "eval_max_new_tokens": 8,
+        **dflash,
+    }
     return validate_config(raw)
 
 
@@ -123,15 +129,26 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     from tasks.generate import check_sampler, generate, load_for_generation
 
     model, tok, strat, mask, _ = load_for_generation(ckpt, "cpu")
-    out = generate(model, tok, strat, mask, "O", check_sampler("dflash", "auto", False), SamplerConfig(max_new_tokens=8),
-                   seed=0, device="cpu", chat=False)
+    out = generate(
+        model,
+        tok,
+        strat,
+        mask,
+        "O",
+        check_sampler("dflash", "auto", False),
+        SamplerConfig(max_new_tokens=8),
+        seed=0,
+        device="cpu",
+        chat=False,
+    )
     prompt = tok("O", add_special_tokens=False)["input_ids"]
     assert out.text == tok.decode(greedy_generate(strat.target, prompt, 8, tok.eos_token_id)) and out.nfe >= 1
     with pytest.raises(ValueError, match="does not fit a dflash checkpoint"):
         check_sampler("dflash", "llada", False)
     bench = json.loads((Path(ev.path) / "speculative.json").read_text())
     assert sum(int(k) * v for k, v in bench["histogram"].items()) / sum(bench["histogram"].values()) == pytest.approx(
-        m["dflash/tau"])
+        m["dflash/tau"]
+    )
 
 
 def test_cached_and_online_features_train_the_same_draft(prepared, tiny_spec, tmp_path):
@@ -179,13 +196,19 @@ def test_errors_name_what_to_change(dflash_run, tiny_spec):
         _dflash_spec(tiny_spec, target_features="disk")
     with pytest.raises(ValueError, match="needs its target stage"):
         train(spec, "dflash", data, workdir)
-    wide = validate_config({**spec.model_dump(mode="json"), "model": {**spec.model.model_dump(mode="json"),
-                                                                      "hidden_size": 64}})
+    wide = validate_config(
+        {**spec.model_dump(mode="json"), "model": {**spec.model.model_dump(mode="json"), "hidden_size": 64}}
+    )
     with pytest.raises(ValueError, match=r"model.hidden_size \(64\) must equal the target's hidden size \(32\)"):
         train(wide, "dflash", data, workdir, inputs={"target": tgt, "features": feats})
     with pytest.raises(ValueError, match="flex_attention' trains on CUDA only"):
-        train(_dflash_spec_from(spec, attention_backend="flex_attention"), "dflash", data, workdir,
-              inputs={"target": tgt, "features": feats})
+        train(
+            _dflash_spec_from(spec, attention_backend="flex_attention"),
+            "dflash",
+            data,
+            workdir,
+            inputs={"target": tgt, "features": feats},
+        )
     with pytest.raises(ValueError, match="outside the target's 4 layers"):
         cache_target(_dflash_spec_from(spec, target_layer_ids=[7]), tgt, data, workdir)
     with pytest.raises(FileNotFoundError, match="not a local directory and not in the Hugging Face cache"):
@@ -198,13 +221,50 @@ def test_dflash_pipeline_runs_and_a_second_draft_reuses_target_and_cache(tmp_pat
     evaluate → report; a rerun with another draft learning rate reuses the target, its text and the cache."""
     from test_pipeline import cli
 
-    shrink = ["--set", "data.max_documents=4", "--set", "data.max_train_rows=128", "--set", "data.max_val_rows=16",
-              "--set", "data.seq_len=32", "--set", "tokenizer.vocab_size=320", "--set", "model.hidden_size=32",
-              "--set", "model.num_heads=2", "--set", "dflash.pretrain.num_heads=2", "--set", "dflash.pretrain.num_layers=2",
-              "--set", "dflash.pretrain.steps=10", "--set", "train.steps=4", "--set", "train.global_batch_size=8",
-              "--set", "train.micro_batch_size=8", "--set", "train.val_every=2", "--set", "train.val_rows=8",
-              "--set", "eval.val_rows=8", "--set", "eval.num_samples=1", "--set", "eval.sample_length=4",
-              "--set", "dflash.eval_prompts=2", "--set", "dflash.eval_prompt_len=4", "--set", "dflash.eval_max_new_tokens=4"]
+    shrink = [
+        "--set",
+        "data.max_documents=4",
+        "--set",
+        "data.max_train_rows=128",
+        "--set",
+        "data.max_val_rows=16",
+        "--set",
+        "data.seq_len=32",
+        "--set",
+        "tokenizer.vocab_size=320",
+        "--set",
+        "model.hidden_size=32",
+        "--set",
+        "model.num_heads=2",
+        "--set",
+        "dflash.pretrain.num_heads=2",
+        "--set",
+        "dflash.pretrain.num_layers=2",
+        "--set",
+        "dflash.pretrain.steps=10",
+        "--set",
+        "train.steps=4",
+        "--set",
+        "train.global_batch_size=8",
+        "--set",
+        "train.micro_batch_size=8",
+        "--set",
+        "train.val_every=2",
+        "--set",
+        "train.val_rows=8",
+        "--set",
+        "eval.val_rows=8",
+        "--set",
+        "eval.num_samples=1",
+        "--set",
+        "eval.sample_length=4",
+        "--set",
+        "dflash.eval_prompts=2",
+        "--set",
+        "dflash.eval_prompt_len=4",
+        "--set",
+        "dflash.eval_max_new_tokens=4",
+    ]
 
     def run(*extra):
         out = cli("run", "configs/dflash.yaml", *shrink, *extra, workdir=tmp_path, api=prefect_api)
@@ -212,14 +272,26 @@ def test_dflash_pipeline_runs_and_a_second_draft_reuses_target_and_cache(tmp_pat
         record = json.loads(sorted((tmp_path / "runs").glob("*.json"))[-1].read_text())
         return {s["name"]: s["status"] for s in record["stages"]}
 
-    assert run() == {"prepare_data": "COMPLETED", "pretrain_target": "COMPLETED", "regenerate": "COMPLETED",
-                     "cache_target": "COMPLETED", "train[dflash]": "COMPLETED", "evaluate[dflash]": "COMPLETED",
-                     "report": "COMPLETED"}
+    assert run() == {
+        "prepare_data": "COMPLETED",
+        "pretrain_target": "COMPLETED",
+        "regenerate": "COMPLETED",
+        "cache_target": "COMPLETED",
+        "train[dflash]": "COMPLETED",
+        "evaluate[dflash]": "COMPLETED",
+        "report": "COMPLETED",
+    }
     report = (tmp_path / "report.md").read_text()
     assert "## Speculative decoding (DFlash)" in report and "| dflash |" in report
     assert run("--set", "train.lr=1.0e-3") == {
-        "prepare_data": "REUSED", "pretrain_target": "REUSED", "regenerate": "REUSED", "cache_target": "REUSED",
-        "train[dflash]": "COMPLETED", "evaluate[dflash]": "COMPLETED", "report": "COMPLETED"}
+        "prepare_data": "REUSED",
+        "pretrain_target": "REUSED",
+        "regenerate": "REUSED",
+        "cache_target": "REUSED",
+        "train[dflash]": "COMPLETED",
+        "evaluate[dflash]": "COMPLETED",
+        "report": "COMPLETED",
+    }
 
 
 def test_a_local_target_is_keyed_by_the_digest_of_its_weights(prepared, tiny_spec, tmp_path):
@@ -257,10 +329,15 @@ def test_regenerated_rows_are_the_targets_own_text_and_reproduce(dflash_run, tmp
     ids, loss, attn = load_split(ref.path, "train")
     orig = load_split(data.path, "train")[0]
     assert ids.shape == (16, orig.shape[1]) and torch.equal(ids[:, :8], orig[:16, :8])
-    assert loss[:, :8].sum() == 0 and loss[:, 8:].all() and ref.info["train_supervised_tokens"] == 16 * (ids.shape[1] - 8)
+    assert (
+        loss[:, :8].sum() == 0 and loss[:, 8:].all() and ref.info["train_supervised_tokens"] == 16 * (ids.shape[1] - 8)
+    )
     row0 = greedy_generate(load_target(tgt.info["model_path"]), orig[0, :8].tolist(), ids.shape[1] - 8)
     assert ids[0, 8:].tolist() == row0
-    assert load_file(str(Path(ref.path) / "val.safetensors")).keys() == load_file(str(Path(data.path) / "val.safetensors")).keys()
+    assert (
+        load_file(str(Path(ref.path) / "val.safetensors")).keys()
+        == load_file(str(Path(data.path) / "val.safetensors")).keys()
+    )
     torch.testing.assert_close(load_split(ref.path, "val")[0], load_split(data.path, "val")[0])
     sampled = _dflash_spec_from(spec, regenerate={"prompt_len": 8, "temperature": 1.0, "max_rows": 16})
     a = regenerate(sampled, tgt, data, workdir)

@@ -3,19 +3,32 @@
 The same global batch (8 rows) is trained as 1 process × 2 micro-batches of 4 and as 2 processes ×
 1 micro-batch of 4: same rows, same per-sample noise, counts all-reduced, backward × N under DDP.
 Per-step training losses, validation losses and final weights must agree to float tolerance."""
-import pytest
-import torch
 
+import pytest
 from test_train import _metric_history
+
 from tasks.train import model_dir, train
 
 pytestmark = pytest.mark.slow
 
 
 def _spec(tiny_spec, nproc: int, parallel: str = "ddp", checkpoint_every: int = 100):
-    return tiny_spec.model_copy(update={"train": tiny_spec.train.model_copy(update={
-        "steps": 6, "global_batch_size": 8, "micro_batch_size": 4, "val_every": 3, "checkpoint_every": checkpoint_every,
-        "nproc_per_node": nproc, "threads": 1, "parallel": parallel})})
+    return tiny_spec.model_copy(
+        update={
+            "train": tiny_spec.train.model_copy(
+                update={
+                    "steps": 6,
+                    "global_batch_size": 8,
+                    "micro_batch_size": 4,
+                    "val_every": 3,
+                    "checkpoint_every": checkpoint_every,
+                    "nproc_per_node": nproc,
+                    "threads": 1,
+                    "parallel": parallel,
+                }
+            )
+        }
+    )
 
 
 @pytest.mark.parametrize("strategy,parallel", [("block_diffusion", "ddp"), ("hybrid", "fsdp2")])
@@ -25,8 +38,12 @@ def test_two_gloo_processes_match_one_process(prepared, tiny_spec, tmp_path, str
     data, _ = prepared
     one = train(_spec(tiny_spec, 1), strategy, data, str(tmp_path / "one"))
     # FSDP2 also writes a mid-run checkpoint (gathered full weights + optimizer state)
-    two = train(_spec(tiny_spec, 2, parallel, checkpoint_every=3 if parallel == "fsdp2" else 100), strategy, data,
-                str(tmp_path / "two"))
+    two = train(
+        _spec(tiny_spec, 2, parallel, checkpoint_every=3 if parallel == "fsdp2" else 100),
+        strategy,
+        data,
+        str(tmp_path / "two"),
+    )
     assert not two.reused and two.mlflow_run_id
     for key in ("train/loss", "val/loss"):
         a = _metric_history(tmp_path / "one", one.mlflow_run_id, key)
@@ -42,9 +59,10 @@ def test_two_gloo_processes_match_one_process(prepared, tiny_spec, tmp_path, str
 
 def test_dflash_draft_under_two_gloo_processes_matches_one_process(prepared, tiny_spec, tmp_path):
     """DDP over the DFlash draft (target frozen on every rank, cached features read per global row)."""
+    from test_dflash_stages import _dflash_spec
+
     from tasks.cache_target import cache_target
     from tasks.target import target
-    from test_dflash_stages import _dflash_spec
 
     data, _ = prepared
     base = _dflash_spec(tiny_spec)

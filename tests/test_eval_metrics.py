@@ -1,4 +1,5 @@
 """Sample-quality metrics, reproducibility cards and the report renderer, against hand-computed values."""
+
 import json
 import math
 
@@ -49,13 +50,26 @@ def test_generative_perplexity_scores_only_the_continuation():
 
 
 def card(**changes):
-    base = {"strategy": "mdlm", "sampler_name": "absorbing", "data_key": "d1", "dtype": "float32", "device": "cpu",
-            "eval": {"val_rows": 32, "t_samples": 8, "batch_size": 32, "seed": 1, "nfe_budgets": [8, 4],
-                     "prompts": ["O"]},
-            "sampler": {"steps": 8, "max_new_tokens": 16, "block_size": 8, "temperature": 0.0,
-                        "remasking": "low_confidence", "threshold": None, "logit_shift": 0},
-            "scorer": None, "versions": {"torch": "2.13.0", "transformers": "5.24.0", "python": "3.11"},
-            "checkpoint_digest": "abc"}
+    base = {
+        "strategy": "mdlm",
+        "sampler_name": "absorbing",
+        "data_key": "d1",
+        "dtype": "float32",
+        "device": "cpu",
+        "eval": {"val_rows": 32, "t_samples": 8, "batch_size": 32, "seed": 1, "nfe_budgets": [8, 4], "prompts": ["O"]},
+        "sampler": {
+            "steps": 8,
+            "max_new_tokens": 16,
+            "block_size": 8,
+            "temperature": 0.0,
+            "remasking": "low_confidence",
+            "threshold": None,
+            "logit_shift": 0,
+        },
+        "scorer": None,
+        "versions": {"torch": "2.13.0", "transformers": "5.24.0", "python": "3.11"},
+        "checkpoint_digest": "abc",
+    }
     for key, value in changes.items():
         section, _, field = key.partition("__")
         if field:
@@ -66,17 +80,29 @@ def card(**changes):
 
 
 def row(strategy, c, **metrics):
-    return {"strategy": strategy, "run_id": f"run-{strategy}", "metrics": metrics, "card": c, "samples": "text",
-            "val_history": [(0, 5.0), (10, 4.0)],
-            "curve": [{"steps": 8, "nfe": 8.0, "entropy": 2.0, "gen_ppl": 30.0, "tokens_per_forward": 2.0},
-                      {"steps": 4, "nfe": 4.0, "entropy": 1.5, "gen_ppl": 60.0, "tokens_per_forward": 4.0}]}
+    return {
+        "strategy": strategy,
+        "run_id": f"run-{strategy}",
+        "metrics": metrics,
+        "card": c,
+        "samples": "text",
+        "val_history": [(0, 5.0), (10, 4.0)],
+        "curve": [
+            {"steps": 8, "nfe": 8.0, "entropy": 2.0, "gen_ppl": 30.0, "tokens_per_forward": 2.0},
+            {"steps": 4, "nfe": 4.0, "entropy": 1.5, "gen_ppl": 60.0, "tokens_per_forward": 4.0},
+        ],
+    }
 
 
 def test_cards_that_differ_on_a_result_changing_field_are_flagged():
-    rows = [row("mdlm", card()),
-            row("scdd", card(strategy="scdd", sampler_name="scdd_ancestral", checkpoint_digest="zzz",
-                             sampler__logit_shift=0)),
-            row("idlm", card(strategy="idlm", sampler__logit_shift=1, dtype="bfloat16", eval__seed=2))]
+    rows = [
+        row("mdlm", card()),
+        row(
+            "scdd",
+            card(strategy="scdd", sampler_name="scdd_ancestral", checkpoint_digest="zzz", sampler__logit_shift=0),
+        ),
+        row("idlm", card(strategy="idlm", sampler__logit_shift=1, dtype="bfloat16", eval__seed=2)),
+    ]
     flags = card_mismatches(rows)
     # strategy, sampler name, logit shift and digest differ by design; dtype and the eval seed change results
     assert set(flags) == {"idlm"}
@@ -87,8 +113,10 @@ def test_cards_that_differ_on_a_result_changing_field_are_flagged():
 
 
 def test_markdown_table_and_plots_from_rows(tmp_path):
-    rows = [row("mdlm", card(), **{"eval/nelbo": 5.0, "eval/nelbo_se": 0.1, "eval/gen_ppl": 30.0, "val/loss": 4.0}),
-            row("idlm", card(), **{"eval/ar_nll": 4.5, "eval/ar_nll_se": 0.05})]
+    rows = [
+        row("mdlm", card(), **{"eval/nelbo": 5.0, "eval/nelbo_se": 0.1, "eval/gen_ppl": 30.0, "val/loss": 4.0}),
+        row("idlm", card(), **{"eval/ar_nll": 4.5, "eval/ar_nll_se": 0.05}),
+    ]
     md = render_markdown("demo", rows, {}, ["nelbo.png"])
     lines = [ln for ln in md.splitlines() if ln.startswith("| mdlm |") or ln.startswith("| idlm |")]
     assert "5.0000 ± 0.1000" in lines[0] and "30.00" in lines[0]

@@ -1,4 +1,5 @@
 """HybridStrategy and HybridLM (spec §8.3, §14.5): config, corruption, inputs, two streams, leakage, training."""
+
 import pytest
 import torch
 
@@ -44,8 +45,9 @@ def test_prepare_batch_feeds_clean_ids_and_masked_positions():
     s = HybridStrategy()
     clean, noisy = torch.arange(6)[None], torch.full((1, 6), M)
     noise = torch.tensor([[0, 1, 0, 1, 1, 0]], dtype=torch.bool)
-    out = s.prepare_batch({"attention_mask": torch.ones(1, 6), "use_cache": True, "input_lengths": torch.tensor([6])},
-                          noisy, noise, clean)
+    out = s.prepare_batch(
+        {"attention_mask": torch.ones(1, 6), "use_cache": True, "input_lengths": torch.tensor([6])}, noisy, noise, clean
+    )
     assert torch.equal(out["input_ids"], clean) and torch.equal(out["masked_indices"], noise)
     assert torch.equal(out["labels"], clean) and out["skip_loss"] is True
     assert "attention_mask" not in out and "use_cache" not in out and "input_lengths" in out

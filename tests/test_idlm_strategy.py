@@ -1,4 +1,5 @@
 """IDLMStrategy (spec §8.4, §14.5): config, setup errors, corruption, the [x_t ‖ x_0] forward, training."""
+
 import pytest
 import torch
 
@@ -47,8 +48,9 @@ def _step(strategy, model, ids, loss, attn):
     loss_fn = strategy.create_loss_fn({"block_length": 2})
     ctx = StepContext(model=model, loss_fn=loss_fn, mask_token_id=M, step=0, base_seed=0)
     corrupted, _, n_sup = strategy.pre_step(ctx, [Microbatch(ids, loss, attn)])
-    return strategy.forward_backward(ctx, corrupted[0], num_diffusion_tokens=n_sup, num_ar_tokens=n_sup,
-                                     is_train=True), corrupted[0]
+    return strategy.forward_backward(
+        ctx, corrupted[0], num_diffusion_tokens=n_sup, num_ar_tokens=n_sup, is_train=True
+    ), corrupted[0]
 
 
 def test_forward_backward_gives_one_finite_loss_and_grads():

@@ -1,10 +1,18 @@
 """Corruption kernels of spec §4 against the properties of §14.1 (fixture: B=4, L=32, mask 999,
 ids < 100, first 24 positions supervised)."""
+
 import pytest
 import torch
 
-from strategies.corruption import (corrupt_all_masked, corrupt_blockwise, corrupt_mix, corrupt_uniform_random,
-                                   gumbel_topk, gumbel_topk_rows, scdd_grid_times)
+from strategies.corruption import (
+    corrupt_all_masked,
+    corrupt_blockwise,
+    corrupt_mix,
+    corrupt_uniform_random,
+    gumbel_topk,
+    gumbel_topk_rows,
+    scdd_grid_times,
+)
 from strategies.seeding import seeded_generator as gen
 
 MASK = 999
@@ -76,12 +84,14 @@ def test_corrupt_blockwise_exact_k_on_fully_supervised_rows():
     for row in range(64):
         for start, length in ((0, 8), (8, 8), (16, 4)):  # last block is short
             m = p[row, start].item()
-            assert int(noise[row, start:start + length].sum()) == min(max(round(m * length), 0), length)
+            assert int(noise[row, start : start + length].sum()) == min(max(round(m * length), 0), length)
 
 
 def test_corrupt_blockwise_prefers_later_positions_when_few_are_masked():
     ids = torch.zeros(4000, 32, dtype=torch.long)
-    noisy, noise, p = corrupt_blockwise(ids, torch.ones(4000, 32), MASK, eps=0.01, half_life_ratio=0.25, generator=gen(4))
+    noisy, noise, p = corrupt_blockwise(
+        ids, torch.ones(4000, 32), MASK, eps=0.01, half_life_ratio=0.25, generator=gen(4)
+    )
     light = p[:, 0] < 0.3
     assert noise[light][:, 24:].float().mean() > 2 * noise[light][:, :8].float().mean()
 
@@ -118,8 +128,9 @@ def test_corrupt_mix_channels_and_contract(batch):
 
 def test_corrupt_mix_replacement_is_uniform_over_the_other_tokens():
     ids = torch.zeros(1, 60000, dtype=torch.long)
-    z, _ = corrupt_mix(ids, torch.ones(1, 60000), 7, 8, mask_prob=_probs(1, 0.0), uniform_prob=_probs(1, 1.0),
-                       generator=gen(10))
+    z, _ = corrupt_mix(
+        ids, torch.ones(1, 60000), 7, 8, mask_prob=_probs(1, 0.0), uniform_prob=_probs(1, 1.0), generator=gen(10)
+    )
     counts = torch.bincount(z[0], minlength=8).float() / 60000
     assert counts[0] == 0 and counts[7] == 0
     assert torch.allclose(counts[1:7], torch.full((6,), 1 / 6), rtol=0.05)
@@ -128,16 +139,24 @@ def test_corrupt_mix_replacement_is_uniform_over_the_other_tokens():
 @pytest.mark.parametrize("mp,up", [(0.3, 0.5), (0.1, 0.2)])
 def test_corrupt_mix_channel_rates(mp, up):
     ids = torch.randint(0, 50, (8, 20000), generator=gen(11))
-    z, _ = corrupt_mix(ids, torch.ones_like(ids, dtype=torch.float), 99, 100, mask_prob=_probs(8, mp),
-                       uniform_prob=_probs(8, up), generator=gen(12))
+    z, _ = corrupt_mix(
+        ids,
+        torch.ones_like(ids, dtype=torch.float),
+        99,
+        100,
+        mask_prob=_probs(8, mp),
+        uniform_prob=_probs(8, up),
+        generator=gen(12),
+    )
     assert abs((z == 99).float().mean().item() - mp) < 0.01
     assert abs(((z != 99) & (z != ids)).float().mean().item() - up) < 0.01
 
 
 def test_corrupt_mix_never_transitions_a_clean_mask_token():
     ids = torch.full((2, 500), 7)
-    z, n = corrupt_mix(ids, torch.ones(2, 500), 7, 8, mask_prob=_probs(2, 0.0), uniform_prob=_probs(2, 1.0),
-                       generator=gen(13))
+    z, n = corrupt_mix(
+        ids, torch.ones(2, 500), 7, 8, mask_prob=_probs(2, 0.0), uniform_prob=_probs(2, 1.0), generator=gen(13)
+    )
     assert not n.any() and z.max() < 8
 
 
@@ -160,8 +179,9 @@ KERNELS = {
     "blockwise": lambda ids, loss, g: corrupt_blockwise(ids, loss, MASK, block_size=8, generator=g),
     "blockwise_seq": lambda ids, loss, g: corrupt_blockwise(ids, loss, MASK, generator=g),
     "uniform_random": lambda ids, loss, g: corrupt_uniform_random(ids, loss, 100, generator=g),
-    "mix": lambda ids, loss, g: corrupt_mix(ids, loss, MASK, 1000, mask_prob=_probs(4, 0.3),
-                                            uniform_prob=_probs(4, 0.3), generator=g),
+    "mix": lambda ids, loss, g: corrupt_mix(
+        ids, loss, MASK, 1000, mask_prob=_probs(4, 0.3), uniform_prob=_probs(4, 0.3), generator=g
+    ),
 }
 
 

@@ -1,14 +1,22 @@
 """LoRA (peft), activation checkpointing and bf16 autocast through the training stage."""
+
 from pathlib import Path
 
 import pytest
 import torch
+from test_train import _metric_history
 
 from strategies import MDLMStrategy, Microbatch, StepContext
-from strategies.models import (add_lora, build_model, enable_activation_checkpointing, lora_state_dict, merge_lora,
-                               model_from_config_dir, tiny_model_config)
+from strategies.models import (
+    add_lora,
+    build_model,
+    enable_activation_checkpointing,
+    lora_state_dict,
+    merge_lora,
+    model_from_config_dir,
+    tiny_model_config,
+)
 from tasks.train import model_dir, train
-from test_train import _metric_history
 
 V, M = 64, 63
 
@@ -18,15 +26,17 @@ def _tiny(seed=0):
 
 
 def _spec(tiny_spec, **train):
-    return tiny_spec.model_copy(update={"train": tiny_spec.train.model_copy(update={"steps": 30, "val_every": 5,
-                                                                                     **train})})
+    return tiny_spec.model_copy(
+        update={"train": tiny_spec.train.model_copy(update={"steps": 30, "val_every": 5, **train})}
+    )
 
 
 def test_merge_folds_adapters_without_changing_the_function():
     model = _tiny()
     add_lora(model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
-    assert {n for n, p in model.named_parameters() if p.requires_grad} == {n for n, _ in model.named_parameters()
-                                                                           if "lora_" in n}
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.named_parameters() if "lora_" in n
+    }
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.05)  # LoRA starts at B = 0: make the adapter do something
@@ -68,22 +78,25 @@ def test_lora_training_trains_adapters_only_and_publishes_them(prepared, tiny_sp
     from safetensors.torch import load_file
 
     from dllm_common.checkpoint import load_weights_into
-    from tasks.evaluate import evaluate
-
     from dllm_common.config import PeftConfig
+    from tasks.evaluate import evaluate
 
     data, _ = prepared
     base = base_model
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     spec = _spec(tiny_spec, lr=1e-2, peft=PeftConfig(r=8, alpha=16, target_modules=targets, merge=merge))
-    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"kind": "pretrained",
-                                                                          "path": str(model_dir(base))})})
+    spec = spec.model_copy(
+        update={"model": spec.model.model_copy(update={"kind": "pretrained", "path": str(model_dir(base))})}
+    )
     trained = train(spec, "mdlm", data, str(tmp_path))
     val = [v for _, v in _metric_history(tmp_path, trained.mlflow_run_id, "val/loss")]
     assert val[-1] < val[0]
     adapter = load_file(str(__import__("pathlib").Path(trained.path) / "adapter" / "adapter_model.safetensors"))
-    assert adapter and all("lora_" in k for k in adapter) and any(float(v.abs().max()) > 0 for k, v in adapter.items()
-                                                                 if "lora_B" in k)
+    assert (
+        adapter
+        and all("lora_" in k for k in adapter)
+        and any(float(v.abs().max()) > 0 for k, v in adapter.items() if "lora_B" in k)
+    )
     weights = load_file(str(model_dir(trained) / "model.safetensors"))
     before = load_file(str(model_dir(base) / "model.safetensors"))
     assert torch.equal(weights["model.norm.weight"], before["model.norm.weight"])  # frozen

@@ -1,4 +1,5 @@
 """The one direction of imports (flows → tasks → strategies → dllm_common) and a CUDA-free flows layer."""
+
 import ast
 import subprocess
 import sys

@@ -1,4 +1,5 @@
 """MDLMCrossEntropyLoss against hand-computed values (spec §5.2, §14.3)."""
+
 import math
 
 import pytest

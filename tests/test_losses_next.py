@@ -1,4 +1,5 @@
 """Losses for the next strategies (spec §5.3–5.6, §5.8) against hand formulas and §14.3 properties."""
+
 import math
 
 import pytest
@@ -10,7 +11,9 @@ from strategies.scdd import SCDDLoss, scdd_schedule
 
 
 def ce(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none").view(target.shape)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none").view(
+        target.shape
+    )
 
 
 @pytest.fixture
@@ -32,8 +35,9 @@ def fx():
 
 def test_hybrid_hand_formula_with_ar_term(fx):
     logits, causal, target, noise, p, lm = fx
-    out = HybridDiffusionLLMLoss(alpha=0.3)(logits, target, noise, p, lm, loss_mask_ar=lm, num_diffusion_tokens=4,
-                                            num_ar_tokens=12, causal_logits=causal)
+    out = HybridDiffusionLLMLoss(alpha=0.3)(
+        logits, target, noise, p, lm, loss_mask_ar=lm, num_diffusion_tokens=4, num_ar_tokens=12, causal_logits=causal
+    )
     diff = (ce(logits, target) * (noise & lm.bool()) / 0.5).sum() / 4
     ar = (ce(causal[:, :-1], target[:, 1:]) * lm[:, 1:]).sum() / 12
     assert out.total_loss.item() == pytest.approx(0.3 * diff.item() + ar.item(), rel=1e-6)
@@ -58,8 +62,9 @@ def test_hybrid_layouts_and_alpha(fx):
 def test_hybrid_counts_divide(fx):
     logits, causal, target, noise, p, lm = fx
     raw = HybridDiffusionLLMLoss()(logits, target, noise, p, lm, loss_mask_ar=lm, causal_logits=causal)
-    ten = HybridDiffusionLLMLoss()(logits, target, noise, p, lm, loss_mask_ar=lm, causal_logits=causal,
-                                   num_diffusion_tokens=10, num_ar_tokens=10)
+    ten = HybridDiffusionLLMLoss()(
+        logits, target, noise, p, lm, loss_mask_ar=lm, causal_logits=causal, num_diffusion_tokens=10, num_ar_tokens=10
+    )
     assert ten.total_loss.item() == pytest.approx(raw.total_loss.item() / 10, rel=1e-6)
 
 
@@ -96,7 +101,8 @@ def test_encoder_ar_loss_hand_formula():
     expected = (ce(logits[:, :-1], ids[:, 1:]) * pairs).sum() / pairs.sum()
     assert encoder_ar_loss(logits, ids, valid).item() == pytest.approx(expected.item(), rel=1e-6)
     assert encoder_ar_loss(logits, ids, valid, num_tokens=3).item() == pytest.approx(
-        expected.item() * int(pairs.sum()) / 3, rel=1e-6)
+        expected.item() * int(pairs.sum()) / 3, rel=1e-6
+    )
 
 
 # ------------------------------------------------------------------ I-DLM
@@ -119,7 +125,7 @@ def _idlm_reference(logits, target, answer, valid, length, denom=None):
     support = (answer.bool() & valid.bool())[:, 1:]
     d = denom or int(support.sum())
     noisy = (ce(logits[:, : length - 1], target[:, 1:]) * support).sum() / d
-    clean = (ce(logits[:, length:2 * length - 1], target[:, 1:]) * support).sum() / d
+    clean = (ce(logits[:, length : 2 * length - 1], target[:, 1:]) * support).sum() / d
     return noisy, clean
 
 
@@ -285,8 +291,18 @@ def test_scdd_microbatch_split_sums_to_full_batch():
     lm = torch.ones(6, 8)
     loss = SCDDLoss(M)
     full = loss(logits, x0, None, times, lm, noisy_input_ids=zt, num_diffusion_tokens=48).total_loss
-    parts = sum(loss(logits[i:i + 2], x0[i:i + 2], None, times[i:i + 2], lm[i:i + 2], noisy_input_ids=zt[i:i + 2],
-                     num_diffusion_tokens=48).total_loss for i in range(0, 6, 2))
+    parts = sum(
+        loss(
+            logits[i : i + 2],
+            x0[i : i + 2],
+            None,
+            times[i : i + 2],
+            lm[i : i + 2],
+            noisy_input_ids=zt[i : i + 2],
+            num_diffusion_tokens=48,
+        ).total_loss
+        for i in range(0, 6, 2)
+    )
     assert parts.item() == pytest.approx(full.item(), rel=1e-5)
 
 

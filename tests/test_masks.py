@@ -1,4 +1,5 @@
 """Attention masks against element-wise reference predicates written with plain loops (spec §6, §14.4)."""
+
 import pytest
 import torch
 
@@ -102,8 +103,9 @@ def bd_reference(prefix, R, S, bs, W=None):
     return keep
 
 
-@pytest.mark.parametrize("prefix,R,S,bs,W", [([0], 16, 16, 4, None), ([3, 6], 8, 16, 4, None),
-                                             ([2, 5], 10, 20, 4, 8), ([6], 8, 16, 4, 16)])
+@pytest.mark.parametrize(
+    "prefix,R,S,bs,W", [([0], 16, 16, 4, None), ([3, 6], 8, 16, 4, None), ([2, 5], 10, 20, 4, 8), ([6], 8, 16, 4, 16)]
+)
 def test_block_diffusion_mask_equals_reference(prefix, R, S, bs, W):
     full, sliding = build_block_diffusion_training_mask(torch.tensor(prefix), R, S, bs, sliding_window=W)
     assert full.shape == (len(prefix), 1, R, S + R) and full.dtype == torch.bool
@@ -117,7 +119,7 @@ def test_block_diffusion_no_answer_leak():
     full, _ = build_block_diffusion_training_mask(0, 16, 16, 4, batch_size=1)
     for j in range(16):
         i = j // 4
-        assert full[0, 0, j, : 4 * i].all() and not full[0, 0, j, 4 * i: 16].any()
+        assert full[0, 0, j, : 4 * i].all() and not full[0, 0, j, 4 * i : 16].any()
     ge_mask = torch.zeros(16, 16, dtype=torch.bool)
     for j in range(16):
         ge_mask[j, : 4 * (j // 4 + 1)] = True  # the leaky `≥` variant would show the own block

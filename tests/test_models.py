@@ -1,4 +1,5 @@
 """Model adapters: the tiny causal families become bidirectional denoisers."""
+
 import pytest
 import torch
 

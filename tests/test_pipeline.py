@@ -1,10 +1,10 @@
 """End to end through the CLI: smoke pipeline → MLflow lineage → cached rerun → eval-only rerun → bad input."""
+
 import json
 import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -89,7 +89,11 @@ def test_mlflow_lineage(smoke_run):
     assert {"model/model.safetensors", "model/config.json", "model/tokenizer.json", "model/digests.json"} <= model_files
     (folder,) = client.list_artifacts(child.info.run_id, "eval")  # one folder per evaluation
     assert [f.path.split("/")[-1] for f in client.list_artifacts(child.info.run_id, folder.path)] == [
-        "curve.json", "metrics.json", "repro_card.json", "samples.txt"]
+        "curve.json",
+        "metrics.json",
+        "repro_card.json",
+        "samples.txt",
+    ]
     for key in ("eval/entropy", "eval/nfe", "eval/tokens_per_forward", "eval/tokens_per_s"):
         assert key in child.data.metrics, key
     nfe_steps = [m.step for m in client.get_metric_history(child.info.run_id, "eval_curve/nfe")]
@@ -97,8 +101,13 @@ def test_mlflow_lineage(smoke_run):
     version = client.get_model_version_by_alias("smoke-mdlm", "latest")
     assert version.run_id == child.info.run_id
     report_files = {f.path for f in client.list_artifacts(parent.info.run_id, "report")}
-    assert {"report/report.md", "report/report.json", "report/training_curves.png", "report/nelbo.png",
-            "report/quality_vs_nfe.png"} <= report_files
+    assert {
+        "report/report.md",
+        "report/report.json",
+        "report/training_curves.png",
+        "report/nelbo.png",
+        "report/quality_vs_nfe.png",
+    } <= report_files
 
 
 def test_runs_command_lists_stages(smoke_run, capsys):
@@ -145,8 +154,12 @@ def test_rerun_reuses_everything_then_eval_change_reruns_only_eval(smoke_run, ca
     first_run, first_report = latest_record(workdir)["run_id"], (workdir / "report.md").read_text()
     changed = cli("run", "configs/smoke.yaml", "--set", "eval.t_samples=3", workdir=workdir, api=prefect_api)
     assert changed.returncode == 0, changed.stderr[-3000:]
-    assert stage_status(latest_record(workdir)) == {"prepare_data": "REUSED", "train[mdlm]": "REUSED",
-                                                    "evaluate[mdlm]": "COMPLETED", "report": "COMPLETED"}
+    assert stage_status(latest_record(workdir)) == {
+        "prepare_data": "REUSED",
+        "train[mdlm]": "REUSED",
+        "evaluate[mdlm]": "COMPLETED",
+        "report": "COMPLETED",
+    }
     # the re-evaluation logged into the same trained-model run, yet each pipeline run's report re-renders
     # its own evaluation's numbers
     table = lambda text: [ln for ln in text.splitlines() if ln.startswith("| mdlm |")][0]  # noqa: E731
@@ -194,11 +207,24 @@ def test_sigkilled_training_is_marked_crashed_and_resume_reruns_it(tmp_path, cap
     import signal
     import time
 
-    args = ["run", "configs/smoke.yaml", "--set", "train.steps=80", "--set", "train.checkpoint_every=10",
-            "--workdir", str(tmp_path)]
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, start_new_session=True,
-                            env={**os.environ, "PREFECT_API_URL": prefect_api},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = [
+        "run",
+        "configs/smoke.yaml",
+        "--set",
+        "train.steps=80",
+        "--set",
+        "train.checkpoint_every=10",
+        "--workdir",
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=ROOT,
+        start_new_session=True,
+        env={**os.environ, "PREFECT_API_URL": prefect_api},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     try:
         while time.time() < deadline and not list((tmp_path / "store" / "train").glob("*.work/checkpoint/dllm.json")):
@@ -219,8 +245,10 @@ def test_sigkilled_training_is_marked_crashed_and_resume_reruns_it(tmp_path, cap
     assert "completed before, will be reused: prepare_data" in rerun.stdout
     assert "resuming from the step-" in rerun.stdout
     record = latest_record(tmp_path)
-    assert record["resumed_from"] == killed and record["config"] == json.loads(
-        (tmp_path / "runs" / f"{killed}.json").read_text())["config"]
+    assert (
+        record["resumed_from"] == killed
+        and record["config"] == json.loads((tmp_path / "runs" / f"{killed}.json").read_text())["config"]
+    )
     status = stage_status(record)
     assert status["prepare_data"] == "REUSED" and status["train[mdlm]"] == "COMPLETED"
     again = cli_here(capsys, "resume", record["run_id"], workdir=tmp_path)
@@ -233,8 +261,11 @@ def test_sigkilled_training_is_marked_crashed_and_resume_reruns_it(tmp_path, cap
     from dllm_common.tracking import default_tracking_uri
 
     client = MlflowClient(default_tracking_uri(tmp_path))
-    children = [r for r in client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
-                if "mlflow.parentRunId" in r.data.tags]
+    children = [
+        r
+        for r in client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+        if "mlflow.parentRunId" in r.data.tags
+    ]
     assert len(children) == 1  # the resumed stage continued its child run
     steps = sorted(m.step for m in client.get_metric_history(children[0].info.run_id, "train/loss"))
     assert steps == list(range(80))

@@ -5,6 +5,7 @@ Each strategy wraps the loaded model (with LoRA adapters and activation checkpoi
 model would be trained) in its own shape and runs one optimizer step on real text: the loss is
 finite, only adapters and strategy-owned modules get gradients, all finite, and the step lowers the
 loss on the same batch."""
+
 import copy
 import importlib.util
 from pathlib import Path
@@ -15,8 +16,10 @@ import torch
 pytestmark = pytest.mark.slow
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
-        "arrows of outrageous fortune, or to take arms against a sea of troubles, and by opposing end them.")
+TEXT = (
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
+    "arrows of outrageous fortune, or to take arms against a sea of troubles, and by opposing end them."
+)
 
 
 def _smollm2_dir() -> Path:
@@ -53,8 +56,9 @@ def test_one_step_of_each_strategy_on_smollm2(smollm2, strategy):
     model = wrap_for_architecture(lm, s.model_architecture)
     vocab = model.config.vocab_size
     mask_id = vocab - 1  # SmolLM2 has no mask token: a user names an unused id with dllm.mask_token_id
-    loss_fn = s.create_loss_fn(DLLMConfig(vocab_size=vocab, mask_token_id=mask_id, block_length=2, block_size=8,
-                                          chunk_size=256))
+    loss_fn = s.create_loss_fn(
+        DLLMConfig(vocab_size=vocab, mask_token_id=mask_id, block_length=2, block_size=8, chunk_size=256)
+    )
     s.setup_extra(SetupContext(model, tokenizer, mask_id))
     ids = torch.tensor([tokenizer(TEXT)["input_ids"][:32]] * 2)
     mb = Microbatch(ids, torch.ones_like(ids, dtype=torch.float), torch.ones_like(ids))
@@ -67,8 +71,11 @@ def test_one_step_of_each_strategy_on_smollm2(smollm2, strategy):
         ctx = StepContext(model=model, loss_fn=loss_fn, mask_token_id=mask_id, step=0, base_seed=0)
         corrupted, n_noise, n_sup = s.pre_step(ctx, [mb])
         n_diff, n_ar = s.loss_denominators(corrupted, n_noise, n_sup)
-        return float(s.forward_backward(ctx, corrupted[0], num_diffusion_tokens=n_diff, num_ar_tokens=n_ar,
-                                        is_train=train).total_loss)
+        return float(
+            s.forward_backward(
+                ctx, corrupted[0], num_diffusion_tokens=n_diff, num_ar_tokens=n_ar, is_train=train
+            ).total_loss
+        )
 
     model.train()
     before = step(True)

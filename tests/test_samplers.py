@@ -1,9 +1,9 @@
 """The samplers of spec §11 beyond the plain absorbing one: infilling, I-DLM shift, hybrid AR-seeded
 blocks, SCDD ancestral (self-correction), and determinism for a fixed seed."""
+
 import torch
 
-from strategies.sampling import (SamplerConfig, absorbing_sample, hybrid_sample, infill_sample,
-                                 scdd_ancestral_sample)
+from strategies.sampling import SamplerConfig, absorbing_sample, hybrid_sample, infill_sample, scdd_ancestral_sample
 from strategies.scdd import scdd_schedule
 
 MASK, PAD, V = 15, 0, 16
@@ -15,6 +15,7 @@ def confident(target_fn, vocab=V):
         for p in range(x.shape[1]):
             logits[:, p, target_fn(p)] = 20.0
         return logits
+
     return denoise
 
 
@@ -42,8 +43,9 @@ def test_infill_fills_every_mask_in_block_windows_and_keeps_the_rest():
         seen.append(x.clone())
         return confident(lambda p: 5 + p % 7)(x)
 
-    res = infill_sample(denoise, [seq], mask_token_id=MASK, pad_token_id=PAD,
-                        config=SamplerConfig(steps=6, block_size=4))
+    res = infill_sample(
+        denoise, [seq], mask_token_id=MASK, pad_token_id=PAD, config=SamplerConfig(steps=6, block_size=4)
+    )
     out = res.tokens[0].tolist()
     assert MASK not in out
     assert [out[i] for i in (0, 3, 5, 9)] == [1, 2, 3, 4]
@@ -52,7 +54,7 @@ def test_infill_fills_every_mask_in_block_windows_and_keeps_the_rest():
         row = x[0].tolist()
         first_open = next((i // 4 for i, t in enumerate(row) if t == MASK), None)
         if first_open is not None:
-            assert all(t == MASK for t, s in zip(row[(first_open + 1) * 4:], seq[(first_open + 1) * 4:]) if s == MASK)
+            assert all(t == MASK for t, s in zip(row[(first_open + 1) * 4 :], seq[(first_open + 1) * 4 :]) if s == MASK)
 
 
 class StubHybrid(torch.nn.Module):
@@ -76,8 +78,13 @@ class StubHybrid(torch.nn.Module):
 def test_hybrid_blocks_are_seeded_by_the_causal_branch_then_diffused():
     model = StubHybrid(seed_token=9, target_fn=lambda p: 2)
     prompts = [[1, 1, 1], [1]]
-    res = hybrid_sample(model, prompts, mask_token_id=MASK, pad_token_id=PAD,
-                        config=SamplerConfig(steps=6, max_new_tokens=6, block_size=3))
+    res = hybrid_sample(
+        model,
+        prompts,
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        config=SamplerConfig(steps=6, max_new_tokens=6, block_size=3),
+    )
     for i, p in enumerate(prompts):
         assert res.tokens[i, : len(p)].tolist() == p
         assert res.generated(i).tolist() == [9, 2, 2, 9, 2, 2]  # block starts from the causal seed
@@ -92,10 +99,16 @@ def test_hybrid_blocks_are_seeded_by_the_causal_branch_then_diffused():
 def test_scdd_ancestral_with_a_confident_denoiser_reaches_the_target():
     prompts = [[1, 2], [3]]
     for ratio in (0.1, 0.0):  # uniform_ratio 0 still terminates with no masks
-        res = scdd_ancestral_sample(confident(lambda p: 4 + p % 9), prompts, mask_token_id=MASK, pad_token_id=PAD,
-                                    vocab_size=V, schedule=schedule(ratio), config=SamplerConfig(steps=16, max_new_tokens=6,
-                                                                                                temperature=1.0),
-                                    generator=torch.Generator().manual_seed(0))
+        res = scdd_ancestral_sample(
+            confident(lambda p: 4 + p % 9),
+            prompts,
+            mask_token_id=MASK,
+            pad_token_id=PAD,
+            vocab_size=V,
+            schedule=schedule(ratio),
+            config=SamplerConfig(steps=16, max_new_tokens=6, temperature=1.0),
+            generator=torch.Generator().manual_seed(0),
+        )
         assert not (res.tokens == MASK).any() and res.nfe == 17
         for i, p in enumerate(prompts):
             assert res.tokens[i, : len(p)].tolist() == p
@@ -112,9 +125,16 @@ def test_scdd_self_correction_revises_every_position():
         snapshots.append(x.clone())
         return confident(lambda p: 5 if calls[0] <= 10 else 7)(x)
 
-    res = scdd_ancestral_sample(fickle, [[1]], mask_token_id=MASK, pad_token_id=PAD, vocab_size=V, schedule=schedule(),
-                                config=SamplerConfig(steps=20, max_new_tokens=8, temperature=1.0),
-                                generator=torch.Generator().manual_seed(3))
+    res = scdd_ancestral_sample(
+        fickle,
+        [[1]],
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        vocab_size=V,
+        schedule=schedule(),
+        config=SamplerConfig(steps=20, max_new_tokens=8, temperature=1.0),
+        generator=torch.Generator().manual_seed(3),
+    )
     mid = snapshots[10][0, 1:]
     assert (mid == 5).sum() >= 4  # plenty of positions were visible with the old token half-way
     before_final = snapshots[-1][0, 1:]  # what the ancestral steps alone produced
@@ -129,9 +149,16 @@ def test_scdd_temperature_zero_never_proposes_mask():
         logits[..., 3] = 1.0
         return logits
 
-    res = scdd_ancestral_sample(mask_loving, [[1]], mask_token_id=MASK, pad_token_id=PAD, vocab_size=V,
-                                schedule=schedule(), config=SamplerConfig(steps=4, max_new_tokens=5, temperature=0.0),
-                                generator=torch.Generator().manual_seed(0))
+    res = scdd_ancestral_sample(
+        mask_loving,
+        [[1]],
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        vocab_size=V,
+        schedule=schedule(),
+        config=SamplerConfig(steps=4, max_new_tokens=5, temperature=0.0),
+        generator=torch.Generator().manual_seed(0),
+    )
     assert res.generated(0).tolist() == [3] * 5
 
 
@@ -143,12 +170,25 @@ def test_samplers_are_deterministic_for_a_seed():
     def run(sampler, seed):
         gen = torch.Generator().manual_seed(seed)
         if sampler == "scdd":
-            return scdd_ancestral_sample(noisy, [[1, 2]], mask_token_id=MASK, pad_token_id=PAD, vocab_size=V,
-                                         schedule=schedule(), config=SamplerConfig(steps=6, max_new_tokens=6,
-                                                                                   temperature=1.0), generator=gen).tokens
-        return absorbing_sample(noisy, [[1, 2]], mask_token_id=MASK, pad_token_id=PAD, generator=gen,
-                                config=SamplerConfig(steps=6, max_new_tokens=6, block_size=3, temperature=1.0,
-                                                     remasking="random")).tokens
+            return scdd_ancestral_sample(
+                noisy,
+                [[1, 2]],
+                mask_token_id=MASK,
+                pad_token_id=PAD,
+                vocab_size=V,
+                schedule=schedule(),
+                config=SamplerConfig(steps=6, max_new_tokens=6, temperature=1.0),
+                generator=gen,
+            ).tokens
+        return absorbing_sample(
+            noisy,
+            [[1, 2]],
+            mask_token_id=MASK,
+            pad_token_id=PAD,
+            generator=gen,
+            config=SamplerConfig(steps=6, max_new_tokens=6, block_size=3, temperature=1.0, remasking="random"),
+        ).tokens
+
     for sampler in ("scdd", "absorbing"):
         assert torch.equal(run(sampler, 5), run(sampler, 5))
         assert any(not torch.equal(run(sampler, 5), run(sampler, s)) for s in range(6, 12))
@@ -156,11 +196,17 @@ def test_samplers_are_deterministic_for_a_seed():
 
 def test_threshold_mode_is_adaptive_and_never_leaves_masks():
     """Threshold mode: forwards = what the window needs (≤ its size), not the step budget."""
+
     def unsure(x, attn):
         logits = torch.zeros(*x.shape, V)
         logits[..., 3] = 0.5  # max prob ≈ 0.1: only the forced top-1 passes each forward
         return logits
 
-    res = absorbing_sample(unsure, [[1]], mask_token_id=MASK, pad_token_id=PAD,
-                           config=SamplerConfig(steps=2, max_new_tokens=8, block_size=4, threshold=0.9))
+    res = absorbing_sample(
+        unsure,
+        [[1]],
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        config=SamplerConfig(steps=2, max_new_tokens=8, block_size=4, threshold=0.9),
+    )
     assert not (res.tokens == MASK).any() and res.nfe == 8

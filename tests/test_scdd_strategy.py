@@ -1,4 +1,5 @@
 """SCDDStrategy (spec §8.2, §14.5 [PR]): config threading, setup checks, corruption contract, training."""
+
 import pytest
 import torch
 
@@ -27,8 +28,13 @@ def test_registered_with_supervised_normalization():
 def test_config_threading_and_chunk_size():
     s = _strategy(num_timesteps=8, uniform_ratio=0.3, schedule_shape=2.0, schedule_peak=0.4, chunk_size=256)
     loss = s.loss_fn
-    assert isinstance(loss, SCDDLoss) and (loss.num_timesteps, loss.max_ratio, loss.gamma_shape, loss.t_peak,
-                                            loss.chunk_size) == (8, 0.3, 2.0, 0.4, 256)
+    assert isinstance(loss, SCDDLoss) and (
+        loss.num_timesteps,
+        loss.max_ratio,
+        loss.gamma_shape,
+        loss.t_peak,
+        loss.chunk_size,
+    ) == (8, 0.3, 2.0, 0.4, 256)
     assert _strategy().loss_fn.chunk_size == 1024 and _strategy(chunk_size=None).loss_fn.chunk_size is None
 
 
@@ -36,8 +42,9 @@ def test_errors_of_spec_16():
     with pytest.raises(ValueError, match="SCDDStrategy requires dllm.vocab_size"):
         SCDDStrategy().create_loss_fn({"mask_token_id": M})
     with pytest.raises(ValueError, match="create_loss_fn must run before corruption"):
-        SCDDStrategy().apply_corruption(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), M, eps=1e-3,
-                                        block_size=None, half_life_ratio=None)
+        SCDDStrategy().apply_corruption(
+            torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), M, eps=1e-3, block_size=None, half_life_ratio=None
+        )
     model = build_model(tiny_model_config("llama", V, 8, 16, 1, 2, None, None, True), 0)
     with pytest.raises(ValueError, match="requires dllm.mask_token_id"):
         _strategy().setup_extra(SetupContext(model, None, None))
@@ -59,7 +66,7 @@ def test_setup_installs_the_resolved_mask_id():
 def test_times_lie_on_the_inner_grid():
     s = _strategy(num_timesteps=8)
     ids = torch.randint(0, M, (256, 4), generator=gen(1))
-    rows = [_corrupt(s, ids[i:i + 1], torch.ones(1, 4), seed=i)[2] for i in range(256)]
+    rows = [_corrupt(s, ids[i : i + 1], torch.ones(1, 4), seed=i)[2] for i in range(256)]
     k = torch.cat(rows)[:, 0] * 8
     assert torch.allclose(k, k.round()) and k.min() >= 1 and k.max() == 7
 
@@ -80,8 +87,9 @@ def test_corruption_contract_and_both_channels():
 
 
 def test_prepare_batch_feeds_noisy_ids_without_attention_mask():
-    out = _strategy().prepare_batch({"attention_mask": torch.ones(1, 3)}, torch.tensor([[1, M, 3]]), None,
-                                    torch.tensor([[1, 2, 3]]))
+    out = _strategy().prepare_batch(
+        {"attention_mask": torch.ones(1, 3)}, torch.tensor([[1, M, 3]]), None, torch.tensor([[1, 2, 3]])
+    )
     assert out["input_ids"].tolist() == [[1, M, 3]] and "attention_mask" not in out
 
 

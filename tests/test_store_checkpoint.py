@@ -1,11 +1,17 @@
 """Atomic, content-addressed stage store and digest-verified checkpoints."""
+
 import json
 
 import pytest
 import torch
 
-from dllm_common.checkpoint import (CorruptCheckpointError, load_trainer_state, load_weights_into, verify_checkpoint,
-                                    write_checkpoint)
+from dllm_common.checkpoint import (
+    CorruptCheckpointError,
+    load_trainer_state,
+    load_weights_into,
+    verify_checkpoint,
+    write_checkpoint,
+)
 from dllm_common.store import Store, stage_key
 from strategies.models import build_model, tiny_model_config
 
@@ -13,8 +19,17 @@ from strategies.models import build_model, tiny_model_config
 def test_key_depends_on_slice_upstream_and_code():
     base = stage_key("s", {"a": 1}, {"up": "k"}, "v1")
     assert base == stage_key("s", {"a": 1}, {"up": "k"}, "v1")
-    assert len({base, stage_key("s", {"a": 2}, {"up": "k"}, "v1"), stage_key("s", {"a": 1}, {"up": "j"}, "v1"),
-                stage_key("s", {"a": 1}, {"up": "k"}, "v2")}) == 4
+    assert (
+        len(
+            {
+                base,
+                stage_key("s", {"a": 2}, {"up": "k"}, "v1"),
+                stage_key("s", {"a": 1}, {"up": "j"}, "v1"),
+                stage_key("s", {"a": 1}, {"up": "k"}, "v2"),
+            }
+        )
+        == 4
+    )
 
 
 def test_publish_is_all_or_nothing(tmp_path):

@@ -1,14 +1,17 @@
 """The seed strategy API: registry, MDLM hooks, step-level normalization across micro-batches."""
+
 import pytest
 import torch
 
-from strategies import (DLLM_STRATEGIES, MDLMCrossEntropyLoss, MDLMStrategy, Microbatch, StepContext,
-                        get_dllm_strategy)
+from strategies import DLLM_STRATEGIES, MDLMCrossEntropyLoss, MDLMStrategy, Microbatch, StepContext, get_dllm_strategy
 from strategies.models import build_model, tiny_model_config
 
 
 def test_unknown_mode_lists_available():
-    with pytest.raises(ValueError, match=r"Unknown dllm.mode: 'nope'. Available: \['block_diffusion', 'dflash', 'hybrid', 'idlm', 'mdlm', 'scdd'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"Unknown dllm.mode: 'nope'. Available: \['block_diffusion', 'dflash', 'hybrid', 'idlm', 'mdlm', 'scdd'\]",
+    ):
         get_dllm_strategy("nope")
 
 
@@ -29,8 +32,9 @@ def test_mdlm_create_loss_fn_accepts_mapping_and_typed():
 def test_prepare_batch_feeds_noisy_ids_without_attention_mask():
     s = MDLMStrategy()
     clean, noisy = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 9, 3]])
-    out = s.prepare_batch({"attention_mask": torch.ones(1, 3), "input_lengths": torch.tensor([3])}, noisy,
-                          noisy == 9, clean)
+    out = s.prepare_batch(
+        {"attention_mask": torch.ones(1, 3), "input_lengths": torch.tensor([3])}, noisy, noisy == 9, clean
+    )
     assert torch.equal(out["input_ids"], noisy) and "attention_mask" not in out and "input_lengths" in out
 
 
@@ -39,8 +43,14 @@ def _model(vocab=40):
 
 
 def _ctx(model, step=0, grad_acc=1, seed=42):
-    return StepContext(model=model, loss_fn=MDLMCrossEntropyLoss(), mask_token_id=39, step=step, base_seed=seed,
-                       grad_acc_steps=grad_acc)
+    return StepContext(
+        model=model,
+        loss_fn=MDLMCrossEntropyLoss(),
+        mask_token_id=39,
+        step=step,
+        base_seed=seed,
+        grad_acc_steps=grad_acc,
+    )
 
 
 def _rows(n=4, length=16):
@@ -57,11 +67,13 @@ def test_pre_step_counts_and_corruption_is_row_seeded():
     corrupted, n_noise, n_sup = s.pre_step(_ctx(_model()), [Microbatch(ids, loss, attn)])
     assert n_sup == int(loss.sum()) and n_noise == int(corrupted[0].noise_mask.sum())
     # the same rows split into two micro-batches of 2 get identical noise (topology independence)
-    split, _, _ = s.pre_step(_ctx(_model(), grad_acc=2), [Microbatch(ids[:2], loss[:2], attn[:2]),
-                                                         Microbatch(ids[2:], loss[2:], attn[2:])])
+    split, _, _ = s.pre_step(
+        _ctx(_model(), grad_acc=2), [Microbatch(ids[:2], loss[:2], attn[:2]), Microbatch(ids[2:], loss[2:], attn[2:])]
+    )
     # rows are seeded by global index: row j of the step always gets seed(step, j)
-    one_by_one, _, _ = s.pre_step(_ctx(_model(), grad_acc=4), [Microbatch(ids[i:i + 1], loss[i:i + 1], attn[i:i + 1])
-                                                              for i in range(4)])
+    one_by_one, _, _ = s.pre_step(
+        _ctx(_model(), grad_acc=4), [Microbatch(ids[i : i + 1], loss[i : i + 1], attn[i : i + 1]) for i in range(4)]
+    )
     two_by_two = split
     assert torch.equal(torch.cat([c.noisy_ids for c in one_by_one]), torch.cat([c.noisy_ids for c in two_by_two]))
     assert torch.equal(torch.cat([c.noisy_ids for c in one_by_one]), corrupted[0].noisy_ids)
@@ -75,8 +87,10 @@ def _grads_after_step(microbatch_split):
     mbs = [Microbatch(ids[a:b], loss[a:b], attn[a:b]) for a, b in microbatch_split]
     corrupted, n_noise, n_sup = s.pre_step(ctx, mbs)
     n_diff, n_ar = s.loss_denominators(corrupted, n_noise, n_sup)
-    total = sum(float(s.forward_backward(ctx, c, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar,
-                                         is_train=True).dllm_loss) for c in corrupted)
+    total = sum(
+        float(s.forward_backward(ctx, c, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar, is_train=True).dllm_loss)
+        for c in corrupted
+    )
     return total, [p.grad.clone() for p in model.parameters()]
 
 

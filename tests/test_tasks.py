@@ -1,4 +1,5 @@
 """The thin Prefect wrappers: `.fn` is the plain stage function and the cache key is the store key."""
+
 from tasks.evaluate import evaluate, evaluate_task
 from tasks.prepare_data import prepare_data, prepare_data_task, stage_of
 from tasks.report import report, report_task

@@ -1,11 +1,11 @@
 """Tracking-server mode: `tracking.uri: http://127.0.0.1:PORT` against `mlflow server --workers 1`
 with proxied artifacts. The test starts the server on 127.0.0.1, runs the smoke pipeline against it
 and stops the server by process group."""
+
 import subprocess
 import sys
 
 import pytest
-
 from conftest import free_port, stop_group, wait_http
 from test_pipeline import cli, latest_record
 
@@ -17,10 +17,25 @@ def mlflow_server(tmp_path):
     port = free_port()
     root = tmp_path / "server"
     root.mkdir()
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts")]
-    proc = subprocess.Popen(cmd, cwd=root, start_new_session=True, stdout=open(root / "server.log", "w"),
-                            stderr=subprocess.STDOUT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(root / "artifacts"),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=root, start_new_session=True, stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{url}/health", proc, root / "server.log", seconds=180)

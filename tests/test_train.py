@@ -1,4 +1,5 @@
 """Training stage: the loss falls, a crashed stage resumes exactly, denominators are step-level."""
+
 import json
 from pathlib import Path
 
@@ -97,8 +98,9 @@ def test_pretrained_model_and_tokenizer_from_local_paths(prepared, tiny_spec, tm
     data, _ = prepared
     tok_dir = f"{data.path}/tokenizer"
     model_dir = tmp_path / "my-model"
-    build_model(tiny_model_config("qwen3", len(load_tokenizer(tok_dir)), 32, 32, 1, 2, None, None, False), 0
-                ).save_pretrained(model_dir)
+    build_model(
+        tiny_model_config("qwen3", len(load_tokenizer(tok_dir)), 32, 32, 1, 2, None, None, False), 0
+    ).save_pretrained(model_dir)
     raw = tiny_spec.model_dump(mode="json")
     raw["tokenizer"] = {"kind": "pretrained", "path": tok_dir}
     raw["model"] = {"kind": "pretrained", "path": str(model_dir)}
@@ -143,9 +145,19 @@ def test_each_strategy_trains_and_evaluates_through_the_stages(prepared, tiny_sp
 
     model, tok, strat, mask, meta = load_for_generation(train_mod.model_dir(trained), "cpu")
     pieces = []
-    out = generate(model, tok, strat, mask, "O", check_sampler(strategy, "auto", False),
-                   SamplerConfig(steps=8, max_new_tokens=8, block_size=4), seed=0, device="cpu", chat=False,
-                   stream=pieces.append)
+    out = generate(
+        model,
+        tok,
+        strat,
+        mask,
+        "O",
+        check_sampler(strategy, "auto", False),
+        SamplerConfig(steps=8, max_new_tokens=8, block_size=4),
+        seed=0,
+        device="cpu",
+        chat=False,
+        stream=pieces.append,
+    )
     assert meta["strategy"] == strategy and out.nfe >= 1 and "".join(pieces) == out.text
 
 
