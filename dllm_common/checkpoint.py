@@ -14,6 +14,7 @@ Checkpoints are written to a temp dir and renamed into place, so a crash never l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ def write_checkpoint(
     dest: Path, model, tokenizer=None, meta: dict | None = None, trainer_state: dict | None = None
 ) -> Path:
     """Atomically (re)write checkpoint `dest` from a model (+ tokenizer, metadata, optimizer state)."""
+    # lazy: dllm_common stays torch-free at import (flows imports this module with torch blocked)
     import torch
     from safetensors.torch import save_model
 
@@ -92,6 +94,8 @@ def read_meta(path: Path) -> dict:
 
 def load_weights_into(model, path: Path) -> None:
     """Verify `path`, then load its safetensors weights into `model` (strict)."""
+    # lazy: dllm_common stays torch-free at import (flows imports this module with torch blocked);
+    # resolved per call, so a test can stand in for load_model
     from safetensors.torch import load_model
 
     verify_checkpoint(path)
@@ -99,7 +103,7 @@ def load_weights_into(model, path: Path) -> None:
 
 
 def load_trainer_state(path: Path) -> dict[str, Any] | None:
-    import torch
+    import torch  # lazy: dllm_common stays torch-free at import (flows imports this module)
 
     f = Path(path) / "trainer_state.pt"
     if not f.is_file():
@@ -109,6 +113,4 @@ def load_trainer_state(path: Path) -> dict[str, Any] | None:
 
 def checkpoint_digest(path: Path) -> str:
     """One sha256 over the checkpoint's digest table: a stable id for its content."""
-    import hashlib
-
     return hashlib.sha256((Path(path) / DIGESTS).read_bytes()).hexdigest()

@@ -14,8 +14,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-STRATEGY_NAMES = ("mdlm", "scdd", "hybrid", "idlm", "dflash", "block_diffusion")
-
 
 class ConfigError(ValueError):
     """A config problem a person can fix; the message lists every offending key."""
@@ -33,12 +31,10 @@ class PipelineConfig(_Section):
     train_deployment: str | None = None
 
     @model_validator(mode="after")
-    def _known_strategies(self) -> PipelineConfig:
+    def _strategies(self) -> PipelineConfig:
+        # which names exist is the strategy registry's to say (strategies/options.py checks them)
         if not self.strategies:
-            raise ValueError(f"pipeline.strategies is empty; list at least one of {list(STRATEGY_NAMES)}")
-        for name in self.strategies:
-            if name not in STRATEGY_NAMES:
-                raise ValueError(f"unknown strategy {name!r}; allowed: {list(STRATEGY_NAMES)}")
+            raise ValueError("pipeline.strategies is empty; list at least one strategy")
         if len(set(self.strategies)) != len(self.strategies):
             raise ValueError(f"strategies must be unique, got {list(self.strategies)}")
         return self
@@ -196,59 +192,17 @@ class TrackingConfig(_Section):
     log_checkpoints: bool = True
 
 
-class DLLMConfig(_Section):
-    """Strategy options (spec §12.1). `mode` is set per strategy by the pipeline."""
+class DLLMSection(_Section):
+    """Strategy options shared by the pipeline's strategies, plus per-strategy `overrides`, e.g.
+    `{block_diffusion: {block_size: 16}}`. Each strategy declares its own typed options
+    (strategies/options.py), which validate these values; `shared()` is what was set here."""
 
-    mode: str = "mdlm"
-    mask_token_id: int | None = None
-    eps: float = Field(1e-3, ge=0, lt=1)
-    loss_weighting: Literal["elbo", "flat"] = "elbo"
-    block_size: int | None = Field(None, ge=1)
-    half_life_ratio: float | None = 0.25
-    pad_block_size: int | None = None
-    pad_seq_len_divisible: int | None = None
-    supervise_padding: bool = False
-    ar_loss_alpha: float = 1.0
-    vocab_size: int | None = None
-    num_timesteps: int = 1000
-    uniform_ratio: float = 0.1
-    schedule_shape: float = 1.0
-    schedule_peak: float = 0.5
-    chunk_size: int | None = 1024
-    block_length: int = 1
-    clean_loss_weight: float = 0.2
-    auto_balance_clean_loss: bool = False
-    self_conditioning_p: float = Field(0.5, ge=0, le=1)
-    encoder_loss_weight: float = Field(1.0, ge=0)
-    # per-strategy values that differ from the shared ones above, e.g. {block_diffusion: {block_size: 16}}:
-    # a pipeline that compares strategies keeps one `dllm:` section
+    model_config = ConfigDict(extra="allow", frozen=True)
+
     overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _overrides_are_valid(self) -> DLLMConfig:
-        for name, values in self.overrides.items():
-            if name not in STRATEGY_NAMES:
-                raise ValueError(f"dllm.overrides: unknown strategy {name!r}; allowed: {list(STRATEGY_NAMES)}")
-            bad = sorted(set(values) - (set(DLLMConfig.model_fields) - {"mode", "overrides"}))
-            if bad:
-                raise ValueError(
-                    f"dllm.overrides.{name}: unknown key(s) {bad}; allowed keys: "
-                    f"{sorted(set(DLLMConfig.model_fields) - {'mode', 'overrides'})}"
-                )
-            try:
-                DLLMConfig.model_validate({**self.model_dump(exclude={"overrides"}), **values})
-            except ValidationError as err:
-                first = err.errors()[0]
-                where = ".".join(str(p) for p in first["loc"])
-                raise ValueError(
-                    f"dllm.overrides.{name}.{where}: {first['msg']} (got {first.get('input')!r})"
-                ) from None
-        return self
-
-    def for_strategy(self, name: str) -> DLLMConfig:
-        """The options `name` trains with: shared values, its overrides applied, `mode` set."""
-        merged = {**self.model_dump(exclude={"overrides"}), **self.overrides.get(name, {}), "mode": name}
-        return DLLMConfig.model_validate(merged)
+    def shared(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
 
 
 class PretrainTargetConfig(_Section):
@@ -283,7 +237,11 @@ class RegenerateConfig(_Section):
 
 
 class DFlashConfig(_Section):
-    """DFlash options (spec §12.2) plus where its target and features come from."""
+    """Where a DFlash draft's target and features come from, and how it is judged. The draft's
+    training options (`block_size`, `loss_decay_gamma`, …) may be written here too: they belong to
+    the strategy (`strategies.options.DFlashOptions`), which validates them."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     # local dir, hub id (with hub access) or `package:NAME`; None → the `pretrain_target` stage trains one
     target_model_id: str | None = None
@@ -292,17 +250,9 @@ class DFlashConfig(_Section):
     target_trust_remote_code: bool = False
     pretrain: PretrainTargetConfig = PretrainTargetConfig()
     regenerate: RegenerateConfig | None = None  # None → train on the prepared rows as they are
-    block_size: int = Field(0, ge=0)  # 0 → the draft checkpoint's
-    loss_decay_gamma: float = 0.0  # ≤ 0 → the paper's γ for the block size
-    num_blocks_per_sample: int = Field(1, ge=1)
-    attention_backend: Literal["sdpa", "flex_attention"] = "sdpa"
-    overlap_anchors: bool = True
-    use_fused_linear_ce: bool = True
-    ce_chunk_size: int = Field(1024, ge=1)
     target_layer_ids: tuple[int, ...] | None = None  # None → _build_target_layer_ids(target, draft layers)
-    target_features: Literal["cached", "online"] = (
-        "cached"  # cached: the cache_target stage; online: a target forward per step
-    )
+    # cached: the cache_target stage; online: a target forward per step
+    target_features: Literal["cached", "online"] = "cached"
     cache_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     # speculative decoding at evaluation: held-out prompts = the first `eval_prompt_len` tokens of val rows
     eval_prompts: int = Field(16, ge=1)
@@ -310,9 +260,7 @@ class DFlashConfig(_Section):
     eval_max_new_tokens: int = Field(48, ge=1)
 
     @model_validator(mode="after")
-    def _block(self) -> DFlashConfig:
-        if self.block_size == 1:
-            raise ValueError("dflash.block_size must be at least 2 (or 0 to read it from the draft checkpoint)")
+    def _target(self) -> DFlashConfig:
         if self.target_gguf_file and not self.target_model_id:
             raise ValueError("dflash.target_gguf_file needs dflash.target_model_id (the directory that holds it)")
         return self
@@ -328,7 +276,7 @@ class PipelineSpec(_Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
-    dllm: DLLMConfig = DLLMConfig()
+    dllm: DLLMSection = DLLMSection()
     dflash: DFlashConfig = DFlashConfig()
 
 

@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,15 +106,17 @@ class Store:
         return None
 
     @contextlib.contextmanager
-    def publish(self, stage: str, key: str, manifest: dict) -> Iterator[Path]:
-        """Yield a temp dir to fill; on success add the manifest (with file digests) and rename it in."""
+    def _publishing(self, stage: str, key: str) -> Iterator[tuple[Path, dict]]:
+        """Yield (temp dir, manifest fields to fill); on success write the manifest with file digests,
+        fsync and rename the dir into place."""
+        manifest: dict = {}
         final = self.entry_dir(stage, key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         started = time.time()
         try:
-            yield tmp
+            yield tmp, manifest
             files = {
                 str(p.relative_to(tmp)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                 for p in sorted(tmp.rglob("*"))
@@ -142,6 +144,30 @@ class Store:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def reuse_or_build(self, stage: str, key: str, build: Callable[[Path], dict]) -> tuple[StageEntry, bool]:
+        """The one stage protocol: reuse the published entry, or build and publish it exactly once.
+
+        lookup → cross-process lock → lookup again (a concurrent worker may have published while we
+        waited) → `build(tmp)` fills a private temp dir and returns the manifest fields → atomic publish.
+        Returns `(entry, reused)`. `build` must not call `reuse_or_build` on the same key (the lock is
+        not re-entrant across file handles)."""
+        if (hit := self.lookup(stage, key)) is not None:
+            return hit, True
+        with self.lock(stage, key):
+            if (hit := self.lookup(stage, key)) is not None:
+                return hit, True
+            with self._publishing(stage, key) as (tmp, manifest):
+                manifest.update(build(tmp))
+        return StageEntry(stage, key, self.entry_dir(stage, key)), False
+
+    @contextlib.contextmanager
+    def publish(self, stage: str, key: str, manifest: dict) -> Iterator[Path]:
+        """Yield a temp dir to fill; on success add the manifest (with file digests) and rename it in.
+        Stages go through `reuse_or_build`; this is its publishing half, for tools and tests."""
+        with self._publishing(stage, key) as (tmp, fields):
+            fields.update(manifest)
+            yield tmp
 
     def verify(self, entry: StageEntry) -> list[str]:
         """Files whose sha256 no longer matches the manifest (empty list = intact)."""

@@ -3,11 +3,16 @@
 MLflow's "active run" is thread-local and Prefect runs tasks in threads, so everything here goes
 through `MlflowClient` with explicit run ids: one parent run per pipeline run, one child run per
 strategy created with an explicit `mlflow.parentRunId` tag. `NullTracker` is the no-op twin.
+
+MLflow itself is imported inside the methods that use it: `flows` imports this module at start-up,
+before `quiet_environment()` has switched telemetry off, and must stay light.
 """
 
 from __future__ import annotations
 
 import os
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +56,7 @@ class MlflowTracker:
         self.run_id = run_id
 
     def log_params(self, params: dict[str, Any]) -> None:
+        # lazy: mlflow loads only after quiet_environment() and stays off the flows import path
         from mlflow.entities import Param
 
         existing = self.client.get_run(self.run_id).data.params
@@ -59,8 +65,7 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        import time
-
+        # lazy: mlflow loads only after quiet_environment() and stays off the flows import path
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -76,6 +81,7 @@ class MlflowTracker:
         return max((m.step for m in history), default=-1)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
+        # lazy: mlflow loads only after quiet_environment() and stays off the flows import path
         from mlflow.entities import RunTag
 
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
@@ -88,8 +94,7 @@ class MlflowTracker:
             self.client.log_artifact(self.run_id, str(p), artifact_path)
 
     def log_dataset(self, path: Path, name: str, digest: str, context: str = "training") -> None:
-        import warnings
-
+        # lazy: mlflow loads only after quiet_environment() and stays off the flows import path
         from mlflow.data.dataset_source_registry import resolve_dataset_source
         from mlflow.data.meta_dataset import MetaDataset
         from mlflow.entities import DatasetInput, InputTag
@@ -104,6 +109,7 @@ class MlflowTracker:
 
     def register_model(self, name: str, artifact_path: str) -> str:
         """Register `runs:/<run>/<artifact_path>`; MLflow resolves the reserved alias `latest` to it."""
+        # lazy: mlflow loads only after quiet_environment() and stays off the flows import path
         from mlflow.exceptions import MlflowException
 
         try:
@@ -123,7 +129,7 @@ class Tracking:
 
     def __init__(self, workdir: Path, uri: str | None, experiment: str):
         quiet_environment()
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # lazy: only after quiet_environment() (telemetry off)
 
         self.workdir = Path(workdir)
         self.uri = uri or default_tracking_uri(self.workdir)

@@ -14,10 +14,17 @@ import sys
 from pathlib import Path
 
 from dllm_common.checkpoint import CorruptCheckpointError
-from dllm_common.config import ConfigError, load_config
+from dllm_common.config import ConfigError
 from dllm_common.tracking import quiet_environment
 
 DEFAULT_WORKDIR = "work"
+
+
+def load_config(path, overrides: list[str] | None = None):
+    """The pipeline config with every strategy's options checked against the strategy registry."""
+    from strategies.options import load_config as load_checked  # the registry imports torch: not at import time
+
+    return load_checked(path, overrides)
 
 
 def _prefect_env(workdir: Path) -> None:
@@ -83,11 +90,14 @@ def cmd_resume(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    spec = load_config(args.config, args.set)
-    from tasks.train import check_strategies
+    """The resolved config, then each strategy's options exactly as training will use them."""
+    from strategies.options import check_spec
 
-    check_strategies(spec.pipeline.strategies)
+    spec = load_config(args.config, args.set)
     print(json.dumps(spec.model_dump(mode="json"), indent=2))
+    options = {name: opts.model_dump(mode="json") for name, opts in check_spec(spec).items()}
+    print("# strategy options (what training uses)")
+    print(json.dumps(options, indent=2))
     return 0
 
 
@@ -116,14 +126,14 @@ def cmd_generate(args) -> int:
     quiet_environment()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from strategies.sampling import SamplerConfig
-    from tasks.generate import check_sampler, generate, load_for_generation, resolve_checkpoint
-    from tasks.train import resolve_device
+    from tasks.generate import check_sampler, default_temperature, generate, load_for_generation, resolve_checkpoint
+    from tasks.runtime import resolve_device
 
     ckpt = resolve_checkpoint(args.checkpoint, Path(args.workdir), args.tracking_uri)
     device = resolve_device(args.device)
     model, tokenizer, strategy, mask_id, meta = load_for_generation(ckpt, device, args.adapter)
     sampler = check_sampler(meta["strategy"], args.sampler, args.infill)
-    temperature = args.temperature if args.temperature is not None else (1.0 if sampler == "scdd" else 0.0)
+    temperature = args.temperature if args.temperature is not None else default_temperature(sampler)
     if sampler == "speculative" and temperature > 0:
         raise ValueError(
             "--temperature: DFlash speculative decoding here is greedy (its output is the target's greedy "
@@ -167,7 +177,8 @@ def cmd_generate(args) -> int:
         print(flush=True)
         print(
             f"[dllm-flow] NFE {out.nfe:g}, {out.tokens} tokens in {out.seconds:.2f} s "
-            f"({out.tokens / max(out.seconds, 1e-9):.1f} tokens/s, {out.tokens / max(out.nfe, 1e-9):.2f} tokens/forward)",
+            f"({out.tokens / max(out.seconds, 1e-9):.1f} tokens/s, "
+            f"{out.tokens / max(out.nfe, 1e-9):.2f} tokens/forward)",
             file=sys.stderr,
             flush=True,
         )
@@ -276,12 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--checkpoint", required=True, help="checkpoint dir, train store entry, or models:/NAME@ALIAS")
     gen.add_argument("--prompt", action="append", required=True, help="repeatable")
     gen.add_argument(
-        "--sampler", default="auto", choices=["auto", "llada", "idlm", "scdd", "hybrid", "canvas", "speculative"]
+        "--sampler", default="auto", help="auto (the strategy's own) or one the checkpoint's strategy lists"
     )
     gen.add_argument("--steps", type=int, default=64)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--block-size", type=int, default=16)
-    gen.add_argument("--temperature", type=float, default=None, help="default 0 (scdd: 1.0)")
+    gen.add_argument(
+        "--temperature", type=float, default=None, help="default: the sampler's (0; scdd's ancestral sampler: 1)"
+    )
     gen.add_argument("--threshold", type=float, default=None, help="confidence-threshold parallel decoding")
     gen.add_argument("--remasking", default="low_confidence", choices=["low_confidence", "random"])
     gen.add_argument("--seed", type=int, default=42)

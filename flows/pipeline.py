@@ -4,7 +4,11 @@
     → evaluate[strategy] (for each strategy) → report
 
 Each stage is a cached Prefect task keyed by its store key; the flow records stage statuses in
-the workdir's run record and opens the parent MLflow run. No torch import here.
+the workdir's run record and opens the parent MLflow run. Which upstream stages run, and on which
+data each strategy trains, is what the strategies declare (`upstream_stages`, `training_data`).
+
+No torch import at module level: `_stage_tasks` imports the task layer when the flow runs, the one
+place where flows/ crosses into torch (a CPU pipeline worker and `prefect deploy` never need it).
 """
 
 from __future__ import annotations
@@ -12,21 +16,16 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from prefect import flow
 
-from dllm_common.config import PipelineSpec, config_sha256, flatten, load_config, validate_config
+from dllm_common.config import PipelineSpec, config_sha256, flatten
 from dllm_common.runs import RunRecord
-from tasks.cache_target import cache_target_task
+from dllm_common.tracking import Tracking
 from tasks.common import StageRef, check_workdir
-from tasks.evaluate import evaluate_task
-from tasks.prepare_data import prepare_data_task
-from tasks.regenerate import regenerate_task
-from tasks.report import publish_report, report_task
-from tasks.target import stage_name as target_stage_name
-from tasks.target import target_task
-from tasks.train import check_strategies, train_remote_task, train_task
 
 
 def git_commit() -> str:
@@ -51,29 +50,35 @@ def store_result_storage(workdir: Path) -> str:
     return f"local-file-system/{name}"
 
 
-def _run_stage(record: RunRecord, record_dir: Path, storage: str, name: str, task, **kwargs) -> StageRef:
-    status = record.stage(name)
-    status.status = "RUNNING"
-    record.save(record_dir)
-    t0 = time.time()
-    state = task.with_options(task_run_name=name, result_storage=storage)(**kwargs, return_state=True)
-    status.seconds = round(time.time() - t0, 2)
-    if not state.is_completed():
-        status.status, status.error = "FAILED", str(state.message)[:2000]
-        record.save(record_dir)
-        state.result()  # re-raises the stage's exception
-    ref: StageRef = state.result()
-    reused = ref.reused or state.name == "Cached"
-    status.status = "REUSED" if reused else "COMPLETED"
-    status.key, status.mlflow_run_id = ref.key, ref.mlflow_run_id
-    record.save(record_dir)
-    print(f"[dllm-flow] {name}: {'reused' if reused else 'ran'} ({status.seconds:.1f}s) key={ref.key}", flush=True)
-    return ref.as_reused() if reused else ref
+@dataclass
+class StageRunner:
+    """Runs a stage's Prefect task with the store-rooted result storage and records its status."""
+
+    record: RunRecord
+    record_dir: Path
+    storage: str
+
+    def __call__(self, name: str, task, **kwargs) -> StageRef:
+        record, status = self.record, self.record.stage(name)
+        status.status = "RUNNING"
+        record.save(self.record_dir)
+        t0 = time.time()
+        state = task.with_options(task_run_name=name, result_storage=self.storage)(**kwargs, return_state=True)
+        status.seconds = round(time.time() - t0, 2)
+        if not state.is_completed():
+            status.status, status.error = "FAILED", str(state.message)[:2000]
+            record.save(self.record_dir)
+            state.result()  # re-raises the stage's exception
+        ref: StageRef = state.result()
+        reused = ref.reused or state.name == "Cached"
+        status.status = "REUSED" if reused else "COMPLETED"
+        status.key, status.mlflow_run_id = ref.key, ref.mlflow_run_id
+        record.save(self.record_dir)
+        print(f"[dllm-flow] {name}: {'reused' if reused else 'ran'} ({status.seconds:.1f}s) key={ref.key}", flush=True)
+        return ref.as_reused() if reused else ref
 
 
 def _open_parent(spec: PipelineSpec, workdir: Path, record: RunRecord):
-    from dllm_common.tracking import Tracking
-
     tracking = Tracking(workdir, spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
     tags = {
         "dllm.pipeline": spec.pipeline.name,
@@ -100,13 +105,14 @@ def dllm_pipeline(
     resolved `config` mapping recorded by an earlier run (what `dllm-flow resume` passes)."""
     from prefect.runtime import flow_run
 
+    from strategies.options import load_config, validate_config  # the strategy registry (imports torch)
+
     overrides = list(overrides or [])
     spec = (
         validate_config(config, f"recorded config of run {resumed_from}")
         if config
         else load_config(config_path, overrides)
     )
-    check_strategies(spec.pipeline.strategies)
     wd = check_workdir(workdir)
     record = RunRecord(
         run_id or RunRecord.new_id(),
@@ -135,85 +141,98 @@ def dllm_pipeline(
     return result
 
 
-def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str) -> dict:
-    workdir = str(wd)
-    storage = store_result_storage(wd)
-    data = _run_stage(record, wd, storage, "prepare_data", prepare_data_task, spec=spec, workdir=workdir)
+def _stage_tasks() -> SimpleNamespace:
+    """The task layer's Prefect tasks and the strategy registry, imported when a flow runs (they import
+    torch), not when flows/ is imported."""
+    from strategies import strategy_class
+    from tasks import cache_target, evaluate, prepare_data, regenerate, report, target, train
+
+    return SimpleNamespace(
+        strategy_class=strategy_class,
+        prepare_data=prepare_data.prepare_data_task,
+        target=target.target_task,
+        target_stage_name=target.stage_name,
+        regenerate=regenerate.regenerate_task,
+        cache_target=cache_target.cache_target_task,
+        train=train.train_task,
+        train_remote=train.train_remote_task,
+        evaluate=evaluate.evaluate_task,
+        report=report.report_task,
+        publish_report=report.publish_report,
+        ParentRun=report.ParentRun,
+    )
+
+
+def _upstream(spec: PipelineSpec, run: StageRunner, t: SimpleNamespace, data: StageRef, parent_run_id: str):
+    """The stages the pipeline's strategies declare (a frozen target, its regenerated text, its feature
+    cache), each run once; returns (inputs by role, the regenerated data or None)."""
+    classes = [t.strategy_class(name) for name in spec.pipeline.strategies]
+    roles = {role for cls in classes for role in cls.upstream_stages(spec)}
+    regenerated = any(cls.training_data(spec) == "regenerated" for cls in classes)
     inputs: dict[str, StageRef] = {}
-    draft_data = data  # what the DFlash draft trains on: the prepared rows, or the target's rewrite of them
-    if "dflash" in spec.pipeline.strategies:  # the frozen target, its own text (optional), its features (cached)
-        inputs["target"] = _run_stage(
-            record,
-            wd,
-            storage,
-            target_stage_name(spec),
-            target_task,
+    if "target" in roles or regenerated:
+        inputs["target"] = run(
+            t.target_stage_name(spec),
+            t.target,
             spec=spec,
             data=data,
-            workdir=workdir,
+            workdir=str(run.record_dir),
             parent_run_id=parent_run_id,
         )
-        if spec.dflash.regenerate is not None:
-            draft_data = _run_stage(
-                record,
-                wd,
-                storage,
-                "regenerate",
-                regenerate_task,
+    new_data = None
+    if regenerated:
+        new_data = run(
+            "regenerate", t.regenerate, spec=spec, target=inputs["target"], data=data, workdir=str(run.record_dir)
+        )
+    if "features" in roles:  # the target's features over the rows its users train on
+        inputs["features"] = run(
+            "cache_target",
+            t.cache_target,
+            spec=spec,
+            target=inputs["target"],
+            data=new_data or data,
+            workdir=str(run.record_dir),
+        )
+    return inputs, new_data
+
+
+def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str) -> dict:
+    workdir, t = str(wd), _stage_tasks()
+    run = StageRunner(record, wd, store_result_storage(wd))
+    data = run("prepare_data", t.prepare_data, spec=spec, workdir=workdir)
+    upstream, regenerated = _upstream(spec, run, t, data, parent_run_id)
+    trained, evaluated = [], []
+    trainer = t.train_remote if spec.pipeline.train_deployment else t.train
+    for strategy in spec.pipeline.strategies:
+        cls = t.strategy_class(strategy)
+        own = {role: upstream[role] for role in cls.upstream_stages(spec)}
+        train_data = regenerated if cls.training_data(spec) == "regenerated" else data
+        trained.append(
+            run(
+                f"train[{strategy}]",
+                trainer,
                 spec=spec,
-                target=inputs["target"],
+                strategy=strategy,
+                data=train_data,
+                workdir=workdir,
+                parent_run_id=parent_run_id,
+                inputs=own or None,
+            )
+        )
+        evaluated.append(
+            run(
+                f"evaluate[{strategy}]",
+                t.evaluate,
+                spec=spec,
+                strategy=strategy,
+                trained=trained[-1],
                 data=data,
                 workdir=workdir,
             )
-        if spec.dflash.target_features == "cached":
-            inputs["features"] = _run_stage(
-                record,
-                wd,
-                storage,
-                "cache_target",
-                cache_target_task,
-                spec=spec,
-                target=inputs["target"],
-                data=draft_data,
-                workdir=workdir,
-            )
-    trained, evaluated = [], []
-    trainer = train_remote_task if spec.pipeline.train_deployment else train_task
-    for strategy in spec.pipeline.strategies:
-        dflash = strategy == "dflash"
-        t = _run_stage(
-            record,
-            wd,
-            storage,
-            f"train[{strategy}]",
-            trainer,
-            spec=spec,
-            strategy=strategy,
-            data=draft_data if dflash else data,
-            workdir=workdir,
-            parent_run_id=parent_run_id,
-            inputs=inputs if dflash else None,
         )
-        e = _run_stage(
-            record,
-            wd,
-            storage,
-            f"evaluate[{strategy}]",
-            evaluate_task,
-            spec=spec,
-            strategy=strategy,
-            trained=t,
-            data=data,
-            workdir=workdir,
-        )
-        trained.append(t)
-        evaluated.append(e)
-    rep = _run_stage(
-        record,
-        wd,
-        storage,
+    rep = run(
         "report",
-        report_task,
+        t.report,
         pipeline_name=spec.pipeline.name,
         trained=trained,
         evaluated=evaluated,
@@ -221,15 +240,8 @@ def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str)
         tracking_uri=spec.tracking.uri,
         experiment=spec.tracking.experiment,
     )
-    publish_report(
-        rep,
-        trained,
-        evaluated,
-        workdir,
-        parent_run_id,
-        spec.tracking.uri,
-        spec.tracking.experiment or spec.pipeline.name,
-    )
+    parent = t.ParentRun(parent_run_id, spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
+    t.publish_report(rep, trained, evaluated, workdir, parent)
     return {
         "run_id": record.run_id,
         "report": str(Path(rep.path) / "report.md"),

@@ -11,9 +11,7 @@ from dataclasses import asdict
 
 from prefect import flow
 
-from dllm_common.config import validate_config
 from tasks.common import StageRef, check_workdir
-from tasks.train import train
 
 
 @flow(name="dllm-train")
@@ -22,6 +20,9 @@ def dllm_train(
 ) -> dict:
     """Train one strategy on prepared data (or reuse / resume it) and return the train stage's descriptor.
     `inputs`: descriptors of further upstream stages (dflash: `target`, `features`)."""
+    from strategies.options import validate_config  # the task layer imports torch: on the worker, at run time
+    from tasks.train import train
+
     resolved = validate_config(spec, "deployment parameters")
     check_workdir(workdir)
     ref = train(

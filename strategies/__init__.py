@@ -37,12 +37,15 @@ from strategies.losses import (
     uniform_diffusion_nelbo_terms,
 )
 from strategies.masks import build_block_diffusion_training_mask, create_idlm_block_mask, create_idlm_sdpa_mask
-from strategies.registry import DLLM_STRATEGIES, get_dllm_strategy
+from strategies.registry import DLLM_STRATEGIES, AssembledStrategy, assemble_strategy, get_dllm_strategy, strategy_class
 from strategies.scdd import SCDDLoss, SCDDSchedule, scdd_schedule
 from strategies.scdd_strategy import SCDDStrategy
 from strategies.seeding import corruption_sample_seed
 
 __all__ = [
+    "AssembledStrategy",
+    "assemble_strategy",
+    "strategy_class",
     "BlockDiffusionCrossEntropyLoss",
     "HybridDiffusionLLMLoss",
     "IDLMLoss",

@@ -6,12 +6,16 @@ corruption of every micro-batch (`pre_step`), the micro-batch forward/backward
 (`forward_backward`) and setup-time validation (`setup_extra`). Hooks receive a `StepContext`
 (what a step needs, nothing more) and return values; nothing is stashed in shared buffers.
 
-To add a variant: subclass, override what differs, register it in `DLLM_STRATEGIES`.
+A strategy is built from its typed, frozen options (`Options`, see strategies/options.py) and
+declares what the pipeline's tasks need from it: what it trains (`trains`), how it is evaluated
+(`evaluation`, `likelihoods`), its samplers, its upstream stages and capabilities.
+
+To add a variant: subclass, give it an `Options` model, override what differs, and register both
+in `strategies.options.REGISTRY`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +25,7 @@ from torch import Tensor, nn
 from strategies.corruption import corrupt_uniform
 from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss
 from strategies.models import model_logits
+from strategies.options import MDLMOptions, StrategyOptions
 from strategies.seeding import corruption_sample_seed, seeded_generator
 
 
@@ -54,7 +59,7 @@ class CorruptedBatch:
     p_mask: Tensor
     loss_mask: Tensor
     attention_mask: Tensor
-    extras: dict = field(default_factory=dict)  # strategy-specific sidecars (e.g. the block-diffusion window)
+    extras: Any = None  # a strategy's typed sidecar (DFlash anchor blocks, the block-diffusion canvas window)
 
 
 @dataclass(frozen=True)
@@ -77,19 +82,12 @@ class StepContext:
 
 @dataclass(frozen=True)
 class SetupContext:
+    """What `setup_extra` validates: the model/tokenizer pair and the candidate mask id."""
+
     model: nn.Module
     tokenizer: Any
     mask_token_id: int | None
     extras: dict = field(default_factory=dict)
-
-
-def _get(cfg: Any, key: str, default: Any) -> Any:
-    """Read a `dllm:` option from a plain mapping or the typed config (spec §12.1 keys)."""
-    if isinstance(cfg, Mapping):
-        value = cfg.get(key, default)
-    else:
-        value = getattr(cfg, key, default)
-    return default if value is None and default is not None else value
 
 
 def global_sum(value: int | float) -> int | float:
@@ -111,16 +109,80 @@ class DLLMStrategy:
     """Base strategy = MDLM-shaped defaults; subclasses override the hooks that differ."""
 
     name: str = "base"
+    Options: type[StrategyOptions] = StrategyOptions
     logit_shift: int = 0  # sampler reads row p of the logits from the model's row p − shift
     model_architecture: str | None = None  # model shape the strategy trains (None: the causal LM as is)
     sampler_name: str = "absorbing"  # what `sample` runs (recorded on every evaluation's reproducibility card)
+    # ---- what tasks read instead of asking for a strategy by name
+    trains: str = "denoiser"  # "denoiser": the (wrapped) backbone; "draft": a draft against a frozen target
+    evaluation: str = "diffusion"  # "diffusion": likelihoods + samples; "speculative": acceptance and speedup
+    likelihoods: tuple[str, ...] = ()  # "nelbo" (has `nelbo_rows`), "ar_nll" (has `ar_nll_rows`)
+    # what `dllm-flow generate --sampler` accepts (names of `strategies.sampling.SAMPLERS`); the first is `sample`
+    samplers: tuple[str, ...] = ("llada",)
+    supports_activation_checkpointing: bool = True
+    supports_peft: bool = True
+
+    def __init__(self, options: StrategyOptions | dict | None = None) -> None:
+        self.options = self.coerce_options(options)
+
+    @classmethod
+    def coerce_options(cls, options: StrategyOptions | dict | None) -> StrategyOptions:
+        """Typed options from a mapping (unknown keys refused), the typed model itself, or None (defaults)."""
+        if isinstance(options, cls.Options):
+            return options
+        if isinstance(options, StrategyOptions):  # another strategy's model: re-validate its values
+            options = options.model_dump()
+        return cls.Options.model_validate(dict(options or {}))
+
+    @classmethod
+    def complete_options(cls, options: StrategyOptions, model: nn.Module) -> StrategyOptions:
+        """Fill what the model decides (an unset `vocab_size` is the model's); every value is fixed after."""
+        if "vocab_size" in cls.Options.model_fields and getattr(options, "vocab_size", None) is None:
+            vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+            return options.model_copy(update={"vocab_size": vocab})
+        return options
+
+    @classmethod
+    def upstream_stages(cls, spec) -> tuple[str, ...]:
+        """Stages besides prepare_data whose results training reads: "target" (a frozen causal LM),
+        "features" (its hidden states cached over the data)."""
+        return ()
+
+    @classmethod
+    def training_data(cls, spec) -> str:
+        """ "prepared" (the prepare_data rows) or "regenerated" (the target's continuations of them)."""
+        return "prepared"
+
+    @classmethod
+    def train_settings(cls, spec) -> dict:
+        """Config outside the options that shapes training (part of the train stage's key)."""
+        return {}
+
+    @classmethod
+    def eval_settings(cls, spec) -> dict:
+        """Config outside `eval:` that shapes evaluation (part of the evaluate stage's key)."""
+        return {}
+
+    def corruption_values(self) -> dict:
+        """`eps`, `block_size`, `half_life_ratio` for the forward kernel (what `StepContext` carries)."""
+        return {
+            "eps": self.options.eps,
+            "block_size": getattr(self.options, "block_size", None),
+            "half_life_ratio": getattr(self.options, "half_life_ratio", 0.25),
+        }
 
     @property
     def normalization_mode(self) -> str:
         """Which global count divides the diffusion loss: 'supervised' or 'noise'."""
         return "supervised"
 
-    def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
+    @property
+    def loss_log_key(self) -> str:
+        """The `DLLMLossOutput` field that holds the strategy's own loss term (the seed API's name for it)."""
+        return "dllm_loss"
+
+    def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
+        """A new loss module built from the options (these, or the strategy's own when None)."""
         raise NotImplementedError
 
     def setup_extra(self, setup: SetupContext) -> int | None:
@@ -257,9 +319,12 @@ class MDLMStrategy(DLLMStrategy):
     """MDLM / LLaDA masked diffusion (spec §8.1): absorbing [MASK] kernel, 1/p-weighted CE."""
 
     name = "mdlm"
+    Options = MDLMOptions
+    likelihoods = ("nelbo",)
 
-    def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
-        return MDLMCrossEntropyLoss(weighting=_get(dllm_cfg, "loss_weighting", "elbo"))
+    def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
+        options = self.options if dllm_cfg is None else self.coerce_options(dllm_cfg)
+        return MDLMCrossEntropyLoss(weighting=options.loss_weighting)
 
     def apply_corruption(
         self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio, generator=None

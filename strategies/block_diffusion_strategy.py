@@ -15,12 +15,11 @@ the sample's own seed (spec §3), so they are identical across resume and any da
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, _get, global_sum
+from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, global_sum
 from strategies.corruption import corrupt_uniform_random
 from strategies.losses import (
     BlockDiffusionCrossEntropyLoss,
@@ -30,6 +29,8 @@ from strategies.losses import (
 )
 from strategies.masks import build_block_diffusion_training_mask
 from strategies.models import BLOCK_DIFFUSION
+from strategies.options import BlockDiffusionOptions, StrategyOptions
+from strategies.sampling import block_canvas_sample
 from strategies.seeding import seeded_generator
 
 _AUX_SEED_XOR = 0x5DEECE66D  # separates the block-choice / self-conditioning stream from the corruption stream
@@ -52,6 +53,14 @@ class ResponseWindow:
     decoder_padding_mask: Tensor
     prefix_lengths: Tensor  # [B]
     response_lengths: Tensor  # [B]
+
+
+@dataclass(frozen=True)
+class CanvasExtras:
+    """`CorruptedBatch.extras` of block diffusion: the canvas window and each row's self-conditioning coin."""
+
+    window: ResponseWindow
+    self_condition: Tensor  # [B] bool
 
 
 def supervised_runs(loss_mask: Tensor) -> Tensor:
@@ -145,21 +154,25 @@ def build_response_window(
 
 class BlockDiffusionStrategy(DLLMStrategy):
     name = "block_diffusion"
+    Options = BlockDiffusionOptions
     model_architecture = BLOCK_DIFFUSION
     sampler_name = "block_canvas"
+    samplers = ("canvas",)
+    likelihoods = ("nelbo",)
+    # the canvas pass reads every encoder layer's K/V cache, which recomputed layers do not keep
+    supports_activation_checkpointing = False
 
-    def __init__(self) -> None:
-        self.vocab_size: int | None = None
-        self.block_size = 256
-        self.self_conditioning_p = 0.5
-        self.encoder_loss_weight = 1.0
+    def __init__(self, options: BlockDiffusionOptions | dict | None = None) -> None:
+        super().__init__(options)
+        self.vocab_size: int | None = self.options.vocab_size
+        self.block_size = self.options.block_size
+        self.self_conditioning_p = self.options.self_conditioning_p
+        self.encoder_loss_weight = self.options.encoder_loss_weight
 
-    def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
-        vocab = _get(dllm_cfg, "vocab_size", None)
-        self.vocab_size = None if vocab is None else int(vocab)
-        self.block_size = int(_get(dllm_cfg, "block_size", 256))
-        self.self_conditioning_p = float(_get(dllm_cfg, "self_conditioning_p", 0.5))
-        self.encoder_loss_weight = float(_get(dllm_cfg, "encoder_loss_weight", 1.0))
+    def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
+        """The loss needs no option (its block and canvas come with each batch); the options are still checked."""
+        if dllm_cfg is not None:
+            self.coerce_options(dllm_cfg)
         return BlockDiffusionCrossEntropyLoss()
 
     def setup_extra(self, setup: SetupContext) -> int | None:
@@ -172,7 +185,7 @@ class BlockDiffusionStrategy(DLLMStrategy):
         if self.vocab_size is None:
             raise ValueError(
                 "BlockDiffusionStrategy requires dllm.vocab_size (replacement tokens are drawn "
-                "uniformly from it); set dllm.vocab_size or call create_loss_fn first"
+                "uniformly from it); set dllm.vocab_size or assemble the strategy for a model"
             )
         return corrupt_uniform_random(
             input_ids, loss_mask, self.vocab_size, block_size=None, eps=eps, generator=generator
@@ -233,7 +246,7 @@ class BlockDiffusionStrategy(DLLMStrategy):
             base.p_mask,
             base.loss_mask,
             base.attention_mask,
-            {"window": window, "self_condition": coins},
+            CanvasExtras(window, coins),
         )
 
     def loss_denominators(
@@ -241,7 +254,7 @@ class BlockDiffusionStrategy(DLLMStrategy):
     ) -> tuple[int, int]:
         """Spec §9.3: N_diff = scored tokens of the selected blocks; N_AR = clean next-token pairs; both
         summed over the data-parallel group and clamped to ≥ 1."""
-        n_diff = sum(int(c.extras["window"].loss_mask.sum()) for c in corrupted)
+        n_diff = sum(int(c.extras.window.loss_mask.sum()) for c in corrupted)
         n_ar = sum(int((c.attention_mask[:, :-1].bool() & c.attention_mask[:, 1:].bool()).sum()) for c in corrupted)
         return max(global_sum(n_diff), 1), max(global_sum(n_ar), 1)
 
@@ -261,8 +274,8 @@ class BlockDiffusionStrategy(DLLMStrategy):
     def forward_backward(
         self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int, num_ar_tokens: int, is_train: bool
     ) -> DLLMLossOutput:
-        window: ResponseWindow = batch.extras["window"]
-        out = ctx.model(**self.model_inputs(batch, window), do_self_conditioning=batch.extras["self_condition"])
+        window = batch.extras.window
+        out = ctx.model(**self.model_inputs(batch, window), do_self_conditioning=batch.extras.self_condition)
         loss = ctx.loss_fn(
             out.logits,
             window.target_ids,
@@ -327,8 +340,6 @@ class BlockDiffusionStrategy(DLLMStrategy):
         device: str,
         on_block=None,
     ):
-        from strategies.sampling import block_canvas_sample
-
         return block_canvas_sample(
             model,
             prompts,

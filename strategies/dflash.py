@@ -17,8 +17,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_model, save_model
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
 
 from strategies.losses import DLLMLossOutput
 
@@ -181,8 +184,6 @@ def create_dflash_block_mask(
     anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int, causal: bool = False
 ):
     """Flex-attention `BlockMask` for the DFlash layout (Q = N·bs, KV = S + N·bs, default 128 tiles)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     bsz, n_blocks = anchor_positions.shape
     mod = build_dflash_mask_mod(anchor_positions, block_keep_mask, ctx_len, block_size, causal)
     return create_block_mask(
@@ -348,8 +349,6 @@ class _DraftLayer(nn.Module):
         if mask is None or isinstance(mask, Tensor):
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:  # flex BlockMask
-            from torch.nn.attention.flex_attention import flex_attention
-
             a = flex_attention(q, k, v, block_mask=mask)
         x = x + self.o(a.transpose(1, 2).reshape(bsz, q_len, -1))
         h = self.mlp_norm(x)
@@ -384,8 +383,6 @@ class DFlashDraftModel(nn.Module):
 
     def save(self, dest: str | Path) -> None:
         """Self-describing checkpoint: config JSON + safetensors, written atomically by the caller's dir swap."""
-        from safetensors.torch import save_model
-
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         self.config.save_pretrained(dest)
@@ -393,8 +390,6 @@ class DFlashDraftModel(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, device="cpu") -> DFlashDraftModel:
-        from safetensors.torch import load_model
-
         model = cls(DFlashDraftConfig.from_dir(path))
         load_model(model, str(Path(path) / cls.WEIGHTS), device=str(device))
         return model
@@ -490,8 +485,6 @@ def speculative_generate(
 
 
 def _new_cache(target: nn.Module):
-    from transformers import DynamicCache
-
     return DynamicCache(config=target.config)
 
 

@@ -13,13 +13,14 @@ every other strategy's noise (fix G5), and the DFlash mask is always applied (fi
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, _get
+from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext
 from strategies.corruption import corrupt_uniform
 from strategies.dflash import (
     DFlashDecayLoss,
@@ -31,7 +32,8 @@ from strategies.dflash import (
     sample_anchor_blocks,
     target_features,
 )
-from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss
+from strategies.losses import DLLMLossOutput
+from strategies.options import DFlashOptions, StrategyOptions
 from strategies.seeding import seeded_generator
 
 
@@ -83,49 +85,89 @@ class CachedFeatures:
         return torch.stack(out).to(mb.input_ids.device)
 
 
+@dataclass(frozen=True)
+class DFlashBlocks:
+    """`CorruptedBatch.extras` of DFlash: anchor blocks (`sample_anchor_blocks`) and the rows' target features."""
+
+    anchors: Tensor  # [B, N] anchor positions
+    keep: Tensor  # [B, N] which anchors are real
+    block_ids: Tensor  # [B, N·bs] the draft's input: anchor token, then [MASK]s
+    targets: Tensor  # [B, N·(bs−1)] the tokens each block predicts
+    block_mask: Tensor  # [B, N·(bs−1)] which predictions count
+    features: Tensor  # [B, L, n·H] the target's hidden states at the draft's layers
+
+
 class DFlashStrategy(DLLMStrategy):
+    """Holds the frozen `target` and the `features` source besides its options (both runtime resources)."""
+
     name = "dflash"
+    Options = DFlashOptions
     sampler_name = "dflash_speculative"
+    samplers = ("speculative",)
+    trains = "draft"
+    evaluation = "speculative"
+    likelihoods = ("ar_nll",)  # the target's exact NLL
+    supports_activation_checkpointing = False
+    supports_peft = False
 
-    def __init__(self) -> None:
-        self.block_size: int | None = None
-        self.num_blocks, self.overlap = 1, True
-        self.loss: DFlashDecayLoss | None = None
-        self.target: nn.Module | None = None
-        self.features = None
-        self.backend = "sdpa"
+    def __init__(self, options: DFlashOptions | dict | None = None, target: nn.Module | None = None, features=None):
+        super().__init__(options)
+        self.target = target
+        self.features = features
+        self.block_size: int | None = self.options.block_size or None
+        self.num_blocks, self.overlap = self.options.num_blocks_per_sample, self.options.overlap_anchors
+        self.backend = self.options.attention_backend
 
-    def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
-        """A placeholder (spec §8.5): the real `DFlashDecayLoss` needs the block size, set in `setup_extra`."""
-        self.block_size = _get(dllm_cfg, "block_size", None)
-        self.num_blocks = int(_get(dllm_cfg, "num_blocks_per_sample", 1) or 1)
-        self.overlap = bool(_get(dllm_cfg, "overlap_anchors", True))
-        self._gamma = _get(dllm_cfg, "loss_decay_gamma", None)
-        self._chunk = int(_get(dllm_cfg, "ce_chunk_size", 1024) or 1024)
-        self._fused = bool(_get(dllm_cfg, "use_fused_linear_ce", True))
-        self.backend = str(_get(dllm_cfg, "attention_backend", "sdpa") or "sdpa").lower()
-        if self.backend not in ("sdpa", "flex_attention"):
-            raise ValueError(f"dflash.attention_backend must be 'sdpa' or 'flex_attention', got {self.backend!r}")
-        return MDLMCrossEntropyLoss()
+    @classmethod
+    def upstream_stages(cls, spec) -> tuple[str, ...]:
+        """The frozen target always; the feature cache when `dflash.target_features` is 'cached'."""
+        return ("target", "features") if spec.dflash.target_features == "cached" else ("target",)
+
+    @classmethod
+    def training_data(cls, spec) -> str:
+        """The target's own continuations when `dflash.regenerate` is set (DFlash paper §5.1)."""
+        return "prepared" if spec.dflash.regenerate is None else "regenerated"
+
+    @classmethod
+    def train_settings(cls, spec) -> dict:
+        """Where the target and its features come from (evaluation-only keys left out)."""
+        return spec.dflash.model_dump(mode="json", exclude={"eval_prompts", "eval_prompt_len", "eval_max_new_tokens"})
+
+    @classmethod
+    def eval_settings(cls, spec) -> dict:
+        return spec.dflash.model_dump(
+            mode="json", include={"eval_prompts", "eval_prompt_len", "eval_max_new_tokens", "target_torch_dtype"}
+        )
+
+    @classmethod
+    def complete_options(cls, options: StrategyOptions, model: nn.Module) -> StrategyOptions:
+        """An unset block size (0) is the draft checkpoint's."""
+        if options.block_size:
+            return options
+        draft_bs = getattr(getattr(model, "config", None), "block_size", None)
+        if draft_bs is None:
+            raise ValueError("Cannot infer block_size from draft config. Set dflash.block_size in the YAML.")
+        if draft_bs < 2:
+            raise ValueError("dflash.block_size must be at least 2.")
+        return options.model_copy(update={"block_size": int(draft_bs)})
+
+    def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
+        """The decay-weighted block loss (spec §8.5); γ ≤ 0 is the paper's value for the block size."""
+        options = self.options if dllm_cfg is None else self.coerce_options(dllm_cfg)
+        if not options.block_size:
+            raise ValueError("Cannot infer block_size from draft config. Set dflash.block_size in the YAML.")
+        gamma = options.loss_decay_gamma if options.loss_decay_gamma > 0 else default_gamma(options.block_size)
+        return DFlashDecayLoss(
+            float(gamma), use_fused_linear_ce=options.use_fused_linear_ce, chunk_size=options.ce_chunk_size
+        )
 
     def setup_extra(self, setup: SetupContext) -> int | None:
-        target = setup.extras.get("target")
-        if target is None:
+        """The target must lend embeddings and an LM head; the features must be the draft's layers."""
+        if self.target is None:
             raise ValueError("dflash.target_model_id must be set in config.")
-        _embed_and_head(target)  # raises when the target lacks embeddings or an LM head
-        self.target = target.eval().requires_grad_(False)
-        draft_bs = getattr(getattr(setup.model, "config", None), "block_size", None)
-        bs = self.block_size if self.block_size and self.block_size > 0 else draft_bs
-        if bs is None:
-            raise ValueError("Cannot infer block_size from draft config. Set dflash.block_size in the YAML.")
-        if bs < 2:
-            raise ValueError("dflash.block_size must be at least 2.")
-        self.block_size = int(bs)
-        gamma = float(self._gamma) if self._gamma and self._gamma > 0 else default_gamma(self.block_size)
-        self.loss = DFlashDecayLoss(gamma, use_fused_linear_ce=self._fused, chunk_size=self._chunk)
+        _embed_and_head(self.target)  # raises when the target lacks embeddings or an LM head
         layer_ids = list(setup.model.config.target_layer_ids)
-        self.features = setup.extras.get("features") or OnlineFeatures(target, layer_ids)
-        if list(self.features.layer_ids) != layer_ids:
+        if self.features is not None and list(self.features.layer_ids) != layer_ids:
             raise ValueError(
                 f"the target-feature cache holds layers {list(self.features.layer_ids)} but the draft reads "
                 f"{layer_ids}; rebuild the cache (cache_target) for this draft or use dflash.target_features: online"
@@ -159,15 +201,9 @@ class DFlashStrategy(DLLMStrategy):
                 overlap=self.overlap,
                 generators=gens,
             )
-            feats = self.features(mb)
-            extras = {
-                "anchors": blocks.anchors,
-                "keep": blocks.keep,
-                "block_ids": blocks.block_ids,
-                "targets": blocks.targets,
-                "block_mask": blocks.block_mask,
-                "features": feats,
-            }
+            extras = DFlashBlocks(
+                blocks.anchors, blocks.keep, blocks.block_ids, blocks.targets, blocks.block_mask, self.features(mb)
+            )
             out.append(
                 CorruptedBatch(
                     mb.input_ids,
@@ -187,30 +223,28 @@ class DFlashStrategy(DLLMStrategy):
     ) -> DLLMLossOutput:
         e, bs = batch.extras, self.block_size
         emb, head = _embed_and_head(self.target)
-        feats = e["features"].to(next(ctx.model.parameters()).dtype)  # a bf16/fp16 cache feeds an fp32 draft
-        noise = emb(e["block_ids"]).to(feats.dtype)
-        positions = block_position_ids(e["anchors"], feats.shape[1], bs)
+        feats = e.features.to(next(ctx.model.parameters()).dtype)  # a bf16/fp16 cache feeds an fp32 draft
+        noise = emb(e.block_ids).to(feats.dtype)
+        positions = block_position_ids(e.anchors, feats.shape[1], bs)
         if self.backend == "flex_attention":  # sparse BlockMask (needs a GPU for backward in torch 2.13)
-            mask = create_dflash_block_mask(e["anchors"], e["keep"], feats.shape[1], bs)
+            mask = create_dflash_block_mask(e.anchors, e.keep, feats.shape[1], bs)
         else:
-            mask = create_dflash_sdpa_mask(
-                e["anchors"], e["keep"], feats.shape[1], bs, dtype=noise.dtype
-            )  # always (G1)
+            mask = create_dflash_sdpa_mask(e.anchors, e.keep, feats.shape[1], bs, dtype=noise.dtype)  # always (G1)
         h = ctx.model(feats, noise, positions, mask)
-        b, n = e["anchors"].shape
+        b, n = e.anchors.shape
         pred = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
-        if self._fused:
-            out = self.loss.forward_fused(
+        if self.options.use_fused_linear_ce:
+            out = ctx.loss_fn.forward_fused(
                 pred,
                 head.weight,
-                e["targets"],
-                e["block_mask"],
+                e.targets,
+                e.block_mask,
                 num_tokens=num_diffusion_tokens,
                 block_size=bs,
                 lm_head_bias=getattr(head, "bias", None),
             )
         else:
-            out = self.loss(head(pred), e["targets"], e["block_mask"], num_tokens=num_diffusion_tokens, block_size=bs)
+            out = ctx.loss_fn(head(pred), e.targets, e.block_mask, num_tokens=num_diffusion_tokens, block_size=bs)
         if is_train:
             (out.total_loss * ctx.loss_scale).backward()
         return out

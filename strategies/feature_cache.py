@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from strategies.dflash import target_features
 
@@ -32,14 +34,10 @@ def write_feature_cache(
     progress: bool = False,
 ) -> dict:
     """Features of `splits` ({name: ids [R, L]}) into `dest`; returns the index it wrote."""
-    from safetensors.torch import save_file
-
     if dtype not in DTYPES:
         raise ValueError(f"dflash.cache_dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    from tqdm import tqdm
-
     device = next(target.parameters()).device
     t0 = time.perf_counter()
     index: dict = {"layer_ids": list(layer_ids), "dtype": dtype, "splits": {}, "bytes": 0}

@@ -10,34 +10,44 @@ gives an exact left-to-right NLL (`eval/ar_nll`); the diffusion branch an MDLM b
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
-from strategies.base import CorruptedBatch, MDLMStrategy, SetupContext, StepContext, _get
+from strategies.base import CorruptedBatch, MDLMStrategy, SetupContext, StepContext
 from strategies.corruption import corrupt_blockwise, corrupt_uniform
 from strategies.losses import DLLMLossOutput, HybridDiffusionLLMLoss, causal_nll_rows
 from strategies.models import HYBRID
+from strategies.options import HybridOptions, StrategyOptions
+from strategies.sampling import hybrid_sample
 
 
 class HybridStrategy(MDLMStrategy):
     name = "hybrid"
+    Options = HybridOptions
     model_architecture = HYBRID
     sampler_name = "hybrid_ar_seeded_blocks"
+    samplers = ("hybrid", "llada")
+    likelihoods = ("nelbo", "ar_nll")
 
     @property
     def normalization_mode(self) -> str:
         return "noise"
 
-    def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
-        return HybridDiffusionLLMLoss(alpha=float(_get(dllm_cfg, "ar_loss_alpha", 1.0)))
+    def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
+        options = self.options if dllm_cfg is None else self.coerce_options(dllm_cfg)
+        return HybridDiffusionLLMLoss(alpha=options.ar_loss_alpha)
 
     def setup_extra(self, setup: SetupContext) -> int | None:
-        """The model masks internally: hand it the resolved mask id (kept in its config and checkpoint)."""
+        """The model masks internally with the id it was built with (`wrap_for_architecture(...,
+        mask_token_id=)`, kept in its config and checkpoint): it must be the one the strategy resolves."""
         if setup.mask_token_id is None:
             return None  # the trainer raises its "dllm.mask_token_id must be set" error
-        setup.model.config.dllm_mask_token_id = int(setup.mask_token_id)
+        built = getattr(getattr(setup.model, "config", None), "dllm_mask_token_id", None)
+        if built is not None and int(built) != int(setup.mask_token_id):
+            raise ValueError(
+                f"the hybrid model masks with token id {built} but dllm.mask_token_id resolves to "
+                f"{setup.mask_token_id}; rebuild the model with the same mask id"
+            )
         return int(setup.mask_token_id)
 
     def apply_corruption(
@@ -103,8 +113,6 @@ class HybridStrategy(MDLMStrategy):
         on_block=None,
     ):
         """Blocks seeded by the causal branch, completed by the diffusion branch (Nemotron decoding)."""
-        from strategies.sampling import hybrid_sample
-
         return hybrid_sample(
             model,
             prompts,

@@ -8,15 +8,14 @@ with the next-token shift. The clean half is an ordinary causal LM, so its NLL i
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
-from strategies.base import CorruptedBatch, DLLMStrategy, SetupContext, StepContext, _get
+from strategies.base import CorruptedBatch, DLLMStrategy, SetupContext, StepContext
 from strategies.corruption import corrupt_all_masked
 from strategies.losses import DLLMLossOutput, IDLMLoss, causal_nll_rows
 from strategies.masks import create_idlm_sdpa_mask
+from strategies.options import IDLMOptions, StrategyOptions
 
 
 class IDLMStrategy(DLLMStrategy):
@@ -24,18 +23,19 @@ class IDLMStrategy(DLLMStrategy):
     `[x_t ‖ x_0]` input itself."""
 
     name = "idlm"
+    Options = IDLMOptions
     logit_shift = 1
     sampler_name = "absorbing_shift1"
+    samplers = ("idlm",)
+    likelihoods = ("ar_nll",)
 
-    def __init__(self) -> None:
-        self.block_length = 1
+    @property
+    def block_length(self) -> int:
+        return self.options.block_length
 
-    def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
-        self.block_length = int(_get(dllm_cfg, "block_length", 1))
-        return IDLMLoss(
-            clean_loss_weight=float(_get(dllm_cfg, "clean_loss_weight", 0.2)),
-            auto_balance=bool(_get(dllm_cfg, "auto_balance_clean_loss", False)),
-        )
+    def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
+        options = self.options if dllm_cfg is None else self.coerce_options(dllm_cfg)
+        return IDLMLoss(clean_loss_weight=options.clean_loss_weight, auto_balance=options.auto_balance_clean_loss)
 
     def setup_extra(self, setup: SetupContext) -> int | None:
         config = getattr(setup.model, "config", None)

@@ -11,6 +11,7 @@ import functools
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask
 
 # ------------------------------------------------------------------ I-DLM over [x_t ‖ x_0]
 
@@ -77,8 +78,6 @@ def create_idlm_block_mask(
 
 
 def _block_mask_builder():
-    from torch.nn.attention.flex_attention import create_block_mask
-
     return create_block_mask
 
 

@@ -145,17 +145,19 @@ class HybridLM(nn.Module):
     plus `config.dllm_architecture = "hybrid"` and the mask id, so any HF causal LM can be the backbone.
     """
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, mask_token_id: int | None = None):
         super().__init__()
         self.lm = lm
         self.config = lm.config
         self.config.dllm_architecture = HYBRID
+        if mask_token_id is not None:
+            self.config.dllm_mask_token_id = int(mask_token_id)
 
     @property
     def mask_token_id(self) -> int:
         mask_id = getattr(self.config, "dllm_mask_token_id", None)
         if mask_id is None:
-            raise ValueError("HybridLM needs config.dllm_mask_token_id (set by HybridStrategy.setup_extra)")
+            raise ValueError("HybridLM needs a mask token id: build it with wrap_for_architecture(..., mask_token_id=)")
         return int(mask_id)
 
     def diffusion_logits(self, noisy_ids: Tensor) -> Tensor:
@@ -272,10 +274,13 @@ class BlockDiffusionLM(nn.Module):
 DLLM_ARCHITECTURES = {HYBRID: HybridLM, BLOCK_DIFFUSION: BlockDiffusionLM}
 
 
-def wrap_for_architecture(lm: nn.Module, architecture: str | None) -> nn.Module:
-    """Wrap a causal LM in the strategy's model shape (None → the LM itself)."""
+def wrap_for_architecture(lm: nn.Module, architecture: str | None, mask_token_id: int | None = None) -> nn.Module:
+    """Wrap a causal LM in the strategy's model shape (None → the LM itself). A shape that masks
+    internally (hybrid) is built with its mask id; others ignore it."""
     if architecture is None:
         return lm
+    if architecture == HYBRID:
+        return HybridLM(lm, mask_token_id)
     return DLLM_ARCHITECTURES[architecture](lm)
 
 

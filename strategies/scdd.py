@@ -64,6 +64,27 @@ def _vocab_terms(logits: Tensor, x0: Tensor, zt: Tensor, log_beta_s: Tensor, log
     return sigma, pick(x0), pick(zt), logp.gather(1, zt[:, None]).squeeze(1)
 
 
+class _RowCoefficients(NamedTuple):
+    """Float64 schedule terms at (t, s = t − 1/T): one per row, or repeated over each row's positions."""
+
+    beta_s: Tensor  # (1 − ρ_s)/K
+    rho_s: Tensor  # ρ_s as scheduled (the ratios below divide by it clamped at 1e-30)
+    beta_t: Tensor  # (1 − ρ_t)/K
+    rho_t: Tensor
+    uniform: Tensor  # (ρ_s − ρ_t)/ρ_s
+    clean: Tensor  # ρ_t/ρ_s
+    kappa: Tensor  # (γ_s − γ_t)/max(1 − γ_t, 1e-30)
+
+
+class _VocabTerms(NamedTuple):
+    """The vocabulary-sized sums per position, float64: Σ_v τ(v), τ(x0), τ(z), log p_θ(z)."""
+
+    sigma: Tensor
+    tau_x: Tensor
+    tau_z: Tensor
+    logp_z: Tensor
+
+
 class SCDDLoss(nn.Module):
     """Discrete-time SCDD NELBO (spec §5.8). The p_mask slot carries the diffusion time t per row.
 
@@ -116,6 +137,22 @@ class SCDDLoss(nn.Module):
             raise ValueError("SCDDLoss needs noisy_input_ids (the corrupted z_t) to score visible tokens")
         batch, length, vocab = logits.shape
         k = vocab - 1
+        coef = self._row_coefficients(p_mask, k)
+        row = lambda v: v[:, None].expand(batch, length).reshape(-1)  # noqa: E731  per-row → per-position
+
+        x0, zt = target_ids.reshape(-1), noisy_input_ids.reshape(-1)
+        log_bs, log_rs = row(coef.beta_s.clamp_min(_TINY).log()).float(), row(coef.rho_s.clamp_min(_TINY).log()).float()
+        terms = self._chunked_vocab_terms(logits.reshape(-1, vocab), x0, zt, log_bs, log_rs)
+
+        per_position = _RowCoefficients(*(row(v) for v in coef))
+        per_token = self.num_timesteps * self._integrand(per_position, terms, x0, zt, k)
+        sup = loss_mask.reshape(-1).double()
+        denom = num_diffusion_tokens if num_diffusion_tokens is not None else int(sup.sum())
+        total = ((per_token * sup).sum() / max(int(denom), 1)).to(logits.dtype)
+        return DLLMLossOutput(total, total.detach())
+
+    def _row_coefficients(self, p_mask: Tensor, k: int) -> _RowCoefficients:
+        """The schedule terms of each row at t (its p_mask) and s = t − 1/T."""
         t = p_mask[:, 0].double().clamp(0, 1)  # per-row coefficients in float64: κ ∝ (t − s) is a small difference
         s = (t - 1.0 / self.num_timesteps).clamp_min(0)
         at_t, at_s = self._schedule(t), self._schedule(s)
@@ -123,11 +160,12 @@ class SCDDLoss(nn.Module):
         ct, ut = rho_t / rho_s, (at_s.rho - rho_t) / rho_s
         kappa = (at_s.gamma - at_t.gamma) / (1 - at_t.gamma).clamp_min(_TINY)
         beta_s, beta_t = (1 - at_s.rho) / k, (1 - rho_t) / k
-        row = lambda v: v[:, None].expand(batch, length).reshape(-1)  # noqa: E731  per-row → per-position
+        return _RowCoefficients(beta_s, at_s.rho, beta_t, rho_t, ut, ct, kappa)
 
-        flat_logits = logits.reshape(-1, vocab)
-        x0, zt = target_ids.reshape(-1), noisy_input_ids.reshape(-1)
-        log_bs, log_rs = row(beta_s.clamp_min(_TINY).log()).float(), row(at_s.rho.clamp_min(_TINY).log()).float()
+    def _chunked_vocab_terms(
+        self, flat_logits: Tensor, x0: Tensor, zt: Tensor, log_bs: Tensor, log_rs: Tensor
+    ) -> _VocabTerms:
+        """`_vocab_terms` over chunks of `chunk_size` positions, each under a non-reentrant checkpoint."""
         step = self.chunk_size or flat_logits.shape[0]
         parts = [
             checkpoint(
@@ -142,10 +180,13 @@ class SCDDLoss(nn.Module):
             )
             for i in range(0, flat_logits.shape[0], step)
         ]
-        sigma, tau_x, tau_z, logp_z = (torch.cat(p).double() for p in zip(*parts))
+        return _VocabTerms(*(torch.cat(p).double() for p in zip(*parts)))
 
-        b_s, r_s, b_t, r_t = row(beta_s), row(at_s.rho), row(beta_t), row(rho_t)
-        c_u, c_c, kap = row(ut) / k, row(ct), row(kappa)
+    def _integrand(self, c: _RowCoefficients, terms: _VocabTerms, x0: Tensor, zt: Tensor, k: int) -> Tensor:
+        """J per position (the class docstring) from per-position coefficients: J_abs where z = M, else J_vis."""
+        b_s, r_s, b_t, r_t = c.beta_s, c.rho_s, c.beta_t, c.rho_t
+        c_u, c_c, kap = c.uniform / k, c.clean, c.kappa
+        sigma, tau_x, tau_z, logp_z = terms
         lam = torch.logaddexp(b_t.clamp_min(_TINY).log(), r_t.clamp_min(_TINY).log() + logp_z)
         delta = (zt == x0).float()
         j_abs = -kap * (b_s * sigma + r_s * tau_x)
@@ -156,8 +197,4 @@ class SCDDLoss(nn.Module):
             + r_s * c_c * delta * (tau_x - lam)
         )
         j_vis = -s_vis / (b_t + r_t * delta).clamp_min(_TINY)
-        per_token = self.num_timesteps * torch.where(zt == self.mask_token_id, j_abs, j_vis)
-        sup = loss_mask.reshape(-1).double()
-        denom = num_diffusion_tokens if num_diffusion_tokens is not None else int(sup.sum())
-        total = ((per_token * sup).sum() / max(int(denom), 1)).to(logits.dtype)
-        return DLLMLossOutput(total, total.detach())
+        return torch.where(zt == self.mask_token_id, j_abs, j_vis)

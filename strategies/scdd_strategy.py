@@ -7,51 +7,45 @@ ids with no attention mask, exactly like MDLM.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
-from strategies.base import MDLMStrategy, SetupContext, _get
+from strategies.base import MDLMStrategy, SetupContext
 from strategies.corruption import corrupt_mix, scdd_grid_times
 from strategies.models import model_logits
+from strategies.options import SCDDOptions, StrategyOptions
+from strategies.sampling import scdd_ancestral_sample
 from strategies.scdd import SCDDLoss, scdd_schedule
-
-
-def _raw(cfg: Any, key: str, default: Any) -> Any:
-    """Like `_get` but an explicit null stays null (chunk_size: null disables chunking)."""
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
 
 
 class SCDDStrategy(MDLMStrategy):
     name = "scdd"
+    Options = SCDDOptions
     sampler_name = "scdd_ancestral"
+    samplers = ("scdd", "llada")
 
-    def __init__(self) -> None:
-        self.loss_fn: SCDDLoss | None = None
-        self.vocab_size: int | None = None
+    def __init__(self, options: SCDDOptions | dict | None = None) -> None:
+        super().__init__(options)
+        self.vocab_size: int | None = self.options.vocab_size
+        # the loss also scores evaluation rows (`nelbo_rows`); an unresolved mask id is 0 until assembled
+        self.loss_fn: SCDDLoss | None = self.create_loss_fn(self.options) if self.vocab_size is not None else None
 
-    def create_loss_fn(self, dllm_cfg: Any) -> nn.Module:
-        vocab = _raw(dllm_cfg, "vocab_size", None)
-        if vocab is None:
+    def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
+        options = self.options if dllm_cfg is None else self.coerce_options(dllm_cfg)
+        if options.vocab_size is None:
             raise ValueError(
                 "SCDDStrategy requires dllm.vocab_size (the model's vocabulary size; the uniform "
                 "channel draws replacement tokens from it)"
             )
-        self.vocab_size = int(vocab)
-        mask = _raw(dllm_cfg, "mask_token_id", None)  # null and absent alike: installed by setup_extra
-        self.loss_fn = SCDDLoss(
+        mask = options.mask_token_id
+        return SCDDLoss(
             0 if mask is None else int(mask),
-            num_timesteps=int(_get(dllm_cfg, "num_timesteps", 1000)),
-            max_ratio=float(_get(dllm_cfg, "uniform_ratio", 0.1)),
-            gamma_shape=float(_get(dllm_cfg, "schedule_shape", 1.0)),
-            t_peak=float(_get(dllm_cfg, "schedule_peak", 0.5)),
-            chunk_size=_raw(dllm_cfg, "chunk_size", 1024),
+            num_timesteps=options.num_timesteps,
+            max_ratio=options.uniform_ratio,
+            gamma_shape=options.schedule_shape,
+            t_peak=options.schedule_peak,
+            chunk_size=options.chunk_size,
         )
-        return self.loss_fn
 
     def setup_extra(self, setup: SetupContext) -> int | None:
         mask = setup.mask_token_id
@@ -63,8 +57,6 @@ class SCDDStrategy(MDLMStrategy):
                 raise ValueError(f"dllm.mask_token_id={mask} is outside the model vocab (size {vocab}).")
             if self.vocab_size != vocab:
                 raise ValueError(f"dllm.vocab_size={self.vocab_size} does not match the model vocab ({vocab}).")
-        if self.loss_fn is not None:
-            self.loss_fn.mask_token_id = int(mask)
         return int(mask)
 
     def _channel_probs(self, t: Tensor) -> tuple[Tensor, Tensor]:
@@ -77,9 +69,7 @@ class SCDDStrategy(MDLMStrategy):
         self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio, generator=None
     ):
         if self.loss_fn is None:
-            raise ValueError(
-                "SCDDStrategy.create_loss_fn must run before corruption (it sets vocab_size and the schedule)"
-            )
+            raise ValueError("SCDDStrategy needs dllm.vocab_size before corruption (set it, or assemble the strategy)")
         batch, length = input_ids.shape
         t = scdd_grid_times(batch, self.loss_fn.num_timesteps, eps, generator, input_ids.device)
         mask_prob, uniform_prob = self._channel_probs(t)
@@ -150,10 +140,8 @@ class SCDDStrategy(MDLMStrategy):
         on_block=None,
     ):
         """Ancestral posterior sampling with the training schedule, then the noise-removal pass (§11.5)."""
-        from strategies.sampling import scdd_ancestral_sample
-
         if self.loss_fn is None:
-            raise ValueError("SCDDStrategy.create_loss_fn must run before sampling (the sampler uses its schedule)")
+            raise ValueError("SCDDStrategy needs dllm.vocab_size before sampling (the sampler uses its schedule)")
         return scdd_ancestral_sample(
             self.denoiser(model),
             prompts,

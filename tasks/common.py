@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from prefect import task
+
 from dllm_common.store import Store
 
 
@@ -73,7 +75,6 @@ def prefect_task(fn: Callable, *, name: str, stage_of: Callable[..., tuple[str, 
     entry: deleting an entry also drops Prefect's memory of it, and a half-written stage is never
     served from cache.
     """
-    from prefect import task
 
     def cache_key(_context, parameters: dict) -> str:
         stage, key = stage_of(**parameters)

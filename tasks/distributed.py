@@ -1,13 +1,13 @@
 """Data-parallel training on torch.distributed, launched with torchrun.
 
 `train.nproc_per_node > 1` makes the train stage launch
-`python -m torch.distributed.run --standalone --nproc_per_node N -m tasks.distributed ...`; every
+`python -m torch.distributed.run --standalone --nproc_per_node N -m tasks.torchrun_entry ...`; every
 rank runs the same training loop (gloo on CPU, NCCL on GPU; the model wrapped in DDP). The batch
 is a *global* batch: rank r takes rows r, r + N, r + 2N, ... of it, which is exactly the strided
-layout the per-sample noise seeds assume (spec §3), so each sample gets the same noise for any N.
+layout the per-sample noise seeds assume (docs/strategies.md §3), so each sample gets the same noise for any N.
 Token counts are all-reduced, each rank's loss is local sum ÷ global count and backward is scaled
-by N (DDP averages), which makes the applied gradient the global token mean (spec §7.2). Rank 0
-tracks, checkpoints and publishes; the launching process then reads the published store entry.
+by N (DDP averages), which makes the applied gradient the global token mean (docs/strategies.md §7.2). Rank 0
+tracks, checkpoints and writes the result; the launching process publishes it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,18 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
 
 
 @dataclass(frozen=True)
@@ -39,9 +49,6 @@ def init_distributed(device: str) -> DistInfo:
     """Join the process group torchrun set up (gloo on CPU, NCCL on CUDA); single process otherwise."""
     if not under_torchrun():
         return DistInfo()
-    import torch
-    import torch.distributed as dist
-
     info = DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -56,23 +63,17 @@ def rank_device(device: str, info: DistInfo) -> str:
 
 
 def barrier() -> None:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
 
 def shutdown() -> None:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def shard_fsdp2(model) -> None:
     """FSDP2: shard every decoder layer of the backbone, then the whole (wrapped) model as the root unit."""
-    from torch.distributed.fsdp import fully_shard
-
     lm = getattr(model, "lm", model)
     layers = lm.layers if hasattr(lm, "layers") else lm.model.layers  # a DFlash draft holds its layers directly
     for layer in layers:
@@ -82,8 +83,6 @@ def shard_fsdp2(model) -> None:
 
 def gather_full_state(model, optimizer):
     """Full (unsharded, CPU) model and optimizer state dicts on every rank — a collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=options)
     optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
@@ -91,30 +90,15 @@ def gather_full_state(model, optimizer):
 
 
 def load_full_optimizer_state(model, optimizer, state) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def launch(
-    spec, strategy: str, data, workdir: str, parent_run_id: str | None, work_dir: Path, inputs: dict | None = None
-) -> None:
-    """Run the train stage under torchrun with `spec.train.nproc_per_node` processes; raise if it fails."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    args_file = work_dir / "torchrun-args.json"
-    args_file.write_text(
-        json.dumps(
-            {
-                "spec": spec.model_dump(mode="json"),
-                "strategy": strategy,
-                "data": asdict(data),
-                "workdir": str(workdir),
-                "parent_run_id": parent_run_id,
-                "inputs": {name: asdict(ref) for name, ref in (inputs or {}).items()},
-            }
-        )
-    )
-    nproc = spec.train.nproc_per_node
+def launch(job, out: Path) -> None:
+    """Run a training job (`tasks.train.TrainJob`) under torchrun with `train.nproc_per_node` processes,
+    rank 0 writing its result into `out`; raise if torchrun fails."""
+    args_file = job.work / "torchrun-args.json"
+    args_file.write_text(json.dumps({"job": json.loads(job.to_json()), "out": str(out)}))
+    nproc = job.spec.train.nproc_per_node
     cmd = [
         sys.executable,
         "-m",
@@ -122,30 +106,15 @@ def launch(
         "--standalone",
         f"--nproc_per_node={nproc}",
         "-m",
-        "tasks.distributed",
+        "tasks.torchrun_entry",
         str(args_file),
     ]
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(spec.train.threads or 1))
-    print(f"[dllm-flow] train[{strategy}]: launching torchrun with {nproc} processes", flush=True)
+    env.setdefault("OMP_NUM_THREADS", str(job.spec.train.threads or 1))
+    print(f"[dllm-flow] train[{job.strategy}]: launching torchrun with {nproc} processes", flush=True)
     code = subprocess.call(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     if code != 0:
         raise RuntimeError(
-            f"torchrun for train[{strategy}] exited with status {code}; see the rank logs above. "
+            f"torchrun for train[{job.strategy}] exited with status {code}; see the rank logs above. "
             "Rerun to resume from the last checkpoint."
         )
-
-
-def _main(args_path: str) -> None:
-    from dllm_common.config import validate_config
-    from tasks.common import StageRef
-    from tasks.train import train
-
-    raw = json.loads(Path(args_path).read_text())
-    spec = validate_config(raw["spec"], "torchrun args")
-    inputs = {name: StageRef(**ref) for name, ref in raw.get("inputs", {}).items()}
-    train(spec, raw["strategy"], StageRef(**raw["data"]), raw["workdir"], raw["parent_run_id"], inputs)
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1])

@@ -15,12 +15,31 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+import transformers
+
+from dllm_common.checkpoint import DIGESTS, load_weights_into, read_meta
 from dllm_common.config import PipelineSpec
-from dllm_common.store import stage_key
+from dllm_common.store import sha256_file, stage_key
+from strategies import Microbatch, StepContext, assemble_strategy, strategy_class
+from strategies.dflash import acceptance_from_correct, draft_block_logits, greedy_generate, speculative_generate
+from strategies.losses import causal_nll_rows
+from strategies.models import model_from_config_dir
+from strategies.options import resolve_options
+from strategies.sampling import SamplerConfig, trim_at_eos
+from strategies.seeding import seeded_generator
 from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.dflash_setup import draft_strategy, load_spec_target
+from tasks.prepare_data import load_split, load_tokenizer
+from tasks.runtime import resolve_device, tracking_for
+from tasks.scoring import generative_perplexity, load_scorer, mean_entropy
+from tasks.train import model_dir
 
 STAGE = "evaluate"
 
@@ -29,12 +48,14 @@ def stage_of(
     spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str, **_
 ) -> tuple[str, str]:
     config = {"strategy": strategy, "eval": spec.eval.model_dump(mode="json")}
-    if strategy == "dflash":  # speculative decoding settings
-        config["dflash"] = spec.dflash.model_dump(
-            mode="json", include={"eval_prompts", "eval_prompt_len", "eval_max_new_tokens", "target_torch_dtype"}
-        )
+    settings = strategy_class(strategy).eval_settings(spec)  # e.g. DFlash's speculative decoding settings
+    if settings:
+        config["settings"] = settings
     key = stage_key(
-        STAGE, config, {"train": trained.key, "data": data.key}, code_version("strategies", "tasks.evaluate")
+        STAGE,
+        config,
+        {"train": trained.key, "data": data.key},
+        code_version("strategies", "tasks.evaluate", "tasks.dflash_setup"),
     )
     return STAGE, key
 
@@ -60,9 +81,6 @@ def ratio_with_se(sums: list[float], counts: list[int]) -> tuple[float, float]:
 def fixed_noise_nelbo(
     strategy, model, ids, loss_mask, mask_token_id: int, t_samples: int, batch_size: int, seed: int
 ) -> tuple[float, float, int]:
-    import torch
-
-    from strategies.seeding import seeded_generator
 
     sums, counts = [], []
     model.eval()
@@ -83,7 +101,6 @@ def fixed_noise_nelbo(
 
 def exact_ar_nll(strategy, model, ids, loss_mask, attention_mask, batch_size: int) -> tuple[float, float, int]:
     """Exact causal NLL per supervised token where the model has a causal path (I-DLM clean half)."""
-    import torch
 
     sums, counts = [], []
     model.eval()
@@ -113,7 +130,6 @@ def encode_prompts(tokenizer, texts: list[str], chat: bool) -> list[list[int]]:
 
 
 def sampler_config(spec: PipelineSpec, strategy, steps: int, eos_token_id: int | None):
-    from strategies.sampling import SamplerConfig
 
     e = spec.eval
     return SamplerConfig(
@@ -139,9 +155,6 @@ def draw_samples(
     device: str,
 ) -> tuple[list[list[int]], dict]:
     """Generated token ids (cut at EOS) for each prompt at one step budget, and the sampling-cost metrics."""
-    import torch
-
-    from strategies.sampling import trim_at_eos
 
     cfg = sampler_config(spec, strategy, steps, tokenizer.eos_token_id)
     gen = torch.Generator(device=device).manual_seed(spec.eval.seed)
@@ -171,7 +184,6 @@ def sample_quality(
 ) -> tuple[dict, list[dict], str]:
     """Samples at every step budget of the quality-vs-NFE curve: (headline metrics at `sample_steps`,
     curve points, the headline samples as text). gen_ppl needs a scorer; entropy is always there."""
-    from tasks.scoring import generative_perplexity, mean_entropy
 
     e = spec.eval
     texts = list(e.prompts[: e.num_samples]) or ["O"]
@@ -225,14 +237,6 @@ def repro_card(
     eos_token_id: int | None,
 ) -> dict:
     """Everything needed to reproduce (or refuse to compare) this evaluation's numbers."""
-    import platform
-    from dataclasses import asdict
-
-    import torch
-    import transformers
-
-    from dllm_common.checkpoint import DIGESTS
-    from dllm_common.store import sha256_file
 
     e = spec.eval
     sampler = asdict(sampler_config(spec, strategy, e.sample_steps, eos_token_id))
@@ -262,75 +266,103 @@ def repro_card(
     }
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """What an evaluation reads: the trained model and its tokenizer, the validation rows, the scorer."""
+
+    spec: PipelineSpec
+    strategy: str
+    model: torch.nn.Module
+    tokenizer: object
+    mask_id: int
+    ckpt: Path
+    val: tuple  # (ids, loss_mask, attention_mask) of the first `eval.val_rows` validation rows
+    device: str
+    scorer: tuple | None
+
+    @property
+    def options(self):
+        return resolve_options(self.spec, self.strategy)
+
+
+@dataclass
+class EvalResult:
+    strategy: object  # the assembled strategy (its sampler goes on the reproducibility card)
+    metrics: dict
+    curve: list
+    samples: str
+    files: dict = field(default_factory=dict)  # further artifacts, name → text
+
+
+def _write_result(ev: Evaluation, result: EvalResult, data_key: str, out: Path) -> None:
+    card = repro_card(
+        ev.spec, ev.strategy, result.strategy, ev.model, ev.ckpt, data_key, ev.device, ev.tokenizer.eos_token_id
+    )
+    files = {
+        "metrics.json": json.dumps(result.metrics, indent=2),
+        "samples.txt": result.samples,
+        "curve.json": json.dumps(result.curve, indent=2),
+        "repro_card.json": json.dumps(card, indent=2, sort_keys=True),
+        **result.files,
+    }
+    for name, content in files.items():
+        (out / name).write_text(content)
+
+
+def _log_to_training_run(spec: PipelineSpec, trained: StageRef, entry, workdir: str) -> None:
+    """Metrics on the trained model's run, the quality-vs-NFE curve, artifacts under `eval/<key>/`."""
+    metrics = json.loads((entry.path / "metrics.json").read_text())
+    curve = json.loads((entry.path / "curve.json").read_text())
+    tracker = tracking_for(spec, workdir).reopen(trained.mlflow_run_id)
+    tracker.log_metrics(metrics, step=spec.train.steps)
+    for point in curve:  # the quality-vs-NFE curve, one MLflow step per step budget
+        tracker.log_metrics({f"eval_curve/{k}": v for k, v in point.items() if k != "steps"}, step=point["steps"])
+    for name in sorted(entry.manifest["files"]):
+        tracker.log_artifact(entry.path / name, eval_artifact_path(entry.key))
+    tracker.close()
+
+
 def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str) -> StageRef:
-    from dllm_common.checkpoint import read_meta
-    from dllm_common.tracking import Tracking
-    from tasks.prepare_data import load_split, load_tokenizer
-    from tasks.train import model_dir, resolve_device
-
-    store = store_for(workdir)
+    """Evaluate the trained model (or reuse the published evaluation) and log it to the model's run."""
     stage, key = stage_of(spec, strategy, trained, data, workdir)
-    if (hit := store.lookup(stage, key)) is not None:
-        return _ref(hit, strategy, reused=True)
-    device = resolve_device(spec.train.device)
-    ckpt = model_dir(trained)
-    model = _load_model(ckpt, device)
-    tokenizer = load_tokenizer(str(ckpt))
-    mask_id = read_meta(ckpt)["mask_token_id"]
-    ids, loss_mask, attn = (t[: spec.eval.val_rows].to(device) for t in load_split(data.path, "val"))
-    scorer = None
-    if spec.eval.scorer is not None:
-        from tasks.scoring import load_scorer
 
-        scorer = load_scorer(spec.eval.scorer, workdir)
-    extra_files: dict[str, str] = {}
-    if strategy == "dflash":
-        strat, metrics, curve, text, extra_files = dflash_evaluation(
-            spec, model, tokenizer, mask_id, ckpt, (ids, loss_mask, attn), device, scorer
+    def build(out: Path) -> dict:
+        device = resolve_device(spec.train.device)
+        ckpt = model_dir(trained)
+        scorer = load_scorer(spec.eval.scorer, workdir) if spec.eval.scorer is not None else None
+        val = tuple(t[: spec.eval.val_rows].to(device) for t in load_split(data.path, "val"))
+        ev = Evaluation(
+            spec,
+            strategy,
+            _load_model(ckpt, device),
+            load_tokenizer(str(ckpt)),
+            read_meta(ckpt)["mask_token_id"],
+            ckpt,
+            val,
+            device,
+            scorer,
         )
-    else:
-        strat, metrics, curve, text = _dllm_evaluation(
-            spec, strategy, model, tokenizer, mask_id, (ids, loss_mask, attn), device, scorer
-        )
-    card = repro_card(spec, strategy, strat, model, ckpt, data.key, device, tokenizer.eos_token_id)
-    with store.publish(
-        STAGE,
-        key,
-        {
-            "strategy": strategy,
-            "upstream": {"train": trained.key},
-            "info": {"metrics": metrics, "train_run_id": trained.mlflow_run_id},
-        },
-    ) as tmp:
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        (tmp / "samples.txt").write_text(text)
-        (tmp / "curve.json").write_text(json.dumps(curve, indent=2))
-        (tmp / "repro_card.json").write_text(json.dumps(card, indent=2, sort_keys=True))
-        for name, content in extra_files.items():
-            (tmp / name).write_text(content)
-    entry = store.lookup(STAGE, key)
-    if trained.mlflow_run_id:
-        tracking = Tracking(Path(workdir), spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
-        tracker = tracking.reopen(trained.mlflow_run_id)
-        tracker.log_metrics(metrics, step=spec.train.steps)
-        for point in curve:  # the quality-vs-NFE curve, one MLflow step per step budget
-            tracker.log_metrics({f"eval_curve/{k}": v for k, v in point.items() if k != "steps"}, step=point["steps"])
-        for name in ("metrics.json", "samples.txt", "curve.json", "repro_card.json", *extra_files):
-            tracker.log_artifact(entry.path / name, eval_artifact_path(key))
-        tracker.close()
-    return _ref(entry, strategy, reused=False)
+        run = dflash_evaluation if strategy_class(strategy).evaluation == "speculative" else _dllm_evaluation
+        result = run(ev)
+        _write_result(ev, result, data.key, out)
+        info = {"metrics": result.metrics, "train_run_id": trained.mlflow_run_id}
+        return {"strategy": strategy, "upstream": {"train": trained.key}, "info": info}
+
+    entry, reused = store_for(workdir).reuse_or_build(stage, key, build)
+    if not reused and trained.mlflow_run_id:
+        _log_to_training_run(spec, trained, entry, workdir)
+    return _ref(entry, strategy, reused)
 
 
-def _dllm_evaluation(spec: PipelineSpec, strategy: str, model, tokenizer, mask_id: int, val, device: str, scorer):
+def _dllm_evaluation(ev: Evaluation) -> EvalResult:
     """Bound / exact NLL on validation rows, then samples over the step budgets."""
-    from tasks.train import prepare_strategy
-
-    ids, loss_mask, attn = val
-    strat, _, mask_id = prepare_strategy(strategy, spec, model, tokenizer, mask_id)
+    spec, (ids, loss_mask, attn) = ev.spec, ev.val
+    built = assemble_strategy(ev.strategy, ev.options, ev.model, ev.tokenizer, mask_token_id=ev.mask_id)
+    strat, mask_id = built.strategy, built.mask_token_id
     metrics: dict = {}
-    if hasattr(strat, "nelbo_rows"):  # strategies with a diffusion ELBO
+    if "nelbo" in strat.likelihoods:  # strategies with a diffusion ELBO
         nelbo, se, n_tokens = fixed_noise_nelbo(
-            strat, model, ids, loss_mask, mask_id, spec.eval.t_samples, spec.eval.batch_size, spec.eval.seed
+            strat, ev.model, ids, loss_mask, mask_id, spec.eval.t_samples, spec.eval.batch_size, spec.eval.seed
         )
         metrics.update(
             {
@@ -340,11 +372,11 @@ def _dllm_evaluation(spec: PipelineSpec, strategy: str, model, tokenizer, mask_i
                 "eval/tokens": n_tokens,
             }
         )
-    if hasattr(strat, "ar_nll_rows"):  # strategies with an exact causal path
-        metrics.update(ar_nll_metrics(*exact_ar_nll(strat, model, ids, loss_mask, attn, spec.eval.batch_size)))
-    headline, curve, text = sample_quality(strat, model, tokenizer, mask_id, spec, device, scorer)
+    if "ar_nll" in strat.likelihoods:  # strategies with an exact causal path
+        metrics.update(ar_nll_metrics(*exact_ar_nll(strat, ev.model, ids, loss_mask, attn, spec.eval.batch_size)))
+    headline, curve, text = sample_quality(strat, ev.model, ev.tokenizer, mask_id, spec, ev.device, ev.scorer)
     metrics.update(headline)
-    return strat, metrics, curve, text
+    return EvalResult(strat, metrics, curve, text)
 
 
 # ------------------------------------------------------------------ DFlash (evaluation spec §4.7)
@@ -355,10 +387,6 @@ def teacher_forced_acceptance(
 ) -> tuple[float, list[float], int]:
     """τ_sim and acc_k over validation rows: anchors drawn with the eval seed, the target's features
     computed online, the draft's argmax compared with the true continuation (no generation)."""
-    import torch
-
-    from strategies import Microbatch, StepContext
-    from strategies.dflash import acceptance_from_correct, draft_block_logits
 
     bs = strat.block_size
     ctx = StepContext(model=draft, loss_fn=None, mask_token_id=mask_id, step=0, base_seed=seed)
@@ -369,11 +397,11 @@ def teacher_forced_acceptance(
             mb = Microbatch(ids[sl], loss_mask[sl], attn[sl], torch.arange(start, start + len(ids[sl])), "val")
             (batch,), _, _ = strat.pre_step(ctx, [mb])
             e = batch.extras
-            logits = draft_block_logits(draft, strat.target, e["features"], e["anchors"], e["keep"], e["block_ids"])
-            b, n = e["anchors"].shape
+            logits = draft_block_logits(draft, strat.target, e.features, e.anchors, e.keep, e.block_ids)
+            b, n = e.anchors.shape
             pred = logits.view(b, n, bs, -1)[:, :, 1:].argmax(-1).reshape(b, -1)
-            corrects.append(pred == e["targets"])
-            masks.append(e["block_mask"])
+            corrects.append(pred == e.targets)
+            masks.append(e.block_mask)
     correct, block_mask = torch.cat(corrects), torch.cat(masks)
     tau, acc = acceptance_from_correct(correct, block_mask, bs)
     return tau, acc, int((block_mask.reshape(-1, bs - 1)[:, 0] > 0).sum())
@@ -394,9 +422,6 @@ def speculative_benchmark(
     """Real τ, output equality with target-only greedy decoding, and the decode-time ratio, same prompts,
     same run: one warm-up call each, then the two decoders alternate prompt by prompt so machine drift
     hits both alike."""
-    from collections import Counter
-
-    from strategies.dflash import greedy_generate, speculative_generate
 
     greedy_generate(target, prompts[0], 4, eos_token_id)
     speculative_generate(target, draft, prompts[0], 4, eos_token_id)
@@ -422,27 +447,15 @@ def speculative_benchmark(
     }
 
 
-def dflash_evaluation(spec: PipelineSpec, draft, tokenizer, mask_id: int, ckpt: Path, val, device: str, scorer):
+def dflash_evaluation(ev: Evaluation) -> EvalResult:
     """DFlash metrics: τ_sim and acc_k (teacher-forced), real τ and speedup from speculative decoding
     checked token for token against target-only greedy, the target's exact NLL, and samples."""
-    from dllm_common.checkpoint import read_meta
-    from strategies.dflash import speculative_generate
-    from tasks.scoring import generative_perplexity, mean_entropy
-    from tasks.target import load_spec_target
-    from tasks.train import dflash_options, prepare_strategy_with
-
-    ids, loss_mask, attn = val
+    spec, draft, tokenizer, device, scorer = ev.spec, ev.model, ev.tokenizer, ev.device, ev.scorer
+    ids, loss_mask, attn = ev.val
     d = spec.dflash
-    target = load_spec_target(spec, read_meta(ckpt)["target"]["path"], device)
-    strat, _, mask_id = prepare_strategy_with(
-        "dflash",
-        spec.dllm.for_strategy("dflash"),
-        draft,
-        tokenizer,
-        mask_id,
-        options=dflash_options(spec),
-        extras={"target": target},
-    )
+    target = load_spec_target(spec, read_meta(ev.ckpt)["target"]["path"], device)
+    built = draft_strategy(ev.strategy, ev.options, draft, tokenizer, target, mask_token_id=ev.mask_id)
+    strat, mask_id = built.strategy, built.mask_token_id
     draft.eval()
     tau_sim, acc, blocks = teacher_forced_acceptance(
         strat, draft, ids, loss_mask, attn, mask_id, spec.eval.batch_size, spec.eval.seed
@@ -480,7 +493,7 @@ def dflash_evaluation(spec: PipelineSpec, draft, tokenizer, mask_id: int, ckpt: 
         metrics["eval/gen_ppl"], _ = generative_perplexity(*scorer, list(zip(texts, decoded)))
     text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
     report = {k: v for k, v in bench.items() if k != "outputs"}
-    return strat, metrics, [], text, {"speculative.json": json.dumps(report, indent=2)}
+    return EvalResult(strat, metrics, [], text, {"speculative.json": json.dumps(report, indent=2)})
 
 
 class _CausalTarget:
@@ -488,7 +501,6 @@ class _CausalTarget:
 
     @staticmethod
     def ar_nll_rows(model, ids, loss_mask, attention_mask):
-        from strategies.losses import causal_nll_rows
 
         return causal_nll_rows(
             model(input_ids=ids, attention_mask=attention_mask).logits, ids, loss_mask, attention_mask
@@ -496,8 +508,6 @@ class _CausalTarget:
 
 
 def _load_model(ckpt: Path, device: str):
-    from dllm_common.checkpoint import load_weights_into
-    from strategies.models import model_from_config_dir
 
     model = model_from_config_dir(ckpt)
     load_weights_into(model, ckpt)  # verifies every digest first

@@ -1,14 +1,8 @@
 """`dllm-flow generate`: load any dllm-flow checkpoint (a directory or `models:/NAME@ALIAS` from the
 MLflow registry), rebuild its strategy from the checkpoint's own record, and stream text.
 
-Samplers (`--sampler`): `auto` runs the strategy's own; the others are accepted where they fit:
-  llada   absorbing [MASK] sampler (mdlm; also scdd and the hybrid's diffusion branch)
-  idlm    absorbing sampler with logit shift 1 (idlm)
-  scdd    ancestral posterior sampler with the final noise-removal pass (scdd)
-  hybrid  blocks seeded by the causal branch, completed by diffusion (hybrid)
-  canvas  uniform-noise canvas decoding (block_diffusion)
-  speculative  DFlash: the draft proposes a block, the frozen target verifies it (dflash); the text is
-          the target's own greedy decoding, produced in fewer target forwards
+Samplers (`--sampler`): `auto` runs the strategy's own; the others are accepted where the strategy
+lists them (`DLLMStrategy.samplers`); `strategies.sampling.SAMPLERS` says what each one does.
 """
 
 from __future__ import annotations
@@ -19,15 +13,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SAMPLERS = {  # strategy → samplers that fit it, its own first
-    "mdlm": ("llada",),
-    "scdd": ("scdd", "llada"),
-    "idlm": ("idlm",),
-    "hybrid": ("hybrid", "llada"),
-    "block_diffusion": ("canvas",),
-    "dflash": ("speculative",),
-}
-INFILL_SAMPLERS = ("llada", "idlm")
+import mlflow
+import torch
+
+from dllm_common.checkpoint import read_meta
+from dllm_common.tracking import default_tracking_uri, quiet_environment
+from strategies import assemble_strategy, strategy_class
+from strategies.dflash import speculative_generate
+from strategies.models import apply_adapter
+from strategies.sampling import ABSORBING, SAMPLERS, SPECULATIVE, absorbing_sample, infill_sample, trim_at_eos
+from tasks.dflash_setup import draft_strategy, load_target
+from tasks.evaluate import _load_model, encode_prompts
+from tasks.prepare_data import load_tokenizer
+
 INFILL_SPAN = 20  # each [MASK] in an --infill prompt becomes this many mask tokens
 
 
@@ -43,10 +41,6 @@ def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None,
     """A checkpoint directory from a path (a checkpoint, or a train store entry holding `model/`) or an
     MLflow model URI (`models:/NAME@ALIAS`, `models:/NAME/VERSION`, `runs:/ID/model`)."""
     if ref.startswith(("models:/", "runs:/")):
-        import mlflow
-
-        from dllm_common.tracking import default_tracking_uri, quiet_environment
-
         quiet_environment()
         uri = tracking_uri or default_tracking_uri(workdir)
         mlflow.set_tracking_uri(uri)
@@ -74,48 +68,39 @@ def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None,
 
 def load_for_generation(ckpt: Path, device: str, adapter: str | None = None):
     """(model, tokenizer, strategy, mask id, meta) — the strategy rebuilt from the checkpoint's record."""
-    from dllm_common.checkpoint import read_meta
-    from dllm_common.config import DLLMConfig
-    from strategies.models import apply_adapter
-    from tasks.evaluate import _load_model
-    from tasks.prepare_data import load_tokenizer
-    from tasks.train import prepare_strategy_with
-
     meta = read_meta(ckpt)
     model = _load_model(ckpt, device)
     if adapter:
         apply_adapter(model, adapter)
     tokenizer = load_tokenizer(str(ckpt))
-    dllm = DLLMConfig(**{**meta.get("dllm", {}), "mode": meta["strategy"]})
-    options = extras = None
-    if meta["strategy"] == "dflash":  # the draft decodes for the frozen target its checkpoint names
-        from tasks.target import load_target
-
-        options = meta["dflash"]
-        extras = {
-            "target": load_target(
-                meta["target"]["path"], options["target_torch_dtype"], device, options["target_trust_remote_code"]
-            )
-        }
-    strategy, _, mask_id = prepare_strategy_with(
-        meta["strategy"], dllm, model, tokenizer, meta["mask_token_id"], options=options, extras=extras
-    )
-    return model, tokenizer, strategy, mask_id, meta
+    name, options = meta["strategy"], meta.get("options", {})
+    if strategy_class(name).trains == "draft":  # the draft decodes for the frozen target its checkpoint names
+        t = meta["target"]
+        target = load_target(t["path"], t["torch_dtype"], device, t["trust_remote_code"])
+        built = draft_strategy(name, options, model, tokenizer, target, mask_token_id=meta["mask_token_id"])
+    else:
+        built = assemble_strategy(name, options, model, tokenizer, mask_token_id=meta["mask_token_id"])
+    return model, tokenizer, built.strategy, built.mask_token_id, meta
 
 
 def check_sampler(strategy_name: str, sampler: str, infill: bool) -> str:
-    fits = SAMPLERS.get(strategy_name, ("llada",))
+    """The sampler `--sampler` names (`auto`: the strategy's own), refused where it does not fit."""
+    fits = strategy_class(strategy_name).samplers
     chosen = fits[0] if sampler == "auto" else sampler
     if chosen not in fits:
         raise ValueError(
             f"--sampler {sampler} does not fit a {strategy_name} checkpoint; use one of: auto, {', '.join(fits)}"
         )
-    if infill and chosen not in INFILL_SAMPLERS:
+    if infill and not SAMPLERS[chosen].infills:
+        infilling = [name for name, info in SAMPLERS.items() if info.infills]
         raise ValueError(
-            f"--infill needs a [MASK]-filling sampler ({', '.join(INFILL_SAMPLERS)}); "
-            f"the {chosen} sampler cannot infill"
+            f"--infill needs a [MASK]-filling sampler ({', '.join(infilling)}); the {chosen} sampler cannot infill"
         )
     return chosen
+
+
+def default_temperature(sampler: str) -> float:
+    return SAMPLERS[sampler].default_temperature
 
 
 def generate(
@@ -134,15 +119,9 @@ def generate(
     stream=None,
 ) -> Generated:
     """One prompt: sample, calling `stream(new_text)` as blocks finish; returns the text and its cost."""
-    import torch
-
-    from strategies.sampling import absorbing_sample, infill_sample, trim_at_eos
-    from tasks.evaluate import encode_prompts
-
     gen = torch.Generator(device=device).manual_seed(seed)
     eos = tokenizer.eos_token_id
-    if sampler == "idlm":
-        config = dataclasses.replace(config, logit_shift=1)
+    config = dataclasses.replace(config, logit_shift=strategy.logit_shift)
     if infill:
         pieces = prompt.split("[MASK]")
         ids: list[int] = []
@@ -168,9 +147,7 @@ def generate(
     prompt_ids = encode_prompts(tokenizer, [prompt], chat)[0]
     if not prompt_ids:
         raise ValueError("--prompt is empty after tokenization; give some text")
-    if sampler == "speculative":
-        from strategies.dflash import speculative_generate
-
+    if sampler == SPECULATIVE:
         t0 = time.perf_counter()
         res = speculative_generate(strategy.target, model, prompt_ids, config.max_new_tokens, eos)
         seconds = time.perf_counter() - t0
@@ -199,7 +176,7 @@ def generate(
         device=device,
         on_block=on_block,
     )
-    if sampler in ("llada", "idlm"):
+    if sampler == ABSORBING:
         res = absorbing_sample(strategy.denoiser(model), [prompt_ids], **kwargs)
     else:
         res = strategy.sample(model, [prompt_ids], **kwargs)

@@ -16,8 +16,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
 from dllm_common.config import DataConfig, PipelineSpec, TokenizerConfig
 from dllm_common.store import stage_key
+from strategies.models import resolve_model_path
 from tasks.common import StageRef, code_version, prefect_task, store_for
 
 STAGE = "prepare_data"
@@ -119,11 +127,8 @@ def _records(cfg: DataConfig) -> list[dict]:
     if cfg.source == "parquet":
         if not path or not path.exists():
             raise DataError(f"data.path {cfg.path!r} does not exist (expected a .parquet file or directory)")
-        import pyarrow.parquet as pq
-
         return pq.read_table(path).to_pylist()
-    import datasets  # source == "hf": a hub name (with hub access), a local dataset dir, or a save_to_disk dir
-
+    # source == "hf": a hub name (with hub access), a local dataset dir, or a save_to_disk dir
     if path and path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
@@ -138,9 +143,8 @@ def record_documents(cfg: DataConfig) -> list[Document]:
     grouped: dict[str, list] = {}
     for i, row in enumerate(rows):
         if field not in row:
-            raise DataError(
-                f"row {i} of {cfg.path} has no {field!r} field (set data.{'text' if cfg.shape == 'pretrain' else 'messages'}_field)"
-            )
+            setting = "text_field" if cfg.shape == "pretrain" else "messages_field"
+            raise DataError(f"row {i} of {cfg.path} has no {field!r} field (set data.{setting})")
         doc = str(row.get(cfg.document_field, i)) if cfg.document_field else str(i)
         grouped.setdefault(doc, []).append(row[field])
     if cfg.shape == "pretrain":
@@ -174,9 +178,6 @@ def split_documents(docs: list[Document], val_fraction: float, seed: int) -> tup
 
 def train_tokenizer(texts: list[str], cfg: TokenizerConfig):
     """Byte-level BPE trained locally, with pad/eos/mask specials and a simple chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -200,10 +201,6 @@ def train_tokenizer(texts: list[str], cfg: TokenizerConfig):
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, gguf_file: str | None = None):
-    from transformers import AutoTokenizer
-
-    from strategies.models import resolve_model_path
-
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     return AutoTokenizer.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code, **extra)
 
@@ -217,8 +214,6 @@ def _doc_texts(docs: list[Document]) -> list[str]:
 
 def pack_documents(docs: list[Document], tokenizer, seq_len: int):
     """Concatenate `doc + eos` token streams and cut them into full rows, all supervised."""
-    import torch
-
     eos = tokenizer.eos_token_id
     stream: list[int] = []
     for ids in tokenizer([d.text for d in docs], add_special_tokens=False)["input_ids"]:
@@ -245,8 +240,6 @@ def dialogue_row(messages: list[dict], tokenizer, seq_len: int) -> tuple[list[in
 
 
 def dialogue_rows(docs: list[Document], tokenizer, seq_len: int):
-    import torch
-
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = [dialogue_row(list(dlg), tokenizer, seq_len) for d in docs for dlg in d.dialogues]
     ids = torch.full((len(rows), seq_len), pad, dtype=torch.int64)
@@ -277,12 +270,13 @@ def stage_of(spec: PipelineSpec, workdir: str, **_) -> tuple[str, str]:
 
 def prepare_data(spec: PipelineSpec, workdir: str) -> StageRef:
     """Build (or reuse) the tokenizer and the train/val tensors for this config's data slice."""
-    from safetensors.torch import save_file
-
-    store = store_for(workdir)
     _, key = stage_of(spec, workdir)
-    if (hit := store.lookup(STAGE, key)) is not None:
-        return _ref(hit, reused=True)
+    entry, reused = store_for(workdir).reuse_or_build(STAGE, key, lambda tmp: _build(spec, tmp))
+    return _ref(entry, reused)
+
+
+def _build(spec: PipelineSpec, tmp: Path) -> dict:
+    """Tokenizer and both splits into `tmp`; the manifest fields."""
     cfg = spec.data
     train_docs, val_docs = split_documents(load_documents(cfg), cfg.val_fraction, cfg.seed)
     if spec.tokenizer.kind == "pretrained":
@@ -294,12 +288,11 @@ def prepare_data(spec: PipelineSpec, workdir: str) -> StageRef:
     train = build_rows(train_docs, tokenizer, cfg, cfg.max_train_rows)
     val = build_rows(val_docs, tokenizer, cfg, cfg.max_val_rows)
     info = _summarize(train, val, train_docs, val_docs, tokenizer)
-    with store.publish(STAGE, key, {"config": data_slice(spec), "info": info}) as tmp:
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        for name, (ids, loss, attn) in (("train", train), ("val", val)):
-            save_file({"input_ids": ids, "loss_mask": loss, "attention_mask": attn}, str(tmp / f"{name}.safetensors"))
-        (tmp / "stats.json").write_text(json.dumps(info, indent=2))
-    return _ref(store.lookup(STAGE, key), reused=False)
+    tokenizer.save_pretrained(tmp / "tokenizer")
+    for name, (ids, loss, attn) in (("train", train), ("val", val)):
+        save_file({"input_ids": ids, "loss_mask": loss, "attention_mask": attn}, str(tmp / f"{name}.safetensors"))
+    (tmp / "stats.json").write_text(json.dumps(info, indent=2))
+    return {"config": data_slice(spec), "info": info}
 
 
 def data_digest(manifest: dict) -> str:
@@ -345,8 +338,6 @@ def _summarize(train, val, train_docs, val_docs, tokenizer) -> dict:
 
 def load_split(ref_path: str | Path, split: str):
     """(input_ids, loss_mask, attention_mask) of a prepared split, as int64/float/int64 tensors."""
-    from safetensors.torch import load_file
-
     t = load_file(str(Path(ref_path) / f"{split}.safetensors"))
     return t["input_ids"].long(), t["loss_mask"].float(), t["attention_mask"].long()
 

@@ -13,11 +13,20 @@ key = (regenerate settings, target weights digest, data key, code).
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
-from dllm_common.config import PipelineSpec
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from dllm_common.config import PipelineSpec, RegenerateConfig
 from dllm_common.store import stage_key
+from strategies.dflash import sample_continuations
 from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.dflash_setup import load_spec_target
+from tasks.prepare_data import data_digest, load_split
+from tasks.runtime import stage_device
 
 STAGE = "regenerate"
 
@@ -30,25 +39,52 @@ def stage_of(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str,
 
 def regenerate(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str) -> StageRef:
     """Publish (or reuse) the regenerated training split."""
-    import time
-
-    import torch
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
-    from strategies.dflash import sample_continuations
-    from tasks.prepare_data import load_split
-    from tasks.target import load_spec_target
-    from tasks.train import stage_device
-
     cfg = spec.dflash.regenerate
     if cfg is None:
         raise ValueError("the regenerate stage needs dflash.regenerate (prompt_len, temperature, ...) in the config")
-    store = store_for(workdir)
     stage, key = stage_of(spec, target, data, workdir)
-    if (hit := store.lookup(stage, key)) is not None:
-        return _ref(hit, reused=True)
+    entry, reused = store_for(workdir).reuse_or_build(stage, key, lambda tmp: _build(spec, target, data, tmp))
+    if not reused:
+        info = entry.manifest["info"]
+        print(
+            f"[dllm-flow] regenerate: {info['train_rows']} rows continued by the target from {cfg.prompt_len}-token "
+            f"prompts at T={cfg.temperature} in {info['regenerate_seconds']:.1f}s",
+            flush=True,
+        )
+    return _ref(entry, reused)
+
+
+def _build(spec: PipelineSpec, target: StageRef, data: StageRef, tmp: Path) -> dict:
+    """The regenerated train split plus the data entry's tokenizer and val split into `tmp`; the manifest fields."""
+    cfg = spec.dflash.regenerate
     ids, loss, attn = load_split(data.path, "train")
+    rows = _prompt_rows(cfg, ids, attn)
+    new_ids, seconds = _sample(spec, target, ids, rows)
+    new_loss = torch.ones(new_ids.shape, dtype=loss.dtype)
+    new_loss[:, : cfg.prompt_len] = 0
+    info = {
+        **{k: v for k, v in data.info.items() if k != "digest"},
+        "train_rows": len(new_ids),
+        "train_supervised_tokens": int(new_loss.sum()),
+        "regenerated_from": data.key,
+        "target": target.key,
+        "regenerate_seconds": seconds,
+    }
+    shutil.copytree(Path(data.path) / "tokenizer", tmp / "tokenizer")
+    shutil.copy2(Path(data.path) / "val.safetensors", tmp / "val.safetensors")
+    save_file(
+        {
+            "input_ids": new_ids.contiguous(),
+            "loss_mask": new_loss.to(torch.uint8),
+            "attention_mask": torch.ones_like(new_ids),
+        },
+        str(tmp / "train.safetensors"),
+    )
+    return {"upstream": {"data": data.key, "target": target.key}, "info": info}
+
+
+def _prompt_rows(cfg: RegenerateConfig, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Indices of the (at most `max_rows`) training rows whose first `prompt_len` tokens are real text."""
     seq_len = ids.shape[1]
     if cfg.prompt_len >= seq_len:
         raise ValueError(
@@ -60,49 +96,25 @@ def regenerate(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: st
         raise ValueError(
             f"no training row has {cfg.prompt_len} tokens to prompt the target with; lower dflash.regenerate.prompt_len"
         )
-    with store.lock(stage, key):
-        if (hit := store.lookup(stage, key)) is not None:
-            return _ref(hit, reused=True)
-        device = stage_device(spec)
-        model = load_spec_target(spec, target.info["model_path"], device)
-        gen = torch.Generator().manual_seed(cfg.seed)
-        t0, parts = time.perf_counter(), []
-        for start in tqdm(range(0, len(rows), cfg.batch_size), desc="regenerate", unit="batch", dynamic_ncols=True):
-            prompts = ids[rows[start : start + cfg.batch_size], : cfg.prompt_len].to(device)
-            parts.append(sample_continuations(model, prompts, seq_len - cfg.prompt_len, cfg.temperature, gen).cpu())
-        new_ids = torch.cat(parts)
-        new_loss = torch.ones(new_ids.shape, dtype=loss.dtype)
-        new_loss[:, : cfg.prompt_len] = 0
-        info = {
-            **{k: v for k, v in data.info.items() if k != "digest"},
-            "train_rows": len(new_ids),
-            "train_supervised_tokens": int(new_loss.sum()),
-            "regenerated_from": data.key,
-            "target": target.key,
-            "regenerate_seconds": round(time.perf_counter() - t0, 2),
-        }
-        with store.publish(stage, key, {"upstream": {"data": data.key, "target": target.key}, "info": info}) as tmp:
-            shutil.copytree(Path(data.path) / "tokenizer", tmp / "tokenizer")
-            shutil.copy2(Path(data.path) / "val.safetensors", tmp / "val.safetensors")
-            save_file(
-                {
-                    "input_ids": new_ids.contiguous(),
-                    "loss_mask": new_loss.to(torch.uint8),
-                    "attention_mask": torch.ones_like(new_ids),
-                },
-                str(tmp / "train.safetensors"),
-            )
-    print(
-        f"[dllm-flow] regenerate: {len(new_ids)} rows continued by the target from {cfg.prompt_len}-token prompts "
-        f"at T={cfg.temperature} in {info['regenerate_seconds']:.1f}s",
-        flush=True,
-    )
-    return _ref(store.lookup(stage, key), reused=False)
+    return rows
+
+
+def _sample(spec: PipelineSpec, target: StageRef, ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The target's seeded continuations of the rows' prompts, batch by batch; (new rows, sampling seconds)."""
+    cfg = spec.dflash.regenerate
+    seq_len = ids.shape[1]
+    device = stage_device(spec)
+    model = load_spec_target(spec, target.info["model_path"], device)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    t0, parts = time.perf_counter(), []
+    for start in tqdm(range(0, len(rows), cfg.batch_size), desc="regenerate", unit="batch", dynamic_ncols=True):
+        prompts = ids[rows[start : start + cfg.batch_size], : cfg.prompt_len].to(device)
+        parts.append(sample_continuations(model, prompts, seq_len - cfg.prompt_len, cfg.temperature, gen).cpu())
+    new_ids = torch.cat(parts)
+    return new_ids, round(time.perf_counter() - t0, 2)
 
 
 def _ref(entry, reused: bool) -> StageRef:
-    from tasks.prepare_data import data_digest
-
     manifest = entry.manifest
     return StageRef(
         STAGE, entry.key, str(entry.path), reused=reused, info={**manifest["info"], "digest": data_digest(manifest)}

@@ -2,8 +2,9 @@
 
 The parent MLflow run records, per strategy, the trained model's run and the folder of the
 evaluation it compared (tag `dllm.report_runs`); everything else (the evaluation's metrics,
-quality-vs-NFE curve, reproducibility card and samples, the val/loss history) is read back from there, so `dllm-flow report RUN_ID` re-renders the same report on any
-machine that can reach the tracking store. Output: `report.md` (comparison table, curve table,
+quality-vs-NFE curve, reproducibility card and samples, the val/loss history) is read back from
+there, so `dllm-flow report RUN_ID` re-renders the same report on any machine that can reach the
+tracking store. Output: `report.md` (comparison table, curve table,
 comparability flags, samples) and PNGs (training curves, NELBO with error bars, generative perplexity
 vs entropy, quality vs NFE), written to the store, copied to the workdir and logged to the parent run.
 """
@@ -15,10 +16,15 @@ import math
 import shutil
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from dllm_common.store import MANIFEST, atomic_write_text, stage_key
+from dllm_common.tracking import Tracking
 from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.evaluate import RESULT_FIELDS, eval_artifact_path
 
 STAGE = "report"
 RUNS_TAG = "dllm.report_runs"
@@ -84,8 +90,6 @@ def card_mismatches(rows: list[dict]) -> dict[str, list[tuple[str, str, str]]]:
     """strategy → [(field, its value, the majority value)] for every result-changing field that differs.
 
     The majority over the rows' cards is the reference; a row without a card is flagged as such."""
-    from tasks.evaluate import RESULT_FIELDS
-
     flats = {r["strategy"]: _flat(r["card"]) for r in rows}
     flags: dict[str, list[tuple[str, str, str]]] = {}
     for field in RESULT_FIELDS:
@@ -113,9 +117,20 @@ def _pm(m: dict, key: str) -> str:
 
 
 def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str]) -> str:
+    lines = [f"# dllm-flow report: {title}", ""]
+    lines += _comparison_table(rows, flags)
+    lines += _flag_lines(flags)
+    lines += _dflash_table([r for r in rows if "dflash/tau" in r["metrics"]])
+    lines += _curve_table(rows)
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    for r in rows:
+        lines += [f"## samples: {r['strategy']}", "", "```", r["samples"].strip(), "```", ""]
+    return "\n".join(lines)
+
+
+def _comparison_table(rows: list[dict], flags: dict) -> list[str]:
     lines = [
-        f"# dllm-flow report: {title}",
-        "",
         "| strategy | sampler | val/loss (own objective) | eval/nelbo ± se | eval/ppl_bound | eval/ar_nll ± se "
         "| eval/gen_ppl | eval/entropy | eval/nfe | eval/tokens_per_forward | eval/tokens_per_s | MLflow run |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -128,7 +143,7 @@ def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str])
             f"{_fmt(m.get('eval/gen_ppl'), 2)} | {_fmt(m.get('eval/entropy'), 3)} | {_fmt(m.get('eval/nfe'), 1)} | "
             f"{_fmt(m.get('eval/tokens_per_forward'), 2)} | {_fmt(m.get('eval/tokens_per_s'), 1)} | {r['run_id']} |"
         )
-    lines += [
+    return lines + [
         "",
         "`val/loss` is each strategy's own training objective (not comparable across rows). "
         "`eval/nelbo` is the fixed-noise negative ELBO per supervised token (nats; each strategy's own bound), "
@@ -137,40 +152,53 @@ def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str])
         "`eval/entropy` (unigram, nats): low entropy flatters gen_ppl.",
         "",
     ]
-    if flags:
-        lines += ["## ⚠ Not compared silently: reproducibility cards differ on result-changing fields", ""]
-        for strategy, items in flags.items():
-            for field, value, ref in items:
-                lines.append(f"- **{strategy}**: `{field}` = {value} (others: {ref})")
-        lines.append("")
-    spec_rows = [r for r in rows if "dflash/tau" in r["metrics"]]
-    if spec_rows:
-        ks = sorted({int(k.rsplit("k", 1)[1]) for r in spec_rows for k in r["metrics"] if k.startswith("dflash/acc_k")})
-        lines += [
-            "## Speculative decoding (DFlash)",
-            "",
-            "| strategy | dflash/tau_sim | dflash/tau | dflash/speedup | dflash/exact_match | "
-            + " | ".join(f"acc_k{k}" for k in ks)
-            + " |",
-            "|---|---|---|---|---|" + "---|" * len(ks),
-        ]
-        for r in spec_rows:
-            m = r["metrics"]
-            lines.append(
-                f"| {r['strategy']} | {_fmt(m.get('dflash/tau_sim'), 3)} | {_fmt(m.get('dflash/tau'), 3)} | "
-                f"{_fmt(m.get('dflash/speedup'), 2)} | {_fmt(m.get('dflash/exact_match'), 2)} | "
-                + " | ".join(_fmt(m.get(f"dflash/acc_k{k}"), 3) for k in ks)
-                + " |"
-            )
-        lines += [
-            "",
-            "`dflash/tau`: tokens committed per verification cycle in speculative decoding of held-out "
-            "prompts (accepted draft prefix + the target's bonus token); `dflash/tau_sim` and `acc_k` are its "
-            "teacher-forced proxy and per-offset accuracy; `dflash/speedup` = target-only greedy wall time ÷ "
-            "speculative wall time on the same prompts, same run; `dflash/exact_match` = share of prompts whose "
-            "speculative output equals target-only greedy decoding (must be 1).",
-            "",
-        ]
+
+
+def _flag_lines(flags: dict) -> list[str]:
+    if not flags:
+        return []
+    lines = ["## ⚠ Not compared silently: reproducibility cards differ on result-changing fields", ""]
+    for strategy, items in flags.items():
+        for field, value, ref in items:
+            lines.append(f"- **{strategy}**: `{field}` = {value} (others: {ref})")
+    return lines + [""]
+
+
+def _dflash_table(spec_rows: list[dict]) -> list[str]:
+    """The speculative-decoding table of the rows that have DFlash metrics (none: no table)."""
+    if not spec_rows:
+        return []
+    ks = sorted({int(k.rsplit("k", 1)[1]) for r in spec_rows for k in r["metrics"] if k.startswith("dflash/acc_k")})
+    lines = [
+        "## Speculative decoding (DFlash)",
+        "",
+        "| strategy | dflash/tau_sim | dflash/tau | dflash/speedup | dflash/exact_match | "
+        + " | ".join(f"acc_k{k}" for k in ks)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(ks),
+    ]
+    for r in spec_rows:
+        m = r["metrics"]
+        lines.append(
+            f"| {r['strategy']} | {_fmt(m.get('dflash/tau_sim'), 3)} | {_fmt(m.get('dflash/tau'), 3)} | "
+            f"{_fmt(m.get('dflash/speedup'), 2)} | {_fmt(m.get('dflash/exact_match'), 2)} | "
+            + " | ".join(_fmt(m.get(f"dflash/acc_k{k}"), 3) for k in ks)
+            + " |"
+        )
+    return lines + [
+        "",
+        "`dflash/tau`: tokens committed per verification cycle in speculative decoding of held-out "
+        "prompts (accepted draft prefix + the target's bonus token); `dflash/tau_sim` and `acc_k` are its "
+        "teacher-forced proxy and per-offset accuracy; `dflash/speedup` = target-only greedy wall time ÷ "
+        "speculative wall time on the same prompts, same run; `dflash/exact_match` = share of prompts whose "
+        "speculative output equals target-only greedy decoding (must be 1).",
+        "",
+    ]
+
+
+def _curve_table(rows: list[dict]) -> list[str]:
+    """The quality-vs-NFE table (header only when some row has a curve), then a blank line."""
+    lines = []
     if any(r["curve"] for r in rows):
         lines += [
             "## Quality vs NFE",
@@ -181,41 +209,42 @@ def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str])
     for r in rows:
         for p in r["curve"]:
             lines.append(
-                f"| {r['strategy']} | {p['steps']} | {_fmt(p.get('nfe'), 1)} | {_fmt(p.get('tokens_per_forward'), 2)} | "
-                f"{_fmt(p.get('gen_ppl'), 2)} | {_fmt(p.get('entropy'), 3)} | {_fmt(p.get('tokens_per_s'), 1)} |"
+                f"| {r['strategy']} | {p['steps']} | {_fmt(p.get('nfe'), 1)} | "
+                f"{_fmt(p.get('tokens_per_forward'), 2)} | {_fmt(p.get('gen_ppl'), 2)} | {_fmt(p.get('entropy'), 3)} | "
+                f"{_fmt(p.get('tokens_per_s'), 1)} |"
             )
-    lines.append("")
-    if plots:
-        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
-    for r in rows:
-        lines += [f"## samples: {r['strategy']}", "", "```", r["samples"].strip(), "```", ""]
-    return "\n".join(lines)
+    return lines + [""]
 
 
 def render_plots(rows: list[dict], out: Path) -> list[str]:
     """The four PNGs; a plot with nothing to show (e.g. no scorer → no gen_ppl) is left out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    have_ppl = any(
+        p.get("gen_ppl") == p.get("gen_ppl") and p.get("gen_ppl") is not None for r in rows for p in r["curve"]
+    )
+    plots = [(PLOTS[0], _plot_training_curves), (PLOTS[1], _plot_likelihood)]
+    if have_ppl:
+        plots.append((PLOTS[2], _plot_frontier))
+    if any(r["curve"] for r in rows):  # (DFlash evaluates by acceptance length, not by a step budget)
+        plots.append((PLOTS[3], lambda ax, rows: _plot_quality_vs_nfe(ax, rows, have_ppl)))
     written = []
-
-    def save(fig, name):
+    for name, draw in plots:
+        fig = Figure(figsize=(7, 4))  # no pyplot: no GUI backend, no global figure registry
+        draw(fig.subplots(), rows)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
-        plt.close(fig)
         written.append(name)
+    return written
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _plot_training_curves(ax, rows: list[dict]) -> None:
     for r in rows:
         if r["val_history"]:
             ax.plot(*zip(*r["val_history"]), label=r["strategy"], marker=".")
     ax.set(xlabel="step", ylabel="val/loss (own objective)", title="Training curves", yscale="log")
     ax.legend()
-    save(fig, PLOTS[0])
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _plot_likelihood(ax, rows: list[dict]) -> None:
     names = [r["strategy"] for r in rows]
     for offset, key, label in ((-0.15, "eval/nelbo", "NELBO (bound)"), (0.15, "eval/ar_nll", "exact AR NLL")):
         xs = [i + offset for i, r in enumerate(rows) if key in r["metrics"]]
@@ -226,41 +255,34 @@ def render_plots(rows: list[dict], out: Path) -> list[str]:
     ax.set_xticks(range(len(names)), names)
     ax.set(ylabel="nats / supervised token", title="Likelihood (95% CI)")
     ax.legend()
-    save(fig, PLOTS[1])
 
-    have_ppl = any(
-        p.get("gen_ppl") == p.get("gen_ppl") and p.get("gen_ppl") is not None for r in rows for p in r["curve"]
+
+def _plot_frontier(ax, rows: list[dict]) -> None:
+    for r in rows:
+        pts = [(p["entropy"], p["gen_ppl"], p["nfe"]) for p in r["curve"] if p.get("gen_ppl") is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=r["strategy"])
+            for e, g, n in pts:
+                ax.annotate(f"{n:g}", (e, g), fontsize=7)
+    ax.set(
+        xlabel="unigram entropy (nats)",
+        ylabel="generative perplexity",
+        yscale="log",
+        title="Generative frontier (labels: NFE)",
     )
-    if have_ppl:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for r in rows:
-            pts = [(p["entropy"], p["gen_ppl"], p["nfe"]) for p in r["curve"] if p.get("gen_ppl") is not None]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=r["strategy"])
-                for e, g, n in pts:
-                    ax.annotate(f"{n:g}", (e, g), fontsize=7)
-        ax.set(
-            xlabel="unigram entropy (nats)",
-            ylabel="generative perplexity",
-            yscale="log",
-            title="Generative frontier (labels: NFE)",
-        )
-        ax.legend()
-        save(fig, PLOTS[2])
+    ax.legend()
 
-    if any(r["curve"] for r in rows):  # (DFlash evaluates by acceptance length, not by a step budget)
-        fig, ax = plt.subplots(figsize=(7, 4))
-        key = "gen_ppl" if have_ppl else "entropy"
-        for r in rows:
-            pts = sorted((p["nfe"], p[key]) for p in r["curve"] if p.get(key) is not None)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=r["strategy"])
-        ax.set(xlabel="NFE (forwards per sequence)", ylabel=key, xscale="log", title=f"Quality vs NFE ({key})")
-        if have_ppl:
-            ax.set_yscale("log")
-        ax.legend()
-        save(fig, PLOTS[3])
-    return written
+
+def _plot_quality_vs_nfe(ax, rows: list[dict], have_ppl: bool) -> None:
+    key = "gen_ppl" if have_ppl else "entropy"
+    for r in rows:
+        pts = sorted((p["nfe"], p[key]) for p in r["curve"] if p.get(key) is not None)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=r["strategy"])
+    ax.set(xlabel="NFE (forwards per sequence)", ylabel=key, xscale="log", title=f"Quality vs NFE ({key})")
+    if have_ppl:
+        ax.set_yscale("log")
+    ax.legend()
 
 
 def render_from_mlflow(client, parent_run_id: str, out: Path) -> Path:
@@ -293,8 +315,6 @@ def render_runs(client, runs: list[dict], title: str, out: Path) -> Path:
 
 def report_runs(trained: list[StageRef], evaluated: list[StageRef]) -> list[dict]:
     """Per strategy: the trained model's MLflow run and the folder of the evaluation being compared."""
-    from tasks.evaluate import eval_artifact_path
-
     return [
         {
             "strategy": t.stage.split("[")[1].rstrip("]"),
@@ -316,38 +336,37 @@ def report(
     """Render the report into the store (cached by the upstream keys) from the strategies' MLflow runs.
     `publish_report` then tags the parent run and hands the report to the workdir and the parent,
     for reused reports too; `dllm-flow report RUN_ID` renders the same runs again from that tag."""
-    from dllm_common.tracking import Tracking
-
     runs = report_runs(trained, evaluated)
     missing = [r["strategy"] for r in runs if not r["run_id"]]
     if missing:
         raise ValueError(f"the report renders from MLflow, but train[{', '.join(missing)}] has no MLflow run")
-    store = store_for(workdir)
     stage, key = stage_of(pipeline_name, trained, evaluated, workdir)
-    hit = store.lookup(stage, key)
-    if hit is None:
+
+    def build(tmp: Path) -> dict:
         client = Tracking(Path(workdir), tracking_uri, experiment or pipeline_name).client
-        with store.publish(STAGE, key, {"runs": runs}) as tmp:
-            render_runs(client, runs, pipeline_name, tmp)
-        hit = store.lookup(stage, key)
-    return StageRef(STAGE, key, str(hit.path), reused=False)
+        render_runs(client, runs, pipeline_name, tmp)
+        return {"runs": runs}
+
+    entry, _ = store_for(workdir).reuse_or_build(stage, key, build)
+    return StageRef(STAGE, key, str(entry.path), reused=False)
+
+
+@dataclass(frozen=True)
+class ParentRun:
+    """The pipeline's parent MLflow run, where the report is tagged and logged."""
+
+    run_id: str
+    tracking_uri: str | None
+    experiment: str
 
 
 def publish_report(
-    ref: StageRef,
-    trained: list[StageRef],
-    evaluated: list[StageRef],
-    workdir: str,
-    parent_run_id: str,
-    tracking_uri: str | None,
-    experiment: str,
+    ref: StageRef, trained: list[StageRef], evaluated: list[StageRef], workdir: str, parent: ParentRun
 ) -> None:
     """Tag the parent run with what it compared, copy report.md and the PNGs into the workdir
     (atomically) and log them to the parent run."""
-    from dllm_common.tracking import Tracking
-
-    tracking = Tracking(Path(workdir), tracking_uri, experiment)
-    tracking.client.set_tag(parent_run_id, RUNS_TAG, json.dumps(report_runs(trained, evaluated)))
+    tracking = Tracking(Path(workdir), parent.tracking_uri, parent.experiment)
+    tracking.client.set_tag(parent.run_id, RUNS_TAG, json.dumps(report_runs(trained, evaluated)))
     path = Path(ref.path)
     atomic_write_text(Path(workdir) / "report.md", (path / "report.md").read_text())
     for png in path.glob("*.png"):
@@ -356,7 +375,7 @@ def publish_report(
         tmp_png.replace(Path(workdir) / png.name)
     for f in sorted(path.iterdir()):
         if f.suffix in (".md", ".png", ".json") and f.name != MANIFEST:
-            tracking.client.log_artifact(parent_run_id, str(f), "report")
+            tracking.client.log_artifact(parent.run_id, str(f), "report")
 
 
 report_task = prefect_task(report, name="report", stage_of=stage_of)

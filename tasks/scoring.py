@@ -11,12 +11,18 @@ is converted once and kept as safetensors in the stage store under `scorer/<key>
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from dllm_common.config import ScorerConfig
 from dllm_common.store import sha256_file, stage_key
+from strategies.models import resolve_model_path
 from tasks.common import store_for
 
 STAGE = "scorer"
@@ -37,37 +43,34 @@ def mean_entropy(samples: list[list[int]]) -> float:
 
 def load_scorer(cfg: ScorerConfig, workdir: str | Path):
     """(model, tokenizer) of the frozen scorer, eval mode, no grad. GGUF files are converted once."""
-    import torch
-
-    from strategies.models import resolve_model_path
-
     path = resolve_model_path(cfg.path)
     if cfg.gguf_file:
-        gguf = Path(path) / cfg.gguf_file
-        if not gguf.is_file():
-            raise FileNotFoundError(f"eval.scorer.gguf_file: no file {gguf}; set it to a .gguf inside eval.scorer.path")
-        store = store_for(workdir)
-        key = stage_key(STAGE, {"gguf": cfg.gguf_file}, {"file": sha256_file(gguf)}, "1")
-        entry = store.lookup(STAGE, key)
-        if entry is None:
-            model, tokenizer = load_causal_lm(path, cfg.gguf_file, cfg.trust_remote_code)
-            with store.publish(STAGE, key, {"source": cfg.path, "gguf_file": cfg.gguf_file}) as tmp:
-                save_dequantized(model, tokenizer, tmp / "model")
-            entry = store.lookup(STAGE, key)
-        model, tokenizer = load_causal_lm(str(entry.path / "model"), None, False)
+        model, tokenizer = load_causal_lm(str(_converted_gguf(cfg, path, workdir) / "model"), None, False)
     else:
         model, tokenizer = load_causal_lm(path, None, cfg.trust_remote_code)
     model.eval().requires_grad_(False)
     return model.to(torch.float32), tokenizer
 
 
+def _converted_gguf(cfg: ScorerConfig, path: str, workdir: str | Path) -> Path:
+    """The store entry holding the de-quantized GGUF scorer (converted on first use)."""
+    gguf = Path(path) / cfg.gguf_file
+    if not gguf.is_file():
+        raise FileNotFoundError(f"eval.scorer.gguf_file: no file {gguf}; set it to a .gguf inside eval.scorer.path")
+    key = stage_key(STAGE, {"gguf": cfg.gguf_file}, {"file": sha256_file(gguf)}, "1")
+
+    def build(tmp: Path) -> dict:
+        model, tokenizer = load_causal_lm(path, cfg.gguf_file, cfg.trust_remote_code)
+        save_dequantized(model, tokenizer, tmp / "model")
+        return {"source": cfg.path, "gguf_file": cfg.gguf_file}
+
+    entry, _ = store_for(workdir).reuse_or_build(STAGE, key, build)
+    return entry.path
+
+
 def save_dequantized(model, tokenizer, dest: Path) -> None:
     """transformers refuses `save_pretrained` on a GGUF-loaded model; its weights are already
     de-quantized, so write them as plain safetensors with the config minus the quantization entry."""
-    import json
-
-    from safetensors.torch import save_model
-
     dest.mkdir(parents=True)
     save_model(model, str(dest / "model.safetensors"))
     config = model.config.to_dict()
@@ -77,8 +80,6 @@ def save_dequantized(model, tokenizer, dest: Path) -> None:
 
 
 def load_causal_lm(path: str, gguf_file: str | None, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
@@ -91,8 +92,6 @@ def generative_perplexity(model, tokenizer, pairs: list[tuple[str, str]]) -> tup
     The continuation's tokens are those after the scorer's tokenization of the prompt alone (BOS
     prepended when the scorer has one). Returns (gen_ppl, N); (nan, 0) when nothing was generated.
     """
-    import torch
-
     total, count = 0.0, 0
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     with torch.no_grad():

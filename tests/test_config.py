@@ -3,7 +3,8 @@
 import pytest
 from conftest import ROOT
 
-from dllm_common.config import ConfigError, PipelineSpec, apply_overrides, flatten, load_config, validate_config
+from dllm_common.config import ConfigError, PipelineSpec, apply_overrides, flatten
+from strategies.options import REGISTRY, load_config, resolve_options, validate_config
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
@@ -70,22 +71,61 @@ def test_models_are_frozen():
 
 
 def test_flatten_gives_dotted_params():
-    flat = flatten(PipelineSpec())
-    assert flat["train.lr"] == PipelineSpec().train.lr and "dllm.eps" in flat
+    spec = validate_config({"dllm": {"eps": 0.01}})
+    flat = flatten(spec)
+    assert flat["train.lr"] == PipelineSpec().train.lr and flat["dllm.eps"] == 0.01
 
 
 def test_per_strategy_dllm_overrides_merge_and_validate():
     spec = validate_config(
-        {"dllm": {"block_size": 8, "ar_loss_alpha": 0.5, "overrides": {"block_diffusion": {"block_size": 16}}}}
+        {
+            "pipeline": {"strategies": ["hybrid", "block_diffusion"]},
+            "dllm": {"block_size": 8, "ar_loss_alpha": 0.5, "overrides": {"block_diffusion": {"block_size": 16}}},
+        }
     )
-    assert spec.dllm.for_strategy("block_diffusion").block_size == 16
-    assert spec.dllm.for_strategy("block_diffusion").mode == "block_diffusion"
-    hybrid = spec.dllm.for_strategy("hybrid")
-    assert hybrid.block_size == 8 and hybrid.ar_loss_alpha == 0.5 and hybrid.mode == "hybrid"
+    assert resolve_options(spec, "block_diffusion").block_size == 16
+    hybrid = resolve_options(spec, "hybrid")
+    assert hybrid.block_size == 8 and hybrid.ar_loss_alpha == 0.5
     for bad, message in [
         ({"nope": {}}, "unknown strategy 'nope'"),
-        ({"hybrid": {"bogus": 1}}, r"dllm.overrides.hybrid: unknown key\(s\) \['bogus'\]"),
-        ({"hybrid": {"block_size": 0}}, "dllm.overrides.hybrid.block_size: Input should be greater"),
+        ({"hybrid": {"bogus": 1}}, r"dllm.overrides.hybrid\):\n  bogus: unknown key"),
+        ({"hybrid": {"block_size": 0}}, r"dllm.overrides.hybrid\):\n  block_size: Input should be greater"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            validate_config({"dllm": {"overrides": bad}})
+            validate_config({"pipeline": {"strategies": ["hybrid"]}, "dllm": {"overrides": bad}})
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_each_strategy_owns_frozen_options_that_refuse_unknown_keys(name):
+    options_cls = REGISTRY[name].options
+    defaults = options_cls()
+    assert defaults.eps == 1e-3 and defaults.mask_token_id is None
+    with pytest.raises(Exception):
+        defaults.eps = 0.5  # frozen
+    with pytest.raises(Exception, match="extra"):
+        options_cls.model_validate({"not_an_option": 1})
+
+
+def test_a_shared_key_no_strategy_of_the_pipeline_reads_is_refused():
+    with pytest.raises(ConfigError, match=r"dllm: \['block_length'\] set but no strategy .*'idlm'"):
+        validate_config({"pipeline": {"strategies": ["mdlm"]}, "dllm": {"block_length": 2}})
+
+
+def test_a_shared_key_reaches_only_the_strategies_that_declare_it():
+    spec = validate_config({"pipeline": {"strategies": ["mdlm", "idlm"]}, "dllm": {"block_length": 3, "eps": 0.01}})
+    assert resolve_options(spec, "idlm").block_length == 3 and resolve_options(spec, "idlm").eps == 0.01
+    assert resolve_options(spec, "mdlm").eps == 0.01 and not hasattr(resolve_options(spec, "mdlm"), "block_length")
+
+
+def test_dflash_options_come_from_its_section_over_the_shared_values():
+    spec = validate_config(
+        {"pipeline": {"strategies": ["dflash"]}, "dllm": {"mask_token_id": 5}, "dflash": {"block_size": 8}}
+    )
+    opts = resolve_options(spec, "dflash")
+    assert opts.block_size == 8 and opts.mask_token_id == 5 and opts.num_blocks_per_sample == 1
+    with pytest.raises(ConfigError, match="block_sise: unknown key"):
+        validate_config({"pipeline": {"strategies": ["dflash"]}, "dflash": {"block_sise": 8}})
+    with pytest.raises(ConfigError, match="at least 2"):
+        validate_config({"pipeline": {"strategies": ["dflash"]}, "dflash": {"block_size": 1}})
+    with pytest.raises(ConfigError, match=r"dflash: \['block_size'\] set but 'dflash' is not in pipeline.strategies"):
+        validate_config({"dflash": {"block_size": 8}})

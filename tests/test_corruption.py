@@ -1,26 +1,62 @@
-"""corrupt_uniform (spec §4.2) and the per-sample seeding of spec §3."""
+"""Corruption kernels of strategies/corruption.py (spec §4) against the properties of §14.1
+(fixture: B=4, L=32, mask 999, ids < 100, first 24 positions supervised)."""
 
 import pytest
 import torch
 
-from strategies import corrupt_uniform, corruption_sample_seed
-from strategies.seeding import global_sample_index, seeded_generator
+from strategies.corruption import (
+    corrupt_all_masked,
+    corrupt_blockwise,
+    corrupt_mix,
+    corrupt_uniform,
+    corrupt_uniform_random,
+    gumbel_topk,
+    gumbel_topk_rows,
+    scdd_grid_times,
+)
+from strategies.seeding import seeded_generator as gen
 
 MASK = 999
 
 
 @pytest.fixture
 def batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 100, (4, 32), generator=g)
+    ids = torch.randint(0, 100, (4, 32), generator=gen(0))
     loss = torch.zeros(4, 32)
     loss[:, :24] = 1
     return ids, loss
 
 
+# ------------------------------------------------------------------ Gumbel top-k
+
+
+@pytest.mark.parametrize("k", [1, 5, 25, 50])
+def test_gumbel_topk_exact_k(k):
+    chosen = gumbel_topk(torch.zeros(50), k, gen(k))
+    assert chosen.dtype == torch.bool and int(chosen.sum()) == k
+
+
+def test_gumbel_topk_rows_respects_k_zero_and_neg_inf():
+    log_w = torch.zeros(3, 6)
+    log_w[1, 4:] = float("-inf")
+    chosen = gumbel_topk_rows(log_w, torch.tensor([0, 6, 2]), gen(0))
+    assert chosen.sum(1).tolist() == [0, 4, 2] and not chosen[1, 4:].any()
+
+
+def test_gumbel_topk_follows_weights():
+    """Plackett–Luce with k=1: P(i) ∝ exp(log_w_i)."""
+    log_w = torch.log(torch.tensor([1.0, 2.0, 7.0]))
+    g = gen(3)
+    counts = sum(gumbel_topk(log_w, 1, g).long() for _ in range(4000))
+    assert torch.allclose(counts / 4000, torch.tensor([0.1, 0.2, 0.7]), atol=0.03)
+
+
+# ------------------------------------------------------------------ corrupt_uniform
+
+
 def test_corrupt_uniform_contract(batch):
     ids, loss = batch
-    noisy, noise, p = corrupt_uniform(ids, loss, MASK, eps=0.01, generator=seeded_generator(1))
+    noisy, noise, p = corrupt_uniform(ids, loss, MASK, eps=0.01, generator=gen(1))
     assert noisy.shape == ids.shape and noise.dtype == torch.bool and p.dtype == torch.float32
     assert not (noise & ~loss.bool()).any()  # noise ⊆ supervised
     assert (noisy[noise] == MASK).all() and torch.equal(noisy[~noise], ids[~noise])
@@ -31,8 +67,8 @@ def test_corrupt_uniform_contract(batch):
 def test_corrupt_uniform_level_formula_and_draw_order(batch):
     ids, loss = batch
     eps = 0.05
-    _, noise, p = corrupt_uniform(ids, loss, MASK, eps=eps, generator=seeded_generator(7))
-    g = seeded_generator(7)
+    _, noise, p = corrupt_uniform(ids, loss, MASK, eps=eps, generator=gen(7))
+    g = gen(7)
     t = torch.rand(4, generator=g)
     u = torch.rand(4, 32, generator=g)
     assert torch.allclose(p[:, 0], (1 - eps) * t + eps)
@@ -43,34 +79,161 @@ def test_same_seed_same_output_and_global_rng_untouched(batch):
     ids, loss = batch
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    a = corrupt_uniform(ids, loss, MASK, generator=seeded_generator(5))
-    b = corrupt_uniform(ids, loss, MASK, generator=seeded_generator(5))
-    c = corrupt_uniform(ids, loss, MASK, generator=seeded_generator(6))
+    a = corrupt_uniform(ids, loss, MASK, generator=gen(5))
+    b = corrupt_uniform(ids, loss, MASK, generator=gen(5))
+    c = corrupt_uniform(ids, loss, MASK, generator=gen(6))
     assert torch.equal(torch.get_rng_state(), before)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(a[1], c[1])
 
 
-TOPOLOGIES = [(8, 1), (32, 1), (8, 4), (4, 8), (2, 16), (16, 2), (1, 32)]
+# ------------------------------------------------------------------ the other kernels
 
 
-@pytest.mark.parametrize("step", [0, 1, 7, 100])
-@pytest.mark.parametrize("dp,lbs", TOPOLOGIES)
-def test_seeds_depend_only_on_step_and_global_position(step, dp, lbs):
-    gbs = 32
-    grad_acc = gbs // (dp * lbs)
-    seeds = {}
-    for rank in range(dp):
-        for mb in range(grad_acc):
-            for off in range(lbs):
-                gidx = global_sample_index(step, rank, dp, lbs, grad_acc, mb, off)
-                seeds[gidx] = corruption_sample_seed(42, step, rank, dp, lbs, grad_acc, mb, off)
-    assert sorted(seeds) == list(range(step * gbs, (step + 1) * gbs))  # each position exactly once
-    reference = {step * gbs + i: corruption_sample_seed(42, step, 0, 1, 1, gbs, i, 0) for i in range(gbs)}
-    assert seeds == reference
-    assert len(set(seeds.values())) == gbs and all(0 <= s < 2**63 for s in seeds.values())
+def _common_contract(ids, loss, noisy, noise, p):
+    assert noisy.shape == ids.shape and noise.dtype == torch.bool and p.dtype == torch.float32
+    assert not (noise & ~loss.bool()).any()
+    assert torch.equal(noisy[~noise], ids[~noise])
 
 
-def test_seed_formula_by_hand():
-    gidx = 3 * 32 + 5
-    assert corruption_sample_seed(42, 3, 0, 1, 32, 1, 0, 5) == (42 + 2**43 + 2654435761 * gidx) % 2**63
+def test_corrupt_all_masked(batch):
+    ids, loss = batch
+    noisy, noise, p = corrupt_all_masked(ids, loss, MASK)
+    assert torch.equal(noise, loss.bool()) and (noisy[:, :24] == MASK).all()
+    assert torch.equal(noisy[:, 24:], ids[:, 24:]) and torch.equal(p, torch.ones(4, 32))
+
+
+@pytest.mark.parametrize("bs", [None, 8])
+def test_corrupt_blockwise_contract(batch, bs):
+    ids, loss = batch
+    noisy, noise, p = corrupt_blockwise(ids, loss, MASK, block_size=bs, eps=0.01, generator=gen(1))
+    _common_contract(ids, loss, noisy, noise, p)
+    assert (noisy[noise] == MASK).all() and (p >= 0.01).all() and (p <= 1).all()
+    if bs is None:
+        assert torch.equal(p, p[:, :1].expand_as(p))
+
+
+def test_corrupt_blockwise_levels_differ_across_blocks(batch):
+    ids, loss = batch
+    _, _, p = corrupt_blockwise(ids, loss, MASK, block_size=8, eps=0.01, generator=gen(123))
+    assert len(set(p[0, ::8].tolist())) > 1
+    assert torch.equal(p[:, :8], p[:, :1].expand(4, 8))  # constant inside a block
+
+
+def test_corrupt_blockwise_exact_k_on_fully_supervised_rows():
+    ids = torch.randint(0, 100, (64, 20), generator=gen(2))
+    loss = torch.ones(64, 20)
+    _, noise, p = corrupt_blockwise(ids, loss, MASK, block_size=8, eps=0.01, generator=gen(2))
+    for row in range(64):
+        for start, length in ((0, 8), (8, 8), (16, 4)):  # last block is short
+            m = p[row, start].item()
+            assert int(noise[row, start : start + length].sum()) == min(max(round(m * length), 0), length)
+
+
+def test_corrupt_blockwise_prefers_later_positions_when_few_are_masked():
+    ids = torch.zeros(4000, 32, dtype=torch.long)
+    noisy, noise, p = corrupt_blockwise(
+        ids, torch.ones(4000, 32), MASK, eps=0.01, half_life_ratio=0.25, generator=gen(4)
+    )
+    light = p[:, 0] < 0.3
+    assert noise[light][:, 24:].float().mean() > 2 * noise[light][:, :8].float().mean()
+
+
+def test_corrupt_uniform_random(batch):
+    ids, loss = batch
+    noisy, noise, p = corrupt_uniform_random(ids, loss, 500, eps=0.01, generator=gen(5))
+    _common_contract(ids, loss, noisy, noise, p)
+    assert torch.equal(p, torch.ones(4, 32)) and noisy.dtype == ids.dtype
+    assert len(set(noisy[noise].tolist())) > 1
+    small, changed, _ = corrupt_uniform_random(ids % 10, loss, 10, eps=0.999, generator=gen(6))
+    assert small.max() < 10 and (small != ids % 10).any()
+
+
+def test_corrupt_uniform_random_block_levels_differ():
+    ids = torch.zeros(1, 64, dtype=torch.long)
+    _, noise, _ = corrupt_uniform_random(ids, torch.ones(1, 64), 50, block_size=16, eps=0.01, generator=gen(8))
+    fractions = noise.view(4, 16).float().mean(1)
+    assert len(set(fractions.tolist())) > 1
+
+
+def _probs(b, value):
+    return torch.full((b,), value)
+
+
+def test_corrupt_mix_channels_and_contract(batch):
+    ids, loss = batch
+    z, n = corrupt_mix(ids, loss, MASK, 1000, mask_prob=_probs(4, 0.3), uniform_prob=_probs(4, 0.5), generator=gen(9))
+    assert torch.equal(n, z != ids) and not (n & ~loss.bool()).any()
+    z, n = corrupt_mix(ids, loss, MASK, 1000, mask_prob=_probs(4, 0.0), uniform_prob=_probs(4, 1.0), generator=gen(9))
+    sup = loss.bool()
+    assert n[sup].all() and (z[sup] != MASK).all() and (z[sup] != ids[sup]).all() and z.max() < 1000
+
+
+def test_corrupt_mix_replacement_is_uniform_over_the_other_tokens():
+    ids = torch.zeros(1, 60000, dtype=torch.long)
+    z, _ = corrupt_mix(
+        ids, torch.ones(1, 60000), 7, 8, mask_prob=_probs(1, 0.0), uniform_prob=_probs(1, 1.0), generator=gen(10)
+    )
+    counts = torch.bincount(z[0], minlength=8).float() / 60000
+    assert counts[0] == 0 and counts[7] == 0
+    assert torch.allclose(counts[1:7], torch.full((6,), 1 / 6), rtol=0.05)
+
+
+@pytest.mark.parametrize("mp,up", [(0.3, 0.5), (0.1, 0.2)])
+def test_corrupt_mix_channel_rates(mp, up):
+    ids = torch.randint(0, 50, (8, 20000), generator=gen(11))
+    z, _ = corrupt_mix(
+        ids,
+        torch.ones_like(ids, dtype=torch.float),
+        99,
+        100,
+        mask_prob=_probs(8, mp),
+        uniform_prob=_probs(8, up),
+        generator=gen(12),
+    )
+    assert abs((z == 99).float().mean().item() - mp) < 0.01
+    assert abs(((z != 99) & (z != ids)).float().mean().item() - up) < 0.01
+
+
+def test_corrupt_mix_never_transitions_a_clean_mask_token():
+    ids = torch.full((2, 500), 7)
+    z, n = corrupt_mix(
+        ids, torch.ones(2, 500), 7, 8, mask_prob=_probs(2, 0.0), uniform_prob=_probs(2, 1.0), generator=gen(13)
+    )
+    assert not n.any() and z.max() < 8
+
+
+def test_corrupt_mix_errors_and_boundary():
+    ids, loss = torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4)
+    with pytest.raises(ValueError, match="vocab_size >= 3"):
+        corrupt_mix(ids, loss, 1, 2, mask_prob=_probs(1, 0.1), uniform_prob=_probs(1, 0.1))
+    with pytest.raises(ValueError, match=r"mask_prob \+ uniform_prob <= 1"):
+        corrupt_mix(ids, loss, 1, 10, mask_prob=_probs(1, 0.7), uniform_prob=_probs(1, 0.4))
+    corrupt_mix(ids, loss, 1, 10, mask_prob=_probs(1, 0.3), uniform_prob=_probs(1, 0.7))
+
+
+def test_scdd_grid_times_lie_on_the_inner_grid():
+    t = scdd_grid_times(256, 8, 1e-3, gen(14))
+    k = t * 8
+    assert torch.allclose(k, k.round()) and k.min() >= 1 and k.max() == 7
+
+
+KERNELS = {
+    "blockwise": lambda ids, loss, g: corrupt_blockwise(ids, loss, MASK, block_size=8, generator=g),
+    "blockwise_seq": lambda ids, loss, g: corrupt_blockwise(ids, loss, MASK, generator=g),
+    "uniform_random": lambda ids, loss, g: corrupt_uniform_random(ids, loss, 100, generator=g),
+    "mix": lambda ids, loss, g: corrupt_mix(
+        ids, loss, MASK, 1000, mask_prob=_probs(4, 0.3), uniform_prob=_probs(4, 0.3), generator=g
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_seeded_kernels_are_reproducible_and_leave_global_rng_alone(batch, name):
+    ids, loss = batch
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    a, b, c = (KERNELS[name](ids, loss, gen(s)) for s in (1, 1, 2))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[1], c[1])

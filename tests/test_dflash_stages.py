@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_common.config import ConfigError, validate_config
+from dllm_common.config import ConfigError
+from strategies.options import validate_config
 from tasks.cache_target import cache_target
 from tasks.cache_target import stage_of as cache_stage_of
 from tasks.evaluate import evaluate
@@ -168,7 +169,7 @@ def test_cached_and_online_features_train_the_same_draft(prepared, tiny_spec, tm
 
 def _build_cache(args):
     spec_json, data, workdir, tgt = args
-    from dllm_common.config import validate_config as _v
+    from strategies.options import validate_config as _v
     from tasks.cache_target import cache_target as _c
     from tasks.common import StageRef
 

@@ -1,9 +1,11 @@
-"""The one direction of imports (flows → tasks → strategies → dllm_common) and a CUDA-free flows layer."""
+"""The one direction of imports (flows → tasks → strategies → dllm_common), no import cycle inside a package,
+and a CUDA-free flows layer."""
 
 import ast
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 LAYERS = ["flows", "tasks", "strategies", "dllm_common"]
@@ -32,6 +34,79 @@ def test_layering_check_would_catch_an_upward_import(tmp_path):
     f = tmp_path / "x.py"
     f.write_text("def f():\n    from flows.pipeline import dllm_pipeline\n")
     assert "flows" in set(_imported_packages(f))
+
+
+def _module_name(path, root):
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _is_module(root, name):
+    p = root.joinpath(*name.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def import_graph(root, package):
+    """{module: modules of `package` it imports}, from every import statement in the file (functions included).
+
+    `from a.b import c` counts a.b, and a.b.c too where that is a module; relative imports are resolved."""
+    graph = {}
+    for path in sorted((root / package).rglob("*.py")):
+        mod = _module_name(path, root)
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = mod.split(".")[: len(mod.split(".")) - node.level + (path.name == "__init__.py")]
+                    base = ".".join([*anchor, *filter(None, [base])])
+                names |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
+        graph[mod] = {n for n in names if n.split(".")[0] == package and _is_module(root, n)} - {mod}
+    return graph
+
+
+def import_cycles(graph):
+    """The cycles a depth-first search closes, each as [a, b, ..., a] (empty iff the graph is acyclic)."""
+    cycles, state, stack = [], {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+@pytest.mark.parametrize("package", LAYERS)
+def test_no_import_cycle_inside_a_package(package):
+    cycles = import_cycles(import_graph(ROOT, package))
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_cycle_check_would_catch_a_cycle(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")  # a.b.c form: `b` is a module
+    (pkg / "sub" / "b.py").write_text("def f():\n    import pkg.c\n")  # inside a function
+    (pkg / "c.py").write_text("from . import a\nimport os\n")  # relative
+    (pkg / "d.py").write_text("from pkg.a import thing\n")  # imports into the cycle, not part of it
+    graph = import_graph(tmp_path, "pkg")
+    assert graph["pkg.d"] == {"pkg.a"} and graph["pkg.c"] == {"pkg", "pkg.a"}
+    assert [" -> ".join(c) for c in import_cycles(graph)] == ["pkg.a -> pkg.sub.b -> pkg.c -> pkg.a"]
+    (pkg / "c.py").write_text("import os\n")
+    assert import_cycles(import_graph(tmp_path, "pkg")) == []
 
 
 BLOCK_TORCH = """

@@ -1,17 +1,35 @@
-"""MDLMCrossEntropyLoss against hand-computed values (spec §5.2, §14.3)."""
+"""The losses of strategies/losses.py (spec §5.2–5.6) against hand formulas and §14.3 properties."""
 
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from strategies import DLLMLossOutput, MDLMCrossEntropyLoss, per_token_nll
+from strategies.losses import (
+    BlockDiffusionCrossEntropyLoss,
+    DLLMLossOutput,
+    HybridDiffusionLLMLoss,
+    IDLMLoss,
+    MDLMCrossEntropyLoss,
+    encoder_ar_loss,
+    per_token_nll,
+)
 
 
 def _ce(row, target):
     """−log softmax(row)[target], written out by hand."""
     m = max(row)
     return -(row[target] - m - math.log(sum(math.exp(v - m) for v in row)))
+
+
+def ce(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none").view(
+        target.shape
+    )
+
+
+# ------------------------------------------------------------------ MDLM
 
 
 @pytest.fixture
@@ -77,3 +95,141 @@ def test_per_token_nll_is_cross_entropy():
     target = torch.randint(0, 11, (3, 5))
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), target.reshape(-1), reduction="none").view(3, 5)
     assert torch.allclose(per_token_nll(logits, target), ref)
+
+
+# ------------------------------------------------------------------ hybrid
+
+
+@pytest.fixture
+def fx():
+    """B=2, L=8, V=32, 6 supervised per row, noise at {1,3,4}, p=0.5."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 8, 32, generator=g)
+    causal = torch.randn(2, 8, 32, generator=g)
+    target = torch.randint(0, 32, (2, 8), generator=g)
+    loss_mask = torch.zeros(2, 8)
+    loss_mask[:, 2:] = 1
+    noise = torch.zeros(2, 8, dtype=torch.bool)
+    noise[:, [1, 3, 4]] = True
+    return logits, causal, target, noise, torch.full((2, 8), 0.5), loss_mask
+
+
+def test_hybrid_hand_formula_with_ar_term(fx):
+    logits, causal, target, noise, p, lm = fx
+    out = HybridDiffusionLLMLoss(alpha=0.3)(
+        logits, target, noise, p, lm, loss_mask_ar=lm, num_diffusion_tokens=4, num_ar_tokens=12, causal_logits=causal
+    )
+    diff = (ce(logits, target) * (noise & lm.bool()) / 0.5).sum() / 4
+    ar = (ce(causal[:, :-1], target[:, 1:]) * lm[:, 1:]).sum() / 12
+    assert out.total_loss.item() == pytest.approx(0.3 * diff.item() + ar.item(), rel=1e-6)
+    assert out.dllm_loss.item() == pytest.approx(0.3 * diff.item(), rel=1e-6)
+
+
+def test_hybrid_layouts_and_alpha(fx):
+    logits, causal, target, noise, p, lm = fx
+    plain = HybridDiffusionLLMLoss()(logits, target, noise, p, lm)
+    assert torch.equal(plain.total_loss.detach(), plain.dllm_loss)
+    both = torch.cat([logits, causal], dim=1)
+    concat = HybridDiffusionLLMLoss()(both, target, noise, p, lm, loss_mask_ar=lm)
+    separate = HybridDiffusionLLMLoss()(logits, target, noise, p, lm, loss_mask_ar=lm, causal_logits=causal)
+    assert concat.total_loss > concat.dllm_loss and torch.allclose(concat.total_loss, separate.total_loss)
+    a03 = HybridDiffusionLLMLoss(0.3)(logits, target, noise, p, lm).dllm_loss
+    a10 = HybridDiffusionLLMLoss(1.0)(logits, target, noise, p, lm).dllm_loss
+    assert (a03 / a10).item() == pytest.approx(0.3, rel=1e-6)
+    quiet = HybridDiffusionLLMLoss()(logits, target, torch.zeros_like(noise), p, lm)
+    assert quiet.dllm_loss.item() == 0.0
+
+
+def test_hybrid_counts_divide(fx):
+    logits, causal, target, noise, p, lm = fx
+    raw = HybridDiffusionLLMLoss()(logits, target, noise, p, lm, loss_mask_ar=lm, causal_logits=causal)
+    ten = HybridDiffusionLLMLoss()(
+        logits, target, noise, p, lm, loss_mask_ar=lm, causal_logits=causal, num_diffusion_tokens=10, num_ar_tokens=10
+    )
+    assert ten.total_loss.item() == pytest.approx(raw.total_loss.item() / 10, rel=1e-6)
+
+
+def test_hybrid_infinite_weight_maps_to_one(fx):
+    logits, _, target, noise, _, lm = fx
+    p = torch.full((2, 8), float("inf"))
+    out = HybridDiffusionLLMLoss()(logits, target, noise, p, lm)
+    # 1/inf = 0 is finite, so only the clamp path matters: no NaN, no inf
+    assert torch.isfinite(out.total_loss)
+
+
+# ------------------------------------------------------------------ block diffusion
+
+
+def test_block_diffusion_is_flat_ce_over_supervised(fx):
+    logits, _, target, noise, p, lm = fx
+    loss = BlockDiffusionCrossEntropyLoss()
+    out = loss(logits, target, noise, p, lm)
+    expected = (ce(logits, target) * lm).sum() / lm.sum()
+    assert out.total_loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert torch.equal(out.total_loss.detach(), out.dllm_loss)
+    assert loss(logits, target, torch.zeros_like(noise), p, lm).total_loss > 0  # noise does not gate
+    for other_p in (0.1, 1.0):
+        assert torch.equal(loss(logits, target, noise, torch.full_like(p, other_p), lm).total_loss, out.total_loss)
+    glob = loss(logits, target, noise, p, lm, num_diffusion_tokens=10).total_loss
+    assert glob.item() == pytest.approx((ce(logits, target) * lm).sum().item() / 10, rel=1e-6)
+
+
+def test_encoder_ar_loss_hand_formula():
+    g = torch.Generator().manual_seed(1)
+    logits, ids = torch.randn(2, 5, 7, generator=g), torch.randint(0, 7, (2, 5), generator=g)
+    valid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    pairs = (valid[:, :-1] & valid[:, 1:]).bool()
+    expected = (ce(logits[:, :-1], ids[:, 1:]) * pairs).sum() / pairs.sum()
+    assert encoder_ar_loss(logits, ids, valid).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert encoder_ar_loss(logits, ids, valid, num_tokens=3).item() == pytest.approx(
+        expected.item() * int(pairs.sum()) / 3, rel=1e-6
+    )
+
+
+# ------------------------------------------------------------------ I-DLM
+
+
+@pytest.fixture
+def idlm():
+    g = torch.Generator().manual_seed(2)
+    length = 12
+    logits = torch.randn(2, 2 * length, 32, generator=g)
+    target = torch.randint(0, 32, (2, length), generator=g)
+    answer = torch.zeros(2, length)
+    answer[:, 4:] = 1
+    valid = torch.ones(2, length)
+    valid[1, 10:] = 0
+    return logits, target, answer, valid, length
+
+
+def _idlm_reference(logits, target, answer, valid, length, denom=None):
+    support = (answer.bool() & valid.bool())[:, 1:]
+    d = denom or int(support.sum())
+    noisy = (ce(logits[:, : length - 1], target[:, 1:]) * support).sum() / d
+    clean = (ce(logits[:, length : 2 * length - 1], target[:, 1:]) * support).sum() / d
+    return noisy, clean
+
+
+def test_idlm_matches_two_ce_reference(idlm):
+    logits, target, answer, valid, length = idlm
+    out = IDLMLoss()(logits, target, answer, valid, seq_len=length)
+    noisy, clean = _idlm_reference(logits, target, answer, valid, length)
+    assert out.total_loss.item() == pytest.approx((noisy + 0.2 * clean).item(), rel=1e-6)
+    assert out.dllm_loss.item() == pytest.approx(noisy.item(), rel=1e-6)
+
+
+def test_idlm_auto_balance_and_global_denominator(idlm):
+    logits, target, answer, valid, length = idlm
+    noisy, clean = _idlm_reference(logits, target, answer, valid, length)
+    auto = IDLMLoss(auto_balance=True)(logits, target, answer, valid, seq_len=length)
+    assert auto.total_loss.item() == pytest.approx((noisy + noisy / clean * clean).item(), rel=1e-6)
+    local = IDLMLoss()(logits, target, answer, valid, seq_len=length).total_loss
+    glob = IDLMLoss()(logits, target, answer, valid, seq_len=length, num_diffusion_tokens=97).total_loss
+    support = int(((answer.bool() & valid.bool())[:, 1:]).sum())
+    assert glob.item() == pytest.approx(local.item() * support / 97, rel=1e-6)
+
+
+def test_idlm_seq_len_is_keyword_only(idlm):
+    logits, target, answer, valid, length = idlm
+    with pytest.raises(TypeError):
+        IDLMLoss()(logits, target, answer, valid, length)

@@ -1,22 +1,39 @@
-"""Absorbing sampler: no masks left, prompts untouched, windows respected, confident denoiser exact."""
+"""The samplers of strategies/sampling.py (spec §11): the plain absorbing one (no masks left, prompts untouched,
+windows respected, confident denoiser exact), infilling, I-DLM shift, hybrid AR-seeded blocks, SCDD ancestral
+(self-correction), and determinism for a fixed seed."""
 
 import torch
 
-from strategies.sampling import SamplerConfig, absorbing_sample, num_transfer_tokens
+from strategies.sampling import (
+    SamplerConfig,
+    absorbing_sample,
+    hybrid_sample,
+    infill_sample,
+    num_transfer_tokens,
+    scdd_ancestral_sample,
+)
+from strategies.scdd import scdd_schedule
 
 MASK, PAD, V = 15, 0, 16
 
 
-def target_denoiser(target_fn):
+def confident(target_fn, vocab=V):
     """A perfectly confident denoiser: position p always predicts target_fn(p)."""
 
-    def denoise(x, attn):
-        logits = torch.full((*x.shape, V), -20.0)
+    def denoise(x, attn=None):
+        logits = torch.full((*x.shape, vocab), -20.0)
         for p in range(x.shape[1]):
             logits[:, p, target_fn(p)] = 20.0
         return logits
 
     return denoise
+
+
+def schedule(ratio=0.1):
+    return lambda t: scdd_schedule(t, max_ratio=ratio, gamma_shape=1.0, t_peak=0.5)
+
+
+# ------------------------------------------------------------------ absorbing sampler
 
 
 def test_transfer_schedule_spreads_remainder_first():
@@ -28,9 +45,7 @@ def test_transfer_schedule_spreads_remainder_first():
 def test_confident_denoiser_is_reproduced_and_prompt_kept():
     prompts = [[1, 2, 3], [4, 5]]
     cfg = SamplerConfig(steps=8, max_new_tokens=8, block_size=4)
-    res = absorbing_sample(
-        target_denoiser(lambda p: 1 + p % 13), prompts, mask_token_id=MASK, pad_token_id=PAD, config=cfg
-    )
+    res = absorbing_sample(confident(lambda p: 1 + p % 13), prompts, mask_token_id=MASK, pad_token_id=PAD, config=cfg)
     assert not (res.tokens == MASK).any()
     for i, p in enumerate(prompts):
         assert res.tokens[i, : len(p)].tolist() == p
@@ -65,7 +80,7 @@ def test_threshold_mode_and_random_remasking_leave_no_masks():
         SamplerConfig(steps=8, max_new_tokens=8, block_size=4, remasking="random", temperature=1.0),
     ):
         res = absorbing_sample(
-            target_denoiser(lambda p: 3),
+            confident(lambda p: 3),
             [[1]],
             mask_token_id=MASK,
             pad_token_id=PAD,
@@ -77,7 +92,7 @@ def test_threshold_mode_and_random_remasking_leave_no_masks():
 
 def test_threshold_mode_reveals_all_confident_tokens_in_one_forward():
     res = absorbing_sample(
-        target_denoiser(lambda p: 3),
+        confident(lambda p: 3),
         [[1]],
         mask_token_id=MASK,
         pad_token_id=PAD,
@@ -89,10 +104,202 @@ def test_threshold_mode_reveals_all_confident_tokens_in_one_forward():
 def test_eos_stops_and_fills_tail():
     eos = 14
     res = absorbing_sample(
-        target_denoiser(lambda p: eos if p >= 4 else 2),
+        confident(lambda p: eos if p >= 4 else 2),
         [[1, 1]],
         mask_token_id=MASK,
         pad_token_id=PAD,
         config=SamplerConfig(steps=16, max_new_tokens=16, block_size=4, eos_token_id=eos),
     )
     assert not (res.tokens == MASK).any() and res.nfe < 16
+
+
+# ------------------------------------------------------------------ the other samplers
+
+
+def test_idlm_shift_with_a_position_only_stub():
+    """Row i predicts i mod (V−1): shifted decoding yields (p−1) mod (V−1), unshifted p mod (V−1)."""
+    stub = confident(lambda p: p % (V - 1))
+    prompts = [[3, 4, 5]]
+    for shift, expect in ((1, lambda p: (p - 1) % (V - 1)), (0, lambda p: p % (V - 1))):
+        cfg = SamplerConfig(steps=8, max_new_tokens=8, block_size=4, logit_shift=shift)
+        res = absorbing_sample(stub, prompts, mask_token_id=MASK, pad_token_id=PAD, config=cfg)
+        assert res.tokens[0, :3].tolist() == [3, 4, 5]
+        assert res.generated(0).tolist() == [expect(3 + k) for k in range(8)]
+        assert not (res.tokens == MASK).any()
+
+
+def test_infill_fills_every_mask_in_block_windows_and_keeps_the_rest():
+    seq = [1, MASK, MASK, 2, MASK, 3, MASK, MASK, MASK, 4]
+    seen = []
+
+    def denoise(x, attn):
+        seen.append(x.clone())
+        return confident(lambda p: 5 + p % 7)(x)
+
+    res = infill_sample(
+        denoise, [seq], mask_token_id=MASK, pad_token_id=PAD, config=SamplerConfig(steps=6, block_size=4)
+    )
+    out = res.tokens[0].tolist()
+    assert MASK not in out
+    assert [out[i] for i in (0, 3, 5, 9)] == [1, 2, 3, 4]
+    assert [out[i] for i, t in enumerate(seq) if t == MASK] == [5 + i % 7 for i, t in enumerate(seq) if t == MASK]
+    for x in seen:  # a later window only starts once the earlier ones are full
+        row = x[0].tolist()
+        first_open = next((i // 4 for i, t in enumerate(row) if t == MASK), None)
+        if first_open is not None:
+            assert all(t == MASK for t, s in zip(row[(first_open + 1) * 4 :], seq[(first_open + 1) * 4 :]) if s == MASK)
+
+
+class StubHybrid(torch.nn.Module):
+    """Causal branch always predicts `seed_token`; diffusion branch predicts target(p) at every position."""
+
+    def __init__(self, seed_token, target_fn):
+        super().__init__()
+        self.seed_token, self.target_fn, self.calls = seed_token, target_fn, []
+
+    def causal_logits(self, ids, attention_mask=None):
+        self.calls.append(("causal", ids.shape[1]))
+        logits = torch.full((*ids.shape, V), -20.0)
+        logits[..., self.seed_token] = 20.0
+        return logits
+
+    def forward(self, input_ids, **_):
+        self.calls.append(("diffusion", input_ids.clone()))
+        return type("Out", (), {"logits": confident(self.target_fn)(input_ids)})()
+
+
+def test_hybrid_blocks_are_seeded_by_the_causal_branch_then_diffused():
+    model = StubHybrid(seed_token=9, target_fn=lambda p: 2)
+    prompts = [[1, 1, 1], [1]]
+    res = hybrid_sample(
+        model,
+        prompts,
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        config=SamplerConfig(steps=6, max_new_tokens=6, block_size=3),
+    )
+    for i, p in enumerate(prompts):
+        assert res.tokens[i, : len(p)].tolist() == p
+        assert res.generated(i).tolist() == [9, 2, 2, 9, 2, 2]  # block starts from the causal seed
+    assert not (res.tokens == MASK).any()
+    # the diffusion branch never sees masks of a later block (no future canvas) and the causal one sees the context
+    diffusion_inputs = [c[1] for c in model.calls if c[0] == "diffusion"]
+    assert all(int((x == MASK).sum()) <= 2 for x in diffusion_inputs)
+    assert [c[1] for c in model.calls if c[0] == "causal"] == [3, 6, 1, 4]
+    assert res.nfe == len(model.calls) / len(prompts)  # forwards per sequence
+
+
+def test_scdd_ancestral_with_a_confident_denoiser_reaches_the_target():
+    prompts = [[1, 2], [3]]
+    for ratio in (0.1, 0.0):  # uniform_ratio 0 still terminates with no masks
+        res = scdd_ancestral_sample(
+            confident(lambda p: 4 + p % 9),
+            prompts,
+            mask_token_id=MASK,
+            pad_token_id=PAD,
+            vocab_size=V,
+            schedule=schedule(ratio),
+            config=SamplerConfig(steps=16, max_new_tokens=6, temperature=1.0),
+            generator=torch.Generator().manual_seed(0),
+        )
+        assert not (res.tokens == MASK).any() and res.nfe == 17
+        for i, p in enumerate(prompts):
+            assert res.tokens[i, : len(p)].tolist() == p
+            assert res.generated(i).tolist() == [4 + (len(p) + k) % 9 for k in range(6)]
+
+
+def test_scdd_self_correction_revises_every_position():
+    """A denoiser that switches its preferred token mid-decode: tokens revealed under the old preference
+    are all revised to the new one by the end (visible tokens stay revisable)."""
+    calls, snapshots = [0], []
+
+    def fickle(x, attn):
+        calls[0] += 1
+        snapshots.append(x.clone())
+        return confident(lambda p: 5 if calls[0] <= 10 else 7)(x)
+
+    res = scdd_ancestral_sample(
+        fickle,
+        [[1]],
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        vocab_size=V,
+        schedule=schedule(),
+        config=SamplerConfig(steps=20, max_new_tokens=8, temperature=1.0),
+        generator=torch.Generator().manual_seed(3),
+    )
+    mid = snapshots[10][0, 1:]
+    assert (mid == 5).sum() >= 4  # plenty of positions were visible with the old token half-way
+    before_final = snapshots[-1][0, 1:]  # what the ancestral steps alone produced
+    assert ((mid == 5) & (before_final == 7)).any()  # a visible token was revised by an ancestral step
+    assert res.generated(0).tolist() == [7] * 8 and res.tokens[0, 0] == 1
+
+
+def test_scdd_temperature_zero_never_proposes_mask():
+    def mask_loving(x, attn):
+        logits = torch.zeros(*x.shape, V)
+        logits[..., MASK] = 50.0
+        logits[..., 3] = 1.0
+        return logits
+
+    res = scdd_ancestral_sample(
+        mask_loving,
+        [[1]],
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        vocab_size=V,
+        schedule=schedule(),
+        config=SamplerConfig(steps=4, max_new_tokens=5, temperature=0.0),
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert res.generated(0).tolist() == [3] * 5
+
+
+def test_samplers_are_deterministic_for_a_seed():
+    def noisy(x, attn):
+        g = torch.Generator().manual_seed(int(x.sum()))
+        return torch.randn(*x.shape, V, generator=g)
+
+    def run(sampler, seed):
+        gen = torch.Generator().manual_seed(seed)
+        if sampler == "scdd":
+            return scdd_ancestral_sample(
+                noisy,
+                [[1, 2]],
+                mask_token_id=MASK,
+                pad_token_id=PAD,
+                vocab_size=V,
+                schedule=schedule(),
+                config=SamplerConfig(steps=6, max_new_tokens=6, temperature=1.0),
+                generator=gen,
+            ).tokens
+        return absorbing_sample(
+            noisy,
+            [[1, 2]],
+            mask_token_id=MASK,
+            pad_token_id=PAD,
+            generator=gen,
+            config=SamplerConfig(steps=6, max_new_tokens=6, block_size=3, temperature=1.0, remasking="random"),
+        ).tokens
+
+    for sampler in ("scdd", "absorbing"):
+        assert torch.equal(run(sampler, 5), run(sampler, 5))
+        assert any(not torch.equal(run(sampler, 5), run(sampler, s)) for s in range(6, 12))
+
+
+def test_threshold_mode_is_adaptive_and_never_leaves_masks():
+    """Threshold mode: forwards = what the window needs (≤ its size), not the step budget."""
+
+    def unsure(x, attn):
+        logits = torch.zeros(*x.shape, V)
+        logits[..., 3] = 0.5  # max prob ≈ 0.1: only the forced top-1 passes each forward
+        return logits
+
+    res = absorbing_sample(
+        unsure,
+        [[1]],
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        config=SamplerConfig(steps=2, max_new_tokens=8, block_size=4, threshold=0.9),
+    )
+    assert not (res.tokens == MASK).any() and res.nfe == 8

@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from strategies import DLLM_STRATEGIES, MDLMCrossEntropyLoss, MDLMStrategy, Microbatch, StepContext, get_dllm_strategy
+from strategies import (
+    DLLM_STRATEGIES,
+    DLLMLossOutput,
+    MDLMCrossEntropyLoss,
+    MDLMStrategy,
+    Microbatch,
+    StepContext,
+    get_dllm_strategy,
+)
+from strategies.options import MDLMOptions
 from strategies.models import build_model, tiny_model_config
 
 
@@ -19,14 +28,24 @@ def test_unknown_mode_lists_available():
 def test_every_registered_strategy_is_well_formed(mode):
     s = get_dllm_strategy(mode)
     assert isinstance(s, DLLM_STRATEGIES[mode]) and s.normalization_mode in ("supervised", "noise")
-    assert s.create_loss_fn({"vocab_size": 64, "mask_token_id": 63}) is not None
+    assert s.loss_log_key == "dllm_loss" and s.loss_log_key in DLLMLossOutput._fields
+    values = {"vocab_size": 64, "mask_token_id": 63, "block_size": 4}
+    assert s.create_loss_fn({k: v for k, v in values.items() if k in s.Options.model_fields}) is not None
+    with pytest.raises(Exception, match="extra"):
+        s.create_loss_fn({"not_an_option": 1})
 
 
 def test_mdlm_create_loss_fn_accepts_mapping_and_typed():
-    from dllm_common.config import DLLMConfig
+    assert isinstance(MDLMStrategy().create_loss_fn({}), MDLMCrossEntropyLoss)
+    assert MDLMStrategy().create_loss_fn(MDLMOptions(loss_weighting="flat")).weighting == "flat"
+    assert MDLMStrategy({"loss_weighting": "flat"}).create_loss_fn().weighting == "flat"
 
-    assert isinstance(MDLMStrategy().create_loss_fn({"mode": "mdlm"}), MDLMCrossEntropyLoss)
-    assert MDLMStrategy().create_loss_fn(DLLMConfig(loss_weighting="flat")).weighting == "flat"
+
+def test_create_loss_fn_is_pure():
+    """Building a loss leaves the strategy as it was: two builds from other options do not interfere."""
+    s = get_dllm_strategy("idlm", {"block_length": 2})
+    s.create_loss_fn({"block_length": 5, "clean_loss_weight": 0.7})
+    assert s.block_length == 2 and s.options.clean_loss_weight == 0.2
 
 
 def test_prepare_batch_feeds_noisy_ids_without_attention_mask():

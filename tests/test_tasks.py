@@ -25,8 +25,7 @@ def test_a_strategy_with_an_invalid_normalization_mode_is_rejected(monkeypatch):
     """Spec §16: setup refuses a normalization mode other than 'supervised' / 'noise'."""
     import pytest
 
-    from strategies import DLLM_STRATEGIES, MDLMStrategy
-    from tasks.train import prepare_strategy
+    from strategies import DLLM_STRATEGIES, MDLMStrategy, assemble_strategy
 
     class Broken(MDLMStrategy):
         @property
@@ -34,7 +33,5 @@ def test_a_strategy_with_an_invalid_normalization_mode_is_rejected(monkeypatch):
             return "tokens"
 
     monkeypatch.setitem(DLLM_STRATEGIES, "mdlm", Broken)
-    from dllm_common.config import PipelineSpec
-
     with pytest.raises(ValueError, match="Invalid normalization_mode 'tokens'.*Must be 'supervised' or 'noise'"):
-        prepare_strategy("mdlm", PipelineSpec(), None, None, mask_token_id=3)
+        assemble_strategy("mdlm", {}, None, None, mask_token_id=3)

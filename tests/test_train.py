@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import tasks.loop as loop_mod
 import tasks.train as train_mod
 from dllm_common.checkpoint import verify_checkpoint
-from tasks.train import DataOrder, lr_lambda, train
+from tasks.runtime import DataOrder, OptimSettings, lr_lambda
+from tasks.train import train
 
 
 def _metric_history(workdir, run_id, key):
@@ -28,7 +30,7 @@ def test_data_order_covers_each_epoch_once():
 
 
 def test_lr_schedule_warms_up_then_decays(tiny_spec):
-    cfg = tiny_spec.train
+    cfg = OptimSettings.of(tiny_spec.train)
     values = [lr_lambda(s, cfg) for s in range(cfg.steps)]
     assert values[0] < values[1] == 1.0 and values[-1] == pytest.approx(cfg.min_lr_ratio, abs=0.05)
 
@@ -51,7 +53,7 @@ def test_killed_stage_resumes_from_checkpoint_exactly(prepared, tiny_spec, tmp_p
     data, _ = prepared
     full = train(tiny_spec, "mdlm", data, str(tmp_path / "full"))
 
-    real_step = train_mod.run_step
+    real_step = loop_mod.run_step
     calls = {"n": 0}
 
     def crashing_step(*args, **kwargs):
@@ -61,12 +63,12 @@ def test_killed_stage_resumes_from_checkpoint_exactly(prepared, tiny_spec, tmp_p
                 raise Crash("killed")
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(train_mod, "run_step", crashing_step)
+    monkeypatch.setattr(loop_mod, "run_step", crashing_step)
     with pytest.raises(Crash):
         train(tiny_spec, "mdlm", data, str(tmp_path / "resumed"))
     work = next((tmp_path / "resumed" / "store" / "train").glob("*.work"))
     assert json.loads((work / "checkpoint" / "dllm.json").read_text())["step"] == 4
-    monkeypatch.setattr(train_mod, "run_step", real_step)
+    monkeypatch.setattr(loop_mod, "run_step", real_step)
     resumed = train(tiny_spec, "mdlm", data, str(tmp_path / "resumed"))
 
     from safetensors.torch import load_file

@@ -1,0 +1,198 @@
+"""Typed options of every strategy and the registry's one list of strategy names (torch-free).
+
+Each strategy owns a frozen pydantic model: unknown keys are refused and every key has one default,
+here. A pipeline's values reach a strategy by one route, resolved once (`resolve_options`):
+
+    shared `dllm:` keys the strategy declares  <  its own section (`dflash:` for DFlash)
+    <  `dllm.overrides.<strategy>`
+
+A shared `dllm:` key that no strategy of the pipeline declares is an error, and so is an override
+key that the named strategy does not declare. `dllm-flow validate` prints the resolved values:
+exactly what training uses. See docs/architecture.md ("How a strategy plugs in").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import import_module
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dllm_common import config as pipeline_config
+from dllm_common.config import ConfigError, PipelineSpec
+
+
+class StrategyOptions(BaseModel):
+    """What every strategy reads: the [MASK] id (None: the tokenizer's) and the minimum noise level."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mask_token_id: int | None = Field(None, ge=0)
+    eps: float = Field(1e-3, ge=0, lt=1)
+
+
+class MDLMOptions(StrategyOptions):
+    """MDLM / LLaDA (docs/strategies.md §8.1)."""
+
+    loss_weighting: Literal["elbo", "flat"] = "elbo"
+
+
+class SCDDOptions(StrategyOptions):
+    """SCDD (docs/strategies.md §8.2). `vocab_size` None: the model's."""
+
+    vocab_size: int | None = Field(None, ge=3)
+    num_timesteps: int = Field(1000, ge=2)
+    uniform_ratio: float = Field(0.1, ge=0, le=1)
+    schedule_shape: float = Field(1.0, gt=0)
+    schedule_peak: float = Field(0.5, gt=0, lt=1)
+    chunk_size: int | None = Field(1024, ge=1)  # None: the loss over the whole vocabulary at once
+
+
+class HybridOptions(StrategyOptions):
+    """Hybrid diffusion + AR (docs/strategies.md §8.3). `block_size` None: one uniform level per row."""
+
+    ar_loss_alpha: float = Field(1.0, ge=0)
+    block_size: int | None = Field(None, ge=1)
+    half_life_ratio: float = Field(0.25, gt=0)
+
+
+class IDLMOptions(StrategyOptions):
+    """Introspective diffusion (docs/strategies.md §8.4)."""
+
+    block_length: int = Field(1, ge=1)
+    clean_loss_weight: float = Field(0.2, ge=0)
+    auto_balance_clean_loss: bool = False
+
+
+class DFlashOptions(StrategyOptions):
+    """DFlash draft training (docs/strategies.md §8.5, §12.2); usually set in the `dflash:` section.
+    `block_size` 0: the draft checkpoint's; `loss_decay_gamma` ≤ 0: the paper's γ for the block size."""
+
+    block_size: int = Field(0, ge=0)
+    loss_decay_gamma: float = 0.0
+    num_blocks_per_sample: int = Field(1, ge=1)
+    attention_backend: Literal["sdpa", "flex_attention"] = "sdpa"
+    overlap_anchors: bool = True
+    use_fused_linear_ce: bool = True
+    ce_chunk_size: int = Field(1024, ge=1)
+
+    @field_validator("block_size")
+    @classmethod
+    def _block(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError("dflash.block_size must be at least 2 (or 0 to read it from the draft checkpoint)")
+        return value
+
+
+class BlockDiffusionOptions(StrategyOptions):
+    """Encoder + noised canvas (docs/strategies.md §8.6, §9). `vocab_size` None: the model's."""
+
+    vocab_size: int | None = Field(None, ge=2)
+    block_size: int = Field(256, ge=1)
+    self_conditioning_p: float = Field(0.5, ge=0, le=1)
+    encoder_loss_weight: float = Field(1.0, ge=0)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One registered strategy: its options and where its class lives (imported on first use, so
+    reading options never needs torch). `section`: a config section that holds its options too."""
+
+    options: type[StrategyOptions]
+    implementation: str  # "module:Class"
+    section: str | None = None
+
+    def load(self) -> type:
+        module, _, name = self.implementation.partition(":")
+        return getattr(import_module(module), name)
+
+
+# The one list of strategies: config validation, `DLLM_STRATEGIES` and `dllm-flow validate` read it.
+REGISTRY: dict[str, Registration] = {
+    "mdlm": Registration(MDLMOptions, "strategies.base:MDLMStrategy"),
+    "scdd": Registration(SCDDOptions, "strategies.scdd_strategy:SCDDStrategy"),
+    "hybrid": Registration(HybridOptions, "strategies.hybrid_strategy:HybridStrategy"),
+    "idlm": Registration(IDLMOptions, "strategies.idlm_strategy:IDLMStrategy"),
+    "dflash": Registration(DFlashOptions, "strategies.dflash_strategy:DFlashStrategy", section="dflash"),
+    "block_diffusion": Registration(
+        BlockDiffusionOptions, "strategies.block_diffusion_strategy:BlockDiffusionStrategy"
+    ),
+}
+
+
+def registration(name: str) -> Registration:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"Unknown dllm.mode: {name!r}. Available: {sorted(REGISTRY)}") from None
+
+
+def _section_values(spec: PipelineSpec, reg: Registration) -> dict[str, Any]:
+    """The option keys set in the strategy's own section (e.g. `dflash.block_size`)."""
+    if reg.section is None:
+        return {}
+    return dict(getattr(spec, reg.section).model_extra or {})
+
+
+def _validated(reg: Registration, values: dict[str, Any], where: str) -> StrategyOptions:
+    try:
+        return reg.options.model_validate(values)
+    except ValidationError as err:
+        lines = [f"invalid strategy options ({where}):"]
+        for e in err.errors():
+            key = ".".join(str(p) for p in e["loc"])
+            if e["type"] == "extra_forbidden":
+                lines.append(f"  {key}: unknown key; allowed: {sorted(reg.options.model_fields)}")
+            else:
+                lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def resolve_options(spec: PipelineSpec, name: str) -> StrategyOptions:
+    """The options `name` trains with: shared `dllm:` keys it declares, its section, its overrides."""
+    reg = registration(name)
+    shared = {k: v for k, v in spec.dllm.shared().items() if k in reg.options.model_fields}
+    values = {**shared, **_section_values(spec, reg), **spec.dllm.overrides.get(name, {})}
+    return _validated(reg, values, f"strategy {name!r}")
+
+
+def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
+    """Every strategy of the pipeline is registered and its options are valid; nothing set is unused.
+    Returns each strategy's resolved options."""
+    unknown = [n for n in spec.pipeline.strategies if n not in REGISTRY]
+    if unknown:
+        raise ConfigError(f"pipeline.strategies: unknown strategy {unknown[0]!r}; allowed: {sorted(REGISTRY)}")
+    for name in spec.dllm.overrides:
+        if name not in REGISTRY:
+            raise ConfigError(f"dllm.overrides: unknown strategy {name!r}; allowed: {sorted(REGISTRY)}")
+    declared = {k for n in spec.pipeline.strategies for k in REGISTRY[n].options.model_fields}
+    unused = sorted(set(spec.dllm.shared()) - declared)
+    if unused:
+        owners = {k: sorted(n for n, r in REGISTRY.items() if k in r.options.model_fields) for k in unused}
+        raise ConfigError(
+            f"dllm: {unused} set but no strategy of this pipeline ({list(spec.pipeline.strategies)}) reads "
+            f"{'it' if len(unused) == 1 else 'them'}; strategies that do: {owners}. Remove the key or add "
+            "the strategy"
+        )
+    for name, reg in REGISTRY.items():
+        if reg.section and name not in spec.pipeline.strategies and _section_values(spec, reg):
+            raise ConfigError(
+                f"{reg.section}: {sorted(_section_values(spec, reg))} set but {name!r} is not in pipeline.strategies"
+            )
+    for name, values in spec.dllm.overrides.items():
+        _validated(REGISTRY[name], values, f"dllm.overrides.{name}")
+    return {name: resolve_options(spec, name) for name in spec.pipeline.strategies}
+
+
+def validate_config(raw: dict, source: str = "<dict>") -> PipelineSpec:
+    """The pipeline config, schema and strategy options checked (what every entry point loads)."""
+    spec = pipeline_config.validate_config(raw, source)
+    check_spec(spec)
+    return spec
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineSpec:
+    raw = pipeline_config.apply_overrides(pipeline_config.read_yaml(path), overrides or [])
+    return validate_config(raw, str(path))

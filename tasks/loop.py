@@ -1,0 +1,220 @@
+"""The one training loop: every strategy's `train` stage and the DFlash target's pretraining run it.
+
+Read it top to bottom in `train_loop`: each step corrupts and forward/backwards every micro-batch
+through the strategy's hooks, clips and steps; once in a while it validates, logs and checkpoints.
+What the loop runs on is a `LoopRun` that the caller sets up (model, optimizer, data, tracker,
+checkpointer); what it does is a `LoopSettings`.
+
+Data order is a pure function of (seed, step) and corruption noise of (seed, step, sample)
+(docs/strategies.md §3), so a resumed run continues exactly; under data parallelism rank r takes
+rows r, r + N, … of the global batch, token counts are all-reduced and backward is scaled by N
+(docs/strategies.md §7.2), which makes the applied gradient the global token mean.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from strategies import StepContext
+from strategies.base import global_sum
+from tasks.checkpointing import Checkpointer
+from tasks.distributed import DistInfo
+from tasks.runtime import DataOrder, Split, Trainee
+
+VAL_SEED_OFFSET = 1_000_000_007  # validation noise: its own fixed stream, the same at every evaluation
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    steps: int
+    global_batch_size: int
+    micro_batch_size: int
+    seed: int
+    grad_clip: float
+    log_every: int
+    val_every: int
+    val_rows: int
+    checkpoint_every: int | None = None  # None: no checkpoints
+    name: str = "train"  # the progress bar's label
+
+    @classmethod
+    def of(cls, train, name: str) -> LoopSettings:
+        """From a `TrainConfig`."""
+        return cls(
+            train.steps,
+            train.global_batch_size,
+            train.micro_batch_size,
+            train.seed,
+            train.grad_clip,
+            train.log_every,
+            train.val_every,
+            train.val_rows,
+            train.checkpoint_every,
+            name,
+        )
+
+
+@dataclass
+class LoopRun:
+    """What the loop runs on. `stepper` is the module the step calls (the DDP wrapper under DDP)."""
+
+    trainee: Trainee
+    stepper: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: object
+    train: Split
+    val: Split
+    device: str
+    dist: DistInfo = field(default_factory=DistInfo)
+    tracker: object | None = None  # rank 0 only
+    checkpointer: Checkpointer | None = None
+    checkpoint_meta: dict = field(default_factory=dict)  # what every checkpoint records besides the step
+    start: int = 0
+    logged_upto: int = -1  # steps an earlier, crashed attempt already logged
+
+
+def step_context(
+    trainee: Trainee, settings: LoopSettings, step: int, base_seed: int, model, dist: DistInfo, grad_acc: int
+) -> StepContext:
+    """The step's context from values resolved once (the strategy's options); backward is scaled by N."""
+    return StepContext(
+        model=model,
+        loss_fn=trainee.loss_fn,
+        mask_token_id=trainee.mask_token_id,
+        step=step,
+        base_seed=base_seed,
+        dp_rank=dist.rank,
+        dp_size=dist.world,
+        grad_acc_steps=grad_acc,
+        loss_scale=float(dist.world),
+        **trainee.strategy.corruption_values(),
+    )
+
+
+def run_step(trainee: Trainee, ctx: StepContext, mbs, is_train: bool) -> tuple[float, int, dict]:
+    """pre_step over all micro-batches, then forward/backward each with step-level *global* counts.
+
+    Returns the step's loss summed over micro-batches and data-parallel ranks (= the global token
+    mean, since every term is local sum ÷ global count), the global supervised count, and the DFlash
+    draft accuracies when the loss reports per-offset counts (docs/strategies.md §7.3)."""
+    corrupted, n_noise, n_sup = trainee.strategy.pre_step(ctx, mbs)
+    n_noise, n_sup = global_sum(n_noise), global_sum(n_sup)
+    n_diff, n_ar = trainee.strategy.loss_denominators(corrupted, n_noise, n_sup)
+    total, correct, count = 0.0, None, None
+    for batch in corrupted:
+        with trainee.autocast():
+            out = trainee.strategy.forward_backward(
+                ctx, batch, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar, is_train=is_train
+            )
+        total += float(out.total_loss.detach())
+        if out.draft_correct_per_pos is not None:
+            c, n = out.draft_correct_per_pos.detach().cpu(), out.draft_count_per_pos.detach().cpu()
+            correct, count = (c, n) if correct is None else (correct + c, count + n)
+    return global_sum(total), n_sup, draft_accuracy(correct, count)
+
+
+def draft_accuracy(correct, count) -> dict:
+    """Per-offset sums all-reduced over ranks → `draft_acc` = Σcorrect/Σcount and `draft_acc_k{k}`."""
+    if correct is None:
+        return {}
+    c = [global_sum(float(x)) for x in correct.tolist()]
+    n = [global_sum(float(x)) for x in count.tolist()]
+    out = {"draft_acc": sum(c) / sum(n) if sum(n) else float("nan")}
+    out.update({f"draft_acc_k{k}": ck / max(nk, 1.0) for k, (ck, nk) in enumerate(zip(c, n), start=1)})
+    return out
+
+
+def validation_loss(run: LoopRun, settings: LoopSettings) -> float:
+    """Training loss on fixed validation rows with fixed noise (same realization at every evaluation).
+    Under data parallelism each rank scores its strided share; the seeds match the one-process run."""
+    val = run.val.head(settings.val_rows)
+    rows = torch.arange(len(val.ids))[run.dist.rank :: run.dist.world]
+    ctx = step_context(run.trainee, settings, 0, settings.seed + VAL_SEED_OFFSET, run.trainee.model, run.dist, 1)
+    run.trainee.model.eval()
+    with torch.no_grad():
+        value, _, _ = run_step(run.trainee, ctx, val.microbatches(rows, settings.micro_batch_size, run.device), False)
+    run.trainee.model.train()
+    return value
+
+
+def train_step(run: LoopRun, settings: LoopSettings, ctx: StepContext, mbs) -> dict:
+    """One optimizer step: corrupt + forward/backward every micro-batch, clip, step, schedule."""
+    loss, n_sup, draft = run_step(run.trainee, ctx, mbs, True)
+    # grads are already all-reduced by DDP
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.trainee.model.parameters(), settings.grad_clip))
+    lr = run.sched.get_last_lr()[0]
+    run.opt.step()
+    run.opt.zero_grad(set_to_none=True)
+    run.sched.step()
+    return {
+        "train/loss": loss,
+        "train/lr": lr,
+        "train/grad_norm": grad_norm,
+        "train/supervised_tokens": n_sup,
+        **{f"train/{k}": v for k, v in draft.items()},
+    }
+
+
+class MetricLog:
+    """Metrics buffered per step, written in batches; steps a crashed attempt already logged are skipped."""
+
+    def __init__(self, tracker, logged_upto: int):
+        self.tracker, self.logged_upto, self.buffer = tracker, logged_upto, []
+
+    def add(self, step: int, metrics: dict) -> None:
+        self.buffer.append((step, metrics))
+
+    def flush(self) -> None:
+        for step, metrics in self.buffer:
+            if self.tracker is not None and step > self.logged_upto:
+                self.tracker.log_metrics(metrics, step=step)
+        self.buffer.clear()
+
+
+def _due(step: int, every: int | None) -> bool:
+    return every is not None and (step + 1) % every == 0
+
+
+def train_loop(run: LoopRun, settings: LoopSettings) -> float | None:
+    """Steps `run.start … settings.steps − 1`; returns the last validation loss."""
+    order = DataOrder(len(run.train.ids), settings.seed)
+    grad_acc = settings.global_batch_size // run.dist.world // settings.micro_batch_size
+    tokens_per_step = settings.global_batch_size * run.train.ids.shape[1]
+    log = MetricLog(run.tracker, run.logged_upto)
+    run.trainee.model.train()
+    bar = tqdm(
+        range(run.start, settings.steps),
+        initial=run.start,
+        total=settings.steps,
+        desc=settings.name,
+        unit="step",
+        dynamic_ncols=True,
+        disable=not run.dist.is_main,
+    )
+    val_loss = None
+    for step in bar:
+        t0 = time.perf_counter()
+        ctx = step_context(run.trainee, settings, step, settings.seed, run.stepper, run.dist, grad_acc)
+        rows = order.rows(step, settings.global_batch_size)[run.dist.rank :: run.dist.world]
+        metrics = train_step(run, settings, ctx, run.train.microbatches(rows, settings.micro_batch_size, run.device))
+        metrics["train/tokens_per_s"] = tps = tokens_per_step / (time.perf_counter() - t0)
+        if _due(step, settings.val_every) or step + 1 == settings.steps:
+            val_loss = metrics["val/loss"] = validation_loss(run, settings)
+        log.add(step, metrics)
+        bar.set_postfix(
+            loss=f"{metrics['train/loss']:.3f}", val="-" if val_loss is None else f"{val_loss:.3f}", tok_s=f"{tps:,.0f}"
+        )
+        if _due(step, settings.log_every):
+            log.flush()
+        if run.checkpointer is not None and _due(step, settings.checkpoint_every) and step + 1 < settings.steps:
+            log.flush()
+            run.checkpointer.save(
+                run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, {**run.checkpoint_meta, "step": step + 1}
+            )
+    bar.close()
+    log.flush()
+    return val_loss

@@ -1,0 +1,144 @@
+"""What every stage that runs a model shares: device and threads, the optimizer and its schedule,
+the data order, micro-batches, the model/strategy bundle (`Trainee`) and MLflow run opening."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dllm_common.config import PipelineSpec
+from dllm_common.tracking import Tracking
+from strategies import Microbatch
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device is 'cuda' but no CUDA device is visible; use train.device: auto or cpu")
+    return name
+
+
+def stage_device(spec: PipelineSpec) -> str:
+    """What every stage that runs a model starts with: `train.threads` applied, `train.device` resolved."""
+    if spec.train.threads:
+        torch.set_num_threads(spec.train.threads)
+    return resolve_device(spec.train.device)
+
+
+def tracking_for(spec: PipelineSpec, workdir: str | Path) -> Tracking:
+    """The pipeline's MLflow tracking (the workdir's sqlite store unless `tracking.uri` is set)."""
+    return Tracking(Path(workdir), spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
+
+
+# ------------------------------------------------------------------ optimization
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """AdamW and its warmup + decay schedule; `train:` and `dflash.pretrain:` both reduce to this."""
+
+    steps: int
+    lr: float
+    warmup_steps: int
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    @classmethod
+    def of(cls, train) -> OptimSettings:
+        """From a `TrainConfig`."""
+        return cls(
+            train.steps,
+            train.lr,
+            train.warmup_steps,
+            train.schedule,
+            train.min_lr_ratio,
+            tuple(train.betas),
+            train.weight_decay,
+            train.grad_clip,
+        )
+
+
+def lr_lambda(step: int, cfg: OptimSettings) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1 - frac
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def make_optimizer(model, cfg: OptimSettings):
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters (+ strategy modules) only
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, cfg))
+
+
+# ------------------------------------------------------------------ data
+
+
+class DataOrder:
+    """Global batch of step s = rows [s·gbs, (s+1)·gbs) of an endless chain of seeded epoch permutations."""
+
+    def __init__(self, n_rows: int, seed: int):
+        self.n_rows, self.seed, self._perms = n_rows, seed, {}
+
+    def _perm(self, epoch: int):
+        if epoch not in self._perms:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(self.n_rows, generator=gen)}
+        return self._perms[epoch]
+
+    def rows(self, step: int, global_batch: int):
+        pos = torch.arange(step * global_batch, (step + 1) * global_batch)
+        return torch.stack([self._perm(int(p) // self.n_rows)[int(p) % self.n_rows] for p in pos])
+
+
+@dataclass(frozen=True)
+class Split:
+    """One prepared split: ids, supervision and padding masks `[N, L]`, and its name."""
+
+    ids: torch.Tensor
+    loss_mask: torch.Tensor
+    attention_mask: torch.Tensor
+    name: str = "train"
+
+    def head(self, n: int) -> Split:
+        return Split(self.ids[:n], self.loss_mask[:n], self.attention_mask[:n], self.name)
+
+    def microbatches(self, rows, micro: int, device: str) -> list[Microbatch]:
+        """The rows, `micro` at a time, on `device`; each keeps its row ids (cached per-row features)."""
+        return [
+            Microbatch(self.ids[c], self.loss_mask[c], self.attention_mask[c], c, self.name).to(device)
+            for c in rows.split(micro)
+        ]
+
+
+# ------------------------------------------------------------------ the trained bundle
+
+
+@dataclass
+class Trainee:
+    """Everything a run of the loop holds: model, tokenizer, strategy, loss and resolved mask id."""
+
+    model: object
+    tokenizer: object
+    strategy: object
+    loss_fn: object
+    mask_token_id: int
+    precision: str = "fp32"
+
+    def autocast(self):
+        """bf16 autocast of the forward (weights, grads and optimizer state stay fp32); a no-op for fp32."""
+        if self.precision != "bf16":
+            return contextlib.nullcontext()
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)

@@ -1,0 +1,89 @@
+"""Build what the training loop trains: a model, its tokenizer and the strategy assembled for them.
+
+A strategy that trains the backbone (`trains == "denoiser"`) gets a tiny model built from `model:`
+or a pretrained checkpoint, optional LoRA adapters and activation checkpointing, wrapped in the
+strategy's model shape. A strategy that trains a draft (DFlash) is assembled in `tasks.dflash_setup`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dllm_common.config import PipelineSpec
+from strategies import assemble_strategy, strategy_class
+from strategies.models import (
+    NATIVE,
+    add_lora,
+    build_model,
+    enable_activation_checkpointing,
+    load_pretrained,
+    tiny_model_config,
+    wrap_for_architecture,
+)
+from strategies.options import resolve_options
+from strategies.registry import candidate_mask_token_id
+from tasks import dflash_setup
+from tasks.common import StageRef
+from tasks.prepare_data import load_tokenizer
+from tasks.runtime import Trainee
+
+
+def check_capabilities(spec: PipelineSpec, name: str) -> None:
+    """Refuse `train:` settings the strategy cannot honour, before anything is built."""
+    cls = strategy_class(name)
+    if spec.train.activation_checkpointing and not cls.supports_activation_checkpointing:
+        raise ValueError(f"train.activation_checkpointing is not supported with {name}; set it to false")
+    if spec.train.peft is not None and not cls.supports_peft:
+        raise ValueError(f"train.peft does not apply to {name} (it trains a small draft from scratch); unset it")
+
+
+def backbone(spec: PipelineSpec, tokenizer):
+    """The model `model:` describes: a tiny one built from its shape, or a pretrained checkpoint."""
+    m = spec.model
+    if m.kind == "tiny":
+        config = tiny_model_config(
+            m.family,
+            len(tokenizer),
+            spec.data.seq_len,
+            m.hidden_size,
+            m.num_layers,
+            m.num_heads,
+            m.num_kv_heads,
+            m.intermediate_size,
+            m.tie_embeddings,
+            m.attn_implementation,
+        )
+        return build_model(config, spec.train.seed)
+    return load_pretrained(
+        m.path,
+        dtype=m.dtype,
+        trust_remote_code=m.trust_remote_code,
+        gguf_file=m.gguf_file,
+        attn_implementation=m.attn_implementation,
+    )
+
+
+def denoiser_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str) -> Trainee:
+    tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
+    options = resolve_options(spec, name)
+    model = backbone(spec, tokenizer)
+    if spec.train.peft is not None:  # adapters on the backbone; strategy-owned modules stay trainable
+        p = spec.train.peft
+        add_lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules)
+    if spec.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if getattr(model.config, "dllm_attention", None) != NATIVE:  # remote-code dLLMs bring their own shape
+        mask_id = candidate_mask_token_id(options, tokenizer)
+        model = wrap_for_architecture(model, strategy_class(name).model_architecture, mask_token_id=mask_id)
+    built = assemble_strategy(name, options, model, tokenizer)
+    return Trainee(
+        model.to(device), tokenizer, built.strategy, built.loss_fn, built.mask_token_id, spec.train.precision
+    )
+
+
+def build_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, inputs: dict | None = None) -> Trainee:
+    """The model, tokenizer and assembled strategy `train[name]` trains (`inputs`: its upstream stages)."""
+    check_capabilities(spec, name)
+    if strategy_class(name).trains == "draft":
+        return dflash_setup.draft_trainee(spec, name, data, device, inputs or {})
+    return denoiser_trainee(spec, name, data, device)
