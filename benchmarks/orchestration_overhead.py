@@ -35,7 +35,7 @@ QUIET = {
 
 PLAIN = """
 import sys
-from dllm_common.config import load_config
+from strategies.options import load_config
 from tasks.evaluate import evaluate
 from tasks.prepare_data import prepare_data
 from tasks.report import report

@@ -32,8 +32,8 @@ def trained_checkpoints(workdir: Path) -> list[Path]:
 
 def random_models():
     """Random-init embedded-default models (llama 128×4) for every strategy, when nothing is trained."""
-    from dllm_common.config import DLLMConfig, TokenizerConfig
-    from strategies import SetupContext, get_dllm_strategy
+    from dllm_common.config import TokenizerConfig
+    from strategies import assemble_strategy, strategy_class
     from strategies.models import build_model, tiny_model_config, wrap_for_architecture
     from tasks.prepare_data import shakespeare_documents, train_tokenizer
 
@@ -42,14 +42,12 @@ def random_models():
     )
     for name in ("mdlm", "scdd", "hybrid", "idlm", "block_diffusion"):
         cfg = tiny_model_config("llama", len(tokenizer), 256, 128, 4, 4, None, None, True)
-        strategy = get_dllm_strategy(name)
-        model = wrap_for_architecture(build_model(cfg, seed=0), strategy.model_architecture).eval()
-        dllm = DLLMConfig(mode=name, vocab_size=len(tokenizer), block_size=16)
-        strategy.create_loss_fn(dllm)
-        mask = strategy.setup_extra(
-            SetupContext(model=model, tokenizer=tokenizer, mask_token_id=tokenizer.mask_token_id)
-        )
-        yield name, model, tokenizer, strategy, mask if mask is not None else tokenizer.mask_token_id
+        cls = strategy_class(name)
+        model = build_model(cfg, seed=0)
+        model = wrap_for_architecture(model, cls.model_architecture, mask_token_id=tokenizer.mask_token_id).eval()
+        options = {"block_size": 16} if "block_size" in cls.Options.model_fields else {}
+        built = assemble_strategy(name, options, model, tokenizer)
+        yield name, model, tokenizer, built.strategy, built.mask_token_id
 
 
 def loaded_models(paths: list[Path]):

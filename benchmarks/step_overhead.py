@@ -19,10 +19,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dllm_common.config import validate_config
 from strategies import MDLMStrategy
 from strategies.models import build_model, full_attention_mask, tiny_model_config
-from tasks.train import Trainee, make_optimizer, microbatches, step_context, train_step
+from strategies.options import validate_config
+from tasks.distributed import DistInfo
+from tasks.loop import LoopRun, LoopSettings, step_context, train_step
+from tasks.runtime import OptimSettings, Split, Trainee, make_optimizer
 
 
 def bare_step(model, opt, ids, loss_mask, mask_id, eps, gen, clip):
@@ -38,6 +40,12 @@ def bare_step(model, opt, ids, loss_mask, mask_id, eps, gen, clip):
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.item()
+
+
+def pipeline_step(run: LoopRun, settings: LoopSettings, step: int, rows) -> None:
+    """One step as `tasks.loop.train_loop` takes it (context, micro-batches, train_step)."""
+    ctx = step_context(run.trainee, step, 0, run.stepper, DistInfo(), 1)
+    train_step(run, settings, ctx, run.train.microbatches(rows, settings.micro_batch_size, "cpu"))
 
 
 def main() -> None:
@@ -70,10 +78,13 @@ def main() -> None:
 
     pipe_model = copy.deepcopy(base)
     strategy = MDLMStrategy()
-    trainee = Trainee(pipe_model, None, strategy, strategy.create_loss_fn(spec.dllm), mask_id)
-    pipe_opt, pipe_sched = make_optimizer(pipe_model, spec.train)
+    trainee = Trainee(pipe_model, None, strategy, strategy.create_loss_fn(), mask_id)
+    pipe_opt, pipe_sched = make_optimizer(pipe_model, OptimSettings.of(spec.train))
+    split = Split(data, loss_mask, attn)
+    run = LoopRun(trainee, pipe_model, pipe_opt, pipe_sched, split, split, "cpu")
+    settings = LoopSettings.of(spec.train, "benchmark")
     bare_model = copy.deepcopy(base)
-    bare_opt, _ = make_optimizer(bare_model, spec.train)
+    bare_opt, _ = make_optimizer(bare_model, OptimSettings.of(spec.train))
     gen = torch.Generator().manual_seed(1)
 
     def batch(step):
@@ -82,27 +93,13 @@ def main() -> None:
     pipe_times, bare_times = [], []
     for warm in range(2):  # warm-up, not timed
         rows = batch(warm)
-        train_step(
-            trainee,
-            step_context(trainee, spec, warm, 0, 1),
-            microbatches(data, loss_mask, attn, rows, args.batch, "cpu"),
-            pipe_opt,
-            pipe_sched,
-            1.0,
-        )
+        pipeline_step(run, settings, warm, rows)
         bare_step(bare_model, bare_opt, data[rows], loss_mask[rows], mask_id, 1e-3, gen, 1.0)
     for start in range(2, args.steps + 2, args.block):
         for step in range(start, min(start + args.block, args.steps + 2)):
             rows = batch(step)
             t0 = time.perf_counter()
-            train_step(
-                trainee,
-                step_context(trainee, spec, step, 0, 1),
-                microbatches(data, loss_mask, attn, rows, args.batch, "cpu"),
-                pipe_opt,
-                pipe_sched,
-                1.0,
-            )
+            pipeline_step(run, settings, step, rows)
             pipe_times.append(time.perf_counter() - t0)
         for step in range(start, min(start + args.block, args.steps + 2)):
             rows = batch(step)

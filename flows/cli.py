@@ -126,13 +126,13 @@ def cmd_generate(args) -> int:
     quiet_environment()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from strategies.sampling import SamplerConfig
-    from tasks.generate import check_sampler, default_temperature, generate, load_for_generation, resolve_checkpoint
+    from tasks.generate import Request, check_sampler, default_temperature, load_for_generation, resolve_checkpoint
     from tasks.runtime import resolve_device
 
     ckpt = resolve_checkpoint(args.checkpoint, Path(args.workdir), args.tracking_uri)
     device = resolve_device(args.device)
-    model, tokenizer, strategy, mask_id, meta = load_for_generation(ckpt, device, args.adapter)
-    sampler = check_sampler(meta["strategy"], args.sampler, args.infill)
+    loaded = load_for_generation(ckpt, device, args.adapter)
+    sampler = check_sampler(loaded.meta["strategy"], args.sampler, args.infill)
     temperature = args.temperature if args.temperature is not None else default_temperature(sampler)
     if sampler == "speculative" and temperature > 0:
         raise ValueError(
@@ -147,42 +147,31 @@ def cmd_generate(args) -> int:
         remasking=args.remasking,
         threshold=args.threshold,
     )
-    chat = (meta.get("chat", False) or args.chat) and not args.raw
+    chat = (loaded.meta.get("chat", False) or args.chat) and not args.raw
     print(
-        f"[dllm-flow] {ckpt} ({meta['strategy']}, sampler {sampler}, steps {args.steps}, "
+        f"[dllm-flow] {ckpt} ({loaded.meta['strategy']}, sampler {sampler}, steps {args.steps}, "
         f"temperature {temperature}, seed {args.seed})",
         file=sys.stderr,
         flush=True,
     )
     for i, prompt in enumerate(args.prompt):
         print(f"[Prompt {i}] {prompt}", flush=True)
-
-        def stream(text: str) -> None:
-            print(text, end="", flush=True)
-
-        out = generate(
-            model,
-            tokenizer,
-            strategy,
-            mask_id,
-            prompt,
-            sampler,
-            config,
-            seed=args.seed,
-            device=device,
-            chat=chat,
-            infill=args.infill,
-            stream=stream,
-        )
-        print(flush=True)
-        print(
-            f"[dllm-flow] NFE {out.nfe:g}, {out.tokens} tokens in {out.seconds:.2f} s "
-            f"({out.tokens / max(out.seconds, 1e-9):.1f} tokens/s, "
-            f"{out.tokens / max(out.nfe, 1e-9):.2f} tokens/forward)",
-            file=sys.stderr,
-            flush=True,
-        )
+        _generate_one(loaded, Request(prompt, sampler, config, args.seed, chat, args.infill), device)
     return 0
+
+
+def _generate_one(loaded, request, device: str) -> None:
+    from tasks.generate import generate
+
+    out = generate(loaded, request, device, stream=lambda text: print(text, end="", flush=True))
+    print(flush=True)
+    print(
+        f"[dllm-flow] NFE {out.nfe:g}, {out.tokens} tokens in {out.seconds:.2f} s "
+        f"({out.tokens / max(out.seconds, 1e-9):.1f} tokens/s, "
+        f"{out.tokens / max(out.nfe, 1e-9):.2f} tokens/forward)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def cmd_report(args) -> int:

@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from strategies.corruption import corrupt_uniform
-from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss
+from strategies.corruption import corrupt_uniform, mask_at_level
+from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss, per_token_nll
 from strategies.models import model_logits
 from strategies.options import MDLMOptions, StrategyOptions
+from strategies.sampling import absorbing_sample
 from strategies.seeding import corruption_sample_seed, seeded_generator
 
 
@@ -93,7 +95,6 @@ class SetupContext:
 def global_sum(value: int | float) -> int | float:
     """Sum a scalar over the data-parallel group (identity outside torch.distributed). Integers (token
     counts) are reduced exactly as int64, floats (losses) as float64; the type comes back unchanged."""
-    import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
@@ -276,7 +277,6 @@ class DLLMStrategy:
     ):
         """Generate continuations of `prompts` (default: the absorbing sampler over `denoiser`);
         `on_block(canvas)` is called after each finished block (streaming)."""
-        from strategies.sampling import absorbing_sample
 
         return absorbing_sample(
             self.denoiser(model),
@@ -341,8 +341,6 @@ class MDLMStrategy(DLLMStrategy):
         generator: torch.Generator,
     ) -> Tensor:
         """One-sample NELBO estimate per row at masking level t [B]: (1/t)·Σ_{masked ∧ ℓ} −log p_θ(x|z)."""
-        from strategies.corruption import mask_at_level
-        from strategies.losses import per_token_nll
 
         noisy, noise = mask_at_level(clean_ids, loss_mask, mask_token_id, t, generator)
         logits = self.denoiser(model)(noisy, None)

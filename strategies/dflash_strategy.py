@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext
@@ -70,7 +71,6 @@ class CachedFeatures:
         return self.index["splits"][split]
 
     def __call__(self, mb: Microbatch) -> Tensor:
-        from safetensors import safe_open
 
         if mb.row_ids is None:
             raise ValueError("cached DFlash features need each micro-batch's row ids (Microbatch.row_ids)")
@@ -166,6 +166,11 @@ class DFlashStrategy(DLLMStrategy):
         if self.target is None:
             raise ValueError("dflash.target_model_id must be set in config.")
         _embed_and_head(self.target)  # raises when the target lacks embeddings or an LM head
+        if self.target.training or any(p.requires_grad for p in self.target.parameters()):
+            raise ValueError(
+                "the DFlash target must be frozen (eval mode, requires_grad False): load it with "
+                "tasks.dflash_setup.load_target, or call .eval().requires_grad_(False) on it"
+            )
         layer_ids = list(setup.model.config.target_layer_ids)
         if self.features is not None and list(self.features.layer_ids) != layer_ids:
             raise ValueError(

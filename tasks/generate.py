@@ -12,6 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import mlflow
 import torch
@@ -21,9 +22,18 @@ from dllm_common.tracking import default_tracking_uri, quiet_environment
 from strategies import assemble_strategy, strategy_class
 from strategies.dflash import speculative_generate
 from strategies.models import apply_adapter
-from strategies.sampling import ABSORBING, SAMPLERS, SPECULATIVE, absorbing_sample, infill_sample, trim_at_eos
+from strategies.sampling import (
+    ABSORBING,
+    SAMPLERS,
+    SPECULATIVE,
+    SamplerConfig,
+    absorbing_sample,
+    infill_sample,
+    trim_at_eos,
+)
 from tasks.dflash_setup import draft_strategy, load_target
-from tasks.evaluate import _load_model, encode_prompts
+from tasks.evaluate import load_trained_model
+from tasks.evaluation import encode_prompts
 from tasks.prepare_data import load_tokenizer
 
 INFILL_SPAN = 20  # each [MASK] in an --infill prompt becomes this many mask tokens
@@ -66,10 +76,10 @@ def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None,
     )
 
 
-def load_for_generation(ckpt: Path, device: str, adapter: str | None = None):
+def load_for_generation(ckpt: Path, device: str, adapter: str | None = None) -> Loaded:
     """(model, tokenizer, strategy, mask id, meta) — the strategy rebuilt from the checkpoint's record."""
     meta = read_meta(ckpt)
-    model = _load_model(ckpt, device)
+    model = load_trained_model(ckpt, device)
     if adapter:
         apply_adapter(model, adapter)
     tokenizer = load_tokenizer(str(ckpt))
@@ -77,10 +87,10 @@ def load_for_generation(ckpt: Path, device: str, adapter: str | None = None):
     if strategy_class(name).trains == "draft":  # the draft decodes for the frozen target its checkpoint names
         t = meta["target"]
         target = load_target(t["path"], t["torch_dtype"], device, t["trust_remote_code"])
-        built = draft_strategy(name, options, model, tokenizer, target, mask_token_id=meta["mask_token_id"])
+        built = draft_strategy(name, options, model, target, mask_token_id=meta["mask_token_id"])
     else:
         built = assemble_strategy(name, options, model, tokenizer, mask_token_id=meta["mask_token_id"])
-    return model, tokenizer, built.strategy, built.mask_token_id, meta
+    return Loaded(model, tokenizer, built.strategy, built.mask_token_id, meta)
 
 
 def check_sampler(strategy_name: str, sampler: str, infill: bool) -> str:
@@ -103,58 +113,88 @@ def default_temperature(sampler: str) -> float:
     return SAMPLERS[sampler].default_temperature
 
 
-def generate(
-    model,
-    tokenizer,
-    strategy,
-    mask_id: int,
-    prompt: str,
-    sampler: str,
-    config,
-    *,
-    seed: int,
-    device: str,
-    chat: bool,
-    infill: bool = False,
-    stream=None,
-) -> Generated:
+class Loaded(NamedTuple):
+    """A checkpoint ready to generate: what `load_for_generation` returns (unpacks as a 5-tuple)."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    strategy: object
+    mask_id: int
+    meta: dict
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to continue (or, with `infill`, whose [MASK] spans to fill) with a sampler."""
+
+    prompt: str
+    sampler: str
+    config: SamplerConfig
+    seed: int = 0
+    chat: bool = False
+    infill: bool = False
+
+
+def generate(loaded: Loaded, request: Request, device: str, stream=None) -> Generated:
     """One prompt: sample, calling `stream(new_text)` as blocks finish; returns the text and its cost."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    eos = tokenizer.eos_token_id
-    config = dataclasses.replace(config, logit_shift=strategy.logit_shift)
-    if infill:
-        pieces = prompt.split("[MASK]")
-        ids: list[int] = []
-        for i, piece in enumerate(pieces):
-            ids += tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
-            if i < len(pieces) - 1:
-                ids += [mask_id] * INFILL_SPAN
-        t0 = time.perf_counter()
-        res = infill_sample(
-            strategy.denoiser(model),
-            [ids],
-            mask_token_id=mask_id,
-            pad_token_id=tokenizer.pad_token_id or 0,
-            config=config,
-            generator=gen,
-            device=device,
-        )
-        seconds = time.perf_counter() - t0
-        text = tokenizer.decode(res.tokens[0].tolist())
-        if stream:
-            stream(text)
-        return Generated(text, res.nfe, ids.count(mask_id), seconds)
-    prompt_ids = encode_prompts(tokenizer, [prompt], chat)[0]
+    config = dataclasses.replace(request.config, logit_shift=loaded.strategy.logit_shift)
+    request = dataclasses.replace(request, config=config)
+    gen = torch.Generator(device=device).manual_seed(request.seed)
+    if request.infill:
+        return _infill(loaded, request, gen, device, stream)
+    prompt_ids = encode_prompts(loaded.tokenizer, [request.prompt], request.chat)[0]
     if not prompt_ids:
         raise ValueError("--prompt is empty after tokenization; give some text")
-    if sampler == SPECULATIVE:
-        t0 = time.perf_counter()
-        res = speculative_generate(strategy.target, model, prompt_ids, config.max_new_tokens, eos)
-        seconds = time.perf_counter() - t0
-        text = tokenizer.decode(res.tokens)
-        if stream:
-            stream(text)
-        return Generated(text, res.target_forwards, len(res.tokens), seconds)
+    if request.sampler == SPECULATIVE:
+        return _speculative(loaded, prompt_ids, config, stream)
+    return _denoise(loaded, request, prompt_ids, gen, device, stream)
+
+
+def _emit(stream, text: str) -> None:
+    if stream:
+        stream(text)
+
+
+def _infill(loaded: Loaded, request: Request, gen, device: str, stream) -> Generated:
+    """Each [MASK] of the prompt becomes `INFILL_SPAN` mask tokens, filled by the absorbing sampler."""
+    tokenizer, mask_id = loaded.tokenizer, loaded.mask_id
+    pieces = request.prompt.split("[MASK]")
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        ids += tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+        if i < len(pieces) - 1:
+            ids += [mask_id] * INFILL_SPAN
+    t0 = time.perf_counter()
+    res = infill_sample(
+        loaded.strategy.denoiser(loaded.model),
+        [ids],
+        mask_token_id=mask_id,
+        pad_token_id=tokenizer.pad_token_id or 0,
+        config=request.config,
+        generator=gen,
+        device=device,
+    )
+    seconds = time.perf_counter() - t0
+    text = tokenizer.decode(res.tokens[0].tolist())
+    _emit(stream, text)
+    return Generated(text, res.nfe, ids.count(mask_id), seconds)
+
+
+def _speculative(loaded: Loaded, prompt_ids: list[int], config: SamplerConfig, stream) -> Generated:
+    """The draft proposes, the frozen target verifies: the target's own greedy text in fewer target forwards."""
+    t0 = time.perf_counter()
+    res = speculative_generate(
+        loaded.strategy.target, loaded.model, prompt_ids, config.max_new_tokens, loaded.tokenizer.eos_token_id
+    )
+    seconds = time.perf_counter() - t0
+    text = loaded.tokenizer.decode(res.tokens)
+    _emit(stream, text)
+    return Generated(text, res.target_forwards, len(res.tokens), seconds)
+
+
+def _denoise(loaded: Loaded, request: Request, prompt_ids: list[int], gen, device: str, stream) -> Generated:
+    """A denoising sampler over the continuation, streaming each finished block's new text."""
+    tokenizer, mask_id, eos = loaded.tokenizer, loaded.mask_id, loaded.tokenizer.eos_token_id
     shown = [""]
 
     def on_block(canvas):
@@ -166,20 +206,19 @@ def generate(
             stream(text[len(shown[0]) :])
             shown[0] = text
 
-    config = dataclasses.replace(config, eos_token_id=eos)
-    t0 = time.perf_counter()
     kwargs = dict(
         mask_token_id=mask_id,
         pad_token_id=tokenizer.pad_token_id or 0,
-        config=config,
+        config=dataclasses.replace(request.config, eos_token_id=eos),
         generator=gen,
         device=device,
         on_block=on_block,
     )
-    if sampler == ABSORBING:
-        res = absorbing_sample(strategy.denoiser(model), [prompt_ids], **kwargs)
+    t0 = time.perf_counter()
+    if request.sampler == ABSORBING:
+        res = absorbing_sample(loaded.strategy.denoiser(loaded.model), [prompt_ids], **kwargs)
     else:
-        res = strategy.sample(model, [prompt_ids], **kwargs)
+        res = loaded.strategy.sample(loaded.model, [prompt_ids], **kwargs)
     seconds = time.perf_counter() - t0
     ids = trim_at_eos(res.generated(0), eos)
     text = tokenizer.decode(ids)

@@ -77,9 +77,7 @@ class LoopRun:
     logged_upto: int = -1  # steps an earlier, crashed attempt already logged
 
 
-def step_context(
-    trainee: Trainee, settings: LoopSettings, step: int, base_seed: int, model, dist: DistInfo, grad_acc: int
-) -> StepContext:
+def step_context(trainee: Trainee, step: int, base_seed: int, model, dist: DistInfo, grad_acc: int) -> StepContext:
     """The step's context from values resolved once (the strategy's options); backward is scaled by N."""
     return StepContext(
         model=model,
@@ -133,7 +131,7 @@ def validation_loss(run: LoopRun, settings: LoopSettings) -> float:
     Under data parallelism each rank scores its strided share; the seeds match the one-process run."""
     val = run.val.head(settings.val_rows)
     rows = torch.arange(len(val.ids))[run.dist.rank :: run.dist.world]
-    ctx = step_context(run.trainee, settings, 0, settings.seed + VAL_SEED_OFFSET, run.trainee.model, run.dist, 1)
+    ctx = step_context(run.trainee, 0, settings.seed + VAL_SEED_OFFSET, run.trainee.model, run.dist, 1)
     run.trainee.model.eval()
     with torch.no_grad():
         value, _, _ = run_step(run.trainee, ctx, val.microbatches(rows, settings.micro_batch_size, run.device), False)
@@ -198,7 +196,7 @@ def train_loop(run: LoopRun, settings: LoopSettings) -> float | None:
     val_loss = None
     for step in bar:
         t0 = time.perf_counter()
-        ctx = step_context(run.trainee, settings, step, settings.seed, run.stepper, run.dist, grad_acc)
+        ctx = step_context(run.trainee, step, settings.seed, run.stepper, run.dist, grad_acc)
         rows = order.rows(step, settings.global_batch_size)[run.dist.rank :: run.dist.world]
         metrics = train_step(run, settings, ctx, run.train.microbatches(rows, settings.micro_batch_size, run.device))
         metrics["train/tokens_per_s"] = tps = tokens_per_step / (time.perf_counter() - t0)

@@ -129,6 +129,32 @@ def _pretrain_settings(spec: PipelineSpec) -> tuple[LoopSettings, OptimSettings]
     return loop, OptimSettings(p.steps, p.lr, p.warmup_steps)
 
 
+def _new_target(spec: PipelineSpec, vocab_size: int):
+    """The causal LM `dflash.pretrain:` describes, at the draft's width (`model.hidden_size`)."""
+    p = spec.dflash.pretrain
+    config = tiny_model_config(
+        p.family,
+        vocab_size,
+        spec.data.seq_len,
+        spec.model.hidden_size,
+        p.num_layers,
+        p.num_heads,
+        None,
+        p.intermediate_size,
+        True,
+    )
+    return build_model(config, p.seed, dllm_attention="causal")
+
+
+def _pretrain_tracker(spec: PipelineSpec, workdir: str, data: StageRef, parent_run_id: str | None, key: str):
+    """The target's own MLflow child run, with its config as params."""
+    tags = {"dllm.stage": PRETRAIN, "dllm.stage_key": key, "strategy": "dflash-target"}
+    tracker = tracking_for(spec, workdir).start_run("pretrain_target", tags, parent_run_id=parent_run_id)
+    params = {f"pretrain.{k}": v for k, v in spec.dflash.pretrain.model_dump(mode="json").items()}
+    tracker.log_params({**params, "model.hidden_size": spec.model.hidden_size, "data.key": data.key, "stage.key": key})
+    return tracker
+
+
 def _pretrain(spec: PipelineSpec, data: StageRef, workdir: str, parent_run_id: str | None, key: str, out: Path) -> dict:
     """A small causal LM trained by the one training loop with a next-token objective."""
     p = spec.dflash.pretrain
@@ -139,33 +165,10 @@ def _pretrain(spec: PipelineSpec, data: StageRef, workdir: str, parent_run_id: s
         )
     device = stage_device(spec)
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
-    config = tiny_model_config(
-        p.family,
-        len(tokenizer),
-        spec.data.seq_len,
-        spec.model.hidden_size,
-        p.num_layers,
-        p.num_heads,
-        None,
-        p.intermediate_size,
-        True,
-    )
-    model = build_model(config, p.seed, dllm_attention="causal").to(device)
+    model = _new_target(spec, len(tokenizer)).to(device)
     settings, optim = _pretrain_settings(spec)
     opt, sched = make_optimizer(model, optim)
-    tracker = tracking_for(spec, workdir).start_run(
-        "pretrain_target",
-        {"dllm.stage": PRETRAIN, "dllm.stage_key": key, "strategy": "dflash-target"},
-        parent_run_id=parent_run_id,
-    )
-    tracker.log_params(
-        {
-            **{f"pretrain.{k}": v for k, v in p.model_dump(mode="json").items()},
-            "model.hidden_size": spec.model.hidden_size,
-            "data.key": data.key,
-            "stage.key": key,
-        }
-    )
+    tracker = _pretrain_tracker(spec, workdir, data, parent_run_id, key)
     objective = CausalLMObjective()
     trainee = Trainee(model, tokenizer, objective, objective.create_loss_fn(), 0)
     run = LoopRun(

@@ -6,20 +6,22 @@ import math
 import pytest
 import torch
 
+from dllm_common.checkpoint import load_weights_into, write_checkpoint
 from strategies import (
     BlockDiffusionCrossEntropyLoss,
     BlockDiffusionStrategy,
     Microbatch,
     SetupContext,
     StepContext,
+    assemble_strategy,
     build_block_diffusion_training_mask,
     build_response_window,
     get_dllm_strategy,
     uniform_diffusion_nelbo_terms,
 )
-from strategies.block_diffusion_strategy import batched_block_mask, supervised_runs
+from strategies.block_diffusion_strategy import CanvasExtras, batched_block_mask, supervised_runs
 from strategies.losses import encoder_ar_loss, per_token_nll
-from strategies.models import BlockDiffusionLM, build_model, model_from_config_dir, tiny_model_config
+from strategies.models import BlockDiffusionLM, DLLMOutput, build_model, model_from_config_dir, tiny_model_config
 from strategies.sampling import SamplerConfig, SampleResult, block_canvas_sample, uniform_posterior
 
 V = 50
@@ -30,9 +32,7 @@ def _model(seed=0):
 
 
 def _strategy(**cfg):
-    s = BlockDiffusionStrategy()
-    s.create_loss_fn({"vocab_size": V, "block_size": 4, **cfg})
-    return s
+    return BlockDiffusionStrategy({"vocab_size": V, "block_size": 4, **cfg})
 
 
 # ------------------------------------------------------------------ strategy contract (spec §14.5)
@@ -44,6 +44,16 @@ def test_registered_supervised_normalization_and_loss():
     assert isinstance(s.create_loss_fn({}), BlockDiffusionCrossEntropyLoss)
     assert s.block_size == 256 and s.self_conditioning_p == 0.5 and s.encoder_loss_weight == 1.0
     assert s.setup_extra(SetupContext(None, None, None)) == 0  # mask id unused: defaults to 0
+    tuned = _strategy(self_conditioning_p=0.2, encoder_loss_weight=0.3)
+    assert (tuned.vocab_size, tuned.block_size) == (V, 4)
+    assert (tuned.self_conditioning_p, tuned.encoder_loss_weight) == (0.2, 0.3)
+    # create_loss_fn is pure: it checks the options it is given and leaves the strategy's own alone
+    assert isinstance(s.create_loss_fn({"block_size": 8}), BlockDiffusionCrossEntropyLoss) and s.block_size == 256
+    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
+        s.create_loss_fn({"block_length": 2})
+    built = assemble_strategy("block_diffusion", {"block_size": 4}, _model(), None)
+    assert built.mask_token_id == 0 and built.strategy.vocab_size == V and built.strategy.block_size == 4
+    assert isinstance(built.loss_fn, BlockDiffusionCrossEntropyLoss)
 
 
 def test_corruption_needs_vocab_and_draws_in_range():
@@ -134,7 +144,8 @@ def test_pre_step_denominators_and_per_sample_reproducible_choices():
     ctx = StepContext(model=None, loss_fn=None, mask_token_id=0, step=7, base_seed=1)
     corrupted, _, n_sup = s.pre_step(ctx, [mb])
     n_diff, n_ar = s.loss_denominators(corrupted, 0, n_sup)
-    window = corrupted[0].extras["window"]
+    assert isinstance(corrupted[0].extras, CanvasExtras)
+    window = corrupted[0].extras.window
     assert n_diff == int(window.loss_mask.sum()) == 16  # one block of 4 per row
     assert n_ar == 4 * 15 and n_sup == 64
     # the same rows split 2+2 over two micro-batches get the same noise, blocks and coins
@@ -147,8 +158,8 @@ def test_pre_step_denominators_and_per_sample_reproducible_choices():
         ],
     )
     assert torch.equal(torch.cat([h.noisy_ids for h in halves]), corrupted[0].noisy_ids)
-    assert torch.equal(torch.cat([h.extras["window"].loss_mask for h in halves]), window.loss_mask)
-    assert torch.equal(torch.cat([h.extras["self_condition"] for h in halves]), corrupted[0].extras["self_condition"])
+    assert torch.equal(torch.cat([h.extras.window.loss_mask for h in halves]), window.loss_mask)
+    assert torch.equal(torch.cat([h.extras.self_condition for h in halves]), corrupted[0].extras.self_condition)
 
 
 # ------------------------------------------------------------------ the model (spec §9.5)
@@ -215,8 +226,6 @@ def test_model_input_errors():
 
 
 def test_checkpoint_round_trip_rebuilds_the_wrapper(tmp_path):
-    from dllm_common.checkpoint import load_weights_into, write_checkpoint
-
     model = _model().eval()
     torch.nn.init.normal_(model.self_cond.weight)
     write_checkpoint(tmp_path / "ckpt", model, None, {"strategy": "block_diffusion"})
@@ -242,7 +251,7 @@ def test_forward_backward_equals_hand_loss():
     corrupted, n_noise, n_sup = s.pre_step(ctx, [mb])
     n_diff, n_ar = s.loss_denominators(corrupted, n_noise, n_sup)
     c = corrupted[0]
-    w = c.extras["window"]
+    w = c.extras.window
     # the model's self-conditioning projection is zero-initialised: one pass = the two-pass output
     out = s.forward_backward(ctx, c, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar, is_train=True)
     with torch.no_grad():
@@ -343,8 +352,6 @@ class _Confident(torch.nn.Module):
 
     def forward(self, input_ids, canvas_ids, decoder_attention_mask, decoder_position_ids=None, **_):
         target = decoder_position_ids % 7 + 10
-        from strategies.models import DLLMOutput
-
         return DLLMOutput(logits=torch.nn.functional.one_hot(target, V).float() * 50)
 
 

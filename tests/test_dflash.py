@@ -1,11 +1,17 @@
 """DFlash pieces (spec §5.7, §6.2, §10, §14): layer ids, anchors, the mask against an element-wise
 reference (dense and flex), the decay loss by hand, leakage, and speculative decoding = greedy."""
 
+import copy
 import math
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_mask
 
+import strategies.dflash as dflash
+from strategies import Microbatch, SetupContext, StepContext, assemble_strategy
 from strategies.dflash import (
     DFlashDecayLoss,
     DFlashDraftConfig,
@@ -21,7 +27,10 @@ from strategies.dflash import (
     speculative_generate,
     target_features,
 )
+from strategies.dflash_strategy import CachedFeatures, DFlashBlocks, DFlashStrategy, OnlineFeatures
+from strategies.feature_cache import write_feature_cache
 from strategies.models import build_model, tiny_model_config
+from strategies.options import DFlashOptions
 
 MASK = 63
 
@@ -51,8 +60,6 @@ def reference_visible(anchors, keep, s, bs, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_mask_matches_the_elementwise_reference_dense_and_flex(causal):
-    from torch.nn.attention.flex_attention import create_mask
-
     anchors = torch.tensor([[3, 9, 1], [12, 2, 7]])
     keep = torch.tensor([[True, True, False], [True, False, True]])
     s, bs = 14, 4
@@ -160,7 +167,9 @@ def test_non_overlapping_sampler_with_fewer_slots_than_blocks_does_not_break():
 
 @pytest.fixture(scope="module")
 def pair():
-    target = build_model(tiny_model_config("llama", 64, 128, 32, 4, 4, None, None, False), seed=0).eval()
+    # frozen as `tasks.dflash_setup.load_target` loads a target (the strategy holds it as given)
+    target = build_model(tiny_model_config("llama", 64, 128, 32, 4, 4, None, None, False), seed=0)
+    target = target.eval().requires_grad_(False)
     ids = _build_target_layer_ids(4, 2)
     cfg = DFlashDraftConfig(
         hidden_size=32,
@@ -219,8 +228,6 @@ def test_speculative_decoding_equals_target_greedy(pair):
 
 def test_perfect_proposals_are_all_accepted(pair, monkeypatch):
     """A draft that proposes exactly the target's greedy tokens gets τ = block size (the last cycle may cut)."""
-    import strategies.dflash as dflash
-
     target, draft = pair
     prompt = [3, 1, 4]
     truth = greedy_generate(target, prompt, 40)
@@ -258,46 +265,37 @@ def test_draft_checkpoint_round_trip(pair, tmp_path):
 
 
 def _strategy(target, draft, features=None, **cfg):
-    from strategies import SetupContext
-    from strategies.dflash_strategy import DFlashStrategy
-
-    s = DFlashStrategy()
-    s.create_loss_fn({"block_size": 4, "num_blocks_per_sample": 3, **cfg})
-    s.setup_extra(
-        SetupContext(
-            model=draft,
-            tokenizer=None,
-            mask_token_id=MASK,
-            extras={"target": target, **({"features": features} if features else {})},
-        )
+    """DFlash assembled for `draft` (online target features unless `features` is given): strategy + loss."""
+    if features is None:
+        features = OnlineFeatures(target, list(draft.config.target_layer_ids))
+    return assemble_strategy(
+        "dflash",
+        {"block_size": 4, "num_blocks_per_sample": 3, **cfg},
+        draft,
+        None,
+        mask_token_id=MASK,
+        resources={"target": target, "features": features},
     )
-    return s
 
 
-def _ctx(draft, step=0):
-    from strategies import StepContext
-
-    return StepContext(model=draft, loss_fn=None, mask_token_id=MASK, step=step, base_seed=7)
+def _ctx(built, draft, step=0):
+    return StepContext(model=draft, loss_fn=built.loss_fn, mask_token_id=MASK, step=step, base_seed=7)
 
 
 def _batch():
-    from strategies import Microbatch
-
     ids = torch.randint(0, 60, (4, 24), generator=torch.Generator().manual_seed(3))
     attn = torch.ones_like(ids)
     return ids, Microbatch(ids, torch.ones_like(ids, dtype=torch.float32), attn, torch.arange(4))
 
 
-def _loss(strategy, draft, mb, step=0):
-    ctx = _ctx(draft, step)
-    batches, n, _ = strategy.pre_step(ctx, [mb])
-    return strategy.forward_backward(ctx, batches[0], num_diffusion_tokens=n, num_ar_tokens=n, is_train=False), batches
+def _loss(built, draft, mb, step=0):
+    ctx = _ctx(built, draft, step)
+    batches, n, _ = built.strategy.pre_step(ctx, [mb])
+    out = built.strategy.forward_backward(ctx, batches[0], num_diffusion_tokens=n, num_ar_tokens=n, is_train=False)
+    return out, batches
 
 
 def test_cached_and_online_features_give_the_same_loss(pair, tmp_path):
-    from strategies.dflash_strategy import CachedFeatures
-    from strategies.feature_cache import write_feature_cache
-
     target, draft = pair
     ids, mb = _batch()
     online, batches = _loss(_strategy(target, draft), draft, mb)
@@ -312,7 +310,8 @@ def test_cached_and_online_features_give_the_same_loss(pair, tmp_path):
     )  # 2 shards, batches across them
     assert [s["rows"] for s in index["splits"]["train"]] == [3, 1] and index["bytes"] > 0
     cached, cached_batches = _loss(_strategy(target, draft, CachedFeatures(tmp_path / "fp32")), draft, mb)
-    assert torch.equal(batches[0].extras["anchors"], cached_batches[0].extras["anchors"])
+    assert isinstance(batches[0].extras, DFlashBlocks) and isinstance(cached_batches[0].extras, DFlashBlocks)
+    assert torch.equal(batches[0].extras.anchors, cached_batches[0].extras.anchors)
     assert torch.allclose(online.total_loss, cached.total_loss, atol=1e-6)
     write_feature_cache(target, {"train": ids}, draft.config.target_layer_ids, tmp_path / "bf16", dtype="bf16")
     half, _ = _loss(_strategy(target, draft, CachedFeatures(tmp_path / "bf16")), draft, mb)
@@ -323,46 +322,53 @@ def test_cached_and_online_features_give_the_same_loss(pair, tmp_path):
 
 def test_anchors_are_a_function_of_seed_step_and_row(pair):
     target, draft = pair
-    s = _strategy(target, draft)
+    built = _strategy(target, draft)
+    s = built.strategy
     _, mb = _batch()
-    first = s.pre_step(_ctx(draft, 5), [mb])[0][0].extras["anchors"]
-    again = s.pre_step(_ctx(draft, 5), [mb])[0][0].extras["anchors"]
-    later = s.pre_step(_ctx(draft, 6), [mb])[0][0].extras["anchors"]
+    first = s.pre_step(_ctx(built, draft, 5), [mb])[0][0].extras.anchors
+    again = s.pre_step(_ctx(built, draft, 5), [mb])[0][0].extras.anchors
+    later = s.pre_step(_ctx(built, draft, 6), [mb])[0][0].extras.anchors
     assert torch.equal(first, again) and not torch.equal(first, later)
 
 
 def test_setup_errors_name_what_to_change(pair):
-    from strategies import SetupContext
-    from strategies.dflash_strategy import DFlashStrategy
-
     target, draft = pair
-    s = DFlashStrategy()
-    s.create_loss_fn({"block_size": 4})
+    s = DFlashStrategy({"block_size": 4})
     with pytest.raises(ValueError, match="dflash.target_model_id must be set in config."):
         s.setup_extra(SetupContext(model=draft, tokenizer=None, mask_token_id=MASK))
-    s.create_loss_fn({"block_size": 1})
-    with pytest.raises(ValueError, match="dflash.block_size must be at least 2."):
-        s.setup_extra(SetupContext(model=draft, tokenizer=None, mask_token_id=MASK, extras={"target": target}))
-    s.create_loss_fn({})
-    s.setup_extra(SetupContext(model=draft, tokenizer=None, mask_token_id=MASK, extras={"target": target}))
-    assert s.block_size == draft.config.block_size and s.loss.loss_gamma == 2.0  # γ = max(2, bs/2) for bs 4
+    with pytest.raises(ValueError, match="dflash.target_model_id must be set in config."):
+        assemble_strategy("dflash", {"block_size": 4}, draft, None, mask_token_id=MASK)
+    with pytest.raises(ValueError, match="dflash.block_size must be at least 2"):
+        DFlashStrategy({"block_size": 1})  # refused by the options
+    with pytest.raises(ValueError, match="dflash.block_size must be at least 2."):  # a draft checkpoint's block 1
+        DFlashStrategy.complete_options(DFlashOptions(), SimpleNamespace(config=replace(draft.config, block_size=1)))
+    with pytest.raises(ValueError, match="Cannot infer block_size from draft config"):
+        DFlashStrategy.complete_options(DFlashOptions(), SimpleNamespace(config=None))
+    with pytest.raises(ValueError, match="Cannot infer block_size from draft config"):
+        DFlashStrategy().create_loss_fn()  # block size 0 is resolved only against a draft
+    with pytest.raises(ValueError, match="the target-feature cache holds layers .* but the draft reads"):
+        DFlashStrategy({"block_size": 4}, target=target, features=OnlineFeatures(target, [99])).setup_extra(
+            SetupContext(model=draft, tokenizer=None, mask_token_id=MASK)
+        )
+    assert DFlashStrategy().block_size is None  # unset until completed against the draft
+    built = assemble_strategy("dflash", {}, draft, None, mask_token_id=MASK, resources={"target": target})
+    s = built.strategy
+    assert s.block_size == draft.config.block_size and built.loss_fn.loss_gamma == 2.0  # γ = max(2, bs/2) for bs 4
+    assert isinstance(built.loss_fn, DFlashDecayLoss) and s.target is target and built.mask_token_id == MASK
 
 
 def test_draft_training_lowers_the_loss_and_touches_only_the_draft(pair):
-    import copy
-
-    from strategies import Microbatch
-
     target, draft = pair
     draft = copy.deepcopy(draft).train()
-    s = _strategy(target, draft)
+    built = _strategy(target, draft)
+    s = built.strategy
     ids = (torch.arange(4)[:, None] * 7 + torch.arange(24)[None]) % 60  # predictable continuations
     mb = Microbatch(ids, torch.ones(4, 24), torch.ones_like(ids), torch.arange(4))
     opt = torch.optim.AdamW(draft.parameters(), lr=3e-2)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     losses = []
     for step in range(40):
-        ctx = _ctx(draft, step % 2)
+        ctx = _ctx(built, draft, step % 2)
         batches, n, _ = s.pre_step(ctx, [mb])
         out = s.forward_backward(ctx, batches[0], num_diffusion_tokens=n, num_ar_tokens=n, is_train=True)
         opt.step()
@@ -371,23 +377,21 @@ def test_draft_training_lowers_the_loss_and_touches_only_the_draft(pair):
     assert losses[-1] < 0.85 * losses[0]  # a frozen random 64-token head makes this slow; it does fall
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
     assert all(p.grad is None for p in target.parameters())
+    assert not target.training and not any(p.requires_grad for p in target.parameters())  # still frozen
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention has no CPU backward in torch 2.13; GPU check")
 def test_flex_block_mask_trains_like_the_dense_mask_on_gpu(pair):
     """On CUDA the draft trains through the flex BlockMask: same loss and gradients as the dense mask."""
-    import copy
-
     target, draft = (m.cuda() for m in copy.deepcopy(pair))
     ids = torch.randint(0, 60, (2, 256), generator=torch.Generator().manual_seed(4)).cuda()
-    from strategies import Microbatch
-
     mb = Microbatch(ids, torch.ones_like(ids, dtype=torch.float32), torch.ones_like(ids), torch.arange(2))
     grads, losses = [], []
     for backend in ("sdpa", "flex_attention"):
         d = copy.deepcopy(draft).train()
-        s = _strategy(target, d, attention_backend=backend, num_blocks_per_sample=8)
-        ctx = _ctx(d)
+        built = _strategy(target, d, attention_backend=backend, num_blocks_per_sample=8)
+        s = built.strategy
+        ctx = _ctx(built, d)
         batches, n, _ = s.pre_step(ctx, [mb])
         out = s.forward_backward(ctx, batches[0], num_diffusion_tokens=n, num_ar_tokens=n, is_train=True)
         losses.append(float(out.total_loss.detach()))

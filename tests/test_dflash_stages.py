@@ -61,7 +61,7 @@ def test_pretrained_target_learns_and_is_a_frozen_causal_lm(dflash_run):
     assert tgt.stage == "pretrain_target" and tgt.info["num_layers"] == 4 and tgt.info["hidden_size"] == 32
     val = _history(workdir, tgt.mlflow_run_id, "val/loss")
     assert len(val) == 3 and val[-1] < val[0] - 0.5
-    from tasks.target import load_target
+    from tasks.dflash_setup import load_target
 
     model = load_target(tgt.info["model_path"])
     assert not model.training and not any(p.requires_grad for p in model.parameters())
@@ -72,8 +72,8 @@ def test_cache_holds_the_selected_layers_of_every_row_and_is_reused(dflash_run, 
     from safetensors import safe_open
 
     from strategies.dflash import target_features
+    from tasks.dflash_setup import load_target
     from tasks.prepare_data import load_split
-    from tasks.target import load_target
 
     info = feats.info
     assert info["layer_ids"] == [2]  # one draft layer reads the middle of a 4-layer target
@@ -110,7 +110,7 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     assert all(len(v) == spec.train.steps and all(0 <= x <= 1 for x in v) for v in acc.values())
     ckpt = model_dir(trained)
     meta = json.loads((ckpt / "dllm.json").read_text())
-    assert meta["target"]["path"] == tgt.info["model_path"] and meta["dflash"]["block_size"] == 4
+    assert meta["target"]["path"] == tgt.info["model_path"] and meta["options"]["block_size"] == 4
     from dllm_common.checkpoint import load_weights_into
     from strategies.dflash import DFlashDraftModel
     from strategies.models import model_from_config_dir
@@ -127,21 +127,11 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     # `dllm-flow generate` rebuilds draft + target from the checkpoint: the text is the target's greedy text
     from strategies.dflash import greedy_generate
     from strategies.sampling import SamplerConfig
-    from tasks.generate import check_sampler, generate, load_for_generation
+    from tasks.generate import Request, check_sampler, generate, load_for_generation
 
-    model, tok, strat, mask, _ = load_for_generation(ckpt, "cpu")
-    out = generate(
-        model,
-        tok,
-        strat,
-        mask,
-        "O",
-        check_sampler("dflash", "auto", False),
-        SamplerConfig(max_new_tokens=8),
-        seed=0,
-        device="cpu",
-        chat=False,
-    )
+    loaded = load_for_generation(ckpt, "cpu")
+    model, tok, strat, mask, _ = loaded
+    out = generate(loaded, Request("O", check_sampler("dflash", "auto", False), SamplerConfig(max_new_tokens=8)), "cpu")
     prompt = tok("O", add_special_tokens=False)["input_ids"]
     assert out.text == tok.decode(greedy_generate(strat.target, prompt, 8, tok.eos_token_id)) and out.nfe >= 1
     with pytest.raises(ValueError, match="does not fit a dflash checkpoint"):
@@ -320,9 +310,9 @@ def test_regenerated_rows_are_the_targets_own_text_and_reproduce(dflash_run, tmp
     from safetensors.torch import load_file
 
     from strategies.dflash import greedy_generate
+    from tasks.dflash_setup import load_target
     from tasks.prepare_data import load_split
     from tasks.regenerate import regenerate
-    from tasks.target import load_target
 
     spec, data, workdir, tgt, _, _ = dflash_run
     greedy = _dflash_spec_from(spec, regenerate={"prompt_len": 8, "temperature": 0.0, "max_rows": 16})

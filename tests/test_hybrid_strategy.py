@@ -5,14 +5,18 @@ import torch
 
 from strategies import HybridDiffusionLLMLoss, HybridStrategy, Microbatch, SetupContext, StepContext, get_dllm_strategy
 from strategies.losses import per_token_nll
-from strategies.models import HybridLM, build_model, tiny_model_config
+from strategies.models import HYBRID, HybridLM, build_model, tiny_model_config, wrap_for_architecture
 
 V, M = 48, 47
 
 
+def _lm():
+    return build_model(tiny_model_config("llama", V, 32, 32, 2, 4, None, None, True), 0)
+
+
 def _model():
-    model = HybridLM(build_model(tiny_model_config("llama", V, 32, 32, 2, 4, None, None, True), 0))
-    HybridStrategy().setup_extra(SetupContext(model, None, M))
+    model = HybridLM(_lm(), M)
+    assert HybridStrategy().setup_extra(SetupContext(model, None, M)) == M
     return model
 
 
@@ -79,9 +83,23 @@ def test_model_masks_internally_and_streams_hide_what_they_must():
 
 
 def test_mask_id_missing_is_a_clear_error():
-    model = HybridLM(build_model(tiny_model_config("llama", V, 32, 32, 2, 4, None, None, True), 0))
-    with pytest.raises(ValueError, match="dllm_mask_token_id"):
+    model = HybridLM(_lm())
+    with pytest.raises(ValueError, match="HybridLM needs a mask token id"):
         model(input_ids=torch.zeros(1, 4, dtype=torch.long), masked_indices=torch.ones(1, 4, dtype=torch.bool))
+    # setup_extra validates only: it installs nothing into a model built without a mask id
+    assert HybridStrategy().setup_extra(SetupContext(model, None, M)) == M
+    assert getattr(model.config, "dllm_mask_token_id", None) is None
+
+
+def test_building_with_the_mask_id_installs_it_and_setup_refuses_a_mismatch():
+    model = wrap_for_architecture(_lm(), HYBRID, mask_token_id=M)
+    assert isinstance(model, HybridLM) and model.config.dllm_mask_token_id == M and model.mask_token_id == M
+    assert model.config.dllm_architecture == HYBRID
+    s = HybridStrategy()
+    assert s.setup_extra(SetupContext(model, None, M)) == M
+    assert s.setup_extra(SetupContext(model, None, None)) is None  # unresolved: the trainer's error
+    with pytest.raises(ValueError, match="masks with token id 47 but dllm.mask_token_id resolves to 3"):
+        s.setup_extra(SetupContext(model, None, 3))
 
 
 def test_forward_backward_equals_hand_loss_and_gives_grads():

@@ -20,8 +20,15 @@ def test_registered_and_config_threading():
     default = s.create_loss_fn({})
     assert isinstance(default, IDLMLoss) and default.clean_loss_weight == 0.2 and not default.auto_balance
     assert s.block_length == 1
-    tuned = s.create_loss_fn({"clean_loss_weight": 0.5, "auto_balance_clean_loss": True, "block_length": 3})
-    assert tuned.clean_loss_weight == 0.5 and tuned.auto_balance and s.block_length == 3
+    options = {"clean_loss_weight": 0.5, "auto_balance_clean_loss": True, "block_length": 3}
+    tuned_s = get_dllm_strategy("idlm", options)
+    tuned = tuned_s.create_loss_fn()
+    assert tuned.clean_loss_weight == 0.5 and tuned.auto_balance and tuned_s.block_length == 3
+    # create_loss_fn is pure: a loss from other options leaves the strategy's own as they were
+    other = s.create_loss_fn(options)
+    assert other.clean_loss_weight == 0.5 and other.auto_balance and s.block_length == 1
+    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
+        IDLMStrategy({"vocab_size": V})  # a key I-DLM does not declare
 
 
 def test_setup_errors():
@@ -45,7 +52,7 @@ def test_corruption_masks_every_supervised_token_only():
 
 
 def _step(strategy, model, ids, loss, attn):
-    loss_fn = strategy.create_loss_fn({"block_length": 2})
+    loss_fn = strategy.create_loss_fn()
     ctx = StepContext(model=model, loss_fn=loss_fn, mask_token_id=M, step=0, base_seed=0)
     corrupted, _, n_sup = strategy.pre_step(ctx, [Microbatch(ids, loss, attn)])
     return strategy.forward_backward(
@@ -60,7 +67,7 @@ def test_forward_backward_gives_one_finite_loss_and_grads():
     loss[:, 4:] = 1
     attn = torch.ones(2, 12)
     attn[1, 10:] = 0
-    out, _ = _step(IDLMStrategy(), model, ids, loss, attn)
+    out, _ = _step(IDLMStrategy({"block_length": 2}), model, ids, loss, attn)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert torch.isfinite(out.total_loss) and out.dllm_loss.numel() == 1
     assert grads and all(torch.isfinite(g).all() for g in grads)
@@ -69,8 +76,7 @@ def test_forward_backward_gives_one_finite_loss_and_grads():
 def test_clean_half_is_exactly_the_causal_lm():
     """The [x_t ‖ x_0] forward's clean half equals a plain causal forward of x_0 (mask M_BC + repeated positions)."""
     model = _model().eval()
-    s = IDLMStrategy()
-    s.create_loss_fn({"block_length": 2})
+    s = IDLMStrategy({"block_length": 2})
     ids = torch.randint(0, M, (2, 10), generator=torch.Generator().manual_seed(1))
     noisy = torch.full_like(ids, M)
     with torch.no_grad():
@@ -85,8 +91,7 @@ def test_clean_half_is_exactly_the_causal_lm():
 def test_noisy_half_cannot_see_its_own_clean_block():
     """Leakage: perturbing clean tokens of block b leaves the noisy logits of block b unchanged."""
     model = _model().eval()
-    s = IDLMStrategy()
-    s.create_loss_fn({"block_length": 2})
+    s = IDLMStrategy({"block_length": 2})
     ids = torch.randint(0, M, (1, 8), generator=torch.Generator().manual_seed(2))
     noisy = torch.full_like(ids, M)
     changed = ids.clone()

@@ -4,8 +4,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_train import _metric_history
 
+from dllm_common.checkpoint import load_weights_into
+from dllm_common.config import PeftConfig
 from strategies import MDLMStrategy, Microbatch, StepContext
 from strategies.models import (
     add_lora,
@@ -16,7 +19,10 @@ from strategies.models import (
     model_from_config_dir,
     tiny_model_config,
 )
+from tasks.evaluate import evaluate
+from tasks.generate import load_for_generation
 from tasks.train import model_dir, train
+from tasks.trainee import build_trainee
 
 V, M = 64, 63
 
@@ -75,12 +81,6 @@ def base_model(prepared, tiny_spec, tmp_path_factory):
 
 @pytest.mark.parametrize("merge", [False, True])
 def test_lora_training_trains_adapters_only_and_publishes_them(prepared, tiny_spec, tmp_path, merge, base_model):
-    from safetensors.torch import load_file
-
-    from dllm_common.checkpoint import load_weights_into
-    from dllm_common.config import PeftConfig
-    from tasks.evaluate import evaluate
-
     data, _ = prepared
     base = base_model
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -109,8 +109,6 @@ def test_lora_training_trains_adapters_only_and_publishes_them(prepared, tiny_sp
     metrics = evaluate(spec, "mdlm", trained, data, str(tmp_path)).info["metrics"]
     assert metrics["eval/nelbo"] > 0
     if not merge:  # the published adapter alone, merged into the base checkpoint by `generate --adapter`
-        from tasks.generate import load_for_generation
-
         adapted, *_ = load_for_generation(model_dir(base), "cpu", adapter=str(Path(trained.path) / "adapter"))
         ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
@@ -131,8 +129,8 @@ def test_bf16_autocast_trains(prepared, tiny_spec, tmp_path):
 
 
 def test_activation_checkpointing_with_block_diffusion_is_refused(prepared, tiny_spec):
-    from tasks.train import build_trainee
-
     data, _ = prepared
-    with pytest.raises(ValueError, match="activation_checkpointing is not supported with block_diffusion"):
+    with pytest.raises(
+        ValueError, match="train.activation_checkpointing is not supported with block_diffusion; set it to false"
+    ):
         build_trainee(_spec(tiny_spec, activation_checkpointing=True), "block_diffusion", data, "cpu")

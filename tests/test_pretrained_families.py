@@ -12,6 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
+
+import tasks.scoring as scoring
+from dllm_common.config import ScorerConfig
+from strategies import Microbatch, StepContext, assemble_strategy, strategy_class
+from strategies.models import add_lora, enable_activation_checkpointing, load_pretrained, wrap_for_architecture
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +36,6 @@ def _smollm2_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from transformers import AutoTokenizer
-
-    from strategies.models import load_pretrained
-
     path = _smollm2_dir()
     model = load_pretrained(str(path), gguf_file=GGUF)
     tokenizer = AutoTokenizer.from_pretrained(str(path), gguf_file=GGUF)
@@ -43,23 +45,21 @@ def smollm2():
 
 @pytest.mark.parametrize("strategy", ["mdlm", "scdd", "hybrid", "idlm", "block_diffusion"])
 def test_one_step_of_each_strategy_on_smollm2(smollm2, strategy):
-    from dllm_common.config import DLLMConfig
-    from strategies import Microbatch, SetupContext, StepContext, get_dllm_strategy
-    from strategies.models import add_lora, enable_activation_checkpointing, wrap_for_architecture
-
     base, tokenizer = smollm2
-    s = get_dllm_strategy(strategy)
+    cls = strategy_class(strategy)
     lm = copy.deepcopy(base)
     add_lora(lm, r=8, alpha=16, dropout=0.0, target_modules=["q_proj", "v_proj"])
-    if strategy != "block_diffusion":  # its canvas pass needs the encoder's K/V cache (see tasks.train)
+    if cls.supports_activation_checkpointing:  # block_diffusion's canvas pass needs the encoder's K/V cache
         enable_activation_checkpointing(lm)
-    model = wrap_for_architecture(lm, s.model_architecture)
-    vocab = model.config.vocab_size
+    vocab = lm.config.vocab_size
     mask_id = vocab - 1  # SmolLM2 has no mask token: a user names an unused id with dllm.mask_token_id
-    loss_fn = s.create_loss_fn(
-        DLLMConfig(vocab_size=vocab, mask_token_id=mask_id, block_length=2, block_size=8, chunk_size=256)
-    )
-    s.setup_extra(SetupContext(model, tokenizer, mask_id))
+    model = wrap_for_architecture(lm, cls.model_architecture, mask_token_id=mask_id)
+    assert model.config.vocab_size == vocab
+    values = {"vocab_size": vocab, "mask_token_id": mask_id, "block_length": 2, "block_size": 8, "chunk_size": 256}
+    options = {k: v for k, v in values.items() if k in cls.Options.model_fields}  # only what the strategy declares
+    built = assemble_strategy(strategy, options, model, tokenizer)
+    s, loss_fn = built.strategy, built.loss_fn
+    assert built.mask_token_id == mask_id and getattr(loss_fn, "mask_token_id", mask_id) == mask_id
     ids = torch.tensor([tokenizer(TEXT)["input_ids"][:32]] * 2)
     mb = Microbatch(ids, torch.ones_like(ids, dtype=torch.float), torch.ones_like(ids))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -91,9 +91,6 @@ def test_one_step_of_each_strategy_on_smollm2(smollm2, strategy):
 def test_gguf_scorer_is_converted_once_and_scores_real_text_better(smollm2, tmp_path, monkeypatch):
     """eval.scorer with a GGUF file: the de-quantized model is kept as safetensors in the store and
     reloads to the same function; it prefers Shakespeare's continuation to the same words shuffled."""
-    import tasks.scoring as scoring
-    from dllm_common.config import ScorerConfig
-
     base, tokenizer = smollm2
     real_load, calls = scoring.load_causal_lm, []
 

@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from strategies import SCDDLoss, SCDDStrategy, SetupContext, get_dllm_strategy
+from strategies import (
+    Microbatch,
+    SCDDLoss,
+    SCDDStrategy,
+    SetupContext,
+    StepContext,
+    assemble_strategy,
+    get_dllm_strategy,
+)
 from strategies.models import build_model, tiny_model_config
 from strategies.seeding import seeded_generator as gen
 
@@ -11,9 +19,7 @@ V, M = 64, 63
 
 
 def _strategy(**cfg):
-    s = SCDDStrategy()
-    s.create_loss_fn({"vocab_size": V, "mask_token_id": M, **cfg})
-    return s
+    return SCDDStrategy({"vocab_size": V, "mask_token_id": M, **cfg})
 
 
 def _corrupt(s, ids, loss, seed=0, eps=1e-3):
@@ -36,31 +42,41 @@ def test_config_threading_and_chunk_size():
         loss.chunk_size,
     ) == (8, 0.3, 2.0, 0.4, 256)
     assert _strategy().loss_fn.chunk_size == 1024 and _strategy(chunk_size=None).loss_fn.chunk_size is None
+    # create_loss_fn is a pure builder: a new loss from the given options, the strategy unchanged
+    other = s.create_loss_fn({"vocab_size": V, "mask_token_id": 7, "num_timesteps": 4})
+    assert other is not loss and (other.num_timesteps, other.mask_token_id) == (4, 7)
+    assert s.loss_fn is loss and (loss.num_timesteps, loss.mask_token_id) == (8, M) and s.vocab_size == V
+    assert get_dllm_strategy("scdd", {"vocab_size": V}).loss_fn.mask_token_id == 0  # unresolved: 0 until assembled
 
 
 def test_errors_of_spec_16():
     with pytest.raises(ValueError, match="SCDDStrategy requires dllm.vocab_size"):
         SCDDStrategy().create_loss_fn({"mask_token_id": M})
-    with pytest.raises(ValueError, match="create_loss_fn must run before corruption"):
+    with pytest.raises(ValueError, match="SCDDStrategy needs dllm.vocab_size before corruption"):
         SCDDStrategy().apply_corruption(
             torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), M, eps=1e-3, block_size=None, half_life_ratio=None
         )
+    with pytest.raises(ValueError, match="SCDDStrategy needs dllm.vocab_size before sampling"):
+        SCDDStrategy().sample(None, [[1]], mask_token_id=M, pad_token_id=0, config=None, generator=None, device="cpu")
     model = build_model(tiny_model_config("llama", V, 8, 16, 1, 2, None, None, True), 0)
     with pytest.raises(ValueError, match="requires dllm.mask_token_id"):
         _strategy().setup_extra(SetupContext(model, None, None))
     with pytest.raises(ValueError, match="outside the model vocab"):
         _strategy().setup_extra(SetupContext(model, None, V))
-    wrong = SCDDStrategy()
-    wrong.create_loss_fn({"vocab_size": V + 1})
+    wrong = SCDDStrategy({"vocab_size": V + 1})
     with pytest.raises(ValueError, match="does not match the model vocab"):
         wrong.setup_extra(SetupContext(model, None, M))
 
 
 def test_setup_installs_the_resolved_mask_id():
-    s = SCDDStrategy()
-    s.create_loss_fn({"vocab_size": V, "mask_token_id": None})  # null: placeholder until setup
+    s = SCDDStrategy({"vocab_size": V, "mask_token_id": None})  # null: placeholder until assembled
     model = build_model(tiny_model_config("llama", V, 8, 16, 1, 2, None, None, True), 0)
-    assert s.setup_extra(SetupContext(model, None, 5)) == 5 and s.loss_fn.mask_token_id == 5
+    assert s.setup_extra(SetupContext(model, None, 5)) == 5 and s.loss_fn.mask_token_id == 0  # nothing patched
+    built = assemble_strategy("scdd", {"vocab_size": V, "mask_token_id": None}, model, None, mask_token_id=5)
+    assert built.mask_token_id == 5 and built.loss_fn.mask_token_id == 5 and built.strategy.loss_fn.mask_token_id == 5
+    assert built.strategy.options.mask_token_id == 5 and built.strategy.vocab_size == V
+    # vocab_size unset: the model's
+    assert assemble_strategy("scdd", {}, model, None, mask_token_id=5).strategy.vocab_size == V
 
 
 def test_times_lie_on_the_inner_grid():
@@ -94,8 +110,6 @@ def test_prepare_batch_feeds_noisy_ids_without_attention_mask():
 
 
 def test_strategy_and_loss_handshake_gives_gradients():
-    from strategies import Microbatch, StepContext
-
     s = _strategy()
     model = build_model(tiny_model_config("llama", V, 16, 16, 1, 2, None, None, True), 0)
     ids = torch.randint(0, M, (4, 16), generator=gen(3))

@@ -143,23 +143,15 @@ def test_each_strategy_trains_and_evaluates_through_the_stages(prepared, tiny_sp
     assert card["strategy"] == strategy and card["sampler"]["steps"] == spec.eval.sample_steps
     # the checkpoint alone rebuilds its strategy for `dllm-flow generate` (its own sampler, streamed)
     from strategies.sampling import SamplerConfig
-    from tasks.generate import check_sampler, generate, load_for_generation
+    from tasks.generate import Request, check_sampler, generate, load_for_generation
 
-    model, tok, strat, mask, meta = load_for_generation(train_mod.model_dir(trained), "cpu")
+    loaded = load_for_generation(train_mod.model_dir(trained), "cpu")
+    meta = loaded.meta
     pieces = []
-    out = generate(
-        model,
-        tok,
-        strat,
-        mask,
-        "O",
-        check_sampler(strategy, "auto", False),
-        SamplerConfig(steps=8, max_new_tokens=8, block_size=4),
-        seed=0,
-        device="cpu",
-        chat=False,
-        stream=pieces.append,
+    request = Request(
+        "O", check_sampler(strategy, "auto", False), SamplerConfig(steps=8, max_new_tokens=8, block_size=4)
     )
+    out = generate(loaded, request, "cpu", stream=pieces.append)
     assert meta["strategy"] == strategy and out.nfe >= 1 and "".join(pieces) == out.text
 
 

@@ -1,0 +1,132 @@
+"""Judging a DFlash draft (docs/evaluation.md §4.7): acceptance instead of likelihood.
+
+`dflash/tau_sim` and `dflash/acc_k{k}` are teacher-forced on validation rows; the real `dflash/tau`
+and `dflash/speedup` come from speculative decoding of held-out prompts, checked token for token
+against the target's own greedy decoding (`dflash/exact_match`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import torch
+
+from dllm_common.checkpoint import read_meta
+from dllm_common.config import EvalConfig
+from strategies import Microbatch, StepContext
+from strategies.dflash import acceptance_from_correct, draft_block_logits, greedy_generate, speculative_generate
+from tasks.dflash_setup import draft_strategy, load_spec_target
+from tasks.evaluation import CausalLM, EvalResult, Evaluation, ar_nll_metrics, encode_prompts, exact_ar_nll
+from tasks.scoring import generative_perplexity, mean_entropy
+
+
+def teacher_forced_acceptance(strat, draft, val, mask_id: int, settings: EvalConfig) -> tuple[float, list[float], int]:
+    """τ_sim and acc_k over validation rows `val` = (ids, loss_mask, attention_mask): anchors drawn with the
+    eval seed, the target's features computed online, the draft's argmax compared with the true continuation."""
+    (ids, loss_mask, attn), batch_size, seed = val, settings.batch_size, settings.seed
+    bs = strat.block_size
+    ctx = StepContext(model=draft, loss_fn=None, mask_token_id=mask_id, step=0, base_seed=seed)
+    corrects, masks = [], []
+    with torch.no_grad():
+        for start in range(0, len(ids), batch_size):
+            sl = slice(start, start + batch_size)
+            mb = Microbatch(ids[sl], loss_mask[sl], attn[sl], torch.arange(start, start + len(ids[sl])), "val")
+            (batch,), _, _ = strat.pre_step(ctx, [mb])
+            e = batch.extras
+            logits = draft_block_logits(draft, strat.target, e.features, e.anchors, e.keep, e.block_ids)
+            b, n = e.anchors.shape
+            pred = logits.view(b, n, bs, -1)[:, :, 1:].argmax(-1).reshape(b, -1)
+            corrects.append(pred == e.targets)
+            masks.append(e.block_mask)
+    correct, block_mask = torch.cat(corrects), torch.cat(masks)
+    tau, acc = acceptance_from_correct(correct, block_mask, bs)
+    return tau, acc, int((block_mask.reshape(-1, bs - 1)[:, 0] > 0).sum())
+
+
+def speculative_prompts(ids, attn, count: int, length: int) -> list[list[int]]:
+    """Held-out prompts: the first `length` tokens of `count` validation rows spread over the split."""
+    rows = [r for r in range(len(ids)) if int(attn[r].sum()) >= length + 1]
+    if not rows:
+        raise ValueError(f"no validation row has more than dflash.eval_prompt_len={length} tokens; lower it")
+    stride = max(len(rows) // count, 1)
+    return [ids[r, :length].tolist() for r in rows[::stride][:count]]
+
+
+def speculative_benchmark(
+    target, draft, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None
+) -> dict:
+    """Real τ, output equality with target-only greedy decoding, and the decode-time ratio, same prompts,
+    same run: one warm-up call each, then the two decoders alternate prompt by prompt so machine drift
+    hits both alike."""
+
+    greedy_generate(target, prompts[0], 4, eos_token_id)
+    speculative_generate(target, draft, prompts[0], 4, eos_token_id)
+    greedy, spec, t_greedy, t_spec = [], [], 0.0, 0.0
+    for p in prompts:
+        t0 = time.perf_counter()
+        greedy.append(greedy_generate(target, p, max_new_tokens, eos_token_id))
+        t1 = time.perf_counter()
+        spec.append(speculative_generate(target, draft, p, max_new_tokens, eos_token_id))
+        t_greedy, t_spec = t_greedy + t1 - t0, t_spec + time.perf_counter() - t1
+    acceptance = [a for r in spec for a in r.acceptance]
+    tokens = sum(len(r.tokens) for r in spec)
+    return {
+        "tau": sum(acceptance) / max(len(acceptance), 1),
+        "speedup": t_greedy / t_spec,
+        "exact_match": sum(r.tokens == g for r, g in zip(spec, greedy)) / len(prompts),
+        "target_forwards": sum(r.target_forwards for r in spec),
+        "tokens": tokens,
+        "greedy_seconds": t_greedy,
+        "speculative_seconds": t_spec,
+        "histogram": dict(sorted(Counter(acceptance).items())),
+        "outputs": [r.tokens for r in spec],
+    }
+
+
+def dflash_evaluation(ev: Evaluation) -> EvalResult:
+    """DFlash metrics: τ_sim and acc_k (teacher-forced), real τ and speedup from speculative decoding
+    checked token for token against target-only greedy, the target's exact NLL, and samples."""
+    spec, draft, tokenizer, device, scorer = ev.spec, ev.model, ev.tokenizer, ev.device, ev.scorer
+    ids, loss_mask, attn = ev.val
+    d = spec.dflash
+    target = load_spec_target(spec, read_meta(ev.ckpt)["target"]["path"], device)
+    built = draft_strategy(ev.strategy, ev.options, draft, target, mask_token_id=ev.mask_id)
+    strat, mask_id = built.strategy, built.mask_token_id
+    draft.eval()
+    tau_sim, acc, blocks = teacher_forced_acceptance(strat, draft, ev.val, mask_id, spec.eval)
+    nll, se, n_tokens = exact_ar_nll(CausalLM(), target, ids, loss_mask, attn, spec.eval.batch_size)
+    bench = speculative_benchmark(
+        target,
+        draft,
+        speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len),
+        d.eval_max_new_tokens,
+        tokenizer.eos_token_id,
+    )
+    # the report's shared columns, from speculative decoding of the report's text prompts (no timing
+    # or greedy check needed here: the benchmark above did both)
+    texts = list(spec.eval.prompts[: spec.eval.num_samples]) or ["O"]
+    shown = [
+        speculative_generate(target, draft, p, spec.eval.sample_length, tokenizer.eos_token_id).tokens
+        for p in encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")
+    ]
+    decoded = [tokenizer.decode(t) for t in shown]
+    metrics = {
+        "dflash/tau_sim": tau_sim,
+        **{f"dflash/acc_k{k + 1}": a for k, a in enumerate(acc)},
+        "dflash/blocks": blocks,
+        "dflash/tau": bench["tau"],
+        "dflash/speedup": bench["speedup"],
+        "dflash/exact_match": bench["exact_match"],
+        **ar_nll_metrics(nll, se, n_tokens),
+        "eval/nfe": bench["target_forwards"] / len(bench["outputs"]),
+        "eval/tokens_per_forward": bench["tokens"] / max(bench["target_forwards"], 1),
+        "eval/tokens_per_s": bench["tokens"] / bench["speculative_seconds"],
+        "eval/entropy": mean_entropy(shown),
+    }
+    if scorer is not None:
+        metrics["eval/gen_ppl"], _ = generative_perplexity(*scorer, list(zip(texts, decoded)))
+    text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
+    report = {k: v for k, v in bench.items() if k != "outputs"}
+    return EvalResult(strat, metrics, [], text, {"speculative.json": json.dumps(report, indent=2)})
