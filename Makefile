@@ -35,7 +35,9 @@ quickstart: install
 compare: install  # mdlm, scdd, hybrid, idlm, block_diffusion on one prepared dataset (~30 min on 2 CPU cores)
 	$(VENV)/bin/dllm-flow run configs/compare.yaml --workdir work/compare
 
-test: install
+test: install  # formatter and linter first (ruff, see pyproject.toml), then the suite
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=25
 
 # ---- operations: Prefect + MLflow servers, work pools, deployments, workers (see deployments/prefect.yaml)

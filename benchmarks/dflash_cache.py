@@ -125,7 +125,8 @@ def step_times(args) -> None:
     print(f"draft step, cached features (median): {cached * 1000:8.1f} ms")
     print(f"draft step, online target   (median): {online * 1000:8.1f} ms")
     print(
-        f"ratio online/cached                  : {online / cached:8.2f}x   (max relative loss gap {drift:.1e}: bf16 cache)"
+        f"ratio online/cached                  : {online / cached:8.2f}x   "
+        f"(max relative loss gap {drift:.1e}: bf16 cache)"
     )
 
 

@@ -120,7 +120,8 @@ def main() -> None:
                 res_t, sec_t = timed(lambda: run(thr, own=name not in ("scdd",)), args.repeats)
                 thr_tps = line(f"{'llada ' if name == 'scdd' else ''}threshold {args.threshold}", res_t, sec_t)
                 print(
-                    f"{'':<16}{'ratio threshold/fixed':<26}{res_t.nfe / res.nfe:>8.2f}{'':>9}{thr_tps / fixed_tps:>9.2f}"
+                    f"{'':<16}{'ratio threshold/fixed':<26}{res_t.nfe / res.nfe:>8.2f}{'':>9}"
+                    f"{thr_tps / fixed_tps:>9.2f}"
                 )
 
 

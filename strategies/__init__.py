@@ -1,6 +1,6 @@
 """dLLM math and the strategy registry: corruption kernels, losses, model adapters, samplers.
 
-Pure of Prefect and MLflow; faithful to `shared/spec/dllm-strategies.md`.
+Pure of Prefect and MLflow; the math in `docs/strategies.md`.
 """
 
 from strategies.base import CorruptedBatch, DLLMStrategy, MDLMStrategy, Microbatch, SetupContext, StepContext

@@ -1,6 +1,6 @@
 """The seed strategy API: `DLLMStrategy` and the small, typed values its hooks exchange.
 
-A strategy owns one dLLM family's variation points (spec §1): its loss (`create_loss_fn`), its
+A strategy owns one dLLM family's variation points (docs/strategies.md §1): its loss (`create_loss_fn`), its
 forward kernel (`apply_corruption`), the model-input rewrite (`prepare_batch`), the once-per-step
 corruption of every micro-batch (`pre_step`), the micro-batch forward/backward
 (`forward_backward`) and setup-time validation (`setup_extra`). Hooks receive a `StepContext`
@@ -66,7 +66,8 @@ class CorruptedBatch:
 
 @dataclass(frozen=True)
 class StepContext:
-    """What one optimizer step needs. `loss_scale` multiplies backward (= data-parallel size, spec §7.2)."""
+    """What one optimizer step needs. `loss_scale` multiplies backward (= data-parallel size,
+    docs/strategies.md §7.2)."""
 
     model: nn.Module
     loss_fn: nn.Module
@@ -218,7 +219,7 @@ class DLLMStrategy:
 
     @staticmethod
     def row_seeds(ctx: StepContext, mb: Microbatch, microbatch_idx: int) -> list[int]:
-        """Per-row noise seeds: a pure function of (base seed, step, global sample index), spec §3."""
+        """Per-row noise seeds: a pure function of (base seed, step, global sample index), docs/strategies.md §3."""
         local_bs = mb.input_ids.shape[0]
         return [
             corruption_sample_seed(
@@ -256,7 +257,7 @@ class DLLMStrategy:
     def loss_denominators(
         self, corrupted: list[CorruptedBatch], num_noise: int, num_supervised: int
     ) -> tuple[int, int]:
-        """(num_diffusion_tokens, num_ar_tokens) from the step's global counts (spec §7.2)."""
+        """(num_diffusion_tokens, num_ar_tokens) from the step's global counts (docs/strategies.md §7.2)."""
         diffusion = num_noise if self.normalization_mode == "noise" else num_supervised
         return diffusion, num_supervised
 
@@ -316,7 +317,7 @@ class DLLMStrategy:
 
 
 class MDLMStrategy(DLLMStrategy):
-    """MDLM / LLaDA masked diffusion (spec §8.1): absorbing [MASK] kernel, 1/p-weighted CE."""
+    """MDLM / LLaDA masked diffusion (docs/strategies.md §8.1): absorbing [MASK] kernel, 1/p-weighted CE."""
 
     name = "mdlm"
     Options = MDLMOptions

@@ -1,4 +1,4 @@
-"""`block_diffusion` strategy (spec §8.6, §9): DiffusionGemma-style encoder + noised canvas.
+"""`block_diffusion` strategy (docs/strategies.md §8.6, §9): DiffusionGemma-style encoder + noised canvas.
 
 The clean sequence is encoded causally; the response (everything from the first supervised token)
 is copied into a canvas, corrupted with uniform random tokens (no [MASK]) and denoised block by
@@ -8,7 +8,7 @@ head adds an AR loss. `eval/nelbo` is the blockwise bound of the uniform-noise p
 `uniform_diffusion_nelbo_terms`).
 
 Randomness: corruption, block choice and the self-conditioning coin are drawn per sample from
-the sample's own seed (spec §3), so they are identical across resume and any data-parallel layout.
+the sample's own seed (docs/strategies.md §3), so they are identical across resume and any data-parallel layout.
 (The reference seeds block choice per (step, micro-batch); per-sample is strictly stronger.)
 """
 
@@ -38,7 +38,7 @@ _AUX_SEED_XOR = 0x5DEECE66D  # separates the block-choice / self-conditioning st
 
 @dataclass(frozen=True)
 class ResponseWindow:
-    """The canvas view of a micro-batch (spec §9.2), all `[B, R]` unless noted."""
+    """The canvas view of a micro-batch (docs/strategies.md §9.2), all `[B, R]` unless noted."""
 
     canvas_ids: Tensor
     target_ids: Tensor
@@ -81,7 +81,7 @@ def batched_block_mask(
     """Per-example block-causal masks (each with its own response length) pasted into `[B, 1, R, S + R]`.
 
     Encoder columns map directly, example b's canvas columns go to `[S, S + R_b)`; the canvas diagonal
-    is kept for every row so padding rows are never fully masked (spec §6.3, last paragraph).
+    is kept for every row so padding rows are never fully masked (docs/strategies.md §6.3, last paragraph).
     """
     batch = prefix.shape[0]
     device = prefix.device
@@ -176,7 +176,7 @@ class BlockDiffusionStrategy(DLLMStrategy):
         return BlockDiffusionCrossEntropyLoss()
 
     def setup_extra(self, setup: SetupContext) -> int | None:
-        """Random-token corruption never uses [MASK]: an unset mask id is 0 (spec §9.1)."""
+        """Random-token corruption never uses [MASK]: an unset mask id is 0 (docs/strategies.md §9.1)."""
         return 0 if setup.mask_token_id is None else int(setup.mask_token_id)
 
     def apply_corruption(
@@ -303,7 +303,7 @@ class BlockDiffusionStrategy(DLLMStrategy):
         attention_mask: Tensor | None = None,
     ) -> Tensor:
         """Blockwise bound per row at noise level t [B]: every response block scored given the clean
-        blocks before it (evaluation spec §4.2), each token by the continuous-time uniform-noise term."""
+        blocks before it (docs/evaluation.md §4.2), each token by the continuous-time uniform-noise term."""
         vocab = self.vocab_size or model.config.vocab_size
         batch, length = clean_ids.shape
         t = t.clamp(1e-6, 1 - 1e-6)

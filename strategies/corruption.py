@@ -20,7 +20,7 @@ def corrupt_uniform(
     eps: float = 1e-3,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """MDLM/LLaDA absorbing kernel (spec §4.2).
+    """MDLM/LLaDA absorbing kernel (docs/strategies.md §4.2).
 
     Per row: t ~ U[0,1), p = (1−eps)·t + eps; per position u ~ U[0,1), n = (u < p) ∧ ℓ;
     z = where(n, M, x). Draw order: t (B values) then u (B·L).
@@ -46,7 +46,7 @@ def mask_at_level(
     return torch.where(noise_mask, torch.full_like(input_ids, mask_token_id), input_ids), noise_mask
 
 
-# ---------------------------------------------------------------- exact-k kernels (spec §4.1, §4.3)
+# ---------------------------------------------------------------- exact-k kernels (docs/strategies.md §4.1, §4.3)
 
 
 def gumbel_topk_rows(log_w: Tensor, k: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -74,7 +74,7 @@ def corrupt_blockwise(
     half_life_ratio: float = 0.25,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Exact-k masking with a bias toward later positions (hybrid strategy, spec §4.3).
+    """Exact-k masking with a bias toward later positions (hybrid strategy, docs/strategies.md §4.3).
 
     Sequence path (block_size None): per row m ~ eps + (1−eps)·U, k = clamp(round(m·L), 1, L),
     log w_i = λ(1−m)·i with λ = ln 2 / (half_life_ratio·L); p_mask = m.
@@ -121,7 +121,7 @@ def corrupt_uniform_random(
     eps: float = 1e-3,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """D3PM-uniform kernel (DiffusionGemma, spec §4.4): replace with uniform random tokens, no [MASK].
+    """D3PM-uniform kernel (DiffusionGemma, docs/strategies.md §4.4): replace with uniform random tokens, no [MASK].
 
     One level t ~ eps + (1−eps)·U per row (or per block of `block_size`); n = (u < t) ∧ ℓ;
     replacement r ~ Uniform{0..V−1} (may equal the clean token). p_mask is all ones (flat loss).
@@ -145,7 +145,7 @@ def corrupt_uniform_random(
 def corrupt_all_masked(
     input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, generator: torch.Generator | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """I-DLM kernel (spec §4.5): every supervised token becomes [MASK]; deterministic; p_mask = 1."""
+    """I-DLM kernel (docs/strategies.md §4.5): every supervised token becomes [MASK]; deterministic; p_mask = 1."""
     noise_mask = loss_mask.bool()
     noisy = torch.where(noise_mask, torch.full_like(input_ids, mask_token_id), input_ids)
     return noisy, noise_mask, torch.ones(input_ids.shape, dtype=torch.float32, device=input_ids.device)
@@ -161,7 +161,7 @@ def corrupt_mix(
     uniform_prob: Tensor,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """SCDD forward kernel (spec §4.6): absorb to [MASK] or move to a *different* non-mask token.
+    """SCDD forward kernel (docs/strategies.md §4.6): absorb to [MASK] or move to a *different* non-mask token.
 
     One u ~ U[0,1) per position: absorbed = u < mask_prob ∧ ℓ; transitioned =
     mask_prob ≤ u < mask_prob + uniform_prob ∧ ℓ ∧ x ≠ M. The replacement is uniform over the V−2
@@ -195,7 +195,7 @@ def scdd_grid_times(
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
 ) -> Tensor:
-    """SCDD time sampling (spec §5.8): u' = (1−eps)u + eps, t = (⌊u'·T⌋ + 1)/T, then t ≤ 1 − 1/T."""
+    """SCDD time sampling (docs/strategies.md §5.8): u' = (1−eps)u + eps, t = (⌊u'·T⌋ + 1)/T, then t ≤ 1 − 1/T."""
     u = (1 - eps) * torch.rand(batch, generator=generator, device=device) + eps
     t = (torch.floor(u * num_timesteps) + 1) / num_timesteps
     return t.clamp(max=1 - 1 / num_timesteps)

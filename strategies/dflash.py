@@ -1,10 +1,11 @@
-"""DFlash building blocks (spec §5.7, §6.2, §10): target layer selection, anchor-block sampling,
+"""DFlash building blocks (docs/strategies.md §5.7, §6.2, §10): target layer selection, anchor-block sampling,
 the multi-block attention mask (dense and flex), the decay-weighted loss, the draft model and
 speculative decoding against a frozen causal target.
 
 Pure PyTorch: no Prefect, no MLflow. Fixes relative to the reference: the mask is always applied
-(G1: no future context for any number of blocks), the non-overlapping sampler never under-fills
-(G3), and anchors come only from the generators passed in (G5: resume-reproducible).
+(docs/reference-differences.md G1: no future context for any number of blocks), the non-overlapping
+sampler never under-fills (docs/reference-differences.md G3), and anchors come only from the generators
+passed in (docs/reference-differences.md G5: resume-reproducible).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def sample_anchor_blocks(
 ) -> AnchorBlocks:
     """Spec §10.3. Overlapping (default): per row and block, A = clamp(1 + round(U·(maxA − 1)), 1, maxA)
     with U from that row's own generator. Non-overlapping: batch-shared distinct starts; when fewer
-    than N fit, only those that fit are kept (fix G3)."""
+    than N fit, only those that fit are kept (fix docs/reference-differences.md G3)."""
     bsz, length = input_ids.shape
     bs, n_blocks = block_size, max(1, num_blocks)
     device = input_ids.device
@@ -96,7 +97,9 @@ def sample_anchor_blocks(
             starts = torch.arange(1, n_valid + 1)
         else:
             picks = torch.randperm(avail, generator=gen)[:n_valid]
-            n_valid = len(picks)  # G3: avail < n_valid leaves fewer distinct starts, never a broadcast error
+            n_valid = len(
+                picks
+            )  # docs/reference-differences.md G3: avail < n_valid leaves fewer distinct starts, never a broadcast error
             starts = picks.sort().values + torch.arange(n_valid) * bs + 1
         starts = torch.cat([starts, starts[-1:].repeat(n_blocks - n_valid)])
         anchors = starts[None].repeat(bsz, 1).to(device)
@@ -154,7 +157,7 @@ def create_dflash_sdpa_mask(
     dtype: torch.dtype = torch.float32,
     causal: bool = False,
 ) -> Tensor:
-    """Additive DFlash mask [B, 1, N·bs, S + N·bs]: 0 where visible, −inf elsewhere (spec §6.2)."""
+    """Additive DFlash mask [B, 1, N·bs, S + N·bs]: 0 where visible, −inf elsewhere (docs/strategies.md §6.2)."""
     anchors = anchor_positions.to(device) if device is not None else anchor_positions
     visible = dflash_visibility(anchors, block_keep_mask.to(anchors.device), ctx_len, block_size, causal)
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, -math.inf)[:, None]

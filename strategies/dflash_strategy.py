@@ -1,4 +1,4 @@
-"""`dflash` strategy (spec §8.5, §10): train a block-diffusion draft against a frozen causal target.
+"""`dflash` strategy (docs/strategies.md §8.5, §10): train a block-diffusion draft against a frozen causal target.
 
 The trained model is the `DFlashDraftModel`; the target (frozen: eval, no grad) lends its input
 embedding and LM head and its hidden states at `target_layer_ids` as the draft's context. Features
@@ -7,7 +7,8 @@ come from a `FeatureSource`: `OnlineFeatures` runs the target each step (as the 
 wrote. Both give the same loss on the same batch (tested).
 
 Anchors are drawn per row from generators seeded by (base seed, step, global sample index), like
-every other strategy's noise (fix G5), and the DFlash mask is always applied (fix G1).
+every other strategy's noise (fix docs/reference-differences.md G5), and the DFlash mask is always
+applied (fix docs/reference-differences.md G1).
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class DFlashStrategy(DLLMStrategy):
         return options.model_copy(update={"block_size": int(draft_bs)})
 
     def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
-        """The decay-weighted block loss (spec §8.5); γ ≤ 0 is the paper's value for the block size."""
+        """The decay-weighted block loss (docs/strategies.md §8.5); γ ≤ 0 is the paper's value for the block size."""
         options = self.options if dllm_cfg is None else self.coerce_options(dllm_cfg)
         if not options.block_size:
             raise ValueError("Cannot infer block_size from draft config. Set dflash.block_size in the YAML.")
@@ -179,7 +180,7 @@ class DFlashStrategy(DLLMStrategy):
             )
         return setup.mask_token_id
 
-    # ------------------------------------------------------------------ interface-only hooks (spec §8.5)
+    # ------------------------------------------------------------------ interface-only hooks (docs/strategies.md §8.5)
 
     def apply_corruption(
         self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio, generator=None
@@ -234,7 +235,9 @@ class DFlashStrategy(DLLMStrategy):
         if self.backend == "flex_attention":  # sparse BlockMask (needs a GPU for backward in torch 2.13)
             mask = create_dflash_block_mask(e.anchors, e.keep, feats.shape[1], bs)
         else:
-            mask = create_dflash_sdpa_mask(e.anchors, e.keep, feats.shape[1], bs, dtype=noise.dtype)  # always (G1)
+            mask = create_dflash_sdpa_mask(
+                e.anchors, e.keep, feats.shape[1], bs, dtype=noise.dtype
+            )  # always (docs/reference-differences.md G1)
         h = ctx.model(feats, noise, positions, mask)
         b, n = e.anchors.shape
         pred = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)

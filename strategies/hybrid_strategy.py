@@ -1,4 +1,4 @@
-"""`hybrid` strategy (spec §8.3): diffusion + autoregressive training of one backbone
+"""`hybrid` strategy (docs/strategies.md §8.3): diffusion + autoregressive training of one backbone
 (Nemotron-Labs-Diffusion style).
 
 The model gets the *clean* ids and the positions to corrupt (`masked_indices`); it substitutes

@@ -1,4 +1,4 @@
-"""`idlm` strategy (spec §8.4): introspective diffusion, converting a causal LM into a dLLM.
+"""`idlm` strategy (docs/strategies.md §8.4): introspective diffusion, converting a causal LM into a dLLM.
 
 Every supervised token of the noisy copy becomes [MASK]; the model runs once over `[x_t ‖ x_0]`
 (length 2L, position ids repeated) under the I-DLM block mask, and `IDLMLoss` trains both halves

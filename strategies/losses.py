@@ -1,4 +1,4 @@
-"""dLLM loss modules with the common call contract of spec §5.1.
+"""dLLM loss modules with the common call contract of docs/strategies.md §5.1.
 
 `loss(logits, target_ids, noise_mask, p_mask, loss_mask, *, loss_mask_ar=None,
 num_diffusion_tokens=None, num_ar_tokens=None, causal_logits=None, noisy_input_ids=None)`
@@ -40,7 +40,7 @@ def causal_nll_rows(
 
 
 class MDLMCrossEntropyLoss(nn.Module):
-    """MDLM / LLaDA loss (spec §5.2).
+    """MDLM / LLaDA loss (docs/strategies.md §5.2).
 
         L = Σ_i [n_i ∧ ℓ_i] · CE_i · w_i / max(N, 1),   w_i = 1 / max(p_i, 1e-8)
 
@@ -84,7 +84,7 @@ def _maybe_divide(total: Tensor, count: int | Tensor | None) -> Tensor:
 
 
 class HybridDiffusionLLMLoss(nn.Module):
-    """Diffusion + AR loss of the hybrid (Nemotron-Labs-Diffusion) strategy (spec §5.3).
+    """Diffusion + AR loss of the hybrid (Nemotron-Labs-Diffusion) strategy (docs/strategies.md §5.3).
 
         L_diff = Σ_i [n_i ∧ ℓ_i]·CE_i·w_i / max(N_diff, 1),   w_i = nan_to_num(1/max(p_i, 1e-8)) (±inf → 1)
         L_AR   = Σ_{i≥1} ℓ^AR_i · CE(causal_{i−1}, x_i) / max(N_AR, 1)   (only with causal logits and ℓ^AR)
@@ -130,7 +130,7 @@ class HybridDiffusionLLMLoss(nn.Module):
 
 
 class BlockDiffusionCrossEntropyLoss(nn.Module):
-    """DiffusionGemma canvas loss (spec §5.4): L = Σ_i ℓ_i·CE_i / max(N, 1), N = global count or local Σℓ.
+    """DiffusionGemma canvas loss (docs/strategies.md §5.4): L = Σ_i ℓ_i·CE_i / max(N, 1), N = global count or local Σℓ.
 
     No 1/p weight and no noise gating: every supervised canvas token counts, corrupted or not.
     """
@@ -159,7 +159,7 @@ class BlockDiffusionCrossEntropyLoss(nn.Module):
 def encoder_ar_loss(
     encoder_logits: Tensor, input_ids: Tensor, valid_mask: Tensor | None = None, num_tokens: int | Tensor | None = None
 ) -> Tensor:
-    """Next-token CE over the clean sequence (spec §5.5): logits at i predict x_{i+1}, counted where
+    """Next-token CE over the clean sequence (docs/strategies.md §5.5): logits at i predict x_{i+1}, counted where
     valid_i ∧ valid_{i+1}; divided by max(num_tokens or the local count, 1)."""
     valid = torch.ones_like(input_ids, dtype=torch.bool) if valid_mask is None else valid_mask.bool()
     pairs = valid[:, :-1] & valid[:, 1:]
@@ -169,7 +169,7 @@ def encoder_ar_loss(
 
 
 class IDLMLoss(nn.Module):
-    """Introspective diffusion loss over `[x_t ‖ x_0]` logits (spec §5.6).
+    """Introspective diffusion loss over `[x_t ‖ x_0]` logits (docs/strategies.md §5.6).
 
     Q = logits[:, :L] (noisy half), P = logits[:, L:2L] (clean half); the logit at i−1 predicts x_i.
         S_i = answer_i ∧ valid_i (i ≥ 1),  D = max(num_diffusion_tokens, 1) or max(ΣS, 1)

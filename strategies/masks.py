@@ -1,4 +1,4 @@
-"""Attention masks of the block-structured strategies (spec §6.1, §6.3): dense and flex forms.
+"""Attention masks of the block-structured strategies (docs/strategies.md §6.1, §6.3): dense and flex forms.
 
 Each mask is defined once as an element-wise predicate over index tensors; the dense builders
 evaluate it on a broadcast grid and the flex builders hand the same predicate to
@@ -116,7 +116,7 @@ def build_block_diffusion_training_mask(
     device="cpu",
     dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Block-causal canvas mask (spec §6.3) → (full, sliding), each [B, 1, R, S + R].
+    """Block-causal canvas mask (docs/strategies.md §6.3) → (full, sliding), each [B, 1, R, S + R].
 
     Query j is canvas position j in block q = j // bs. Encoder column e (clean KV): rel = e − P,
     β_e = rel // bs (−1 for the prompt); visible iff q > β_e *strictly* and rel < R, so the clean copy

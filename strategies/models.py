@@ -141,7 +141,7 @@ class DLLMOutput(dict):
 
 
 class HybridLM(nn.Module):
-    """Nemotron-Labs-Diffusion-shaped model on one backbone (spec §8.3).
+    """Nemotron-Labs-Diffusion-shaped model on one backbone (docs/strategies.md §8.3).
 
     Takes the *clean* ids and the positions to corrupt (`masked_indices`); substitutes [MASK]
     internally, runs the backbone bidirectionally on the masked sequence (diffusion logits) and
@@ -188,7 +188,7 @@ class HybridLM(nn.Module):
 
 
 class BlockDiffusionLM(nn.Module):
-    """DiffusionGemma-shaped block-diffusion model on one shared causal stack (spec §9.5).
+    """DiffusionGemma-shaped block-diffusion model on one shared causal stack (docs/strategies.md §9.5).
 
     1. Encode: the stack runs causally over the clean sequence; each layer's (K, V) is kept and the
        final hidden states give `encoder_logits` (next-token AR head, training only).
@@ -196,7 +196,7 @@ class BlockDiffusionLM(nn.Module):
        pass 2 adds `self_cond(softmax(pass-1 logits) @ E)` to the canvas embeddings, per example
        gated by `do_self_conditioning`. Pass 1 always runs. Eval: one pass, zero soft embedding.
     3. Decode: every layer attends over `concat(encoder K/V of that layer, canvas K/V)` under the
-       block-causal mask of spec §6.3 (`decoder_attention_mask`, keep-mask or additive).
+       block-causal mask of docs/strategies.md §6.3 (`decoder_attention_mask`, keep-mask or additive).
     The lm_head is shared by both passes (tied to the embedding when the config ties them).
     """
 

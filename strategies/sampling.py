@@ -1,4 +1,4 @@
-"""Absorbing-state sampler for masked dLLMs (spec §11.2): semi-autoregressive blocks, per-block
+"""Absorbing-state sampler for masked dLLMs (docs/strategies.md §11.2): semi-autoregressive blocks, per-block
 transfer schedule, low-confidence or random remasking, optional confidence threshold, EOS stop.
 
 `denoise(x [B,T], attention_mask [B,T]) -> logits [B,T,V]` is any callable, so the sampler is
@@ -140,7 +140,7 @@ def _denoise_window(
     steps: int,
     stop: Callable[[Tensor], bool] | None = None,
 ) -> tuple[Tensor, int]:
-    """Reveal every [MASK] inside `window` [B,T] in at most `steps` forwards (spec §11.2 step 4).
+    """Reveal every [MASK] inside `window` [B,T] in at most `steps` forwards (docs/strategies.md §11.2 step 4).
 
     Candidates are restricted to the window *before* top-k; the per-row transfer schedule spreads the
     window's mask count over the steps. With `threshold`, each forward reveals the top-1 plus every
@@ -256,7 +256,7 @@ def infill_sample(
     device: torch.device | str = "cpu",
 ) -> SampleResult:
     """Fill the [MASK] tokens already in `sequences`: windows of `block_size` from position 0 over the
-    whole sequence, each with its own transfer schedule and in-window candidates (spec §11.2 infill)."""
+    whole sequence, each with its own transfer schedule and in-window candidates (docs/strategies.md §11.2 infill)."""
     width = max(len(s) for s in sequences)
     x = torch.full((len(sequences), width), pad_token_id, dtype=torch.long, device=device)
     attn = torch.zeros_like(x)
@@ -334,7 +334,7 @@ def scdd_ancestral_sample(
     device: torch.device | str = "cpu",
     on_block: Progress | None = None,
 ) -> SampleResult:
-    """SCDD ancestral posterior sampler (spec §11.5) over the generation window of each row.
+    """SCDD ancestral posterior sampler (docs/strategies.md §11.5) over the generation window of each row.
 
     Times 1 = t_0 > … > t_steps = eps. At (t, s): C = clean_t/clean_s, Υ = γ_t/γ_s − C, Ā = 1 − γ_t/γ_s.
     Visible c: w(v) = (clean_s·Υ/K)·p(v) + uniform_s·Υ/K², plus clean_s·C·p(c) + C·uniform_s/K at v = c,
@@ -440,7 +440,7 @@ def trim_at_eos(tokens: Tensor, eos_token_id: int | None) -> list[int]:
 
 
 def uniform_posterior(probs: Tensor, z_t: Tensor, alpha_t: float, alpha_s: float) -> Tensor:
-    """Reverse step of uniform-noise diffusion with the denoiser's x̂ plugged in (spec §4.4 kernel):
+    """Reverse step of uniform-noise diffusion with the denoiser's x̂ plugged in (docs/strategies.md §4.4 kernel):
 
     p(z_s = j | z_t = i) ∝ (α_{t|s}·[i = j] + (1 − α_{t|s})/V) · (α_s·π_j + (1 − α_s)/V),  α_{t|s} = α_t/α_s
     """

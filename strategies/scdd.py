@@ -1,5 +1,5 @@
 """Self-correcting discrete diffusion (SCDD): the mask+uniform schedule and its discrete-time NELBO
-(spec §5.8). Pure math; the strategy that drives it lives with the other strategies.
+(docs/strategies.md §5.8). Pure math; the strategy that drives it lives with the other strategies.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class _VocabTerms(NamedTuple):
 
 
 class SCDDLoss(nn.Module):
-    """Discrete-time SCDD NELBO (spec §5.8). The p_mask slot carries the diffusion time t per row.
+    """Discrete-time SCDD NELBO (docs/strategies.md §5.8). The p_mask slot carries the diffusion time t per row.
 
     Absorbed (z = M):   J = −κ·(β_s·Σ + ρ_s·τ_x)
     Visible  (z ≠ M):   J = −[β_s c_u (Σ − KΛ) + ρ_s c_u (τ_x − Λ) + β_s c_c (τ_z − Λ) + ρ_s c_c δ (τ_x − Λ)]

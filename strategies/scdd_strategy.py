@@ -1,4 +1,4 @@
-"""`scdd` strategy (spec §8.2): self-correcting discrete diffusion on a masked-diffusion backbone.
+"""`scdd` strategy (docs/strategies.md §8.2): self-correcting discrete diffusion on a masked-diffusion backbone.
 
 Corruption mixes the absorbing [MASK] channel with a uniform "different token" channel at a grid
 time t (the p_mask slot carries t); the loss is SCDD's discrete-time NELBO. The model sees noisy

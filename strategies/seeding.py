@@ -1,4 +1,4 @@
-"""Topology-independent per-sample noise seeds (spec §3).
+"""Topology-independent per-sample noise seeds (docs/strategies.md §3).
 
 A sample's corruption noise is a pure function of (base seed, optimizer step, global sample
 index), so it is identical across resume, across 1 vs N data-parallel ranks and across any

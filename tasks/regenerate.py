@@ -1,7 +1,7 @@
 """Stage `regenerate` (DFlash, optional): training rows rewritten by the frozen target.
 
 A draft proposes what the *target* would say, so it learns best from the target's own text (DFlash
-paper §5.1; spec §10.7). With `dflash.regenerate` set, every training row keeps its first
+paper §5.1; docs/strategies.md §10.7). With `dflash.regenerate` set, every training row keeps its first
 `prompt_len` tokens and the target samples the rest at `temperature` (seeded: the same key
 regenerates the same rows); only the sampled continuation is supervised. The validation split and
 the tokenizer are carried over unchanged, so evaluation still measures real text. The entry has

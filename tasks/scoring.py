@@ -1,4 +1,4 @@
-"""Sample-quality metrics shared by every generator (evaluation spec §4.5).
+"""Sample-quality metrics shared by every generator (docs/evaluation.md §4.5).
 
 - `eval/gen_ppl`: exp of the mean NLL a frozen causal scorer assigns to the *generated* tokens,
   conditioned on the prompt, after retokenizing prompt and sample text with the scorer's tokenizer.

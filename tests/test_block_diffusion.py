@@ -1,5 +1,5 @@
 """BlockDiffusionStrategy, BlockDiffusionLM, the response window, the uniform-noise bound and the
-canvas sampler (spec §8.6, §9, §14.5; evaluation spec §4.2)."""
+canvas sampler (docs/strategies.md §8.6, §9, §14.5; docs/evaluation.md §4.2)."""
 
 import math
 
@@ -35,7 +35,7 @@ def _strategy(**cfg):
     return BlockDiffusionStrategy({"vocab_size": V, "block_size": 4, **cfg})
 
 
-# ------------------------------------------------------------------ strategy contract (spec §14.5)
+# ------------------------------------------------------------------ strategy contract (docs/strategies.md §14.5)
 
 
 def test_registered_supervised_normalization_and_loss():
@@ -89,7 +89,7 @@ def test_multi_turn_rows_are_rejected():
         s.validate_data(torch.tensor([[0, 0, 1, 1], [0, 1, 0, 1]]), torch.ones(2, 4))
 
 
-# ------------------------------------------------------------------ response window and masks (spec §9.2, §6.3)
+# ---------------------------------------------- response window and masks (docs/strategies.md §9.2, §6.3)
 
 
 def _reference_keep(P, R_b, R, S, bs, b_rows):
@@ -162,7 +162,7 @@ def test_pre_step_denominators_and_per_sample_reproducible_choices():
     assert torch.equal(torch.cat([h.extras.self_condition for h in halves]), corrupted[0].extras.self_condition)
 
 
-# ------------------------------------------------------------------ the model (spec §9.5)
+# ------------------------------------------------------------------ the model (docs/strategies.md §9.5)
 
 
 def test_model_leakage_own_block_hidden_earlier_blocks_visible():

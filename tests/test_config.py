@@ -2,6 +2,7 @@
 
 import pytest
 from conftest import ROOT
+from pydantic import ValidationError
 
 from dllm_common.config import ConfigError, PipelineSpec, apply_overrides, flatten
 from strategies.options import REGISTRY, load_config, resolve_options, validate_config
@@ -66,7 +67,7 @@ def test_bad_override_syntax():
 
 def test_models_are_frozen():
     spec = PipelineSpec()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         spec.train.steps = 3
 
 
@@ -100,7 +101,7 @@ def test_each_strategy_owns_frozen_options_that_refuse_unknown_keys(name):
     options_cls = REGISTRY[name].options
     defaults = options_cls()
     assert defaults.eps == 1e-3 and defaults.mask_token_id is None
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         defaults.eps = 0.5  # frozen
     with pytest.raises(Exception, match="extra"):
         options_cls.model_validate({"not_an_option": 1})

@@ -1,4 +1,4 @@
-"""Corruption kernels of strategies/corruption.py (spec §4) against the properties of §14.1
+"""Corruption kernels of strategies/corruption.py (docs/strategies.md §4) against the properties of §14.1
 (fixture: B=4, L=32, mask 999, ids < 100, first 24 positions supervised)."""
 
 import pytest

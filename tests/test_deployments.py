@@ -1,7 +1,8 @@
 """Integration: the operations stack exactly as the README runs it, on 127.0.0.1.
 
 `make server` (Prefect server + MLflow server, databases migrated first), `make deploy` (work pools
-cpu and gpu, every deployment of deployments/prefect.yaml, the dead-worker automation), `make worker-cpu` and `make worker-gpu`;
+cpu and gpu, every deployment of deployments/prefect.yaml, the dead-worker automation), `make worker-cpu`
+and `make worker-gpu`;
 then the `smoke-gpu-training` deployment is triggered: the pipeline runs on the cpu worker and
 submits its training to the `train-gpu` deployment, which the gpu worker runs. Then a deployment
 run left Running with a silent worker is marked Crashed by the automation and `prefect flow-run

@@ -1,4 +1,4 @@
-"""DFlash pieces (spec §5.7, §6.2, §10, §14): layer ids, anchors, the mask against an element-wise
+"""DFlash pieces (docs/strategies.md §5.7, §6.2, §10, §14): layer ids, anchors, the mask against an element-wise
 reference (dense and flex), the decay loss by hand, leakage, and speculative decoding = greedy."""
 
 import copy
@@ -134,7 +134,9 @@ def test_anchor_blocks_follow_the_spec_and_reproduce_from_seeds():
     gens = lambda: [torch.Generator().manual_seed(s) for s in (11, 12)]  # noqa: E731
     blocks = sample_anchor_blocks(x, attn, None, block_size=4, num_blocks=3, mask_token_id=MASK, generators=gens())
     again = sample_anchor_blocks(x, attn, None, block_size=4, num_blocks=3, mask_token_id=MASK, generators=gens())
-    assert all(torch.equal(a, b) for a, b in zip(blocks, again))  # per-row generators: resume-reproducible (G5)
+    assert all(
+        torch.equal(a, b) for a, b in zip(blocks, again)
+    )  # per-row generators: resume-reproducible (docs/reference-differences.md G5)
     a = blocks.anchors
     assert ((a[0] >= 1) & (a[0] <= 16)).all()  # maxA = valid − bs
     assert blocks.keep[0].all() and not blocks.keep[1].any()
@@ -146,7 +148,8 @@ def test_anchor_blocks_follow_the_spec_and_reproduce_from_seeds():
 
 
 def test_non_overlapping_sampler_with_fewer_slots_than_blocks_does_not_break():
-    """G3: shortest valid length 26, block 8, N ≥ 3 → n_valid 3 but only 2 free offsets."""
+    """docs/reference-differences.md G3: shortest valid length 26, block 8, N ≥ 3 → n_valid 3 but only 2
+    free offsets."""
     x = torch.randint(0, 50, (2, 30))
     attn = torch.ones(2, 30, dtype=torch.long)
     attn[0, 26:] = 0
@@ -187,7 +190,8 @@ def pair():
 
 @pytest.mark.parametrize("n_blocks", [1, 3])
 def test_no_leakage_from_context_at_or_after_the_anchor(pair, n_blocks):
-    """G1 fixed: perturbing target features at positions ≥ each block's anchor leaves its logits unchanged."""
+    """docs/reference-differences.md G1 fixed: perturbing target features at positions ≥ each block's anchor
+    leaves its logits unchanged."""
     target, draft = pair
     x = torch.randint(0, 60, (1, 24), generator=torch.Generator().manual_seed(2))
     feats, _, _ = target_features(target, x, draft.config.target_layer_ids)

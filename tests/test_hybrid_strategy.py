@@ -1,4 +1,5 @@
-"""HybridStrategy and HybridLM (spec §8.3, §14.5): config, corruption, inputs, two streams, leakage, training."""
+"""HybridStrategy and HybridLM (docs/strategies.md §8.3, §14.5): config, corruption, inputs, two streams,
+leakage, training."""
 
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""IDLMStrategy (spec §8.4, §14.5): config, setup errors, corruption, the [x_t ‖ x_0] forward, training."""
+"""IDLMStrategy (docs/strategies.md §8.4, §14.5): config, setup errors, corruption, the [x_t ‖ x_0] forward,
+training."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The losses of strategies/losses.py (spec §5.2–5.6) against hand formulas and §14.3 properties."""
+"""The losses of strategies/losses.py (docs/strategies.md §5.2–5.6) against hand formulas and §14.3 properties."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Attention masks against element-wise reference predicates written with plain loops (spec §6, §14.4)."""
+"""Attention masks against element-wise reference predicates written with plain loops (docs/strategies.md §6, §14.4)."""
 
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""The samplers of strategies/sampling.py (spec §11): the plain absorbing one (no masks left, prompts untouched,
+"""The samplers of strategies/sampling.py (docs/strategies.md §11): the plain absorbing one (no masks left,
+prompts untouched,
 windows respected, confident denoiser exact), infilling, I-DLM shift, hybrid AR-seeded blocks, SCDD ancestral
 (self-correction), and determinism for a fixed seed."""
 

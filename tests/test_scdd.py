@@ -1,4 +1,5 @@
-"""SCDD of strategies/scdd.py: `scdd_schedule` and `SCDDLoss` (spec §5.8) against hand formulas and §14.3 properties."""
+"""SCDD of strategies/scdd.py: `scdd_schedule` and `SCDDLoss` (docs/strategies.md §5.8) against hand formulas
+and docs/strategies.md §14.3 properties."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""SCDDStrategy (spec §8.2, §14.5 [PR]): config threading, setup checks, corruption contract, training."""
+"""SCDDStrategy (docs/strategies.md §8.2, §14.5 [PR]): config threading, setup checks, corruption contract, training."""
 
 import pytest
 import torch

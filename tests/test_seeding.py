@@ -1,4 +1,4 @@
-"""The topology-independent per-sample seeding of strategies/seeding.py (spec §3)."""
+"""The topology-independent per-sample seeding of strategies/seeding.py (docs/strategies.md §3)."""
 
 import pytest
 

@@ -12,14 +12,15 @@ from strategies import (
     StepContext,
     get_dllm_strategy,
 )
-from strategies.options import MDLMOptions
 from strategies.models import build_model, tiny_model_config
+from strategies.options import MDLMOptions
 
 
 def test_unknown_mode_lists_available():
     with pytest.raises(
         ValueError,
-        match=r"Unknown dllm.mode: 'nope'. Available: \['block_diffusion', 'dflash', 'hybrid', 'idlm', 'mdlm', 'scdd'\]",
+        match=r"Unknown dllm.mode: 'nope'. Available: "
+        r"\['block_diffusion', 'dflash', 'hybrid', 'idlm', 'mdlm', 'scdd'\]",
     ):
         get_dllm_strategy("nope")
 
