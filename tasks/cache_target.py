@@ -54,7 +54,7 @@ def cache_target(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: 
     """Publish (or reuse) the feature cache of `target` over both prepared splits."""
     stage, key = stage_of(spec, target, data, workdir)
     entry, reused = store_for(workdir).reuse_or_build(stage, key, lambda out: _build(spec, target, data, out))
-    ref = StageRef(STAGE, entry.key, str(entry.path), reused=reused, info=entry.manifest["info"])
+    ref = StageRef.of(entry, reused)
     if not reused:
         info = ref.info
         print(

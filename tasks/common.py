@@ -30,6 +30,13 @@ class StageRef:
     def as_reused(self) -> StageRef:
         return replace(self, reused=True)
 
+    @classmethod
+    def of(cls, entry, reused: bool, name: str | None = None, run_id_key: str = "mlflow_run_id", **info) -> StageRef:
+        """The descriptor of a published store entry: its manifest's `info` (plus `info` given here); the
+        MLflow run is `info[run_id_key]`; `name` defaults to the entry's stage."""
+        merged = {**entry.manifest["info"], **info}
+        return cls(name or entry.stage, entry.key, str(entry.path), reused, merged.get(run_id_key), merged)
+
 
 def code_version(*modules: str) -> str:
     """sha256 over the source of the named modules/packages: editing them invalidates the cache."""

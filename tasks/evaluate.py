@@ -275,15 +275,7 @@ def load_trained_model(ckpt: Path, device: str):
 
 
 def _ref(entry, strategy: str, reused: bool) -> StageRef:
-    info = entry.manifest["info"]
-    return StageRef(
-        f"evaluate[{strategy}]",
-        entry.key,
-        str(entry.path),
-        reused=reused,
-        mlflow_run_id=info.get("train_run_id"),
-        info=info,
-    )
+    return StageRef.of(entry, reused, f"evaluate[{strategy}]", run_id_key="train_run_id")
 
 
 evaluate_task = prefect_task(evaluate, name="evaluate", stage_of=stage_of)

@@ -272,7 +272,7 @@ def prepare_data(spec: PipelineSpec, workdir: str) -> StageRef:
     """Build (or reuse) the tokenizer and the train/val tensors for this config's data slice."""
     _, key = stage_of(spec, workdir)
     entry, reused = store_for(workdir).reuse_or_build(STAGE, key, lambda tmp: _build(spec, tmp))
-    return _ref(entry, reused)
+    return data_ref(entry, reused)
 
 
 def _build(spec: PipelineSpec, tmp: Path) -> dict:
@@ -303,11 +303,9 @@ def data_digest(manifest: dict) -> str:
     ).hexdigest()
 
 
-def _ref(entry, reused: bool) -> StageRef:
-    manifest = entry.manifest
-    return StageRef(
-        STAGE, entry.key, str(entry.path), reused=reused, info={**manifest["info"], "digest": data_digest(manifest)}
-    )
+def data_ref(entry, reused: bool) -> StageRef:
+    """The descriptor of a prepared (or regenerated) data entry: its info plus the rows' digest."""
+    return StageRef.of(entry, reused, digest=data_digest(entry.manifest))
 
 
 def _summarize(train, val, train_docs, val_docs, tokenizer) -> dict:

@@ -25,7 +25,7 @@ from dllm_common.store import stage_key
 from strategies.dflash import sample_continuations
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.dflash_setup import load_spec_target
-from tasks.prepare_data import data_digest, load_split
+from tasks.prepare_data import data_ref, load_split
 from tasks.runtime import stage_device
 
 STAGE = "regenerate"
@@ -51,7 +51,7 @@ def regenerate(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: st
             f"prompts at T={cfg.temperature} in {info['regenerate_seconds']:.1f}s",
             flush=True,
         )
-    return _ref(entry, reused)
+    return data_ref(entry, reused)
 
 
 def _build(spec: PipelineSpec, target: StageRef, data: StageRef, tmp: Path) -> dict:
@@ -112,13 +112,6 @@ def _sample(spec: PipelineSpec, target: StageRef, ids: torch.Tensor, rows: torch
         parts.append(sample_continuations(model, prompts, seq_len - cfg.prompt_len, cfg.temperature, gen).cpu())
     new_ids = torch.cat(parts)
     return new_ids, round(time.perf_counter() - t0, 2)
-
-
-def _ref(entry, reused: bool) -> StageRef:
-    manifest = entry.manifest
-    return StageRef(
-        STAGE, entry.key, str(entry.path), reused=reused, info={**manifest["info"], "digest": data_digest(manifest)}
-    )
 
 
 regenerate_task = prefect_task(regenerate, name="regenerate", stage_of=stage_of)

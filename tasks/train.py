@@ -301,15 +301,7 @@ def train(
 
 
 def _ref(entry, strategy: str, reused: bool) -> StageRef:
-    info = entry.manifest["info"]
-    return StageRef(
-        f"train[{strategy}]",
-        entry.key,
-        str(entry.path),
-        reused=reused,
-        mlflow_run_id=info.get("mlflow_run_id"),
-        info=info,
-    )
+    return StageRef.of(entry, reused, f"train[{strategy}]")
 
 
 def model_dir(ref: StageRef) -> Path:
