@@ -9,6 +9,7 @@ in `work_dir(stage, key)`, which is separate from the published entry.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -88,8 +89,6 @@ class Store:
         """Exclusive cross-process lock on one entry (`fcntl.flock` on `<stage>/<key>.lock`), so two
         workers never compute the same expensive entry: the second waits, then finds it published.
         The kernel drops the lock when its holder dies, so a crashed worker never wedges the store."""
-        import fcntl
-
         path = self.root / stage / f"{key}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as handle:

@@ -90,14 +90,14 @@ def cmd_resume(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    """The resolved config, then each strategy's options exactly as training will use them."""
+    """One JSON document: the resolved config, and each strategy's options exactly as training uses them
+    (`null` there is resolved when the model is built: mask_token_id → the tokenizer's [MASK],
+    vocab_size → the model's vocabulary; a DFlash block_size of 0 → the draft checkpoint's)."""
     from strategies.options import check_spec
 
     spec = load_config(args.config, args.set)
-    print(json.dumps(spec.model_dump(mode="json"), indent=2))
     options = {name: opts.model_dump(mode="json") for name, opts in check_spec(spec).items()}
-    print("# strategy options (what training uses)")
-    print(json.dumps(options, indent=2))
+    print(json.dumps({"config": spec.model_dump(mode="json"), "strategy_options": options}, indent=2))
     return 0
 
 

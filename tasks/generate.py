@@ -83,14 +83,26 @@ def load_for_generation(ckpt: Path, device: str, adapter: str | None = None) -> 
     if adapter:
         apply_adapter(model, adapter)
     tokenizer = load_tokenizer(str(ckpt))
-    name, options = meta["strategy"], meta.get("options", {})
+    name = meta["strategy"]
+    options = checkpoint_options(meta, strategy_class(name).Options.model_fields)
     if strategy_class(name).trains == "draft":  # the draft decodes for the frozen target its checkpoint names
         t = meta["target"]
-        target = load_target(t["path"], t["torch_dtype"], device, t["trust_remote_code"])
+        dtype = t.get("torch_dtype", meta.get("dflash", {}).get("target_torch_dtype", "float32"))
+        remote = t.get("trust_remote_code", meta.get("dflash", {}).get("target_trust_remote_code", False))
+        target = load_target(t["path"], dtype, device, remote)
         built = draft_strategy(name, options, model, target, mask_token_id=meta["mask_token_id"])
     else:
         built = assemble_strategy(name, options, model, tokenizer, mask_token_id=meta["mask_token_id"])
     return Loaded(model, tokenizer, built.strategy, built.mask_token_id, meta)
+
+
+def checkpoint_options(meta: dict, declared) -> dict:
+    """The strategy options a checkpoint records (`options`); a checkpoint written before strategies had
+    typed options recorded the whole `dllm:` (and `dflash:`) section: its declared keys are kept."""
+    if "options" in meta:
+        return meta["options"]
+    legacy = {**meta.get("dllm", {}), **meta.get("dflash", {})}
+    return {k: v for k, v in legacy.items() if k in declared}
 
 
 def check_sampler(strategy_name: str, sampler: str, infill: bool) -> str:

@@ -199,7 +199,12 @@ def test_bad_input_gets_one_clear_error(tmp_path, capsys):
 
 def test_validate_prints_resolved_config(capsys):
     out = cli_here(capsys, "validate", "configs/smoke.yaml", "--set", "train.steps=5")
-    assert out.returncode == 0 and json.loads(out.stdout)["train"]["steps"] == 5
+    assert out.returncode == 0 and json.loads(out.stdout)["config"]["train"]["steps"] == 5
+    # per strategy, exactly the options training uses: shared keys it declares, then its overrides
+    compare = cli_here(capsys, "validate", "configs/compare.yaml", "--set", "dllm.overrides.idlm.block_length=3")
+    options = json.loads(compare.stdout)["strategy_options"]
+    assert options["block_diffusion"]["block_size"] == 16 and options["hybrid"]["block_size"] is None
+    assert options["idlm"]["block_length"] == 3 and "block_length" not in options["mdlm"]
 
 
 def test_sigkilled_training_is_marked_crashed_and_resume_reruns_it(tmp_path, capsys, prefect_api):

@@ -35,3 +35,14 @@ def test_a_strategy_with_an_invalid_normalization_mode_is_rejected(monkeypatch):
     monkeypatch.setitem(DLLM_STRATEGIES, "mdlm", Broken)
     with pytest.raises(ValueError, match="Invalid normalization_mode 'tokens'.*Must be 'supervised' or 'noise'"):
         assemble_strategy("mdlm", {}, None, None, mask_token_id=3)
+
+
+def test_checkpoints_written_before_typed_options_still_rebuild_their_strategy():
+    from strategies.options import DFlashOptions, MDLMOptions
+    from tasks.generate import checkpoint_options
+
+    assert checkpoint_options({"options": {"eps": 0.02}}, MDLMOptions.model_fields) == {"eps": 0.02}
+    legacy = {"dllm": {"mode": "mdlm", "eps": 0.01, "block_size": None, "loss_weighting": "flat"}}
+    assert checkpoint_options(legacy, MDLMOptions.model_fields) == {"eps": 0.01, "loss_weighting": "flat"}
+    draft = {"dllm": {"eps": 0.01, "block_size": None}, "dflash": {"block_size": 8, "target_features": "cached"}}
+    assert checkpoint_options(draft, DFlashOptions.model_fields) == {"eps": 0.01, "block_size": 8}
