@@ -24,13 +24,8 @@ import time
 import torch
 
 from strategies import Microbatch, SetupContext, StepContext
-from strategies.dflash import (
-    DFlashDraftConfig,
-    DFlashDraftModel,
-    _build_target_layer_ids,
-    create_dflash_block_mask,
-    create_dflash_sdpa_mask,
-)
+from strategies.dflash import _build_target_layer_ids, create_dflash_block_mask, create_dflash_sdpa_mask
+from strategies.dflash_draft import DFlashDraftConfig, DFlashDraftModel
 from strategies.dflash_strategy import CachedFeatures, DFlashStrategy
 from strategies.feature_cache import write_feature_cache
 from strategies.models import build_model, count_parameters, tiny_model_config

@@ -16,13 +16,12 @@ from strategies.corruption import (
 )
 from strategies.dflash import (
     DFlashDecayLoss,
-    DFlashDraftModel,
     _build_target_layer_ids,
     create_dflash_block_mask,
     create_dflash_sdpa_mask,
     sample_anchor_blocks,
-    speculative_generate,
 )
+from strategies.dflash_draft import DFlashDraftModel, speculative_generate
 from strategies.dflash_strategy import DFlashStrategy
 from strategies.hybrid_strategy import HybridStrategy
 from strategies.idlm_strategy import IDLMStrategy

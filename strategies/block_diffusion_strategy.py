@@ -30,8 +30,8 @@ from strategies.losses import (
 from strategies.masks import build_block_diffusion_training_mask
 from strategies.models import BLOCK_DIFFUSION
 from strategies.options import BlockDiffusionOptions, StrategyOptions
-from strategies.sampling import block_canvas_sample
 from strategies.seeding import seeded_generator
+from strategies.uniform_sampling import block_canvas_sample
 
 _AUX_SEED_XOR = 0x5DEECE66D  # separates the block-choice / self-conditioning stream from the corruption stream
 

@@ -26,14 +26,13 @@ from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupConte
 from strategies.corruption import corrupt_uniform
 from strategies.dflash import (
     DFlashDecayLoss,
-    _embed_and_head,
     block_position_ids,
     create_dflash_block_mask,
     create_dflash_sdpa_mask,
     default_gamma,
     sample_anchor_blocks,
-    target_features,
 )
+from strategies.dflash_draft import _embed_and_head, target_features
 from strategies.losses import DLLMLossOutput
 from strategies.options import DFlashOptions, StrategyOptions
 from strategies.seeding import seeded_generator

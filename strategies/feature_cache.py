@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from strategies.dflash import target_features
+from strategies.dflash_draft import target_features
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

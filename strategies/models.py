@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
 
-from strategies.dflash import DFlashDraftConfig, DFlashDraftModel
+from strategies.dflash_draft import DFlashDraftConfig, DFlashDraftModel
 
 BIDIRECTIONAL_MASK = "bidirectional_4d"
 NATIVE = "native"

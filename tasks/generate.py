@@ -20,7 +20,7 @@ import torch
 from dllm_common.checkpoint import read_meta
 from dllm_common.tracking import default_tracking_uri, quiet_environment
 from strategies import assemble_strategy, strategy_class
-from strategies.dflash import speculative_generate
+from strategies.dflash_draft import speculative_generate
 from strategies.models import apply_adapter
 from strategies.sampling import (
     ABSORBING,
@@ -87,8 +87,9 @@ def load_for_generation(ckpt: Path, device: str, adapter: str | None = None) -> 
     options = checkpoint_options(meta, strategy_class(name).Options.model_fields)
     if strategy_class(name).trains == "draft":  # the draft decodes for the frozen target its checkpoint names
         t = meta["target"]
-        dtype = t.get("torch_dtype", meta.get("dflash", {}).get("target_torch_dtype", "float32"))
-        remote = t.get("trust_remote_code", meta.get("dflash", {}).get("target_trust_remote_code", False))
+        section = meta.get(name, {})  # a checkpoint from before typed options kept its strategy's config section
+        dtype = t.get("torch_dtype", section.get("target_torch_dtype", "float32"))
+        remote = t.get("trust_remote_code", section.get("target_trust_remote_code", False))
         target = load_target(t["path"], dtype, device, remote)
         built = draft_strategy(name, options, model, target, mask_token_id=meta["mask_token_id"])
     else:
@@ -101,7 +102,7 @@ def checkpoint_options(meta: dict, declared) -> dict:
     typed options recorded the whole `dllm:` (and `dflash:`) section: its declared keys are kept."""
     if "options" in meta:
         return meta["options"]
-    legacy = {**meta.get("dllm", {}), **meta.get("dflash", {})}
+    legacy = {**meta.get("dllm", {}), **meta.get(meta.get("strategy", ""), {})}
     return {k: v for k, v in legacy.items() if k in declared}
 
 

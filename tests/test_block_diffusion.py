@@ -22,7 +22,8 @@ from strategies import (
 from strategies.block_diffusion_strategy import CanvasExtras, batched_block_mask, supervised_runs
 from strategies.losses import encoder_ar_loss, per_token_nll
 from strategies.models import BlockDiffusionLM, DLLMOutput, build_model, model_from_config_dir, tiny_model_config
-from strategies.sampling import SamplerConfig, SampleResult, block_canvas_sample, uniform_posterior
+from strategies.sampling import SamplerConfig, SampleResult
+from strategies.uniform_sampling import block_canvas_sample, uniform_posterior
 
 V = 50
 

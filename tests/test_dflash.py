@@ -10,20 +10,22 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-import strategies.dflash as dflash
+import strategies.dflash_draft as dflash_draft
 from strategies import Microbatch, SetupContext, StepContext, assemble_strategy
 from strategies.dflash import (
     DFlashDecayLoss,
-    DFlashDraftConfig,
-    DFlashDraftModel,
     _build_target_layer_ids,
     acceptance_from_correct,
     build_dflash_mask_mod,
     create_dflash_block_mask,
     create_dflash_sdpa_mask,
+    sample_anchor_blocks,
+)
+from strategies.dflash_draft import (
+    DFlashDraftConfig,
+    DFlashDraftModel,
     draft_block_logits,
     greedy_generate,
-    sample_anchor_blocks,
     speculative_generate,
     target_features,
 )
@@ -243,7 +245,7 @@ def test_perfect_proposals_are_all_accepted(pair, monkeypatch):
             logits[0, j, truth[min(start + j - 1, len(truth) - 1)]] = 10.0
         return logits
 
-    monkeypatch.setattr(dflash, "draft_block_logits", oracle)
+    monkeypatch.setattr(dflash_draft, "draft_block_logits", oracle)
     spec = speculative_generate(target, draft, prompt, max_new_tokens=40)
     assert spec.tokens == truth and spec.acceptance[:-1] == [4] * (len(spec.acceptance) - 1)
 

@@ -71,7 +71,7 @@ def test_cache_holds_the_selected_layers_of_every_row_and_is_reused(dflash_run, 
     spec, data, workdir, tgt, feats, _ = dflash_run
     from safetensors import safe_open
 
-    from strategies.dflash import target_features
+    from strategies.dflash_draft import target_features
     from tasks.dflash_setup import load_target
     from tasks.prepare_data import load_split
 
@@ -112,7 +112,7 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     meta = json.loads((ckpt / "dllm.json").read_text())
     assert meta["target"]["path"] == tgt.info["model_path"] and meta["options"]["block_size"] == 4
     from dllm_common.checkpoint import load_weights_into
-    from strategies.dflash import DFlashDraftModel
+    from strategies.dflash_draft import DFlashDraftModel
     from strategies.models import model_from_config_dir
 
     draft = model_from_config_dir(ckpt)
@@ -125,7 +125,7 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     assert {f"dflash/acc_k{k}" for k in (1, 2, 3)} <= set(m) and m["dflash/speedup"] > 0
     assert m["eval/ar_nll"] > 0 and m["eval/tokens_per_forward"] >= 1.0
     # `dllm-flow generate` rebuilds draft + target from the checkpoint: the text is the target's greedy text
-    from strategies.dflash import greedy_generate
+    from strategies.dflash_draft import greedy_generate
     from strategies.sampling import SamplerConfig
     from tasks.generate import Request, check_sampler, generate, load_for_generation
 
@@ -309,7 +309,7 @@ def test_regenerated_rows_are_the_targets_own_text_and_reproduce(dflash_run, tmp
     T>0), only the continuation supervised, validation untouched; the draft trains on it."""
     from safetensors.torch import load_file
 
-    from strategies.dflash import greedy_generate
+    from strategies.dflash_draft import greedy_generate
     from tasks.dflash_setup import load_target
     from tasks.prepare_data import load_split
     from tasks.regenerate import regenerate

@@ -44,5 +44,9 @@ def test_checkpoints_written_before_typed_options_still_rebuild_their_strategy()
     assert checkpoint_options({"options": {"eps": 0.02}}, MDLMOptions.model_fields) == {"eps": 0.02}
     legacy = {"dllm": {"mode": "mdlm", "eps": 0.01, "block_size": None, "loss_weighting": "flat"}}
     assert checkpoint_options(legacy, MDLMOptions.model_fields) == {"eps": 0.01, "loss_weighting": "flat"}
-    draft = {"dllm": {"eps": 0.01, "block_size": None}, "dflash": {"block_size": 8, "target_features": "cached"}}
+    draft = {
+        "strategy": "dflash",
+        "dllm": {"eps": 0.01, "block_size": None},
+        "dflash": {"block_size": 8, "target_features": "cached"},
+    }
     assert checkpoint_options(draft, DFlashOptions.model_fields) == {"eps": 0.01, "block_size": 8}

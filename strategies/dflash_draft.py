@@ -1,0 +1,261 @@
+"""The DFlash draft and decoding (docs/strategies.md §8.5, §10): the draft model that reads the frozen
+target's hidden states as context, the target-feature extraction, and greedy speculative decoding whose
+output equals target-only greedy decoding. The anchors, mask and loss are in `strategies.dflash`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_model, save_model
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import flex_attention
+from transformers import DynamicCache
+
+from strategies.dflash import block_position_ids, create_dflash_sdpa_mask
+
+# ---------------------------------------------------------------------------------------- draft
+
+
+@dataclass
+class DFlashDraftConfig:
+    hidden_size: int  # = the target's hidden size (the draft reads target embeddings, writes to its head)
+    num_layers: int
+    num_heads: int
+    num_target_features: int  # len(target_layer_ids)
+    target_hidden_size: int
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    intermediate_size: int | None = None
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def save_pretrained(self, dest: str | Path) -> None:
+        """Write `dflash_draft.json` (the checkpoint writer calls this like an HF config's)."""
+        Path(dest, DFlashDraftModel.CONFIG).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> DFlashDraftConfig:
+        f = Path(path) / DFlashDraftModel.CONFIG
+        if not f.is_file():
+            raise FileNotFoundError(f"{path} is not a DFlash draft checkpoint (no {DFlashDraftModel.CONFIG})")
+        return cls(**json.loads(f.read_text()))
+
+
+def _rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Rotary embedding over the last dim of x [B, H, T, D] at integer positions [B, T]."""
+    dim = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+    ang = positions[:, None, :, None].float() * inv  # [B,1,T,D/2]
+    cos, sin = ang.cos().repeat_interleave(2, -1).to(x.dtype), ang.sin().repeat_interleave(2, -1).to(x.dtype)
+    pair = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+    return x * cos + pair * sin
+
+
+class _DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashDraftConfig):
+        super().__init__()
+        h, inner = cfg.hidden_size, cfg.intermediate_size or 3 * cfg.hidden_size
+        self.cfg = cfg
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(h, eps=cfg.rms_eps), nn.RMSNorm(h, eps=cfg.rms_eps)
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
+        self.gate, self.up, self.down = (
+            nn.Linear(h, inner, bias=False),
+            nn.Linear(h, inner, bias=False),
+            nn.Linear(inner, h, bias=False),
+        )
+
+    def forward(self, x: Tensor, ctx: Tensor, positions: Tensor, mask) -> Tensor:
+        cfg, (bsz, q_len, _), s = self.cfg, x.shape, ctx.shape[1]
+        heads = lambda t: t.view(bsz, t.shape[1], cfg.num_heads, cfg.head_dim).transpose(1, 2)  # noqa: E731
+        h = self.attn_norm(x)
+        q = _rope(heads(self.q(h)), positions[:, s:], cfg.rope_theta)
+        kv_in = torch.cat([ctx, h], dim=1)  # context features enter as keys/values only
+        k = _rope(heads(self.k(kv_in)), positions, cfg.rope_theta)
+        v = heads(self.v(kv_in))
+        if mask is None or isinstance(mask, Tensor):
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:  # flex BlockMask
+            a = flex_attention(q, k, v, block_mask=mask)
+        x = x + self.o(a.transpose(1, 2).reshape(bsz, q_len, -1))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class DFlashDraftModel(nn.Module):
+    """Spec §10.1: `fc` projects the concatenated target features n·H_t → H (RMS-normed once); every
+    layer takes queries from the block tokens only and keys/values from [context ; block] with RoPE
+    over [context positions ; block positions]; a final RMSNorm. No embedding or head of its own:
+    block inputs are the frozen target's embeddings and outputs go through the target's LM head."""
+
+    CONFIG = "dflash_draft.json"
+    WEIGHTS = "model.safetensors"
+
+    def __init__(self, cfg: DFlashDraftConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_target_features * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.ctx_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
+        self.layers = nn.ModuleList(_DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
+
+    def forward(
+        self, target_hidden: Tensor, noise_embedding: Tensor, position_ids: Tensor, attention_mask=None
+    ) -> Tensor:
+        ctx = self.ctx_norm(self.fc(target_hidden))
+        x = noise_embedding
+        for layer in self.layers:
+            x = layer(x, ctx, position_ids, attention_mask)
+        return self.norm(x)
+
+    def save(self, dest: str | Path) -> None:
+        """Self-describing checkpoint: config JSON + safetensors, written atomically by the caller's dir swap."""
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(dest)
+        save_model(self, str(dest / self.WEIGHTS))
+
+    @classmethod
+    def load(cls, path: str | Path, device="cpu") -> DFlashDraftModel:
+        model = cls(DFlashDraftConfig.from_dir(path))
+        load_model(model, str(Path(path) / cls.WEIGHTS), device=str(device))
+        return model
+
+
+def target_features(target: nn.Module, input_ids: Tensor, layer_ids: list[int], past_key_values=None):
+    """Concatenated hidden states of `layer_ids` ([B, L, n·H]; index 0 is the embedding output, so
+    layer l is hidden_states[l + 1]), the logits, and the cache."""
+    kwargs = {"cache": past_key_values, "use_cache": True} if past_key_values is not None else {"use_cache": False}
+    out = target(input_ids=input_ids, output_hidden_states=True, **kwargs)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return feats, out.logits, past_key_values  # the cache is updated in place
+
+
+def _embed_and_head(target: nn.Module):
+    emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+    if emb is None or head is None:
+        raise ValueError("Target model must expose input embeddings and lm_head.")
+    return emb, head
+
+
+def draft_block_logits(
+    draft: DFlashDraftModel, target: nn.Module, ctx_features: Tensor, anchors: Tensor, keep: Tensor, block_ids: Tensor
+) -> Tensor:
+    """Logits [B, N·bs, V] of the draft for N blocks under the (always applied) DFlash mask."""
+    emb, head = _embed_and_head(target)
+    bs = draft.config.block_size
+    s = ctx_features.shape[1]
+    noise = emb(block_ids).to(ctx_features.dtype)
+    positions = block_position_ids(anchors, s, bs)
+    mask = create_dflash_sdpa_mask(anchors, keep, s, bs, dtype=noise.dtype)
+    return head(draft(ctx_features, noise, positions, mask))
+
+
+# ---------------------------------------------------------------------------------------- decoding
+
+
+@dataclass
+class SpeculativeResult:
+    tokens: list[int]  # generated tokens (prompt excluded)
+    acceptance: list[int]  # a_c + 1 per cycle
+    target_forwards: int
+
+    @property
+    def tau(self) -> float:
+        return sum(self.acceptance) / max(len(self.acceptance), 1)
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: nn.Module, draft: DFlashDraftModel, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None
+) -> SpeculativeResult:
+    """Greedy DFlash decoding: the draft proposes bs − 1 tokens after the anchor in one forward, the
+    target verifies them in one forward, the longest matching prefix plus the target's bonus token is
+    committed, and the target cache is cropped to what was committed. Output = target-only greedy."""
+    cfg = draft.config
+    bs, device = cfg.block_size, next(draft.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    feats, logits, cache = target_features(target, ids, cfg.target_layer_ids, past_key_values=_new_cache(target))
+    out: list[int] = [int(logits[0, -1].argmax())]  # the prefill's token: the first anchor
+    committed = len(prompt)  # tokens the target has processed (and whose features we hold)
+    ctx = feats
+    acceptance, forwards = [], 1
+    while len(out) < max_new_tokens and not (eos_token_id is not None and out[-1] == eos_token_id):
+        anchor = torch.tensor([[committed]], device=device)
+        block = torch.full((1, bs), cfg.mask_token_id, device=device)
+        block[0, 0] = out[-1]
+        proposal = draft_block_logits(draft, target, ctx, anchor, torch.ones_like(anchor, dtype=torch.bool), block)[
+            0, 1:
+        ].argmax(-1)
+        verify_in = torch.cat([block[:, :1], proposal[None]], dim=1)  # anchor + bs − 1 proposals
+        v_feats, v_logits, cache = target_features(target, verify_in, cfg.target_layer_ids, past_key_values=cache)
+        forwards += 1
+        greedy = v_logits[0].argmax(-1)  # target's choice after each verify position
+        accepted = 0
+        while accepted < bs - 1 and int(proposal[accepted]) == int(greedy[accepted]):
+            accepted += 1
+        new = proposal[:accepted].tolist() + [int(greedy[accepted])]
+        acceptance.append(accepted + 1)
+        out.extend(new)
+        # keep features/cache for the anchor and the accepted proposals; the bonus is the next anchor
+        ctx = torch.cat([ctx, v_feats[:, : accepted + 1]], dim=1)
+        committed += accepted + 1
+        surplus = cache.get_seq_length() - committed  # rejected proposals the target already cached
+        if surplus > 0:
+            cache.crop(-surplus)
+        if eos_token_id is not None and eos_token_id in new:
+            break
+    tokens = out[:max_new_tokens]
+    if eos_token_id is not None and eos_token_id in tokens:
+        tokens = tokens[: tokens.index(eos_token_id) + 1]
+    return SpeculativeResult(tokens, acceptance, forwards)
+
+
+def _new_cache(target: nn.Module):
+    return DynamicCache(config=target.config)
+
+
+@torch.no_grad()
+def greedy_generate(
+    target: nn.Module, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None
+) -> list[int]:
+    """Target-only greedy decoding with a KV cache (the reference DFlash must reproduce)."""
+    device = next(target.parameters()).device
+    cache = _new_cache(target)
+    logits = target(input_ids=torch.tensor([prompt], device=device), cache=cache, use_cache=True).logits
+    out = [int(logits[0, -1].argmax())]
+    while len(out) < max_new_tokens and out[-1] != eos_token_id:
+        logits = target(input_ids=torch.tensor([[out[-1]]], device=device), cache=cache, use_cache=True).logits
+        out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+@torch.no_grad()
+def sample_continuations(
+    target: nn.Module, prompts: Tensor, new_tokens: int, temperature: float, generator: torch.Generator | None = None
+) -> Tensor:
+    """`[B, P + new_tokens]`: each prompt row continued by the target, batched with one KV cache,
+    sampled at `temperature` (greedy at 0) from `generator` only — so the same seed regenerates the
+    same data (DFlash trains best on the target's own outputs, paper §5.1)."""
+    cache = _new_cache(target)
+    logits = target(input_ids=prompts, cache=cache, use_cache=True).logits[:, -1]
+    out = [prompts]
+    for i in range(new_tokens):
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(prompts.device)
+        else:
+            nxt = logits.argmax(-1, keepdim=True)
+        out.append(nxt)
+        if i + 1 < new_tokens:
+            logits = target(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1]
+    return torch.cat(out, dim=1)

@@ -1,0 +1,263 @@
+"""Samplers of processes whose noise replaces tokens with uniform draws (docs/strategies.md §11.5, §11.6):
+SCDD's ancestral posterior sampler (absorbing + uniform channels) and the block-diffusion canvas sampler.
+The shared machinery (config, result, windows, transfer schedule) is in `strategies.sampling`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from strategies.masks import build_block_diffusion_training_mask
+from strategies.sampling import (
+    Denoiser,
+    Denoising,
+    Progress,
+    SamplerConfig,
+    SampleResult,
+    per_row_result,
+    prompt_canvas,
+    row_windows,
+)
+
+
+@torch.no_grad()
+def scdd_ancestral_sample(
+    denoise: Denoiser,
+    prompts: list[list[int]],
+    *,
+    mask_token_id: int,
+    pad_token_id: int,
+    vocab_size: int,
+    schedule: Callable[[Tensor], object],
+    config: SamplerConfig,
+    eps: float = 1e-3,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+    on_block: Progress | None = None,
+) -> SampleResult:
+    """SCDD ancestral posterior sampler (docs/strategies.md §11.5) over the generation window of each row.
+
+    Times 1 = t_0 > … > t_steps = eps. At (t, s): C = clean_t/clean_s, Υ = γ_t/γ_s − C, Ā = 1 − γ_t/γ_s.
+    Visible c: w(v) = (clean_s·Υ/K)·p(v) + uniform_s·Υ/K², plus clean_s·C·p(c) + C·uniform_s/K at v = c,
+    w([M]) = 0, over uniform_t/K + clean_t·p(c). Masked: ρ = Ā/absorbed_t, w(v) = ρ·(uniform_s/K + clean_s·p(v)),
+    w([M]) = absorbed_s/absorbed_t. One multinomial draw per position; prompt positions never move.
+    Then one noise-removal forward: argmax (mask excluded) at every window position. NFE = steps + 1.
+    `schedule(t)` → an object with clean_mass, uniform_mass, absorbed_mass, gamma (as `scdd_schedule`).
+    """
+    k = vocab_size - 1
+    x, attn, starts, width = prompt_canvas(
+        prompts, config.max_new_tokens, mask_token_id, pad_token_id, config.eos_token_id, device
+    )
+    window = row_windows(x, starts, 0, config.max_new_tokens)
+    job = Denoising(denoise, mask_token_id, config, generator)
+    times = torch.linspace(1.0, eps, config.steps + 1, dtype=torch.float64)
+    for i in range(config.steps):
+        step = _AncestralStep.between(schedule(times[i : i + 1]), schedule(times[i + 1 : i + 2]))
+        p = _scdd_log_probs(job, x, attn).double().exp()  # [B,T,V]; zero on [MASK]
+        weights = _ancestral_weights(p, x, step, k, mask_token_id)
+        x = torch.where(window, _draw_positions(weights, x, generator), x)
+    final = _scdd_log_probs(job, x, attn).argmax(-1)  # noise removal: clears leftover masks, corrects visible tokens
+    x = torch.where(window, final, x)
+    if on_block is not None:
+        on_block(x)
+    return SampleResult(x, starts, width, config.steps + 1)
+
+
+@dataclass(frozen=True)
+class _AncestralStep:
+    """The scalar coefficients of one ancestral step t → s (see `scdd_ancestral_sample`)."""
+
+    clean_t: float
+    clean_s: float
+    unif_t: float
+    unif_s: float
+    abs_t: float
+    abs_s: float
+    c: float  # C = clean_t / clean_s
+    ups: float  # Υ = γ_t/γ_s − C
+    a_bar: float  # Ā = 1 − γ_t/γ_s
+
+    @classmethod
+    def between(cls, at_t, at_s) -> _AncestralStep:
+        clean_t, clean_s = float(at_t.clean_mass), float(at_s.clean_mass)
+        unif_t, unif_s = float(at_t.uniform_mass), float(at_s.uniform_mass)
+        abs_t, abs_s = float(at_t.absorbed_mass), float(at_s.absorbed_mass)
+        c = clean_t / clean_s
+        ups = float(at_t.gamma) / float(at_s.gamma) - c
+        a_bar = 1 - float(at_t.gamma) / float(at_s.gamma)
+        return cls(clean_t, clean_s, unif_t, unif_s, abs_t, abs_s, c, ups, a_bar)
+
+
+def _scdd_log_probs(job: Denoising, canvas: Tensor, attn: Tensor) -> Tensor:
+    """log p_θ(v) [B,T,V] with [MASK] excluded: a one-hot of the argmax at temperature 0."""
+    logits = job.denoise(canvas, attn).float().clone()
+    logits[..., job.mask_token_id] = -math.inf
+    if job.config.temperature == 0:
+        hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).bool()
+        return torch.where(hot, 0.0, -math.inf)
+    return torch.log_softmax(logits / job.config.temperature, dim=-1)
+
+
+def _ancestral_weights(p: Tensor, x: Tensor, step: _AncestralStep, k: int, mask_token_id: int) -> Tensor:
+    """Unnormalized posterior weights [B,T,V] of every position: the visible rule where x is a token,
+    the masked rule where it is [MASK]; clamped at 0."""
+    cur = x[..., None]
+    p_cur = p.gather(-1, cur)
+    visible = (step.clean_s * step.ups / k) * p + step.unif_s * step.ups / k**2
+    visible.scatter_add_(-1, cur, step.clean_s * step.c * p_cur + step.c * step.unif_s / k)
+    visible[..., mask_token_id] = 0
+    visible = visible / (step.unif_t / k + step.clean_t * p_cur).clamp_min(1e-300)
+    rho = step.a_bar / max(step.abs_t, 1e-300)
+    masked = rho * (step.unif_s / k + step.clean_s * p)
+    masked[..., mask_token_id] = step.abs_s / max(step.abs_t, 1e-300)
+    is_mask = (x == mask_token_id)[..., None]
+    return torch.where(is_mask, masked, visible).clamp_min(0)
+
+
+def _draw_positions(weights: Tensor, x: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One multinomial draw per position with any weight (one batched call); the others keep their token."""
+    flat = weights.reshape(-1, weights.shape[-1])
+    alive = flat.sum(-1) > 0
+    draw = x.reshape(-1).clone()
+    if alive.any():
+        draw[alive] = torch.multinomial(flat[alive], 1, generator=generator).squeeze(-1)
+    return draw.view_as(x)
+
+
+def uniform_posterior(probs: Tensor, z_t: Tensor, alpha_t: float, alpha_s: float) -> Tensor:
+    """Reverse step of uniform-noise diffusion with the denoiser's x̂ plugged in (docs/strategies.md §4.4 kernel):
+
+    p(z_s = j | z_t = i) ∝ (α_{t|s}·[i = j] + (1 − α_{t|s})/V) · (α_s·π_j + (1 − α_s)/V),  α_{t|s} = α_t/α_s
+    """
+    vocab = probs.shape[-1]
+    a_ts = alpha_t / alpha_s
+    like = torch.full_like(probs, (1 - a_ts) / vocab)
+    like.scatter_add_(-1, z_t[..., None], torch.full_like(z_t[..., None], a_ts, dtype=probs.dtype))
+    post = like * (alpha_s * probs + (1 - alpha_s) / vocab)
+    return post / post.sum(dim=-1, keepdim=True)
+
+
+@torch.no_grad()
+def block_canvas_sample(
+    model,
+    prompts: list[list[int]],
+    *,
+    vocab_size: int,
+    block_size: int,
+    pad_token_id: int,
+    config: SamplerConfig,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+    on_block: Progress | None = None,
+) -> SampleResult:
+    """Block-diffusion canvas decoding for a `BlockDiffusionLM` (uniform noise, no [MASK]).
+
+    Per block: the canvas starts as uniform random tokens; for k = 0..K−1 the model (encoder over the
+    clean context, canvas under the block-causal mask, previous step's logits as self-conditioning)
+    predicts x̂ and the canvas moves from t = 1 − k/K to s = 1 − (k+1)/K by the posterior above;
+    temperature 0 uses a greedy x̂. The finished block joins the clean context. Stops after a block
+    that contains EOS. One NFE = one model call.
+    """
+    job = _CanvasDecoding(model, vocab_size, block_size, pad_token_id, config, generator, device)
+    n_blocks = math.ceil(config.max_new_tokens / block_size)
+    steps = max(1, config.steps // n_blocks)
+    nfe, rows = 0, []
+    for prompt in prompts:
+        row, used = _canvas_decode_row(job, prompt, n_blocks, steps, on_block)
+        nfe += used
+        rows.append(row)
+    return per_row_result(prompts, rows, config, pad_token_id, device, nfe)
+
+
+@dataclass(frozen=True)
+class _CanvasDecoding:
+    """What stays fixed while `block_canvas_sample` decodes: the model, the vocabulary and block sizes,
+    the pad id, the sampler settings, the generator every draw comes from and the device."""
+
+    model: object
+    vocab_size: int
+    block_size: int
+    pad_token_id: int
+    config: SamplerConfig
+    generator: torch.Generator | None
+    device: torch.device | str
+
+
+class _CanvasInputs(NamedTuple):
+    enc: Tensor  # [1, P + bs] clean context then pad (encoder input)
+    pad_mask: Tensor  # [1, P + bs] bool: the padded tail
+    mask: Tensor  # block-causal canvas mask (full layers)
+    positions: Tensor  # [1, bs] canvas positions P..P+bs−1
+
+
+def _canvas_decode_row(
+    job: _CanvasDecoding, prompt: list[int], n_blocks: int, steps: int, on_block: Progress | None
+) -> tuple[Tensor, int]:
+    """One prompt, block by block until `n_blocks` or a block that contains EOS → (its generated tokens
+    cut to `max_new_tokens`, the model calls it took)."""
+    context = torch.tensor(prompt, dtype=torch.long, device=job.device)
+    produced: list[Tensor] = []
+    nfe = 0
+    for _ in range(n_blocks):
+        canvas, used = _canvas_decode_block(job, context, steps)
+        nfe += used
+        produced.append(canvas[0])
+        context = torch.cat([context, canvas[0]])
+        if on_block is not None:
+            on_block(context[None])
+        if job.config.eos_token_id is not None and bool((canvas == job.config.eos_token_id).any()):
+            break
+    return torch.cat(produced)[: job.config.max_new_tokens], nfe
+
+
+def _canvas_inputs(job: _CanvasDecoding, context: Tensor) -> _CanvasInputs:
+    """The model inputs for the block after `context` [P] that do not change across its steps."""
+    p_len, block_size, device = context.shape[0], job.block_size, job.device
+    enc = torch.cat([context, torch.full((block_size,), job.pad_token_id, dtype=torch.long, device=device)])[None]
+    pad_mask = torch.zeros_like(enc, dtype=torch.bool)
+    pad_mask[:, p_len:] = True
+    mask, _ = build_block_diffusion_training_mask(
+        torch.tensor([p_len], device=device), block_size, p_len + block_size, block_size, device=device
+    )
+    positions = (p_len + torch.arange(block_size, device=device))[None]
+    return _CanvasInputs(enc, pad_mask, mask, positions)
+
+
+def _canvas_decode_block(job: _CanvasDecoding, context: Tensor, steps: int) -> tuple[Tensor, int]:
+    """One block: a uniform random canvas [1, bs] moved from t = 1 to t = 0 in `steps` posterior steps
+    (the last one greedy at temperature 0) → (the canvas, the model calls it took)."""
+    inputs = _canvas_inputs(job, context)
+    canvas = torch.randint(0, job.vocab_size, (1, job.block_size), generator=job.generator, device=job.device)
+    previous = None
+    nfe = 0
+    for k in range(steps):
+        logits = job.model(
+            input_ids=inputs.enc,
+            canvas_ids=canvas,
+            decoder_attention_mask=inputs.mask,
+            encoder_padding_mask=inputs.pad_mask,
+            decoder_position_ids=inputs.positions,
+            self_conditioning_logits=previous,
+        ).logits.double()
+        nfe += 1
+        previous = logits
+        probs = _canvas_probs(logits, job.vocab_size, job.config.temperature)
+        alpha_t, alpha_s = k / steps, (k + 1) / steps  # α = 1 − t
+        if k == steps - 1 and job.config.temperature == 0:
+            return probs.argmax(-1), nfe
+        post = uniform_posterior(probs, canvas, max(alpha_t, 1e-12), alpha_s)
+        canvas = torch.multinomial(post[0], 1, generator=job.generator).T
+    return canvas, nfe
+
+
+def _canvas_probs(logits: Tensor, vocab_size: int, temperature: float) -> Tensor:
+    """x̂ of one step in float64: one-hot of the argmax at temperature 0, else the tempered softmax."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), vocab_size).double()
+    return torch.softmax(logits / temperature, dim=-1)
