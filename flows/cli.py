@@ -1,4 +1,4 @@
-"""`dllm-flow` command line: run | resume | validate | runs | generate | report | ui.
+"""`dllm-flow` command line: run | resume | validate | runs | generate | report | ui | export.
 
 Environment is set before Prefect/MLflow are imported: telemetry off, hub offline unless the
 user says otherwise, and (when no Prefect server is configured) Prefect's state kept inside the
@@ -28,12 +28,24 @@ def load_config(path, overrides: list[str] | None = None):
 
 
 def _prefect_env(workdir: Path) -> None:
+    """Call before Prefect is imported (tasks/ imports it): Prefect reads its settings, logging levels
+    included, from the environment once, at import."""
     quiet_environment()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if "PREFECT_API_URL" not in os.environ:
-        (workdir / ".prefect").mkdir(exist_ok=True)
-        os.environ.setdefault("PREFECT_HOME", str(workdir.resolve() / ".prefect"))
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+        home = Path(workdir).resolve() / ".prefect"
+        try:
+            home.mkdir(parents=True, exist_ok=True)
+            os.environ.setdefault("PREFECT_HOME", str(home))
+        except OSError:
+            pass  # an unusable workdir: check_workdir says why
+    # The console shows WARNING and up (PREFECT_LOGGING_LEVEL), while the run loggers send INFO and up to the
+    # API, where they are the flow run's Logs tab: stage starts, reuse decisions, failures (flows/pipeline.py).
+    level = os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", level)
+    run_level = "DEBUG" if level == "DEBUG" else "INFO"
+    for logger in ("FLOW_RUNS", "TASK_RUNS"):
+        os.environ.setdefault(f"PREFECT_LOGGING_LOGGERS_PREFECT_{logger}_LEVEL", run_level)
     # a loaded 2-core machine can take longer than Prefect's default 20 s to boot the local API
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "true")
@@ -41,10 +53,10 @@ def _prefect_env(workdir: Path) -> None:
 
 def cmd_run(args) -> int:
     load_config(args.config, args.set)  # fail fast, before any service starts
+    _prefect_env(Path(args.workdir))
     from tasks.common import check_workdir
 
     workdir = check_workdir(args.workdir)
-    _prefect_env(workdir)
     from flows.pipeline import dllm_pipeline
 
     result = dllm_pipeline(config_path=str(args.config), overrides=args.set, workdir=str(workdir))
@@ -56,10 +68,8 @@ def cmd_run(args) -> int:
 def cmd_resume(args) -> int:
     """Rerun a failed or crashed pipeline run with its recorded config; completed stages are reused."""
     from dllm_common.runs import find_record
-    from tasks.common import check_workdir
 
-    workdir = check_workdir(args.workdir)
-    record = find_record(workdir, args.run_id)
+    record = find_record(Path(args.workdir), args.run_id)
     if record.status == "COMPLETED":
         print(f"[dllm-flow] pipeline run {record.run_id} completed; nothing to resume")
         return 0
@@ -73,7 +83,10 @@ def cmd_resume(args) -> int:
     print(f"[dllm-flow] resuming pipeline run {record.run_id} ({record.status}) with its recorded config")
     print(f"[dllm-flow] completed before, will be reused: {', '.join(done) or 'none'}")
     print(f"[dllm-flow] to run again: {', '.join(todo) or 'none recorded'} (and every stage after them)")
-    _prefect_env(workdir)
+    _prefect_env(Path(args.workdir))
+    from tasks.common import check_workdir
+
+    workdir = check_workdir(args.workdir)
     from flows.pipeline import dllm_pipeline
 
     result = dllm_pipeline(
@@ -126,7 +139,8 @@ def cmd_generate(args) -> int:
     quiet_environment()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from strategies.sampling import SamplerConfig
-    from tasks.generate import Request, check_sampler, default_temperature, load_for_generation, resolve_checkpoint
+    from tasks.checkpoints import load_for_generation
+    from tasks.generate import Request, check_sampler, default_temperature, resolve_checkpoint
     from tasks.runtime import resolve_device
 
     ckpt = resolve_checkpoint(args.checkpoint, Path(args.workdir), args.tracking_uri)
@@ -211,6 +225,21 @@ def chart_view_url(host: str, port: int, experiment_id: str) -> str:
     return f"http://{host}:{port}/#/experiments/{experiment_id}/runs?compareRunsMode=CHART"
 
 
+def landing_url(host: str, port: int, experiment_id: str, run_ids: list[str]) -> str:
+    """The chart view in MLflow's model-training mode, on the strategies' runs of one pipeline run.
+
+    The UI nests child runs under their (collapsed) parent, which has no metrics, so the charts would be
+    empty until a click; it nests only when runs are sorted by creation time, so sorting by run name lays
+    the strategies' runs out flat and every chart draws one line per strategy. `run_ids` (none: every run)
+    becomes the search filter, which the user clears in the search box to see all runs."""
+    from urllib.parse import quote, urlencode
+
+    params = {"workflowType": "machine_learning", "orderByKey": "tags.`mlflow.runName`", "orderByAsc": "true"}
+    if run_ids:
+        params["searchFilter"] = "attributes.run_id IN ({})".format(", ".join(f"'{r}'" for r in run_ids))
+    return chart_view_url(host, port, experiment_id) + "&" + urlencode(params, quote_via=quote)
+
+
 def latest_experiment(uri: str) -> str:
     """The most recently created experiment of a workdir (what the last `run` wrote to)."""
     from mlflow.tracking import MlflowClient
@@ -223,34 +252,139 @@ def latest_experiment(uri: str) -> str:
     return max(experiments, key=lambda e: e.creation_time).name
 
 
-def cmd_ui(args) -> int:
-    import subprocess
+def latest_strategy_runs(client, experiment_id: str) -> list[str]:
+    """The MLflow runs of the latest pipeline run's strategies: those its report compared (parent tag
+    `dllm.report_runs`, docs/architecture.md, the tracking contract; a reused training keeps its earlier
+    run), else the parent's child runs; empty when the experiment has no pipeline run."""
+    parents = client.search_runs(
+        [experiment_id],
+        "tags.`dllm.pipeline_run_id` LIKE '%'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if not parents:
+        return []
+    parent = parents[0]
+    compared = json.loads(parent.data.tags.get("dllm.report_runs", "[]"))
+    if compared:
+        return [item["run_id"] for item in compared]
+    children = client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    return [c.info.run_id for c in children]
 
-    from dllm_common.tracking import Tracking, artifact_root, default_tracking_uri
 
-    workdir = Path(args.workdir)
-    quiet_environment()
-    uri = default_tracking_uri(workdir)
-    experiment_id = Tracking(workdir, uri, args.experiment or latest_experiment(uri)).experiment_id
-    url = chart_view_url(args.host, args.port, experiment_id)
-    print(f"MLflow UI for {workdir.resolve()}: {url}", flush=True)
+def mlflow_ui_command(workdir: Path, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """`mlflow server` for a workdir's tracking store, and its environment: without MLflow's job runner
+    (a huey consumer that GenAI jobs need and a training workdir does not)."""
+    from dllm_common.tracking import artifact_root, default_tracking_uri
+
     cmd = [
         sys.executable,
         "-m",
         "mlflow",
         "server",
         "--backend-store-uri",
-        uri,
+        default_tracking_uri(workdir),
         "--default-artifact-root",
         artifact_root(workdir),
         "--host",
-        args.host,
+        host,
         "--port",
-        str(args.port),
+        str(port),
         "--workers",
         "1",
     ]
-    return subprocess.call(cmd)
+    return cmd, {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
+def cmd_ui(args) -> int:
+    import subprocess
+
+    if args.prefect:
+        return prefect_ui(args)
+    from dllm_common.tracking import Tracking, default_tracking_uri
+
+    workdir = Path(args.workdir)
+    quiet_environment()
+    uri = default_tracking_uri(workdir)
+    tracking = Tracking(workdir, uri, args.experiment or latest_experiment(uri))  # marks it a training experiment
+    runs = latest_strategy_runs(tracking.client, tracking.experiment_id)
+    url = landing_url(args.host, args.port or 5000, tracking.experiment_id, runs)
+    print(f"MLflow UI for {workdir.resolve()}: {url}", flush=True)
+    cmd, env = mlflow_ui_command(workdir, args.host, args.port or 5000)
+    return subprocess.call(cmd, env=env)
+
+
+def prefect_ui(args) -> int:
+    """The Prefect UI on a pipeline run's flow run (its graph, Logs and Artifacts tabs): the configured
+    server's (PREFECT_API_URL), or a server started here on the workdir's own Prefect home."""
+    import subprocess
+
+    from dllm_common.runs import find_record, list_records
+
+    workdir = Path(args.workdir)
+    if args.run_id:
+        record = find_record(workdir, args.run_id)
+    else:
+        records = list_records(workdir)
+        if not records:
+            raise FileNotFoundError(f"no pipeline runs in {workdir}; run a pipeline first (dllm-flow run CONFIG)")
+        record = records[-1]
+    if not record.prefect_flow_run_id:
+        raise FileNotFoundError(f"pipeline run {record.run_id} recorded no Prefect flow run")
+    configured = "PREFECT_API_URL" in os.environ
+    _prefect_env(workdir)
+    port = args.port or 4200
+    if not configured:
+        os.environ["PREFECT_API_URL"] = f"http://{args.host}:{port}/api"  # where the UI below will serve
+    from prefect.settings import Settings
+
+    url = f"{Settings().ui_url}/runs/flow-run/{record.prefect_flow_run_id}"
+    print(f"Prefect UI for pipeline run {record.run_id}: {url}", flush=True)
+    if configured:
+        return 0
+    server = Path(sys.executable).parent / "prefect"
+    with subprocess.Popen([str(server), "server", "start", "--host", args.host, "--port", str(port)]) as proc:
+        try:
+            if flow_run_missing(os.environ["PREFECT_API_URL"], record.prefect_flow_run_id, proc):
+                print(
+                    f"dllm-flow: warning: flow run {record.prefect_flow_run_id} is not in {workdir / '.prefect'}: "
+                    f"pipeline run {record.run_id} ran against another Prefect server; set PREFECT_API_URL to "
+                    "that server's API and run this again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return proc.wait()
+        except BaseException:
+            proc.terminate()
+            raise
+
+
+def flow_run_missing(api: str, flow_run_id: str, proc, seconds: float = 180) -> bool:
+    """Whether the server at `api` (started as `proc`) answers 404 for the flow run, once it is up."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.time() + seconds
+    while proc.poll() is None and time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{api}/flow_runs/{flow_run_id}", timeout=5)
+            return False
+        except urllib.error.HTTPError as exc:
+            return exc.code == 404
+        except OSError:
+            time.sleep(1)
+    return False
+
+
+def cmd_export(args) -> int:
+    quiet_environment()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tasks.export import export_checkpoint  # imports torch: only when the command runs
+
+    out = export_checkpoint(args.checkpoint, Path(args.out), Path(args.workdir), args.tracking_uri)
+    print(f"[dllm-flow] exported {args.checkpoint} to {out}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,12 +435,22 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--tracking-uri", default=None)
     rep.add_argument("--out", default=None, help="default: <workdir>/reports/<run_id>")
     rep.set_defaults(func=cmd_report)
-    ui = sub.add_parser("ui", help="MLflow UI on 127.0.0.1 for a workdir")
+    ui = sub.add_parser("ui", help="MLflow UI (or, with --prefect, the Prefect UI) on 127.0.0.1 for a workdir")
+    ui.add_argument("run_id", nargs="?", default=None, help="--prefect: the pipeline run (default: the latest)")
     ui.add_argument("--workdir", default=DEFAULT_WORKDIR)
     ui.add_argument("--experiment", default=None, help="default: the workdir's most recent experiment")
+    ui.add_argument("--prefect", action="store_true", help="the Prefect UI on the pipeline run's flow run instead")
     ui.add_argument("--host", default="127.0.0.1")
-    ui.add_argument("--port", type=int, default=5000)
+    ui.add_argument("--port", type=int, default=None, help="default: 5000 (MLflow), 4200 (Prefect)")
     ui.set_defaults(func=cmd_ui)
+    exp = sub.add_parser(
+        "export", help="write a checkpoint (path or models:/NAME@ALIAS) as a Hugging Face model folder"
+    )
+    exp.add_argument("checkpoint", help="checkpoint dir, train store entry, or models:/NAME@ALIAS")
+    exp.add_argument("out", help="the folder to write (missing or empty)")
+    exp.add_argument("--workdir", default=DEFAULT_WORKDIR, help="its MLflow registry resolves models:/ URIs")
+    exp.add_argument("--tracking-uri", default=None)
+    exp.set_defaults(func=cmd_export)
     return p
 
 
@@ -314,7 +458,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, CorruptCheckpointError, FileNotFoundError, PermissionError, ValueError) as exc:
+    except (
+        ConfigError,
+        CorruptCheckpointError,
+        FileExistsError,
+        FileNotFoundError,
+        PermissionError,
+        ValueError,
+    ) as exc:
         print(f"dllm-flow: error: {exc}", file=sys.stderr)
         return 2
 

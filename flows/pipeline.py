@@ -14,13 +14,17 @@ place where flows/ crosses into torch (a CPU pipeline worker and `prefect deploy
 from __future__ import annotations
 
 import hashlib
+import logging
+import re
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from prefect import flow
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.exceptions import MissingContextError
 
 from dllm_common.config import PipelineSpec, config_sha256, flatten
 from dllm_common.runs import RunRecord
@@ -50,6 +54,20 @@ def store_result_storage(workdir: Path) -> str:
     return f"local-file-system/{name}"
 
 
+def run_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The flow run's logger (its lines are the flow run's Logs tab in the Prefect UI); a plain logger
+    outside a flow run."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("dllm_flow")
+
+
+def report_artifact_key(pipeline_name: str) -> str:
+    """Prefect artifact keys take lowercase letters, digits and dashes."""
+    return "dllm-report-" + (re.sub(r"[^a-z0-9]+", "-", pipeline_name.lower()).strip("-") or "pipeline")
+
+
 @dataclass
 class StageRunner:
     """Runs a stage's Prefect task with the store-rooted result storage and records its status."""
@@ -59,22 +77,27 @@ class StageRunner:
     storage: str
 
     def __call__(self, name: str, task, **kwargs) -> StageRef:
-        record, status = self.record, self.record.stage(name)
+        record, status, log = self.record, self.record.stage(name), run_logger()
         status.status = "RUNNING"
         record.save(self.record_dir)
+        log.info("%s: started", name)
         t0 = time.time()
         state = task.with_options(task_run_name=name, result_storage=self.storage)(**kwargs, return_state=True)
         status.seconds = round(time.time() - t0, 2)
         if not state.is_completed():
             status.status, status.error = "FAILED", str(state.message)[:2000]
             record.save(self.record_dir)
+            log.error("%s: FAILED after %.1fs: %s", name, status.seconds, status.error)
             state.result()  # re-raises the stage's exception
         ref: StageRef = state.result()
         reused = ref.reused or state.name == "Cached"
         status.status = "REUSED" if reused else "COMPLETED"
         status.key, status.mlflow_run_id = ref.key, ref.mlflow_run_id
         record.save(self.record_dir)
-        print(f"[dllm-flow] {name}: {'reused' if reused else 'ran'} ({status.seconds:.1f}s) key={ref.key}", flush=True)
+        line = f"{name}: {'reused' if reused else 'ran'} ({status.seconds:.1f}s) key={ref.key}"
+        print(f"[dllm-flow] {line}", flush=True)
+        why = "a published store entry with this key" if ref.reused else "Prefect's cached result for this key"
+        log.info("%s%s%s", line, f"; reused {why}" if reused else "", f"; entry {ref.path}" if ref.path else "")
         return ref.as_reused() if reused else ref
 
 
@@ -127,12 +150,23 @@ def dllm_pipeline(
     parent = _open_parent(spec, wd, record)
     record.parent_mlflow_run_id = parent.run_id
     record.save(wd)
+    log = run_logger()
+    log.info(
+        "pipeline run %s of %s (strategies: %s)%s; workdir %s; MLflow parent run %s",
+        record.run_id,
+        spec.pipeline.name,
+        ", ".join(spec.pipeline.strategies),
+        f", resuming {resumed_from}" if resumed_from else "",
+        wd,
+        parent.run_id,
+    )
     try:
         result = _stages(spec, wd, record, parent.run_id)
-    except BaseException:
+    except BaseException as exc:
         record.status, record.finished_at = "FAILED", time.time()
         record.save(wd)
         parent.close("FAILED")
+        log.error("pipeline run %s failed: %s: %s", record.run_id, type(exc).__name__, str(exc)[:2000])
         raise
     record.status, record.finished_at = "COMPLETED", time.time()
     record.save(wd)
@@ -242,8 +276,26 @@ def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str)
     )
     parent = t.ParentRun(parent_run_id, spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
     t.publish_report(rep, trained, evaluated, workdir, parent)
+    publish_report_artifact(Path(rep.path) / "report.md", spec.pipeline.name, record, wd, parent_run_id)
     return {
         "run_id": record.run_id,
         "report": str(Path(rep.path) / "report.md"),
         "stages": {s.name: s.status for s in record.stages},
     }
+
+
+def publish_report_artifact(report_md: Path, pipeline_name: str, record: RunRecord, wd: Path, parent_run_id: str):
+    """The report as a markdown artifact of the flow run (its Artifacts tab in the Prefect UI). Its plots
+    are files beside report.md, which the Prefect UI cannot show: they are named by their paths instead."""
+    text = re.sub(r"!\[[^\]]*\]\(([^)]+)\)", lambda m: f"- `{wd / m.group(1)}`", report_md.read_text())
+    create_markdown_artifact(
+        markdown=text,
+        key=report_artifact_key(pipeline_name),
+        description=(
+            f"dllm-flow report of pipeline run {record.run_id} ({pipeline_name}); "
+            f"MLflow parent run {parent_run_id}; {wd / 'report.md'}"
+        ),
+    )
+    run_logger().info(
+        "report: %s, published as Prefect artifact %s", wd / "report.md", report_artifact_key(pipeline_name)
+    )

@@ -1,11 +1,16 @@
 """Stage `evaluate[strategy]`: likelihood metrics on validation rows, sample quality and sampling
 cost at several step budgets, and a reproducibility card (docs/evaluation.md; metric names shared by
 every strategy). The likelihood estimators are in `tasks.evaluation`; a strategy evaluated by
-acceptance instead (`evaluation == "speculative"`, DFlash) goes through `tasks.speculative_eval`.
+acceptance instead (`evaluation == "speculative"`, DFlash) goes through `tasks.speculative_eval`. With
+`eval.lm_eval` set, lm-evaluation-harness tasks run on the trained model too (`tasks.lm_eval_model`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import math
 import platform
@@ -16,12 +21,12 @@ from pathlib import Path
 import torch
 import transformers
 
-from dllm_common.checkpoint import DIGESTS, load_weights_into, read_meta
+from dllm_common.checkpoint import DIGESTS, read_meta
 from dllm_common.config import PipelineSpec
 from dllm_common.store import sha256_file, stage_key
 from strategies import assemble_strategy, strategy_class
-from strategies.models import model_from_config_dir
 from strategies.sampling import SamplerConfig, trim_at_eos
+from tasks.checkpoints import load_trained_model
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.evaluation import (
     EvalResult,
@@ -40,24 +45,41 @@ from tasks.train import model_dir
 __all__ = ["encode_prompts", "evaluate", "evaluate_task", "stage_of"]
 
 STAGE = "evaluate"
+LMEVAL_MISSING = "eval.lm_eval needs the lmeval extra: pip install 'dllm-flow[lmeval]'"
 
 
 def stage_of(
     spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str, **_
 ) -> tuple[str, str]:
-    config = {"strategy": strategy, "eval": spec.eval.model_dump(mode="json")}
+    harness = spec.eval.lm_eval
+    config = {
+        "strategy": strategy,
+        "eval": spec.eval.model_dump(mode="json", exclude={"lm_eval"} if harness is None else None),
+    }
     settings = strategy_class(strategy).eval_settings(spec)  # e.g. DFlash's speculative decoding settings
     if settings:
         config["settings"] = settings
-    key = stage_key(
-        STAGE,
-        config,
-        {"train": trained.key, "data": data.key},
-        code_version(
-            "strategies", "tasks.evaluate", "tasks.evaluation", "tasks.speculative_eval", "tasks.dflash_setup"
-        ),
-    )
+    modules = ["strategies", "tasks.evaluate", "tasks.evaluation", "tasks.speculative_eval", "tasks.dflash_setup"]
+    if harness is not None:
+        config["lm_eval"] = harness_versions(harness.include_path)
+        modules.append("tasks.lm_eval_model")
+    key = stage_key(STAGE, config, {"train": trained.key, "data": data.key}, code_version(*modules))
     return STAGE, key
+
+
+def harness_versions(include_path: str | None) -> dict:
+    """What else decides lm-eval numbers: the harness's version and the bytes of the local task files."""
+    try:
+        versions = {"lm_eval": importlib.metadata.version("lm_eval")}
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError(LMEVAL_MISSING) from None
+    if include_path is not None:
+        h = hashlib.sha256()
+        root = Path(include_path)
+        for f in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+        versions["include_path_sha256"] = h.hexdigest()
+    return versions
 
 
 def eval_artifact_path(key: str) -> str:
@@ -160,7 +182,7 @@ def repro_card(ev: Evaluation, strategy, data_key: str) -> dict:
     eos_token_id = ev.tokenizer.eos_token_id
     e = spec.eval
     sampler = asdict(sampler_config(spec, strategy, e.sample_steps, eos_token_id))
-    return {
+    card = {
         "strategy": strategy_name,
         "sampler_name": strategy.sampler_name,
         "sampler": sampler,
@@ -184,6 +206,9 @@ def repro_card(ev: Evaluation, strategy, data_key: str) -> dict:
         },
         "checkpoint_digest": sha256_file(ckpt / DIGESTS) if (ckpt / DIGESTS).is_file() else None,
     }
+    if e.lm_eval is not None:  # only then: cards of evaluations without harness tasks are unchanged
+        card["lm_eval"] = {**e.lm_eval.model_dump(mode="json"), **harness_versions(e.lm_eval.include_path)}
+    return card
 
 
 def _write_result(ev: Evaluation, result: EvalResult, data_key: str, out: Path) -> None:
@@ -234,6 +259,8 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
         )
         run = dflash_evaluation if strategy_class(strategy).evaluation == "speculative" else _dllm_evaluation
         result = run(ev)
+        if spec.eval.lm_eval is not None:
+            result = harness_evaluation(ev, result)
         _write_result(ev, result, data.key, out)
         info = {"metrics": result.metrics, "train_run_id": trained.mlflow_run_id}
         return {"strategy": strategy, "upstream": {"train": trained.key}, "info": info}
@@ -267,11 +294,31 @@ def _dllm_evaluation(ev: Evaluation) -> EvalResult:
     return EvalResult(strat, metrics, curve, text)
 
 
-def load_trained_model(ckpt: Path, device: str):
+def harness_evaluation(ev: Evaluation, result: EvalResult) -> EvalResult:
+    """The `eval.lm_eval` tasks on the evaluated model and its assembled strategy (docs/evaluation.md §4.10):
+    their numbers join the metrics as `lm_eval/<task>/<metric>`, the harness's results go to `lm_eval.json`."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ImportError(LMEVAL_MISSING)
+    # imported here, not at the top: lm-eval is an optional extra, needed only when eval.lm_eval is set
+    from tasks.lm_eval_model import Checkpoint, DLLMFlowLM, harness_metrics, results_json, run_tasks
 
-    model = model_from_config_dir(ckpt)
-    load_weights_into(model, ckpt)  # verifies every digest first
-    return model.to(device).eval()
+    e = ev.spec.eval
+    lm = DLLMFlowLM(
+        loaded=Checkpoint(ev.model, ev.tokenizer, result.strategy, ev.mask_id, read_meta(ev.ckpt)),
+        device=ev.device,
+        mc_samples=e.lm_eval.mc_samples,
+        batch_size=e.lm_eval.batch_size,
+        seed=e.seed,
+        block_size=e.sample_block_size,
+        tokens_per_step=e.sample_length / e.sample_steps,
+        threshold=e.threshold,
+    )
+    results = run_tasks(lm, e.lm_eval, e.seed, chat=ev.spec.data.shape == "dialogue")
+    return dataclasses.replace(
+        result,
+        metrics={**result.metrics, **harness_metrics(results)},
+        files={**result.files, "lm_eval.json": results_json(results)},
+    )
 
 
 def _ref(entry, strategy: str, reused: bool) -> StageRef:

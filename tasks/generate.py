@@ -12,16 +12,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import mlflow
 import torch
 
-from dllm_common.checkpoint import read_meta
 from dllm_common.tracking import default_tracking_uri, quiet_environment
-from strategies import assemble_strategy, strategy_class
+from strategies import strategy_class
 from strategies.dflash_draft import speculative_generate
-from strategies.models import apply_adapter
 from strategies.sampling import (
     ABSORBING,
     SAMPLERS,
@@ -31,10 +28,8 @@ from strategies.sampling import (
     infill_sample,
     trim_at_eos,
 )
-from tasks.dflash_setup import draft_strategy, load_target
-from tasks.evaluate import load_trained_model
+from tasks.checkpoints import Loaded
 from tasks.evaluation import encode_prompts
-from tasks.prepare_data import load_tokenizer
 
 INFILL_SPAN = 20  # each [MASK] in an --infill prompt becomes this many mask tokens
 
@@ -76,36 +71,6 @@ def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None,
     )
 
 
-def load_for_generation(ckpt: Path, device: str, adapter: str | None = None) -> Loaded:
-    """(model, tokenizer, strategy, mask id, meta) — the strategy rebuilt from the checkpoint's record."""
-    meta = read_meta(ckpt)
-    model = load_trained_model(ckpt, device)
-    if adapter:
-        apply_adapter(model, adapter)
-    tokenizer = load_tokenizer(str(ckpt))
-    name = meta["strategy"]
-    options = checkpoint_options(meta, strategy_class(name).Options.model_fields)
-    if strategy_class(name).trains == "draft":  # the draft decodes for the frozen target its checkpoint names
-        t = meta["target"]
-        section = meta.get(name, {})  # a checkpoint from before typed options kept its strategy's config section
-        dtype = t.get("torch_dtype", section.get("target_torch_dtype", "float32"))
-        remote = t.get("trust_remote_code", section.get("target_trust_remote_code", False))
-        target = load_target(t["path"], dtype, device, remote)
-        built = draft_strategy(name, options, model, target, mask_token_id=meta["mask_token_id"])
-    else:
-        built = assemble_strategy(name, options, model, tokenizer, mask_token_id=meta["mask_token_id"])
-    return Loaded(model, tokenizer, built.strategy, built.mask_token_id, meta)
-
-
-def checkpoint_options(meta: dict, declared) -> dict:
-    """The strategy options a checkpoint records (`options`); a checkpoint written before strategies had
-    typed options recorded the whole `dllm:` (and `dflash:`) section: its declared keys are kept."""
-    if "options" in meta:
-        return meta["options"]
-    legacy = {**meta.get("dllm", {}), **meta.get(meta.get("strategy", ""), {})}
-    return {k: v for k, v in legacy.items() if k in declared}
-
-
 def check_sampler(strategy_name: str, sampler: str, infill: bool) -> str:
     """The sampler `--sampler` names (`auto`: the strategy's own), refused where it does not fit."""
     fits = strategy_class(strategy_name).samplers
@@ -124,16 +89,6 @@ def check_sampler(strategy_name: str, sampler: str, infill: bool) -> str:
 
 def default_temperature(sampler: str) -> float:
     return SAMPLERS[sampler].default_temperature
-
-
-class Loaded(NamedTuple):
-    """A checkpoint ready to generate: what `load_for_generation` returns (unpacks as a 5-tuple)."""
-
-    model: torch.nn.Module
-    tokenizer: object
-    strategy: object
-    mask_id: int
-    meta: dict
 
 
 @dataclass(frozen=True)

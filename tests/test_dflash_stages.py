@@ -127,7 +127,8 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     # `dllm-flow generate` rebuilds draft + target from the checkpoint: the text is the target's greedy text
     from strategies.dflash_draft import greedy_generate
     from strategies.sampling import SamplerConfig
-    from tasks.generate import Request, check_sampler, generate, load_for_generation
+    from tasks.checkpoints import load_for_generation
+    from tasks.generate import Request, check_sampler, generate
 
     loaded = load_for_generation(ckpt, "cpu")
     model, tok, strat, mask, _ = loaded

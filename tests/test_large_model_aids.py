@@ -19,8 +19,8 @@ from strategies.models import (
     model_from_config_dir,
     tiny_model_config,
 )
+from tasks.checkpoints import load_for_generation
 from tasks.evaluate import evaluate
-from tasks.generate import load_for_generation
 from tasks.train import model_dir, train
 from tasks.trainee import build_trainee
 

@@ -145,12 +145,32 @@ def test_report_rerenders_from_mlflow_alone(smoke_run, tmp_path, capsys):
         assert (workdir / png).is_file()
 
 
+def flow_run_logs_and_artifacts(api: str, flow_run_id: str) -> tuple[list[str], list]:
+    """The messages a flow run logged to the Prefect API (its Logs tab) and its artifacts (its Artifacts tab)."""
+    import asyncio
+    from uuid import UUID
+
+    from prefect.client.orchestration import PrefectClient
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+
+    async def read():
+        async with PrefectClient(api) as client:
+            logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(flow_run_id)])))
+            flow_runs = FlowRunFilter(id=FlowRunFilterId(any_=[UUID(flow_run_id)]))
+            return [log.message for log in logs], await client.read_artifacts(flow_run_filter=flow_runs)
+
+    return asyncio.run(read())
+
+
 def test_rerun_reuses_everything_then_eval_change_reruns_only_eval(smoke_run, capsys, prefect_api):
     workdir, _ = smoke_run
     again = cli("run", "configs/smoke.yaml", workdir=workdir, api=prefect_api)
     assert again.returncode == 0, again.stderr[-3000:]
     assert set(stage_status(latest_record(workdir)).values()) == {"REUSED"}
     assert "train[mdlm]: reused" in again.stdout
+    logs, _ = flow_run_logs_and_artifacts(prefect_api, latest_record(workdir)["prefect_flow_run_id"])
+    reuse = [m for m in logs if m.startswith("train[mdlm]: reused")]  # the reuse decision, in the Logs tab
+    assert reuse and "key=" in reuse[0] and "; reused " in reuse[0]
     first_run, first_report = latest_record(workdir)["run_id"], (workdir / "report.md").read_text()
     changed = cli("run", "configs/smoke.yaml", "--set", "eval.t_samples=3", workdir=workdir, api=prefect_api)
     assert changed.returncode == 0, changed.stderr[-3000:]
@@ -178,6 +198,9 @@ def test_corrupt_checkpoint_fails_evaluation_clearly(smoke_run, prefect_api):
         assert out.returncode == 2
         assert "corrupt (sha256 mismatch, not loaded)" in out.stderr
         assert stage_status(latest_record(workdir))["evaluate[mdlm]"] == "FAILED"
+        logs, _ = flow_run_logs_and_artifacts(prefect_api, latest_record(workdir)["prefect_flow_run_id"])
+        failed = [m for m in logs if m.startswith("evaluate[mdlm]: FAILED after ")]  # in the run's Logs tab
+        assert failed and "sha256 mismatch" in failed[0]
     finally:
         weights.write_bytes(original)
 
@@ -284,3 +307,51 @@ def test_ui_points_at_the_chart_view_of_the_latest_experiment(smoke_run):
     assert latest_experiment(default_tracking_uri(workdir)) == "smoke"
     url = chart_view_url("127.0.0.1", 5000, "7")
     assert url == "http://127.0.0.1:5000/#/experiments/7/runs?compareRunsMode=CHART"
+
+
+def test_prefect_ui_serves_the_workdirs_flow_run_with_stage_logs_and_the_report(smoke_run):
+    """The smoke run used no Prefect server: `dllm-flow ui --prefect` serves the workdir's own Prefect home,
+    where the flow run's Logs tab has each stage's start and outcome and its Artifacts tab the report."""
+    import os
+    import re
+    import urllib.request
+    import uuid
+
+    from conftest import free_port, stop_group, wait_http
+
+    from flows.cli import flow_run_missing
+
+    workdir, _ = smoke_run
+    first = json.loads(sorted((workdir / "runs").glob("*.json"))[0].read_text())  # the smoke run itself
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_UI_URL")}
+    log = workdir / "prefect-ui.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "ui", "--prefect", first["run_id"], "--workdir", str(workdir)]
+        + ["--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/api/health", proc, log)
+        url = re.search(r"Prefect UI for pipeline run \S+: (\S+)", log.read_text()).group(1)
+        assert url == f"http://127.0.0.1:{port}/runs/flow-run/{first['prefect_flow_run_id']}"
+        page = urllib.request.Request(url, headers={"Accept": "text/html"})  # as a browser asks for it
+        assert urllib.request.urlopen(page, timeout=30).status == 200  # the UI's page for the flow run
+        api = f"http://127.0.0.1:{port}/api"
+        logs, artifacts = flow_run_logs_and_artifacts(api, first["prefect_flow_run_id"])
+        # a run made against another Prefect server gets a warning instead of an empty page
+        assert not flow_run_missing(api, first["prefect_flow_run_id"], proc)
+        assert flow_run_missing(api, str(uuid.uuid4()), proc)
+    finally:
+        stop_group(proc)
+    for stage in ("prepare_data", "train[mdlm]", "evaluate[mdlm]", "report"):
+        assert f"{stage}: started" in logs, (stage, logs)
+        assert any(m.startswith(f"{stage}: ran (") and "key=" in m for m in logs), (stage, logs)
+    assert any(m.startswith(f"pipeline run {first['run_id']} of smoke") for m in logs)
+    (report,) = [a for a in artifacts if a.key == "dllm-report-smoke"]
+    assert report.type == "markdown" and "| mdlm |" in report.data and first["run_id"] in report.description
+    assert "![" not in report.data and str(workdir / "training_curves.png") in report.data  # plots by path

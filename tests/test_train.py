@@ -143,7 +143,8 @@ def test_each_strategy_trains_and_evaluates_through_the_stages(prepared, tiny_sp
     assert card["strategy"] == strategy and card["sampler"]["steps"] == spec.eval.sample_steps
     # the checkpoint alone rebuilds its strategy for `dllm-flow generate` (its own sampler, streamed)
     from strategies.sampling import SamplerConfig
-    from tasks.generate import Request, check_sampler, generate, load_for_generation
+    from tasks.checkpoints import load_for_generation
+    from tasks.generate import Request, check_sampler, generate
 
     loaded = load_for_generation(train_mod.model_dir(trained), "cpu")
     meta = loaded.meta
