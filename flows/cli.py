@@ -16,6 +16,8 @@ from pathlib import Path
 from dllm_common.checkpoint import CorruptCheckpointError
 from dllm_common.config import ConfigError
 from dllm_common.tracking import quiet_environment
+from flows.environment import prefect_env
+from flows.ui import cmd_ui
 
 DEFAULT_WORKDIR = "work"
 
@@ -27,33 +29,9 @@ def load_config(path, overrides: list[str] | None = None):
     return load_checked(path, overrides)
 
 
-def _prefect_env(workdir: Path) -> None:
-    """Call before Prefect is imported (tasks/ imports it): Prefect reads its settings, logging levels
-    included, from the environment once, at import."""
-    quiet_environment()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if "PREFECT_API_URL" not in os.environ:
-        home = Path(workdir).resolve() / ".prefect"
-        try:
-            home.mkdir(parents=True, exist_ok=True)
-            os.environ.setdefault("PREFECT_HOME", str(home))
-        except OSError:
-            pass  # an unusable workdir: check_workdir says why
-    # The console shows WARNING and up (PREFECT_LOGGING_LEVEL), while the run loggers send INFO and up to the
-    # API, where they are the flow run's Logs tab: stage starts, reuse decisions, failures (flows/pipeline.py).
-    level = os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", level)
-    run_level = "DEBUG" if level == "DEBUG" else "INFO"
-    for logger in ("FLOW_RUNS", "TASK_RUNS"):
-        os.environ.setdefault(f"PREFECT_LOGGING_LOGGERS_PREFECT_{logger}_LEVEL", run_level)
-    # a loaded 2-core machine can take longer than Prefect's default 20 s to boot the local API
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "true")
-
-
 def cmd_run(args) -> int:
     load_config(args.config, args.set)  # fail fast, before any service starts
-    _prefect_env(Path(args.workdir))
+    prefect_env(Path(args.workdir))
     from tasks.common import check_workdir
 
     workdir = check_workdir(args.workdir)
@@ -83,7 +61,7 @@ def cmd_resume(args) -> int:
     print(f"[dllm-flow] resuming pipeline run {record.run_id} ({record.status}) with its recorded config")
     print(f"[dllm-flow] completed before, will be reused: {', '.join(done) or 'none'}")
     print(f"[dllm-flow] to run again: {', '.join(todo) or 'none recorded'} (and every stage after them)")
-    _prefect_env(Path(args.workdir))
+    prefect_env(Path(args.workdir))
     from tasks.common import check_workdir
 
     workdir = check_workdir(args.workdir)
@@ -220,163 +198,6 @@ def _parent_run(client, run_id: str) -> str:
         ) from None
 
 
-def chart_view_url(host: str, port: int, experiment_id: str) -> str:
-    """The experiment's training-runs page in chart mode (MLflow 3 would open on its GenAI overview)."""
-    return f"http://{host}:{port}/#/experiments/{experiment_id}/runs?compareRunsMode=CHART"
-
-
-def landing_url(host: str, port: int, experiment_id: str, run_ids: list[str]) -> str:
-    """The chart view in MLflow's model-training mode, on the strategies' runs of one pipeline run.
-
-    The UI nests child runs under their (collapsed) parent, which has no metrics, so the charts would be
-    empty until a click; it nests only when runs are sorted by creation time, so sorting by run name lays
-    the strategies' runs out flat and every chart draws one line per strategy. `run_ids` (none: every run)
-    becomes the search filter, which the user clears in the search box to see all runs."""
-    from urllib.parse import quote, urlencode
-
-    params = {"workflowType": "machine_learning", "orderByKey": "tags.`mlflow.runName`", "orderByAsc": "true"}
-    if run_ids:
-        params["searchFilter"] = "attributes.run_id IN ({})".format(", ".join(f"'{r}'" for r in run_ids))
-    return chart_view_url(host, port, experiment_id) + "&" + urlencode(params, quote_via=quote)
-
-
-def latest_experiment(uri: str) -> str:
-    """The most recently created experiment of a workdir (what the last `run` wrote to)."""
-    from mlflow.tracking import MlflowClient
-
-    experiments = [e for e in MlflowClient(uri).search_experiments() if e.name != "Default"]
-    if not experiments:
-        raise FileNotFoundError(
-            "no dllm-flow experiments in this workdir yet; run a pipeline first (dllm-flow run CONFIG)"
-        )
-    return max(experiments, key=lambda e: e.creation_time).name
-
-
-def latest_strategy_runs(client, experiment_id: str) -> list[str]:
-    """The MLflow runs of the latest pipeline run's strategies: those its report compared (parent tag
-    `dllm.report_runs`, docs/architecture.md, the tracking contract; a reused training keeps its earlier
-    run), else the parent's child runs; empty when the experiment has no pipeline run."""
-    parents = client.search_runs(
-        [experiment_id],
-        "tags.`dllm.pipeline_run_id` LIKE '%'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1,
-    )
-    if not parents:
-        return []
-    parent = parents[0]
-    compared = json.loads(parent.data.tags.get("dllm.report_runs", "[]"))
-    if compared:
-        return [item["run_id"] for item in compared]
-    children = client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    return [c.info.run_id for c in children]
-
-
-def mlflow_ui_command(workdir: Path, host: str, port: int) -> tuple[list[str], dict[str, str]]:
-    """`mlflow server` for a workdir's tracking store, and its environment: without MLflow's job runner
-    (a huey consumer that GenAI jobs need and a training workdir does not)."""
-    from dllm_common.tracking import artifact_root, default_tracking_uri
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "server",
-        "--backend-store-uri",
-        default_tracking_uri(workdir),
-        "--default-artifact-root",
-        artifact_root(workdir),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-    ]
-    return cmd, {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-
-
-def cmd_ui(args) -> int:
-    import subprocess
-
-    if args.prefect:
-        return prefect_ui(args)
-    from dllm_common.tracking import Tracking, default_tracking_uri
-
-    workdir = Path(args.workdir)
-    quiet_environment()
-    uri = default_tracking_uri(workdir)
-    tracking = Tracking(workdir, uri, args.experiment or latest_experiment(uri))  # marks it a training experiment
-    runs = latest_strategy_runs(tracking.client, tracking.experiment_id)
-    url = landing_url(args.host, args.port or 5000, tracking.experiment_id, runs)
-    print(f"MLflow UI for {workdir.resolve()}: {url}", flush=True)
-    cmd, env = mlflow_ui_command(workdir, args.host, args.port or 5000)
-    return subprocess.call(cmd, env=env)
-
-
-def prefect_ui(args) -> int:
-    """The Prefect UI on a pipeline run's flow run (its graph, Logs and Artifacts tabs): the configured
-    server's (PREFECT_API_URL), or a server started here on the workdir's own Prefect home."""
-    import subprocess
-
-    from dllm_common.runs import find_record, list_records
-
-    workdir = Path(args.workdir)
-    if args.run_id:
-        record = find_record(workdir, args.run_id)
-    else:
-        records = list_records(workdir)
-        if not records:
-            raise FileNotFoundError(f"no pipeline runs in {workdir}; run a pipeline first (dllm-flow run CONFIG)")
-        record = records[-1]
-    if not record.prefect_flow_run_id:
-        raise FileNotFoundError(f"pipeline run {record.run_id} recorded no Prefect flow run")
-    configured = "PREFECT_API_URL" in os.environ
-    _prefect_env(workdir)
-    port = args.port or 4200
-    if not configured:
-        os.environ["PREFECT_API_URL"] = f"http://{args.host}:{port}/api"  # where the UI below will serve
-    from prefect.settings import Settings
-
-    url = f"{Settings().ui_url}/runs/flow-run/{record.prefect_flow_run_id}"
-    print(f"Prefect UI for pipeline run {record.run_id}: {url}", flush=True)
-    if configured:
-        return 0
-    server = Path(sys.executable).parent / "prefect"
-    with subprocess.Popen([str(server), "server", "start", "--host", args.host, "--port", str(port)]) as proc:
-        try:
-            if flow_run_missing(os.environ["PREFECT_API_URL"], record.prefect_flow_run_id, proc):
-                print(
-                    f"dllm-flow: warning: flow run {record.prefect_flow_run_id} is not in {workdir / '.prefect'}: "
-                    f"pipeline run {record.run_id} ran against another Prefect server; set PREFECT_API_URL to "
-                    "that server's API and run this again",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            return proc.wait()
-        except BaseException:
-            proc.terminate()
-            raise
-
-
-def flow_run_missing(api: str, flow_run_id: str, proc, seconds: float = 180) -> bool:
-    """Whether the server at `api` (started as `proc`) answers 404 for the flow run, once it is up."""
-    import time
-    import urllib.error
-    import urllib.request
-
-    deadline = time.time() + seconds
-    while proc.poll() is None and time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"{api}/flow_runs/{flow_run_id}", timeout=5)
-            return False
-        except urllib.error.HTTPError as exc:
-            return exc.code == 404
-        except OSError:
-            time.sleep(1)
-    return False
-
-
 def cmd_export(args) -> int:
     quiet_environment()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -390,6 +211,14 @@ def cmd_export(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dllm-flow", description="Declarative training pipelines for diffusion LMs.")
     sub = p.add_subparsers(dest="command", required=True)
+    _pipeline_commands(sub)
+    _add_generate(sub)
+    _inspection_commands(sub)
+    return p
+
+
+def _pipeline_commands(sub) -> None:
+    """run, resume, validate, runs."""
     run = sub.add_parser("run", help="run a pipeline config (stages already done are reused)")
     run.add_argument("config")
     run.add_argument("--set", action="append", default=[], metavar="dotted.key=value", help="override a config key")
@@ -406,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     runs = sub.add_parser("runs", help="past pipeline runs with the status of each stage")
     runs.add_argument("--workdir", default=DEFAULT_WORKDIR)
     runs.set_defaults(func=cmd_runs)
+
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="stream text from a checkpoint (path or models:/NAME@ALIAS)")
     gen.add_argument("--checkpoint", required=True, help="checkpoint dir, train store entry, or models:/NAME@ALIAS")
     gen.add_argument("--prompt", action="append", required=True, help="repeatable")
@@ -429,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--workdir", default=DEFAULT_WORKDIR, help="its MLflow registry resolves models:/ URIs")
     gen.add_argument("--tracking-uri", default=None)
     gen.set_defaults(func=cmd_generate)
+
+
+def _inspection_commands(sub) -> None:
+    """report, ui, export."""
     rep = sub.add_parser("report", help="re-render a pipeline run's comparison report from MLflow")
     rep.add_argument("run_id", help="pipeline run id (dllm-flow runs) or the parent MLflow run id")
     rep.add_argument("--workdir", default=DEFAULT_WORKDIR)
@@ -451,7 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--workdir", default=DEFAULT_WORKDIR, help="its MLflow registry resolves models:/ URIs")
     exp.add_argument("--tracking-uri", default=None)
     exp.set_defaults(func=cmd_export)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

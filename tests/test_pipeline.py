@@ -301,7 +301,7 @@ def test_sigkilled_training_is_marked_crashed_and_resume_reruns_it(tmp_path, cap
 
 def test_ui_points_at_the_chart_view_of_the_latest_experiment(smoke_run):
     from dllm_common.tracking import default_tracking_uri
-    from flows.cli import chart_view_url, latest_experiment
+    from flows.ui import chart_view_url, latest_experiment
 
     workdir, _ = smoke_run
     assert latest_experiment(default_tracking_uri(workdir)) == "smoke"
@@ -319,7 +319,7 @@ def test_prefect_ui_serves_the_workdirs_flow_run_with_stage_logs_and_the_report(
 
     from conftest import free_port, stop_group, wait_http
 
-    from flows.cli import flow_run_missing
+    from flows.ui import flow_run_missing
 
     workdir, _ = smoke_run
     first = json.loads(sorted((workdir / "runs").glob("*.json"))[0].read_text())  # the smoke run itself

@@ -159,7 +159,7 @@ def test_mlflow_ui_lands_on_every_strategys_curves(two_pipeline_runs, tmp_path):
 
 
 def test_landing_url_filters_the_latest_pipeline_runs_strategies(two_pipeline_runs):
-    from flows.cli import landing_url, latest_strategy_runs
+    from flows.ui import landing_url, latest_strategy_runs
 
     _, tracking, runs = two_pipeline_runs
     ids = latest_strategy_runs(tracking.client, tracking.experiment_id)
