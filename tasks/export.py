@@ -21,21 +21,19 @@ export are written twice: the top level is the transformers backbone, `model/` t
 model (it reads a frozen target's hidden states, docs/strategies.md §10.1): the top level is its
 dllm-flow checkpoint and the card says which target it needs.
 
-The card's metrics come from the checkpoint's evaluation: an `evaluate` store entry whose upstream
-train key is the checkpoint's stage key (newest first), else the training's MLflow run (metrics and its
-`eval/<key>/` artifacts), else none, and the card says so. Metric meanings: docs/evaluation.md §4.
+The card (`tasks.model_card`) reports the checkpoint's evaluation, data digest and training config as
+`tasks.provenance` finds them in the stores and the training's MLflow run. Metric meanings:
+docs/evaluation.md §4.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,29 +44,25 @@ from safetensors.torch import load_file, load_model, save_file
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from dllm_common.checkpoint import DIGESTS, CorruptCheckpointError, checkpoint_digest, read_meta, verify_checkpoint
-from dllm_common.config import flatten
-from dllm_common.store import MANIFEST, fsync_tree, sha256_file
-from dllm_common.tracking import default_tracking_uri, quiet_environment
+from dllm_common.store import fsync_tree, sha256_file
 from strategies import strategy_class
 from strategies.dflash_draft import DFlashDraftModel
-from strategies.models import merge_lora, model_from_config_dir, resolve_model_path
+from strategies.models import merge_lora, model_from_config_dir
 from strategies.sampling import SamplerConfig
-from tasks.checkpoints import checkpoint_options
 from tasks.generate import default_temperature, resolve_checkpoint
-from tasks.prepare_data import data_digest, load_tokenizer
+from tasks.model_card import CARD, DLLM_SUBDIR, Layout, model_card
+from tasks.prepare_data import load_tokenizer
+from tasks.provenance import Evaluation, Provenance, find_provenance
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 META = "dllm.json"
 GENERATION_CONFIG = "generation_config.json"
-CARD = "README.md"
-DLLM_SUBDIR = "model"  # where `resolve_checkpoint` finds a checkpoint inside a folder
 MAX_SHARD_SIZE = "5GB"  # transformers' default shard size
 WRAPPER_PREFIX = "lm."  # HybridLM / BlockDiffusionLM hold the backbone as `.lm`
 # checkpoint files that are not the tokenizer's
 NOT_TOKENIZER = {CONFIG, WEIGHTS, META, DIGESTS, "trainer_state.pt", DFlashDraftModel.CONFIG, GENERATION_CONFIG, CARD}
-METRIC_PREFIXES = ("eval/", "dflash/")
 
 
 def export_checkpoint(
@@ -297,219 +291,6 @@ def write_dllm_checkpoint(dest: Path, source: Source, meta: dict) -> None:
     _write_json(dest / DIGESTS, {n: sha256_file(dest / n) for n in names})
 
 
-# ------------------------------------------------------------------ what the card reports
-
-
-@dataclass
-class Evaluation:
-    source: str  # where the numbers come from, in words
-    key: str | None = None
-    metrics: dict = field(default_factory=dict)
-    samples: str | None = None
-    repro_card: dict | None = None
-    others: list[str] = field(default_factory=list)  # other evaluations of the same checkpoint
-
-
-@dataclass
-class Provenance:
-    evaluation: Evaluation | None = None
-    data_digest: str | None = None
-    data_digest_source: str | None = None
-    train_config: dict | None = None
-    train_config_source: str | None = None
-    registered_model: str | None = None
-    tracking_uri: str | None = None
-    notes: list[str] = field(default_factory=list)  # what could not be found, and why
-
-
-def find_provenance(source: Source, workdir: Path, tracking_uri: str | None) -> Provenance:
-    """Evaluation, data digest and training config from the stores that may hold them, then MLflow."""
-    found = Provenance()
-    stores = _stores(source.path, workdir)
-    meta = source.meta
-    found.evaluation = _store_evaluation(stores, meta.get("stage_key"), source.digest)
-    for store in stores:
-        manifest = _read_json(store / "train" / str(meta.get("stage_key")) / MANIFEST)
-        if manifest and "config" in manifest and found.train_config is None:
-            found.train_config = manifest["config"]
-            found.train_config_source = f"train store entry {store / 'train' / meta['stage_key']}"
-        data_entries = sorted(store.glob(f"*/{meta['data_key']}/{MANIFEST}")) if meta.get("data_key") else []
-        for entry in data_entries:
-            digest = _data_digest(entry)
-            if digest and found.data_digest is None:
-                found.data_digest, found.data_digest_source = digest, f"store entry {entry.parent}"
-    run_id = meta.get("mlflow_run_id")
-    complete = found.evaluation and found.data_digest and found.train_config
-    if run_id and not complete:
-        _from_mlflow(found, run_id, _tracking_uris(source.path, workdir, tracking_uri))
-    elif not run_id:
-        found.notes.append("the checkpoint records no MLflow run")
-    return found
-
-
-def _stores(ckpt: Path, workdir: Path) -> list[Path]:
-    """The store a checkpoint lives in (`<store>/train/<key>/model`) and the workdir's."""
-    candidates = []
-    p = ckpt.resolve()
-    if p.name == DLLM_SUBDIR and p.parent.parent.name == "train":
-        candidates.append(p.parent.parent.parent)
-    candidates.append((Path(workdir) / "store").resolve())
-    unique = []
-    for c in candidates:
-        if c.is_dir() and c not in unique:
-            unique.append(c)
-    return unique
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _data_digest(manifest_file: Path) -> str | None:
-    manifest = _read_json(manifest_file)
-    try:
-        return data_digest(manifest) if manifest else None
-    except KeyError:  # not a prepared-rows entry
-        return None
-
-
-def _store_evaluation(stores: list[Path], stage_key: str | None, ckpt_digest: str) -> Evaluation | None:
-    """The newest published evaluation of this checkpoint in the stores."""
-    if not stage_key:
-        return None
-    found = []
-    for store in stores:
-        for manifest_file in (store / "evaluate").glob(f"*/{MANIFEST}"):
-            manifest = _read_json(manifest_file)
-            if not manifest or manifest.get("upstream", {}).get("train") != stage_key:
-                continue
-            entry = manifest_file.parent
-            card = _read_json(entry / "repro_card.json")
-            if card and card.get("checkpoint_digest") not in (None, ckpt_digest):
-                continue  # evaluated other weights under the same key
-            found.append((manifest.get("published_at", 0.0), entry, manifest, card))
-    if not found:
-        return None
-    found.sort(key=lambda f: f[0], reverse=True)
-    _, entry, manifest, card = found[0]
-    metrics = _read_json(entry / "metrics.json") or manifest.get("info", {}).get("metrics", {})
-    samples = (entry / "samples.txt").read_text() if (entry / "samples.txt").is_file() else None
-    others = [f[1].name for f in found[1:]]
-    return Evaluation(f"evaluate store entry {entry}", entry.name, metrics, samples, card, others)
-
-
-def _tracking_uris(ckpt: Path, workdir: Path, tracking_uri: str | None) -> list[str]:
-    """The explicit URI, else the workdir's (and the checkpoint's workdir's) MLflow database where it exists:
-    looking never creates a database."""
-    if tracking_uri:
-        return [tracking_uri]
-    uris = []
-    for store in _stores(ckpt, workdir):
-        if (store.parent / "mlflow.db").is_file():
-            uris.append(default_tracking_uri(store.parent))
-    if (Path(workdir) / "mlflow.db").is_file():
-        uris.append(default_tracking_uri(Path(workdir)))
-    return list(dict.fromkeys(uris))
-
-
-def _from_mlflow(found: Provenance, run_id: str, uris: list[str]) -> None:
-    if not uris:
-        found.notes.append(f"no MLflow tracking store to read run {run_id} from (pass --tracking-uri or --workdir)")
-        return
-    quiet_environment()
-    from mlflow.tracking import MlflowClient  # after quiet_environment(): telemetry stays off
-
-    for uri in uris:
-        client = MlflowClient(uri, registry_uri=uri)
-        try:
-            run = client.get_run(run_id)
-        except Exception as exc:  # MlflowException (unknown run), or an unreachable server
-            found.notes.append(f"MLflow run {run_id} not readable at {uri}: {str(exc).splitlines()[0]}")
-            continue
-        found.tracking_uri = uri
-        found.registered_model = run.data.tags.get("dllm.registered_model")
-        if found.evaluation is None:
-            found.evaluation = _mlflow_evaluation(client, run)
-        if found.data_digest is None:
-            _mlflow_dataset(found, run)
-        if found.train_config is None and run.data.params:
-            found.train_config = dict(sorted(run.data.params.items()))
-            found.train_config_source = f"the params of MLflow run {run_id}"
-        return
-
-
-def _mlflow_evaluation(client, run) -> Evaluation | None:
-    """The run's `eval/*` and `dflash/*` metrics, and the files of the `eval/<key>/` folder that logged them."""
-    run_id = run.info.run_id
-    metrics = {k: v for k, v in run.data.metrics.items() if k.startswith(METRIC_PREFIXES)}
-    folders = []
-    try:
-        folders = sorted(a.path for a in client.list_artifacts(run_id, "eval") if a.is_dir)
-    except Exception:  # no artifact store reachable: the metrics alone
-        pass
-    chosen, files = None, {}
-    with tempfile.TemporaryDirectory(prefix="dllm-export-eval-") as tmp, _no_progress_bars():
-        for folder in folders:
-            got = {}
-            for name in ("metrics.json", "samples.txt", "repro_card.json"):
-                try:
-                    got[name] = Path(client.download_artifacts(run_id, f"{folder}/{name}", tmp)).read_text()
-                except Exception:  # a file this evaluation did not log
-                    pass
-            logged = json.loads(got.get("metrics.json", "{}"))
-            if chosen is None or (logged and all(metrics.get(k) == v for k, v in logged.items())):
-                chosen, files = folder, got
-    if not metrics and chosen is None:
-        return None
-    if chosen is not None and "metrics.json" in files:
-        metrics = {**metrics, **json.loads(files["metrics.json"])}
-    key = chosen.rsplit("/", 1)[-1] if chosen else None
-    where = f"MLflow run {run_id}" + (f", artifacts {chosen}/" if chosen else "")
-    card = json.loads(files["repro_card.json"]) if "repro_card.json" in files else None
-    others = [f.rsplit("/", 1)[-1] for f in folders if f != chosen]
-    return Evaluation(where, key, metrics, files.get("samples.txt"), card, others)
-
-
-@contextlib.contextmanager
-def _no_progress_bars():
-    """MLflow draws a progress bar per downloaded artifact; the card's few small files need none."""
-    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
-    before = os.environ.get(name)
-    os.environ[name] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
-def _mlflow_dataset(found: Provenance, run) -> None:
-    """The training dataset input: its store entry's full digest where the source is still on disk,
-    else the digest MLflow recorded (the first 36 hex digits)."""
-    for ds_input in run.inputs.dataset_inputs if run.inputs else []:
-        ds = ds_input.dataset
-        try:
-            uri = json.loads(ds.source).get("uri", "")
-        except (TypeError, json.JSONDecodeError):
-            uri = ""
-        local = Path(uri.removeprefix("file://")) if uri.startswith("file://") else None
-        digest = _data_digest(local / MANIFEST) if local else None
-        if digest:
-            found.data_digest, found.data_digest_source = digest, f"store entry {local} (MLflow dataset input)"
-        else:
-            found.data_digest = ds.digest
-            found.data_digest_source = f"MLflow dataset input {ds.name!r} (digest as MLflow records it: 36 hex digits)"
-        return
-
-
-# ------------------------------------------------------------------ the folder
-
-
 def write_export(dest: Path, source: Source, found: Provenance, name: str, max_shard_size: int | str) -> str:
     """Fill `dest`; returns the layout written ("shared", "separate" or "draft")."""
     backbone, extra = backbone_tensors(source)
@@ -531,17 +312,20 @@ def write_export(dest: Path, source: Source, found: Provenance, name: str, max_s
     if source.lora_merged and isinstance(meta.get("peft"), dict):
         meta["peft"] = {**meta["peft"], "merged": True}
     if layout == "separate":
+        config = hf_config(source)
         weight_files = write_weights(dest, backbone, max_shard_size)
-        _write_json(dest / CONFIG, hf_config(source))
+        _write_json(dest / CONFIG, config)
         _copy_tokenizer(source, dest)
         write_dllm_checkpoint(dest / DLLM_SUBDIR, source, meta)
     else:
+        config = source.config if source.is_draft else dllm_config(source)
         write_dllm_checkpoint(dest, source, meta)
         weight_files = [WEIGHTS]
     settings = generation_settings(source, found.evaluation)
     _write_json(dest / GENERATION_CONFIG, settings)
-    card = model_card(source, found, name, layout, weight_files, extra, settings)
-    (dest / CARD).write_text(card)
+    parameters = sum(t.numel() for t in dedupe_tensors(backbone).values())
+    written = Layout(layout, config, tuple(weight_files), tuple(extra), parameters)
+    (dest / CARD).write_text(model_card(source, found, name, written, settings))
     return layout
 
 
@@ -577,221 +361,3 @@ def generation_settings(source: Source, evaluation: Evaluation | None) -> dict:
     if temperature > 0:
         settings["temperature"] = temperature
     return settings
-
-
-def _md(value) -> str:
-    """A table cell."""
-    if isinstance(value, float):
-        text = f"{value:.6g}"
-    elif isinstance(value, (dict, list)):
-        text = json.dumps(value, sort_keys=True)
-    else:
-        text = "—" if value is None else str(value)
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _table(rows, header=("", "")) -> str:
-    lines = [f"| {header[0]} | {header[1]} |", "|---|---|"]
-    lines += [f"| {_md(k)} | {_md(v)} |" for k, v in rows]
-    return "\n".join(lines)
-
-
-def _fenced(text: str, lang: str = "") -> str:
-    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
-    fence = "`" * max(3, longest + 1)
-    return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
-
-
-def base_model_license(train_config: dict | None) -> str | None:
-    """The base model's license, where training started from a local pretrained model whose card names one."""
-    config = flatten(train_config or {})  # a train manifest's slice, or MLflow's already flat params
-    if config.get("model.kind") != "pretrained" or not config.get("model.path"):
-        return None
-    try:
-        text = (Path(resolve_model_path(str(config["model.path"]))) / CARD).read_text()
-    except OSError:  # a hub id, or no card
-        return None
-    front = re.match(r"---\n(.*?)\n---", text, flags=re.DOTALL)
-    match = re.search(r"^license:\s*([\w.\-]+)\s*$", front.group(1), flags=re.MULTILINE) if front else None
-    return match.group(1) if match else None
-
-
-def _backbone_rows(source: Source, backbone: dict, extra: list[str]) -> list[tuple[str, Any]]:
-    count = sum(t.numel() for t in dedupe_tensors(backbone).values())
-    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in source.tensors.values()})
-    if source.is_draft:
-        c = source.config
-        rows = [("model", "DFlash draft (no embedding or LM head of its own)")]
-        rows += [(k, c.get(k)) for k in ("hidden_size", "num_layers", "num_heads", "block_size", "target_layer_ids")]
-        return [*rows, ("parameters", f"{count:,}"), ("dtype", ", ".join(dtypes))]
-    c = source.config
-    keys = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads")
-    keys += ("num_key_value_heads", "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
-    rows = [(k, dllm_config(source).get(k) if k == "architectures" else c.get(k)) for k in keys]
-    rows.append(("parameters (backbone)", f"{count:,}"))
-    if extra:
-        n_extra = sum(source.tensors[k].numel() for k in extra)
-        rows.append(("parameters (strategy wrapper, dllm-flow only)", f"{n_extra:,} ({', '.join(extra)})"))
-    return [*rows, ("dtype", ", ".join(dtypes))]
-
-
-def model_card(
-    source: Source,
-    found: Provenance,
-    name: str,
-    layout: str,
-    weight_files: list[str],
-    extra: list[str],
-    settings: dict,
-) -> str:
-    meta, strategy = source.meta, source.strategy
-    cls = strategy_class(strategy)
-    backbone, _ = backbone_tensors(source)
-    license_id = base_model_license(found.train_config)
-    front = ["---", "library_name: dllm-flow"]
-    front += [f"license: {license_id}"] if license_id else []
-    front += ["pipeline_tag: text-generation", "tags:", "- dllm-flow", "- diffusion-language-model", f"- {strategy}"]
-    front += ["- safetensors", "---", ""]
-    options = checkpoint_options(meta, cls.Options.model_fields)
-    parts = ["\n".join(front), f"# {name}", ""]
-    kind = "a DFlash draft for speculative decoding" if source.is_draft else "a diffusion language model"
-    parts.append(
-        f"`{strategy}` checkpoint exported by dllm-flow ({kind}); "
-        f"trained {meta.get('step', '?')} steps on {meta.get('seq_len', '?')}-token rows."
-    )
-    if not license_id:
-        parts.append("\nLicense: not recorded by dllm-flow; add a `license:` to the front matter before publishing.")
-
-    parts += ["", "## Model", ""]
-    rows = [
-        ("strategy", strategy),
-        ("sampler", f"{settings['dllm_sampler']} ({cls.sampler_name})"),
-        ("mask token id", meta.get("mask_token_id")),
-        ("chat template", "yes" if meta.get("chat") else "no"),
-        ("final validation loss (nats/token)", meta.get("final_val_loss")),
-    ]
-    if meta.get("peft"):
-        lora = meta["peft"]
-        merged = "merged into the weights" + (" at export" if source.lora_merged else "")
-        rows.append(("LoRA", f"r={lora.get('r')}, alpha={lora.get('alpha')}, {merged}"))
-    parts += [_table(rows + _backbone_rows(source, backbone, extra), ("", "")), ""]
-    parts += ["Strategy options (`dllm.json` → `options`):", "", _fenced(json.dumps(options, indent=2), "json"), ""]
-    parts += _files_section(source, layout, weight_files, extra)
-    parts += _loading_section(source, name, settings)
-    parts += _lineage_section(source, found)
-    parts += _evaluation_section(found)
-    return "\n".join(parts).rstrip() + "\n"
-
-
-def _files_section(source: Source, layout: str, weight_files: list[str], extra: list[str]) -> list[str]:
-    weights = ", ".join(f"`{f}`" for f in weight_files)
-    lines = ["## Files", ""]
-    if layout == "shared":
-        lines.append(
-            f"`config.json` + {weights} are both the transformers backbone and the dllm-flow checkpoint "
-            "(`dllm.json`, `digests.json`)."
-        )
-    elif layout == "separate":
-        why = (
-            f"the `{source.strategy}` model wraps the backbone (its checkpoint keys carry the wrapper's prefix"
-            + (f" and the wrapper's own {', '.join(f'`{k}`' for k in extra)}" if extra else "")
-            + ")"
-            if source.wrapped
-            else "the weights are sharded and dllm-flow reads one `model.safetensors`"
-        )
-        lines.append(
-            f"`config.json` + {weights} are the plain transformers backbone. `{DLLM_SUBDIR}/` is the dllm-flow "
-            f"checkpoint (the same weights in dllm-flow's layout), because {why}."
-        )
-    else:
-        target = source.meta.get("target", {})
-        lines.append(
-            "This is **not a transformers model**: a DFlash draft has no embedding or LM head and reads the hidden "
-            "states of a frozen causal target, so there is no `config.json` to load with `AutoModelForCausalLM`. "
-            f"`dflash_draft.json` + {weights} are the dllm-flow checkpoint. It decodes with its target: "
-            f"`{target.get('path')}` (weights digest `{target.get('weights_digest')}`), which must exist at that "
-            "path where it is loaded."
-        )
-    lines += [
-        "",
-        "`generation_config.json` holds the token ids and the sampler settings (`dllm_*`); "
-        "`digests.json` covers the checkpoint files, not this card or the generation settings.",
-        "",
-    ]
-    return lines
-
-
-def _loading_section(source: Source, name: str, settings: dict) -> list[str]:
-    cmd = (
-        f"dllm-flow generate --checkpoint {name} --prompt 'To be, or not to be' --steps {settings['dllm_steps']} "
-        f"--block-size {settings['dllm_block_size']} --max-new-tokens {settings['max_new_tokens']}"
-    )
-    lines = ["## How to load", "", "With dllm-flow (the strategy's own sampler, rebuilt from `dllm.json`):", ""]
-    lines += [_fenced(cmd, "bash"), ""]
-    if source.is_draft:
-        return lines
-    mask = source.meta.get("mask_token_id")
-    snippet = f"""import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-tokenizer = AutoTokenizer.from_pretrained("{name}")
-model = AutoModelForCausalLM.from_pretrained("{name}")
-ids = tokenizer("To be, or not to be", return_tensors="pt").input_ids
-ids = torch.cat([ids, torch.full((1, 8), {mask})], dim=1)  # 8 [MASK] tokens to denoise
-visible = torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool)  # every position sees every position
-logits = model(input_ids=ids, attention_mask=visible).logits"""
-    lines += ["With transformers (the backbone; one bidirectional denoising forward):", "", _fenced(snippet, "python")]
-    note = (
-        "The backbone was trained as a bidirectional denoiser: give it the all-visible 4-D mask above. "
-        "`model.generate()` decodes left to right and is not the diffusion sampler"
-    )
-    if source.strategy == "hybrid":
-        note += "; for a hybrid model it is the causal (AR) branch, which was trained too"
-    return [*lines, "", note + ".", ""]
-
-
-def _lineage_section(source: Source, found: Provenance) -> list[str]:
-    meta = source.meta
-    rows = [
-        ("source checkpoint", source.ref),
-        ("checkpoint digest (sha256 of digests.json)", source.digest),
-        ("train stage key", meta.get("stage_key")),
-        ("data key", meta.get("data_key")),
-        ("data digest", found.data_digest or "not found"),
-        ("data digest from", found.data_digest_source),
-        ("MLflow run id", meta.get("mlflow_run_id")),
-        ("MLflow tracking URI", found.tracking_uri),
-        ("registered model", found.registered_model),
-    ]
-    if meta.get("target"):
-        t = meta["target"]
-        rows += [("DFlash target", t.get("path")), ("target weights digest", t.get("weights_digest"))]
-    lines = ["## Training lineage", "", _table(rows, ("", "")), ""]
-    if found.train_config:
-        lines += [f"Training configuration (from {found.train_config_source}):", ""]
-        lines += [_fenced(json.dumps(found.train_config, indent=2, sort_keys=True), "json"), ""]
-    else:
-        lines += ["Training configuration: not found (no train store entry or MLflow run reachable).", ""]
-    return lines
-
-
-def _evaluation_section(found: Provenance) -> list[str]:
-    ev = found.evaluation
-    lines = ["## Evaluation", ""]
-    if ev is None:
-        lines.append("No evaluation found for this checkpoint: this export carries no metrics.")
-        lines += [f"- {n}" for n in found.notes] + [""]
-        lines += ["## Reproducibility card", "", "None (no evaluation found).", ""]
-        return lines
-    lines += [f"From {ev.source}. Metric definitions: dllm-flow's docs/evaluation.md.", ""]
-    lines += [_table(sorted(ev.metrics.items()), ("metric", "value")), ""]
-    if ev.others:
-        lines += [f"Other evaluations of this checkpoint: {', '.join(ev.others)}.", ""]
-    lines += ["### Sample outputs", ""]
-    lines += [_fenced(ev.samples, "text") if ev.samples else "No samples recorded.", ""]
-    lines += ["## Reproducibility card", ""]
-    if ev.repro_card:
-        lines += [_table(sorted(flatten(ev.repro_card).items()), ("field", "value")), ""]
-    else:
-        lines += ["Not recorded with this evaluation.", ""]
-    return lines

@@ -15,8 +15,9 @@ from dllm_common.config import flatten
 from dllm_common.tracking import default_tracking_uri
 from strategies.sampling import SamplerConfig
 from tasks.checkpoints import load_for_generation
-from tasks.export import base_model_license, export_checkpoint, write_weights
+from tasks.export import export_checkpoint, write_weights
 from tasks.generate import Request, check_sampler, generate, resolve_checkpoint
+from tasks.model_card import base_model_license
 from tasks.train import model_dir
 
 PROMPT = "To be, or not to be"
