@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from dllm_common.store import atomic_write_text
-from strategies.options import validate_config
 from tasks import distributed
 from tasks.runtime import resolve_device
 from tasks.train import TrainJob, run_training
@@ -20,7 +19,7 @@ from tasks.train import TrainJob, run_training
 
 def main(args_path: str) -> None:
     raw = json.loads(Path(args_path).read_text())
-    job = TrainJob.from_json(json.dumps(raw["job"]), validate_config)
+    job = TrainJob.from_dict(raw["job"])
     info = distributed.init_distributed(resolve_device(job.spec.train.device))
     try:
         fields = run_training(job, Path(raw["out"]), info)

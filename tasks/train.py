@@ -23,7 +23,7 @@ from dllm_common.config import PipelineSpec, flatten
 from dllm_common.store import stage_key
 from strategies import strategy_class
 from strategies.models import lora_state_dict, merge_lora
-from strategies.options import resolve_options
+from strategies.options import resolve_options, validate_config
 from tasks import distributed
 from tasks.checkpointing import Checkpointer
 from tasks.common import StageRef, code_version, prefect_task, store_for
@@ -109,10 +109,10 @@ class TrainJob:
         )
 
     @classmethod
-    def from_json(cls, text: str, validate) -> TrainJob:
-        raw = json.loads(text)
+    def from_dict(cls, raw: dict) -> TrainJob:
+        """The job `to_json` wrote, its config validated again (strategy options included)."""
         inputs = {name: StageRef(**ref) for name, ref in raw["inputs"].items()}
-        spec = validate(raw["spec"], "torchrun args")
+        spec = validate_config(raw["spec"], "torchrun args")
         return cls(
             spec, raw["strategy"], StageRef(**raw["data"]), raw["workdir"], raw["parent_run_id"], raw["key"], inputs
         )
