@@ -139,6 +139,10 @@ class TrainConfig(_Section):
     threads: int | None = Field(None, ge=1)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast the forward (weights and optimizer stay fp32)
     activation_checkpointing: bool = False  # recompute each layer's activations in backward
+    # the LM head runs inside the loss, only at the positions it scores, chunk by chunk (docs/strategies.md §5.9)
+    fused_head: bool = True
+    head_chunk_rows: int | None = Field(None, ge=1)  # rows per head chunk (None: 64 MiB of fp32 logits)
+    compile: bool = False  # torch.compile each decoder layer (regional compilation; docs/strategies.md §5.9)
     peft: PeftConfig | None = None
 
     @model_validator(mode="after")

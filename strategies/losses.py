@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from strategies.head import HeadProjection, Logits, row_nll
+
 
 class DLLMLossOutput(NamedTuple):
     total_loss: Tensor
@@ -22,21 +24,51 @@ class DLLMLossOutput(NamedTuple):
     draft_count_per_pos: Tensor | None = None
 
 
-def per_token_nll(logits: Tensor, target_ids: Tensor) -> Tensor:
-    """Unreduced CE: logits [..., V], targets [...] → [...] (in the logits' dtype)."""
-    vocab = logits.shape[-1]
-    if logits.dtype in (torch.bfloat16, torch.float16):  # mixed precision: the softmax runs in fp32
-        logits = logits.float()
-    return F.cross_entropy(logits.reshape(-1, vocab), target_ids.reshape(-1), reduction="none").view(target_ids.shape)
+def per_token_nll(logits: Logits, target_ids: Tensor) -> Tensor:
+    """Unreduced CE: logits [..., V] (a tensor or a `HeadProjection`), targets [...] → [...] in fp32."""
+    return row_nll(logits, target_ids)
+
+
+GATHER_BELOW = 0.4  # below this fraction of selected rows, copying them out beats one CE over every row
+
+
+def nll_at(logits: Logits, selected: Tensor, target_ids: Tensor) -> Tensor:
+    """CE at the `selected` positions of logits `[..., V]` (targets `[...]`), zero elsewhere, fp32, shaped like
+    `selected`. Dense selections run one cross-entropy over every row (unselected targets ignored), sparse ones
+    gather their rows first, a `HeadProjection` computes the head only at the selected rows (docs/strategies.md
+    §5.9); all three give the same values."""
+    selected = selected.bool()
+    dense = not isinstance(logits, HeadProjection) and float(selected.float().mean()) >= GATHER_BELOW
+    if dense:
+        targets = torch.where(selected, target_ids, torch.full_like(target_ids, _IGNORE))
+        flat = logits.reshape(-1, logits.shape[-1])
+        if flat.dtype in (torch.bfloat16, torch.float16):
+            flat = flat.float()
+        nll = F.cross_entropy(flat, targets.reshape(-1), reduction="none", ignore_index=_IGNORE)
+        return nll.view(selected.shape)
+    out = torch.zeros(selected.shape, dtype=torch.float32, device=selected.device)
+    return out.index_put((selected,), row_nll(logits[selected], target_ids[selected]))
+
+
+_IGNORE = -100
+
+
+def next_token_selection(select: Tensor, target_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Selection and targets for "logit i predicts token i + 1" on unshifted logits `[B, L, V]`: position i is
+    selected when `select[:, i + 1]` is (the last position never is) and its target is `target_ids[:, i + 1]`."""
+    sel = torch.zeros_like(select, dtype=torch.bool)
+    sel[:, :-1] = select[:, 1:].bool()
+    targets = torch.zeros_like(target_ids)
+    targets[:, :-1] = target_ids[:, 1:]
+    return sel, targets
 
 
 def causal_nll_rows(
-    causal_logits: Tensor, target_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
+    causal_logits: Logits, target_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Exact left-to-right NLL of the supervised tokens (logit i−1 predicts x_i): (Σ nll, count) per row."""
-    scored = (loss_mask.bool() & attention_mask.bool())[:, 1:]
-    nll = per_token_nll(causal_logits[:, :-1].float(), target_ids[:, 1:]) * scored
-    return nll.sum(dim=1), scored.sum(dim=1)
+    sel, targets = next_token_selection(loss_mask.bool() & attention_mask.bool(), target_ids)
+    return nll_at(causal_logits, sel, targets).sum(dim=1), sel.sum(dim=1)
 
 
 class MDLMCrossEntropyLoss(nn.Module):
@@ -70,9 +102,9 @@ class MDLMCrossEntropyLoss(nn.Module):
         noisy_input_ids: Tensor | None = None,
     ) -> DLLMLossOutput:
         selected = noise_mask.bool() & loss_mask.bool()
-        nll = per_token_nll(logits[selected], target_ids[selected])  # only the scored rows of the vocab matmul
+        nll = nll_at(logits, selected, target_ids)
         if self.weighting == "elbo":
-            nll = nll / p_mask[selected].clamp_min(1e-8).to(nll.dtype)
+            nll = nll / p_mask.clamp_min(1e-8).to(nll.dtype)
         total = nll.sum()
         if num_diffusion_tokens is not None:
             total = total / max(int(num_diffusion_tokens), 1)
@@ -116,15 +148,12 @@ class HybridDiffusionLLMLoss(nn.Module):
         if causal_logits is None and logits.shape[1] > length:
             logits, causal_logits = logits[:, :length], logits[:, length:]
         selected = noise_mask.bool() & loss_mask.bool()
-        weight = torch.nan_to_num(1.0 / p_mask[selected].clamp_min(1e-8), posinf=1.0, neginf=1.0)
-        diffusion = _maybe_divide(
-            (per_token_nll(logits[selected], target_ids[selected]) * weight).sum(), num_diffusion_tokens
-        )
+        weight = torch.nan_to_num(1.0 / p_mask.clamp_min(1e-8), posinf=1.0, neginf=1.0)
+        diffusion = _maybe_divide((nll_at(logits, selected, target_ids) * weight).sum(), num_diffusion_tokens)
         total = self.alpha * diffusion
         dllm = total.detach()
         if causal_logits is not None and loss_mask_ar is not None:
-            ar_mask = loss_mask_ar[:, 1:].bool()
-            ar = per_token_nll(causal_logits[:, :-1][ar_mask], target_ids[:, 1:][ar_mask]).sum()
+            ar = nll_at(causal_logits, *next_token_selection(loss_mask_ar, target_ids)).sum()
             total = total + _maybe_divide(ar, num_ar_tokens)
         return DLLMLossOutput(total, dllm)
 
@@ -150,7 +179,7 @@ class BlockDiffusionCrossEntropyLoss(nn.Module):
         noisy_input_ids: Tensor | None = None,
     ) -> DLLMLossOutput:
         selected = loss_mask.bool()
-        total = per_token_nll(logits[selected], target_ids[selected]).sum()
+        total = nll_at(logits, selected, target_ids).sum()
         count = num_diffusion_tokens if num_diffusion_tokens is not None else int(selected.sum())
         total = total / max(int(count), 1)
         return DLLMLossOutput(total, total.detach())
@@ -163,7 +192,8 @@ def encoder_ar_loss(
     valid_i ∧ valid_{i+1}; divided by max(num_tokens or the local count, 1)."""
     valid = torch.ones_like(input_ids, dtype=torch.bool) if valid_mask is None else valid_mask.bool()
     pairs = valid[:, :-1] & valid[:, 1:]
-    total = per_token_nll(encoder_logits[:, :-1][pairs], input_ids[:, 1:][pairs]).sum()
+    sel, targets = next_token_selection(torch.nn.functional.pad(pairs, (1, 0)), input_ids)
+    total = nll_at(encoder_logits, sel, targets).sum()
     count = num_tokens if num_tokens is not None else int(pairs.sum())
     return total / max(int(count), 1)
 
@@ -192,11 +222,12 @@ class IDLMLoss(nn.Module):
         seq_len: int,
         num_diffusion_tokens: int | Tensor | None = None,
     ) -> DLLMLossOutput:
-        support = (answer_mask.bool() & valid_mask.bool())[:, 1:]
-        targets = target_ids[:, 1:][support]
-        denom = max(int(num_diffusion_tokens), 1) if num_diffusion_tokens is not None else max(int(support.sum()), 1)
-        ce_noisy = per_token_nll(logits[:, : seq_len - 1][support], targets).sum() / denom
-        ce_clean = per_token_nll(logits[:, seq_len : 2 * seq_len - 1][support], targets).sum() / denom
+        sel, targets = next_token_selection(answer_mask.bool() & valid_mask.bool(), target_ids)
+        denom = max(int(num_diffusion_tokens), 1) if num_diffusion_tokens is not None else max(int(sel.sum()), 1)
+        # both halves in one pass over the [B, 2L, V] logits: no slice copies of the vocabulary axis
+        nll = nll_at(logits, torch.cat([sel, sel], dim=1), torch.cat([targets, targets], dim=1))
+        ce_noisy = nll[:, :seq_len].sum() / denom
+        ce_clean = nll[:, seq_len : 2 * seq_len].sum() / denom
         alpha = (ce_noisy / ce_clean.clamp_min(1e-6)).detach() if self.auto_balance else self.clean_loss_weight
         return DLLMLossOutput(ce_noisy + alpha * ce_clean, ce_noisy.detach())
 

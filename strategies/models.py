@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
 
 from strategies.dflash_draft import DFlashDraftConfig, DFlashDraftModel
+from strategies.head import HeadProjection
 
 BIDIRECTIONAL_MASK = "bidirectional_4d"
 NATIVE = "native"
@@ -269,8 +270,10 @@ class BlockDiffusionLM(nn.Module):
         logits = self.decode(kv, canvas_ids, decoder_attention_mask, decoder_position_ids, soft)
         return DLLMOutput(logits=logits, encoder_logits=encoder_logits)
 
-    def _soft_embedding(self, logits: Tensor) -> Tensor:
+    def _soft_embedding(self, logits: Tensor | HeadProjection) -> Tensor:
         weight = self.backbone.embed_tokens.weight
+        if isinstance(logits, HeadProjection):  # deferred logits (docs/strategies.md §5.9): chunk by chunk
+            return logits.softmax_matmul(weight)
         return torch.softmax(logits.detach().float(), dim=-1).to(weight.dtype) @ weight
 
 

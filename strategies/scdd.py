@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from strategies.head import HeadProjection, Logits, RowKernel
 from strategies.losses import DLLMLossOutput
 
 _TINY = 1e-30
@@ -53,15 +54,128 @@ def _validate_chunk(chunk_size) -> int | None:
     return chunk_size
 
 
-def _vocab_terms(logits: Tensor, x0: Tensor, zt: Tensor, log_beta_s: Tensor, log_rho_s: Tensor, mask_id: int):
-    """The vocabulary-sized part for a chunk of positions → (Σ_v τ(v), τ(x0), τ(z), log p_θ(z)), each [N]."""
-    masked = logits.float().clone()
-    masked[:, mask_id] = -math.inf  # the model distribution lives on the non-mask domain
-    logp = torch.log_softmax(masked, dim=-1).clamp_min(math.log(_TINY))
-    tau = torch.logaddexp(log_beta_s[:, None], log_rho_s[:, None] + logp)
-    sigma = tau.sum(dim=1) - tau[:, mask_id]
-    pick = lambda idx: tau.gather(1, idx[:, None]).squeeze(1)  # noqa: E731
-    return sigma, pick(x0), pick(zt), logp.gather(1, zt[:, None]).squeeze(1)
+class _VocabTermsFn(torch.autograd.Function):
+    """The vocabulary-sized part of the SCDD NELBO for rows of logits [N, V], with a hand-written backward.
+
+    With p = softmax over the non-[MASK] domain and τ(v) = log(β_s + ρ_s·p(v)) (β_s, ρ_s clamped at 1e-30):
+    outputs Σ_{v≠M} τ(v), τ(x0), τ(z), log p(z) — each [N], float32. Forward is one exp and one log per
+    logit; backward recomputes p from the saved per-row max and normalizer (nothing [N, V] is kept besides
+    the logits themselves) and forms the gradient in closed form:
+        ∂τ(v)/∂log p(v) = w_v = ρ_s p(v) / (β_s + ρ_s p(v)),
+        G_v = g_Σ·w_v + g_x·w_x·[v = x0] + g_z·w_z·[v = z] + g_lp·[v = z]
+        ∂/∂logit_u = G_u − p(u)·Σ_v G_v   (u ≠ M; the [MASK] logit gets no gradient)
+    At z = [MASK], log p(z) is reported as log 1e-30 (a constant; the loss never reads it there).
+    Both passes walk `chunk` rows at a time, so their fp32 temporaries are [chunk, V]; the gradient is
+    written into one [N, V] tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, x0, zt, log_beta, log_rho, mask_id, chunk):
+        beta, rho = log_beta.float().exp(), log_rho.float().exp()
+        work = _Scratch(logits, chunk)
+        parts = [
+            _forward_rows(work, logits[rows], x0[rows], zt[rows], beta[rows], rho[rows], mask_id)
+            for rows in work.chunks()
+        ]
+        sigma, tau_x, tau_z, logp_z, row_max, norm = (torch.cat(p) for p in zip(*parts))
+        ctx.save_for_backward(logits, x0, zt, beta, rho, row_max, norm)
+        ctx.mask_id, ctx.chunk = mask_id, chunk
+        return sigma, tau_x, tau_z, logp_z
+
+    @staticmethod
+    def backward(ctx, g_sigma, g_x, g_z, g_lp):
+        logits, x0, zt, beta, rho, row_max, norm = ctx.saved_tensors
+        g_lp = torch.where(zt == ctx.mask_id, torch.zeros_like(g_lp), g_lp)
+        grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        work = _Scratch(logits, ctx.chunk)
+        for rows in work.chunks():
+            pick = (logits[rows], x0[rows], zt[rows], beta[rows], rho[rows], row_max[rows], norm[rows])
+            _grad_rows(work, grad[rows], *pick, (g_sigma[rows], g_x[rows], g_z[rows], g_lp[rows]), ctx.mask_id)
+        return grad.to(logits.dtype), None, None, None, None, None, None
+
+
+class _Scratch:
+    """Two fp32 [chunk, V] buffers reused by every chunk (fresh vocabulary-sized allocations cost page faults)."""
+
+    def __init__(self, logits: Tensor, chunk: int):
+        self.rows, self.chunk = logits.shape[0], chunk
+        shape = (min(chunk, self.rows), logits.shape[1])
+        self.a = torch.empty(shape, dtype=torch.float32, device=logits.device)
+        self.b = torch.empty_like(self.a)
+
+    def chunks(self):
+        return (slice(i, min(i + self.chunk, self.rows)) for i in range(0, self.rows, self.chunk))
+
+    def exp(self, logits: Tensor, row_max: Tensor, mask_id: int) -> Tensor:
+        """exp(logit − row max) into buffer a, 0 at the [MASK] column."""
+        exp = torch.sub(logits, row_max[:, None], out=self.a[: logits.shape[0]]).exp_()
+        exp[:, mask_id] = 0
+        return exp
+
+
+def _forward_rows(work: _Scratch, logits, x0, zt, beta, rho, mask_id):
+    row_max = _row_max_without(logits, mask_id)
+    exp = work.exp(logits, row_max, mask_id)
+    norm = exp.sum(dim=1)
+    tau = torch.addcmul(beta[:, None], exp, (rho / norm)[:, None], out=work.b[: len(exp)]).log_()  # log(β + ρ·p)
+    sigma = tau.sum(dim=1) - tau[:, mask_id]  # the [MASK] column holds log β
+    tau_x, tau_z = tau.gather(1, x0[:, None])[:, 0], tau.gather(1, zt[:, None])[:, 0]
+    logp_z = logits.gather(1, zt[:, None])[:, 0].float() - row_max - norm.log()
+    logp_z = torch.where(zt == mask_id, torch.full_like(logp_z, math.log(_TINY)), logp_z)
+    return sigma, tau_x, tau_z, logp_z, row_max, norm
+
+
+def _grad_rows(work: _Scratch, out: Tensor, logits, x0, zt, beta, rho, row_max, norm, grads, mask_id):
+    """∂loss/∂logits for a chunk of rows into `out`: the closed form of `_VocabTermsFn`, with
+    w = ρp/(β + ρp) = 1 − β·r, r = 1/(β + ρp), so that G − p·ΣG = g_Σ − g_Σβ·r − p·ΣG off the sparse terms."""
+    g_sigma, g_x, g_z, g_lp = grads
+    exp = work.exp(logits, row_max, mask_id)
+    scale = rho / norm  # ρ·p = scale·exp
+    recip = torch.addcmul(beta[:, None], exp, scale[:, None], out=work.b[: len(exp)])
+    recip[:, mask_id] = math.inf  # w = 0 there
+    recip.reciprocal_()
+    r_x, r_z = recip.gather(1, x0[:, None])[:, 0], recip.gather(1, zt[:, None])[:, 0]
+    w_x, w_z = 1 - beta * r_x, 1 - beta * r_z
+    w_sum = torch.linalg.vecdot(exp, recip) * scale  # Σ ρp·r directly: (V − 1) − β·Σr would cancel
+    total = g_sigma * w_sum + g_x * w_x + g_z * w_z + g_lp
+    torch.addcmul(g_sigma[:, None], recip, (-g_sigma * beta)[:, None], out=out)
+    out.addcmul_(exp, (total / norm)[:, None], value=-1.0)
+    out.scatter_add_(1, x0[:, None], (g_x * w_x)[:, None])
+    out.scatter_add_(1, zt[:, None], (g_z * w_z + g_lp)[:, None])
+    out[:, mask_id] = 0
+
+
+class _SCDDRows(RowKernel):
+    """`_VocabTermsFn`'s forward and closed-form gradient as a `RowKernel` for the fused head."""
+
+    def __init__(self, mask_id: int):
+        self.mask_id = mask_id
+
+    def forward(self, logits, x0, zt, log_beta, log_rho):
+        work = _Scratch(logits, logits.shape[0])
+        *terms, row_max, norm = _forward_rows(work, logits, x0, zt, log_beta.exp(), log_rho.exp(), self.mask_id)
+        return tuple(terms), (row_max, norm)
+
+    def backward(self, logits, saved, args, grads):
+        (row_max, norm), (x0, zt, log_beta, log_rho) = saved, args
+        g_sigma, g_x, g_z, g_lp = grads
+        g_lp = torch.where(zt == self.mask_id, torch.zeros_like(g_lp), g_lp)
+        out = torch.empty_like(logits)
+        work = _Scratch(logits, logits.shape[0])
+        beta, rho = log_beta.exp(), log_rho.exp()
+        _grad_rows(work, out, logits, x0, zt, beta, rho, row_max, norm, (g_sigma, g_x, g_z, g_lp), self.mask_id)
+        return out
+
+
+def _row_max_without(logits: Tensor, mask_id: int) -> Tensor:
+    sides = [part.amax(dim=1) for part in (logits[:, :mask_id], logits[:, mask_id + 1 :]) if part.shape[1]]
+    return functools.reduce(torch.maximum, sides).float()
+
+
+def _vocab_terms(logits: Tensor, x0, zt, log_beta, log_rho, mask_id: int, chunk: int | None = None):
+    """(Σ_{v≠M} τ(v), τ(x0), τ(z), log p_θ(z)) for rows of logits, τ(v) = log(β_s + ρ_s·p_θ(v)), `chunk` rows
+    at a time (None: all at once); see `_VocabTermsFn`."""
+    return _VocabTermsFn.apply(logits, x0, zt, log_beta, log_rho, int(mask_id), chunk or max(logits.shape[0], 1))
 
 
 class _RowCoefficients(NamedTuple):
@@ -92,7 +206,7 @@ class SCDDLoss(nn.Module):
     Visible  (z ≠ M):   J = −[β_s c_u (Σ − KΛ) + ρ_s c_u (τ_x − Λ) + β_s c_c (τ_z − Λ) + ρ_s c_c δ (τ_x − Λ)]
                             / max(β_t + ρ_t δ, 1e-30)
     per_token = T·J;  L = Σ ℓ·per_token / max(D, 1), D = num_diffusion_tokens or local Σℓ.
-    Only the [chunk, V] log terms are built per chunk, each under a non-reentrant checkpoint.
+    The vocabulary-sized terms come from `_VocabTermsFn` (closed-form backward), `chunk_size` positions at a time.
     """
 
     def __init__(
@@ -163,24 +277,15 @@ class SCDDLoss(nn.Module):
         return _RowCoefficients(beta_s, at_s.rho, beta_t, rho_t, ut, ct, kappa)
 
     def _chunked_vocab_terms(
-        self, flat_logits: Tensor, x0: Tensor, zt: Tensor, log_bs: Tensor, log_rs: Tensor
+        self, flat_logits: Logits, x0: Tensor, zt: Tensor, log_bs: Tensor, log_rs: Tensor
     ) -> _VocabTerms:
-        """`_vocab_terms` over chunks of `chunk_size` positions, each under a non-reentrant checkpoint."""
-        step = self.chunk_size or flat_logits.shape[0]
-        parts = [
-            checkpoint(
-                _vocab_terms,
-                flat_logits[i : i + step],
-                x0[i : i + step],
-                zt[i : i + step],
-                log_bs[i : i + step],
-                log_rs[i : i + step],
-                self.mask_token_id,
-                use_reentrant=False,
-            )
-            for i in range(0, flat_logits.shape[0], step)
-        ]
-        return _VocabTerms(*(torch.cat(p).double() for p in zip(*parts)))
+        """`_vocab_terms` over chunks of `chunk_size` positions; a `HeadProjection` runs the same kernel fused
+        with the head (`strategies.head.FusedHeadRows`), chunked by its own size."""
+        if isinstance(flat_logits, HeadProjection):
+            terms = flat_logits.rowwise(_SCDDRows(self.mask_token_id), x0, zt, log_bs, log_rs)
+        else:
+            terms = _vocab_terms(flat_logits, x0, zt, log_bs, log_rs, self.mask_token_id, chunk=self.chunk_size)
+        return _VocabTerms(*(p.double() for p in terms))
 
     def _integrand(self, c: _RowCoefficients, terms: _VocabTerms, x0: Tensor, zt: Tensor, k: int) -> Tensor:
         """J per position (the class docstring) from per-position coefficients: J_abs where z = M, else J_vis."""

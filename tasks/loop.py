@@ -104,7 +104,7 @@ def run_step(trainee: Trainee, ctx: StepContext, mbs, is_train: bool) -> tuple[f
     n_diff, n_ar = trainee.strategy.loss_denominators(corrupted, n_noise, n_sup)
     total, correct, count = 0.0, None, None
     for batch in corrupted:
-        with trainee.autocast():
+        with trainee.forward_context():
             out = trainee.strategy.forward_backward(
                 ctx, batch, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar, is_train=is_train
             )

@@ -13,6 +13,7 @@ import torch
 from dllm_common.config import PipelineSpec
 from dllm_common.tracking import Tracking
 from strategies import Microbatch
+from strategies.head import deferred_logits
 
 
 def resolve_device(name: str) -> str:
@@ -135,6 +136,14 @@ class Trainee:
     loss_fn: object
     mask_token_id: int
     precision: str = "fp32"
+    fused_head: bool = False  # the model's LM head defers its logits to the loss (docs/strategies.md §5.9)
+
+    @contextlib.contextmanager
+    def forward_context(self):
+        """What every training and validation forward runs under: bf16 autocast (`precision`) and, with
+        `fused_head`, logits computed by the loss only where it scores them."""
+        with self.autocast(), deferred_logits(self.model, self.fused_head):
+            yield
 
     def autocast(self):
         """bf16 autocast of the forward (weights, grads and optimizer state stay fp32); a no-op for fp32."""

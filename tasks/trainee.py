@@ -11,9 +11,11 @@ from pathlib import Path
 
 from dllm_common.config import PipelineSpec
 from strategies import assemble_strategy, strategy_class
+from strategies.head import make_head_deferrable
 from strategies.models import (
     NATIVE,
     add_lora,
+    backbone_lm,
     build_model,
     enable_activation_checkpointing,
     load_pretrained,
@@ -76,9 +78,23 @@ def denoiser_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str)
         mask_id = candidate_mask_token_id(options, tokenizer)
         model = wrap_for_architecture(model, strategy_class(name).model_architecture, mask_token_id=mask_id)
     built = assemble_strategy(name, options, model, tokenizer)
+    fused = spec.train.fused_head and make_head_deferrable(model, spec.train.head_chunk_rows)
+    if spec.train.compile:
+        compile_layers(model)
     return Trainee(
-        model.to(device), tokenizer, built.strategy, built.loss_fn, built.mask_token_id, spec.train.precision
+        model.to(device), tokenizer, built.strategy, built.loss_fn, built.mask_token_id, spec.train.precision, fused
     )
+
+
+def compile_layers(model) -> int:
+    """`torch.compile` every decoder layer in place (one compiled graph reused by identical layers; the
+    state dict keeps its names). Returns how many layers were compiled."""
+    layers = getattr(getattr(backbone_lm(model), "model", None), "layers", None)
+    if layers is None:
+        raise ValueError("train.compile: this model has no `model.layers` to compile; set train.compile: false")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def build_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, inputs: dict | None = None) -> Trainee:

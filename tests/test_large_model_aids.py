@@ -134,3 +134,32 @@ def test_activation_checkpointing_with_block_diffusion_is_refused(prepared, tiny
         ValueError, match="train.activation_checkpointing is not supported with block_diffusion; set it to false"
     ):
         build_trainee(_spec(tiny_spec, activation_checkpointing=True), "block_diffusion", data, "cpu")
+
+
+def test_fused_head_trains_the_same_curve_as_full_logits(prepared, tiny_spec, tmp_path):
+    """`train.fused_head` (the default) changes where logits are computed, not what is learned."""
+    data, _ = prepared
+    curves = {}
+    for fused in (True, False):
+        run = train(_spec(tiny_spec, fused_head=fused), "hybrid", data, str(tmp_path / str(fused)))
+        curves[fused] = [v for _, v in _metric_history(tmp_path / str(fused), run.mlflow_run_id, "train/loss")]
+    assert len(curves[True]) == len(curves[False]) > 2
+    assert max(abs(a - b) for a, b in zip(curves[True], curves[False])) < 1e-4
+
+
+def test_compiled_layers_give_the_eager_gradients():
+    from tasks.trainee import compile_layers
+
+    grads = []
+    for compiled in (False, True):
+        model = _tiny()
+        if compiled:
+            assert compile_layers(model) == len(model.model.layers)
+        s = MDLMStrategy()
+        ctx = StepContext(model=model, loss_fn=s.create_loss_fn({}), mask_token_id=M, step=1, base_seed=0)
+        ids = torch.randint(0, M, (4, 16), generator=torch.Generator().manual_seed(0))
+        corrupted, _, n_sup = s.pre_step(ctx, [Microbatch(ids, torch.ones(4, 16), torch.ones(4, 16))])
+        s.forward_backward(ctx, corrupted[0], num_diffusion_tokens=n_sup, num_ar_tokens=n_sup, is_train=True)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
+    assert list(_tiny().state_dict()) == list(model.state_dict())  # compiled in place: checkpoint names unchanged
