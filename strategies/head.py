@@ -69,7 +69,7 @@ class HeadProjection:
         return self.logits_of(self.hidden)
 
     def logits_of(self, hidden: Tensor) -> Tensor:
-        return F.linear(hidden, self.weight, self.bias).float()
+        return _chunk_logits(hidden, self.weight, self.bias, _matmul_dtype(hidden))
 
     def rowwise(self, kernel: RowKernel, *row_args: Tensor) -> tuple[Tensor, ...]:
         """`kernel` over row chunks of the flattened logits, fused with the head (`FusedHeadRows`): the

@@ -32,9 +32,11 @@ from tasks.evaluation import (
     EvalResult,
     Evaluation,
     ar_nll_metrics,
+    bits_per_byte,
     encode_prompts,
     exact_ar_nll,
     fixed_noise_nelbo,
+    supervised_bytes,
 )
 from tasks.prepare_data import load_split, load_tokenizer
 from tasks.runtime import resolve_device, tracking_for
@@ -285,10 +287,15 @@ def _dllm_evaluation(ev: Evaluation) -> EvalResult:
                 "eval/nelbo_se": se,
                 "eval/ppl_bound": math.exp(min(nelbo, 50.0)),
                 "eval/tokens": n_tokens,
+                "eval/nelbo_bpb": bits_per_byte(nelbo, n_tokens, supervised_bytes(ev.tokenizer, ids, loss_mask)),
             }
         )
     if "ar_nll" in strat.likelihoods:  # strategies with an exact causal path
-        metrics.update(ar_nll_metrics(*exact_ar_nll(strat, ev.model, ids, loss_mask, attn, spec.eval.batch_size)))
+        nll, se, n_tokens = exact_ar_nll(strat, ev.model, ids, loss_mask, attn, spec.eval.batch_size)
+        scored = loss_mask.bool() & attn.bool()
+        scored[:, 0] = False  # the first token has no left context to be predicted from
+        metrics.update(ar_nll_metrics(nll, se, n_tokens))
+        metrics["eval/ar_nll_bpb"] = bits_per_byte(nll, n_tokens, supervised_bytes(ev.tokenizer, ids, scored))
     headline, curve, text = sample_quality(ev, strat, mask_id)
     metrics.update(headline)
     return EvalResult(strat, metrics, curve, text)

@@ -98,6 +98,22 @@ def exact_ar_nll(strategy, model, ids, loss_mask, attention_mask, batch_size: in
     return nll, se, sum(counts)
 
 
+def supervised_bytes(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> int:
+    """UTF-8 bytes of the text the `mask`ed tokens spell, row by row (special tokens spell none)."""
+    total = 0
+    for row, keep in zip(ids.tolist(), mask.bool().tolist()):
+        kept = [token for token, k in zip(row, keep) if k]
+        if kept:
+            total += len(tokenizer.decode(kept, skip_special_tokens=True).encode("utf-8"))
+    return total
+
+
+def bits_per_byte(nats_per_token: float, n_tokens: int, n_bytes: int) -> float:
+    """A per-token likelihood in bits per byte of the scored text: comparable across tokenizers
+    (docs/evaluation.md §4.1). NaN when the scored tokens spell no bytes."""
+    return nats_per_token * n_tokens / (n_bytes * math.log(2)) if n_bytes else float("nan")
+
+
 def ar_nll_metrics(nll: float, se: float, n_tokens: int) -> dict:
     """The exact causal NLL's metric names (the same for every model that has a causal path)."""
     return {"eval/ar_nll": nll, "eval/ar_nll_se": se, "eval/ar_ppl": math.exp(min(nll, 50.0)), "eval/tokens": n_tokens}

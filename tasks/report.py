@@ -131,15 +131,17 @@ def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str])
 
 def _comparison_table(rows: list[dict], flags: dict) -> list[str]:
     lines = [
-        "| strategy | sampler | val/loss (own objective) | eval/nelbo ± se | eval/ppl_bound | eval/ar_nll ± se "
-        "| eval/gen_ppl | eval/entropy | eval/nfe | eval/tokens_per_forward | eval/tokens_per_s | MLflow run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| strategy | sampler | val/loss (own objective) | eval/nelbo ± se | bits/byte | eval/ppl_bound "
+        "| eval/ar_nll ± se | bits/byte | eval/gen_ppl | eval/entropy | eval/nfe | eval/tokens_per_forward "
+        "| eval/tokens_per_s | MLflow run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m, mark = r["metrics"], " ⚠" if r["strategy"] in flags else ""
         lines.append(
             f"| {r['strategy']}{mark} | {r['card'].get('sampler_name', '–')} | {_fmt(m.get('val/loss'))} | "
-            f"{_pm(m, 'eval/nelbo')} | {_fmt(m.get('eval/ppl_bound'), 1)} | {_pm(m, 'eval/ar_nll')} | "
+            f"{_pm(m, 'eval/nelbo')} | {_fmt(m.get('eval/nelbo_bpb'))} | {_fmt(m.get('eval/ppl_bound'), 1)} | "
+            f"{_pm(m, 'eval/ar_nll')} | {_fmt(m.get('eval/ar_nll_bpb'))} | "
             f"{_fmt(m.get('eval/gen_ppl'), 2)} | {_fmt(m.get('eval/entropy'), 3)} | {_fmt(m.get('eval/nfe'), 1)} | "
             f"{_fmt(m.get('eval/tokens_per_forward'), 2)} | {_fmt(m.get('eval/tokens_per_s'), 1)} | {r['run_id']} |"
         )
@@ -148,6 +150,7 @@ def _comparison_table(rows: list[dict], flags: dict) -> list[str]:
         "`val/loss` is each strategy's own training objective (not comparable across rows). "
         "`eval/nelbo` is the fixed-noise negative ELBO per supervised token (nats; each strategy's own bound), "
         "`eval/ppl_bound` = exp(nelbo) upper-bounds the perplexity; `eval/ar_nll` is an exact causal NLL. "
+        "bits/byte = the likelihood beside it over the UTF-8 bytes of the scored text (comparable across tokenizers). "
         "`eval/gen_ppl` scores the samples with a frozen causal LM (retokenized); read it together with "
         "`eval/entropy` (unigram, nats): low entropy flatters gen_ppl.",
         "",

@@ -3,6 +3,7 @@
 import json
 import math
 
+import pytest
 import torch
 
 from tasks.report import card_mismatches, render_markdown, render_plots
@@ -129,3 +130,19 @@ def test_markdown_table_and_plots_from_rows(tmp_path):
     (tmp_path / "no_scorer").mkdir()
     assert "genppl_vs_entropy.png" not in render_plots(no_scorer, tmp_path / "no_scorer")  # nothing to plot
     json.dumps(rows)  # rows stay JSON-serializable (report.json)
+
+
+def test_bits_per_byte_divides_total_nats_by_the_bytes_the_scored_tokens_spell():
+    from tasks.evaluation import bits_per_byte, supervised_bytes
+
+    class TwoByteTokens:  # every token spells "é" (2 UTF-8 bytes); token 0 is special and spells nothing
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join("" if (t == 0 and skip_special_tokens) else "é" for t in ids)
+
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    n_bytes = supervised_bytes(TwoByteTokens(), ids, mask)
+    assert n_bytes == 2 * 4  # 4 scored non-special tokens × 2 bytes; the scored EOS spells none
+    # ln 2 nats per token over 5 scored tokens = 5 bits, over 8 bytes
+    assert bits_per_byte(math.log(2), 5, n_bytes) == pytest.approx(5 / 8)
+    assert math.isnan(bits_per_byte(1.0, 3, 0))

@@ -131,6 +131,7 @@ def test_each_strategy_trains_and_evaluates_through_the_stages(prepared, tiny_sp
     assert val[-1] < val[0] - 0.3  # nats
     metrics = evaluate(spec, strategy, trained, data, str(tmp_path)).info["metrics"]
     keys = {"idlm": ["eval/ar_nll"], "hybrid": ["eval/nelbo", "eval/ar_nll"]}.get(strategy, ["eval/nelbo"])
+    keys += [k + "_bpb" for k in keys]  # bits per byte beside every likelihood
     assert all(metrics[k] > 0 for k in keys)
     assert metrics["eval/nfe"] >= 1 and metrics["eval/tokens_per_s"] > 0 and metrics["eval/entropy"] >= 0
     # the same seed gives the same metrics (wall-clock rates aside), from a fresh store
