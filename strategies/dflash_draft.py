@@ -174,18 +174,74 @@ class SpeculativeResult:
         return sum(self.acceptance) / max(len(self.acceptance), 1)
 
 
+def speculative_accept(
+    target_probs: Tensor, draft_probs: Tensor, proposal: Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """The rejection step of speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    `target_probs` [k+1, V]: the target's next-token distribution after the anchor and after each
+    proposal; `draft_probs` [k, V]: the draft's; `proposal` [k] drawn from `draft_probs`. Proposal i
+    stands with probability min(1, p_i(x_i)/q_i(x_i)); at the first rejection the next token is drawn
+    from the residual max(0, p_i − q_i) (normalized), and when all stand a bonus token is drawn from
+    p_k. Returns (proposals that stand, next token); the committed tokens follow the target's
+    distribution exactly, whatever the draft."""
+    k = proposal.shape[0]
+    p, q, x = target_probs.float().cpu(), draft_probs.float().cpu(), proposal.cpu()
+    u = torch.rand(k, generator=generator)
+    for i in range(k):
+        if u[i] * q[i, x[i]] < p[i, x[i]]:
+            continue
+        residual = (p[i] - q[i]).clamp_min(0)
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return k, int(torch.multinomial(p[k], 1, generator=generator))
+
+
+def _draw(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+    """Tokens [n] from logits [n, V] at `temperature` (argmax at 0)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
+
+
+def _verify(
+    proposal: Tensor, draft_logits: Tensor, target_logits: Tensor, temperature: float, generator
+) -> tuple[int, int]:
+    """(proposals that stand, the target's next token): the longest prefix equal to the target's greedy
+    choices at temperature 0, the rejection step of speculative sampling above it."""
+    if temperature <= 0:
+        greedy = target_logits.argmax(-1)
+        accepted = 0
+        while accepted < len(proposal) and int(proposal[accepted]) == int(greedy[accepted]):
+            accepted += 1
+        return accepted, int(greedy[accepted])
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)
+    q = torch.softmax(draft_logits.float() / temperature, dim=-1)
+    return speculative_accept(p, q, proposal, generator)
+
+
 @torch.no_grad()
 def speculative_generate(
-    target: nn.Module, draft: DFlashDraftModel, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None
+    target: nn.Module,
+    draft: DFlashDraftModel,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> SpeculativeResult:
-    """Greedy DFlash decoding: the draft proposes bs − 1 tokens after the anchor in one forward, the
-    target verifies them in one forward, the longest matching prefix plus the target's bonus token is
-    committed, and the target cache is cropped to what was committed. Output = target-only greedy."""
+    """DFlash decoding: the draft proposes bs − 1 tokens after the anchor in one forward, the target
+    verifies them in one forward, the proposals that stand plus the target's next token are committed,
+    and the target cache is cropped to what was committed. At temperature 0 the output is target-only
+    greedy; above it, proposals are drawn from the draft at `temperature` and verified by the rejection
+    step of speculative sampling (`speculative_accept`), so the output is distributed as the target's
+    own samples at that temperature (docs/strategies.md §10.8)."""
     cfg = draft.config
     bs, device = cfg.block_size, next(draft.parameters()).device
     ids = torch.tensor([prompt], device=device)
     feats, logits, cache = target_features(target, ids, cfg.target_layer_ids, past_key_values=_new_cache(target))
-    out: list[int] = [int(logits[0, -1].argmax())]  # the prefill's token: the first anchor
+    out: list[int] = [int(_draw(logits[:, -1], temperature, generator))]  # the prefill's token: the first anchor
     committed = len(prompt)  # tokens the target has processed (and whose features we hold)
     ctx = feats
     acceptance, forwards = [], 1
@@ -193,17 +249,14 @@ def speculative_generate(
         anchor = torch.tensor([[committed]], device=device)
         block = torch.full((1, bs), cfg.mask_token_id, device=device)
         block[0, 0] = out[-1]
-        proposal = draft_block_logits(draft, target, ctx, anchor, torch.ones_like(anchor, dtype=torch.bool), block)[
-            0, 1:
-        ].argmax(-1)
+        keep = torch.ones_like(anchor, dtype=torch.bool)
+        d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block)[0, 1:]
+        proposal = _draw(d_logits, temperature, generator)
         verify_in = torch.cat([block[:, :1], proposal[None]], dim=1)  # anchor + bs − 1 proposals
         v_feats, v_logits, cache = target_features(target, verify_in, cfg.target_layer_ids, past_key_values=cache)
         forwards += 1
-        greedy = v_logits[0].argmax(-1)  # target's choice after each verify position
-        accepted = 0
-        while accepted < bs - 1 and int(proposal[accepted]) == int(greedy[accepted]):
-            accepted += 1
-        new = proposal[:accepted].tolist() + [int(greedy[accepted])]
+        accepted, nxt = _verify(proposal, d_logits, v_logits[0], temperature, generator)
+        new = proposal[:accepted].tolist() + [nxt]
         acceptance.append(accepted + 1)
         out.extend(new)
         # keep features/cache for the anchor and the accepted proposals; the bonus is the next anchor

@@ -114,7 +114,7 @@ def generate(loaded: Loaded, request: Request, device: str, stream=None) -> Gene
     if not prompt_ids:
         raise ValueError("--prompt is empty after tokenization; give some text")
     if request.sampler == SPECULATIVE:
-        return _speculative(loaded, prompt_ids, config, stream)
+        return _speculative(loaded, prompt_ids, config, stream, request.seed)
     return _denoise(loaded, request, prompt_ids, gen, device, stream)
 
 
@@ -148,11 +148,18 @@ def _infill(loaded: Loaded, request: Request, gen, device: str, stream) -> Gener
     return Generated(text, res.nfe, ids.count(mask_id), seconds)
 
 
-def _speculative(loaded: Loaded, prompt_ids: list[int], config: SamplerConfig, stream) -> Generated:
-    """The draft proposes, the frozen target verifies: the target's own greedy text in fewer target forwards."""
+def _speculative(loaded: Loaded, prompt_ids: list[int], config: SamplerConfig, stream, seed: int) -> Generated:
+    """The draft proposes, the frozen target verifies: the target's own text (greedy, or sampled at the
+    temperature) in fewer target forwards."""
     t0 = time.perf_counter()
     res = speculative_generate(
-        loaded.strategy.target, loaded.model, prompt_ids, config.max_new_tokens, loaded.tokenizer.eos_token_id
+        loaded.strategy.target,
+        loaded.model,
+        prompt_ids,
+        config.max_new_tokens,
+        loaded.tokenizer.eos_token_id,
+        temperature=config.temperature,
+        generator=torch.Generator().manual_seed(seed),  # the rejection step draws on the CPU
     )
     seconds = time.perf_counter() - t0
     text = loaded.tokenizer.decode(res.tokens)

@@ -404,3 +404,66 @@ def test_flex_block_mask_trains_like_the_dense_mask_on_gpu(pair):
         grads.append(torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None]))
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-4, rtol=1e-3)
+
+
+def test_speculative_accept_commits_tokens_distributed_as_the_target():
+    """Rejection step, k = 2, V = 5, a draft far from the target: the first committed token follows p_0
+    exactly, and so does the second wherever the first proposal stood (p does not depend on the prefix
+    here). A chi-square test over 20k draws at significance 1e-4; the draft itself fails the same test."""
+    from scipy.stats import chisquare
+
+    from strategies.dflash_draft import speculative_accept
+
+    p = torch.tensor([[0.50, 0.20, 0.15, 0.10, 0.05], [0.05, 0.05, 0.10, 0.30, 0.50], [0.2] * 5])
+    q = torch.tensor([[0.05, 0.05, 0.30, 0.30, 0.30], [0.40, 0.30, 0.10, 0.10, 0.10]])
+    g = torch.Generator().manual_seed(0)
+    n = 20_000
+    first, second, accepted_counts = [], [], []
+    for _ in range(n):
+        proposal = torch.multinomial(q, 1, generator=g)[:, 0]
+        accepted, nxt = speculative_accept(p, q, proposal, g)
+        tokens = proposal[:accepted].tolist() + [nxt]
+        first.append(tokens[0])
+        if len(tokens) > 1:
+            second.append(tokens[1])
+        accepted_counts.append(accepted)
+
+    def pvalue(seen, probs):
+        expected = probs.double() / probs.double().sum() * float(seen.sum())
+        return chisquare(seen.double().numpy(), expected.numpy()).pvalue
+
+    assert pvalue(torch.bincount(torch.tensor(first), minlength=5), p[0]) > 1e-4
+    assert pvalue(torch.bincount(torch.tensor(second), minlength=5), p[1]) > 1e-4
+    # sensitivity: draws from the draft itself are rejected by the same test
+    assert pvalue(torch.bincount(torch.multinomial(q[0], n, replacement=True, generator=g), minlength=5), p[0]) < 1e-4
+    # expected acceptance of the first proposal is Σ min(p, q)
+    rate = sum(a >= 1 for a in accepted_counts) / n
+    assert rate == pytest.approx(float(torch.minimum(p[0], q[0]).sum()), abs=0.015)
+
+
+def test_speculative_sampling_matches_target_sampling_on_a_model(pair):
+    """The first two generated tokens of a prompt, 1,500 runs at T = 1: their joint frequencies are those
+    of the target's own ancestral sampling (exact probabilities from the target, chi-square over the
+    64 + 64 marginals), while the argmax path stays the greedy one."""
+    from scipy.stats import chisquare
+
+    target, draft = pair
+    prompt = [1, 2, 3]
+    with torch.no_grad():
+        p1 = torch.softmax(target(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
+        nxt = torch.arange(64)[:, None]
+        rows = torch.cat([torch.tensor([prompt]).expand(64, -1), nxt], dim=1)
+        p2 = (p1[:, None] * torch.softmax(target(input_ids=rows).logits[:, -1], -1)).sum(0)  # marginal of token 2
+    g = torch.Generator().manual_seed(0)
+    n = 1500
+    counts = torch.zeros(2, 64)
+    for _ in range(n):
+        out = speculative_generate(target, draft, prompt, max_new_tokens=2, temperature=1.0, generator=g).tokens
+        counts[0, out[0]] += 1
+        counts[1, out[1]] += 1
+    for seen, probs in ((counts[0], p1), (counts[1], p2)):
+        expected = probs.double() / probs.double().sum() * n
+        assert chisquare(seen.numpy(), expected.numpy()).pvalue > 1e-4
+    again = speculative_generate(target, draft, prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    same = speculative_generate(target, draft, prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert again.tokens == same.tokens  # the seed alone decides the sample
