@@ -126,11 +126,6 @@ def cmd_generate(args) -> int:
     loaded = load_for_generation(ckpt, device, args.adapter)
     sampler = check_sampler(loaded.meta["strategy"], args.sampler, args.infill)
     temperature = args.temperature if args.temperature is not None else default_temperature(sampler)
-    if sampler == "speculative" and temperature > 0:
-        raise ValueError(
-            "--temperature: DFlash speculative decoding here is greedy (its output is the target's greedy "
-            "text); drop --temperature"
-        )
     config = SamplerConfig(
         steps=args.steps,
         max_new_tokens=args.max_new_tokens,
@@ -138,11 +133,12 @@ def cmd_generate(args) -> int:
         temperature=temperature,
         remasking=args.remasking,
         threshold=args.threshold,
+        **({"cache": args.cache} if args.cache else {}),
     )
     chat = (loaded.meta.get("chat", False) or args.chat) and not args.raw
     print(
         f"[dllm-flow] {ckpt} ({loaded.meta['strategy']}, sampler {sampler}, steps {args.steps}, "
-        f"temperature {temperature}, seed {args.seed})",
+        f"temperature {temperature}, cache {config.cache}, seed {args.seed})",
         file=sys.stderr,
         flush=True,
     )
@@ -252,6 +248,12 @@ def _add_generate(sub) -> None:
     )
     gen.add_argument("--threshold", type=float, default=None, help="confidence-threshold parallel decoding")
     gen.add_argument("--remasking", default="low_confidence", choices=["low_confidence", "random"])
+    gen.add_argument(
+        "--cache",
+        default=None,
+        choices=["none", "exact", "prefix", "dual"],
+        help="K/V reuse across steps (docs/decoding.md); default: the sampler's (exact)",
+    )
     gen.add_argument("--seed", type=int, default=42)
     gen.add_argument("--infill", action="store_true", help="fill each [MASK] in the prompt with 20 tokens")
     gen.add_argument("--adapter", default=None, help="merge a LoRA adapter dir into the checkpoint first")

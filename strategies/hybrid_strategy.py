@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, MDLMStrategy, SetupContext, StepContext
 from strategies.corruption import corrupt_blockwise, corrupt_uniform
+from strategies.decoding_cache import bidirectional_denoiser
 from strategies.losses import DLLMLossOutput, HybridDiffusionLLMLoss, causal_nll_rows
 from strategies.models import HYBRID
 from strategies.options import HybridOptions, StrategyOptions
@@ -98,7 +99,7 @@ class HybridStrategy(MDLMStrategy):
 
     def denoiser(self, model: nn.Module):
         """The diffusion branch on ids that already carry [MASK] (the sampler's contract)."""
-        return lambda x, attn: model(input_ids=x).logits
+        return bidirectional_denoiser(model, getattr(model, "lm", None), call=lambda x, attn: model(input_ids=x).logits)
 
     def sample(
         self,

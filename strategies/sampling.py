@@ -2,7 +2,8 @@
 transfer schedule, low-confidence or random remasking, optional confidence threshold, EOS stop.
 
 `denoise(x [B,T], attention_mask [B,T]) -> logits [B,T,V]` is any callable, so the sampler is
-pure of models, Prefect and MLflow. Randomness only from the passed generator.
+pure of Prefect and MLflow. Randomness only from the passed generator. When the denoiser is a
+`strategies.decoding_cache.ModelDenoiser`, `SamplerConfig.cache` reuses K/V across steps (docs/decoding.md).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from strategies.decoding_cache import CausalPrefix, bidirectional_denoiser, cacheable, check_cache_mode, open_decoder
 
 Denoiser = Callable[[Tensor, Tensor], Tensor]
 
@@ -48,6 +51,12 @@ class SamplerConfig:
     threshold: float | None = None
     eos_token_id: int | None = None
     logit_shift: int = 0
+    # K/V reuse across steps (docs/decoding.md §5): "none", "exact" (causal parts only, tokens unchanged),
+    # "prefix" / "dual" (also Fast-dLLM's approximate caches for bidirectional decoding)
+    cache: str = "exact"
+
+    def __post_init__(self) -> None:
+        check_cache_mode(self.cache)
 
 
 @dataclass(frozen=True)
@@ -71,21 +80,35 @@ def num_transfer_tokens(mask_count: Tensor, steps: int) -> Tensor:
     return sched
 
 
-def _proposals(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+def _uniform(shape, generator: torch.Generator | None, device, cols: tuple[int, int] | None, **kw) -> Tensor:
+    """U(0,1) draws of `shape` [B, q, ...] for canvas columns [lo, lo + q) of a `width`-wide canvas, `cols` =
+    (lo, width): drawn for the whole canvas and sliced, so a cached decoder consumes the generator exactly
+    as the uncached one does (same seed, same draws)."""
+    if cols is None:
+        return torch.rand(shape, generator=generator, device=device, **kw)
+    lo, width = cols
+    return torch.rand((shape[0], width, *shape[2:]), generator=generator, device=device, **kw)[:, lo : lo + shape[1]]
+
+
+def _proposals(
+    logits: Tensor, temperature: float, generator: torch.Generator | None, cols: tuple[int, int] | None = None
+) -> Tensor:
     """Gumbel-max sampling: argmax at temperature 0, else argmax(exp(l) / (−log U)^T) in float64."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64).clamp_min(1e-20)
+    u = _uniform(logits.shape, generator, logits.device, cols, dtype=torch.float64).clamp_min(1e-20)
     noisy = logits.double().exp() / (-torch.log(u)) ** temperature
     return noisy.argmax(dim=-1)
 
 
-def _confidence(logits: Tensor, proposals: Tensor, remasking: str, generator: torch.Generator | None) -> Tensor:
+def _confidence(
+    logits: Tensor, proposals: Tensor, remasking: str, generator: torch.Generator | None, cols=None
+) -> Tensor:
     if remasking == "low_confidence":
         probs = torch.softmax(logits.float(), dim=-1)
         return probs.gather(-1, proposals[..., None]).squeeze(-1)
     if remasking == "random":
-        return torch.rand(proposals.shape, generator=generator, device=proposals.device)
+        return _uniform(proposals.shape, generator, proposals.device, cols)
     raise NotImplementedError(f"unknown remasking {remasking!r}; use 'low_confidence' or 'random'")
 
 
@@ -106,7 +129,7 @@ def _select(confidence: Tensor, candidates: Tensor, counts: Tensor, threshold: f
         n_cand = int(candidates[row].sum())
         if n_cand == 0:
             continue
-        order = torch.argsort(conf[row], descending=True)
+        order = torch.argsort(conf[row], descending=True, stable=True)  # ties: leftmost first, cached or not
         if threshold is None:
             k = min(int(counts[row]), n_cand)
         else:
@@ -127,6 +150,7 @@ class Denoising:
     mask_token_id: int
     config: SamplerConfig
     generator: torch.Generator | None
+    decoder: object | None = None  # a cached decoder over `denoise` (strategies.decoding_cache.open_decoder)
 
 
 def _denoise_window(
@@ -149,18 +173,22 @@ def _denoise_window(
     if config.threshold is not None:  # adaptive (Fast-dLLM): as many forwards as the window needs, ≥ 1 token each
         steps = max(1, int(counts.max()))
     schedule = num_transfer_tokens(counts, steps)
+    cached = job.decoder.window(x, window) if job.decoder is not None else None
     nfe = 0
     for s in range(steps):
         candidates = (x == mask_token_id) & window
         if not candidates.any():
             break
-        logits = _shift(job.denoise(x, attn), config.logit_shift).clone()
+        # logits of columns [lo, hi) ⊇ the window: all of them uncached, the window's span with a cache
+        lo, logits = cached(x) if cached is not None else (0, _shift(job.denoise(x, attn), config.logit_shift))
+        hi, cols = lo + logits.shape[1], (lo, x.shape[1])
+        logits = logits.clone()
         logits[..., mask_token_id] = -math.inf  # never "reveal" a position as [MASK] again
         nfe += 1
-        proposals = _proposals(logits, config.temperature, generator)
-        conf = _confidence(logits, proposals, config.remasking, generator)
-        chosen = _select(conf, candidates, schedule[:, s], config.threshold)
-        x = torch.where(chosen, proposals, x)
+        proposals = _proposals(logits, config.temperature, generator, cols)
+        conf = _confidence(logits, proposals, config.remasking, generator, cols)
+        chosen = _select(conf, candidates[:, lo:hi], schedule[:, s], config.threshold)
+        x = torch.cat([x[:, :lo], torch.where(chosen, proposals, x[:, lo:hi]), x[:, hi:]], dim=1)
         if stop is not None and stop(x):
             break
     return x, nfe
@@ -185,7 +213,7 @@ def absorbing_sample(
     x, attn, starts, width = prompt_canvas(prompts, gen_len, mask_token_id, pad_token_id, config.eos_token_id, device)
     eos = config.eos_token_id
     ended = (lambda c: all_rows_ended(c, starts, eos, mask_token_id)) if eos is not None else None
-    job = Denoising(denoise, mask_token_id, config, generator)
+    job = Denoising(denoise, mask_token_id, config, generator, open_decoder(denoise, config))
     nfe = 0
     for b in range(n_blocks):
         window = row_windows(x, starts, b * bs, min((b + 1) * bs, gen_len))
@@ -262,7 +290,7 @@ def infill_sample(
         attn[i, : len(seq)] = 1
     n_blocks = math.ceil(width / config.block_size)
     steps_per_block = max(1, math.ceil(config.steps / n_blocks))
-    job = Denoising(denoise, mask_token_id, config, generator)
+    job = Denoising(denoise, mask_token_id, config, generator, open_decoder(denoise, config))
     nfe = 0
     for b in range(n_blocks):
         window = row_windows(x, [0] * len(sequences), b * config.block_size, (b + 1) * config.block_size)
@@ -286,19 +314,24 @@ def hybrid_sample(
     """Nemotron-Labs-Diffusion decoding for a `HybridLM`: semi-autoregressive blocks, each seeded by the
     causal branch (the block's first token is the causal forward's next-token prediction given the
     context) and then completed by the diffusion branch over context + block (no future masks).
-    NFE counts both kinds of forward."""
+    NFE counts both kinds of forward. Caches (docs/decoding.md): the causal branch keeps the context's K/V
+    (exact); with cache "prefix"/"dual" the diffusion branch keeps them through a block (approximate)."""
     gen_len, bs = config.max_new_tokens, min(config.block_size, config.max_new_tokens)
     n_blocks = math.ceil(gen_len / bs)
     steps_per_block = max(1, math.ceil(config.steps / n_blocks))
     eos = config.eos_token_id
     denoise = lambda x, attn: model(input_ids=x).logits  # noqa: E731  (diffusion branch, ids carry [MASK])
-    job = Denoising(denoise, mask_token_id, config, generator)
+    lm = getattr(model, "lm", None)
+    if cacheable(lm):
+        denoise = bidirectional_denoiser(model, lm, call=denoise)
+    job = Denoising(denoise, mask_token_id, config, generator, open_decoder(denoise, config))
     nfe, rows = 0, []
     for prompt in prompts:
         context = torch.tensor(prompt, dtype=torch.long, device=device)[None]
+        seeder = CausalPrefix(lm).last_logits if cacheable(lm) and config.cache != "none" else model.causal_logits
         for b in range(n_blocks):
             size = min(bs, gen_len - b * bs)
-            seed_logits = model.causal_logits(context)[:, -1:].clone()
+            seed_logits = seeder(context)[:, -1:].clone()
             seed_logits[..., mask_token_id] = -math.inf
             seed = _proposals(seed_logits, config.temperature, generator)  # [1,1]
             nfe += 1

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from strategies.decoding_cache import EncoderCache, cacheable
 from strategies.masks import build_block_diffusion_training_mask
 from strategies.sampling import (
     Denoiser,
@@ -162,7 +163,8 @@ def block_canvas_sample(
     clean context, canvas under the block-causal mask, previous step's logits as self-conditioning)
     predicts x̂ and the canvas moves from t = 1 − k/K to s = 1 − (k+1)/K by the posterior above;
     temperature 0 uses a greedy x̂. The finished block joins the clean context. Stops after a block
-    that contains EOS. One NFE = one model call.
+    that contains EOS. One NFE = one model call. Unless `config.cache` is "none", the encoder's K/V of the
+    context are computed once per block and extended by each finished block (exact, docs/decoding.md).
     """
     job = _CanvasDecoding(model, vocab_size, block_size, pad_token_id, config, generator, device)
     n_blocks = math.ceil(config.max_new_tokens / block_size)
@@ -204,8 +206,10 @@ def _canvas_decode_row(
     context = torch.tensor(prompt, dtype=torch.long, device=job.device)
     produced: list[Tensor] = []
     nfe = 0
+    lm = getattr(job.model, "lm", None)
+    encoder = EncoderCache(job.model) if job.config.cache != "none" and cacheable(lm) else None
     for _ in range(n_blocks):
-        canvas, used = _canvas_decode_block(job, context, steps)
+        canvas, used = _canvas_decode_block(job, context, steps, encoder)
         nfe += used
         produced.append(canvas[0])
         context = torch.cat([context, canvas[0]])
@@ -229,22 +233,39 @@ def _canvas_inputs(job: _CanvasDecoding, context: Tensor) -> _CanvasInputs:
     return _CanvasInputs(enc, pad_mask, mask, positions)
 
 
-def _canvas_decode_block(job: _CanvasDecoding, context: Tensor, steps: int) -> tuple[Tensor, int]:
+def _canvas_step(job: _CanvasDecoding, context: Tensor, encoder: EncoderCache | None):
+    """`(canvas, previous logits) → logits` of one model call in the block after `context`: the whole model
+    (encoder re-run on the context every step) or, with `encoder`, the decoder pass alone over the context's
+    encoder K/V computed once for the block (its padded tail, which the mask hides, is left out)."""
+    inputs, model = _canvas_inputs(job, context), job.model
+    if encoder is None:
+        return lambda canvas, previous: (
+            model(
+                input_ids=inputs.enc,
+                canvas_ids=canvas,
+                decoder_attention_mask=inputs.mask,
+                encoder_padding_mask=inputs.pad_mask,
+                decoder_position_ids=inputs.positions,
+                self_conditioning_logits=previous,
+            ).logits
+        )
+    kv, p_len = encoder.extend(context[None]), context.shape[0]
+    mask = torch.cat([inputs.mask[..., :p_len], inputs.mask[..., p_len + job.block_size :]], dim=-1)
+    soft = lambda previous: None if previous is None else model._soft_embedding(previous)  # noqa: E731
+    return lambda canvas, previous: model.decode(kv, canvas, mask, inputs.positions, soft(previous))
+
+
+def _canvas_decode_block(
+    job: _CanvasDecoding, context: Tensor, steps: int, encoder: EncoderCache | None = None
+) -> tuple[Tensor, int]:
     """One block: a uniform random canvas [1, bs] moved from t = 1 to t = 0 in `steps` posterior steps
     (the last one greedy at temperature 0) → (the canvas, the model calls it took)."""
-    inputs = _canvas_inputs(job, context)
+    step = _canvas_step(job, context, encoder)
     canvas = torch.randint(0, job.vocab_size, (1, job.block_size), generator=job.generator, device=job.device)
     previous = None
     nfe = 0
     for k in range(steps):
-        logits = job.model(
-            input_ids=inputs.enc,
-            canvas_ids=canvas,
-            decoder_attention_mask=inputs.mask,
-            encoder_padding_mask=inputs.pad_mask,
-            decoder_position_ids=inputs.positions,
-            self_conditioning_logits=previous,
-        ).logits.double()
+        logits = step(canvas, previous).double()
         nfe += 1
         previous = logits
         probs = _canvas_probs(logits, job.vocab_size, job.config.temperature)
