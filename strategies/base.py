@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from strategies.corruption import corrupt_uniform, mask_at_level
+from strategies.decoding_cache import bidirectional_denoiser
 from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss, per_token_nll
 from strategies.models import model_logits
 from strategies.options import MDLMOptions, StrategyOptions
@@ -261,6 +262,11 @@ class DLLMStrategy:
         diffusion = num_noise if self.normalization_mode == "noise" else num_supervised
         return diffusion, num_supervised
 
+    def eval_metrics(self, model: nn.Module, rows: tuple[Tensor, Tensor, Tensor], batch_size: int) -> dict:
+        """Strategy-specific evaluation metrics over the validation rows (ids, loss_mask, attention_mask);
+        the evaluate stage adds them to the common ones. Default: none."""
+        return {}
+
     def validate_data(self, loss_mask: Tensor, attention_mask: Tensor) -> None:
         """Reject a dataset the strategy cannot train on (before any step runs). Default: anything goes."""
 
@@ -292,7 +298,7 @@ class DLLMStrategy:
 
     def denoiser(self, model: nn.Module):
         """`(x [B,T], attention_mask [B,T]) → logits [B,T,V]` for the samplers (bidirectional by default)."""
-        return lambda x, attn: model_logits(model, {"input_ids": x})
+        return bidirectional_denoiser(model)  # `model_logits`; cacheable (docs/decoding.md)
 
     def forward_backward(
         self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int, num_ar_tokens: int, is_train: bool

@@ -296,6 +296,7 @@ def _dllm_evaluation(ev: Evaluation) -> EvalResult:
         scored[:, 0] = False  # the first token has no left context to be predicted from
         metrics.update(ar_nll_metrics(nll, se, n_tokens))
         metrics["eval/ar_nll_bpb"] = bits_per_byte(nll, n_tokens, supervised_bytes(ev.tokenizer, ids, scored))
+    metrics.update(strat.eval_metrics(ev.model.eval(), (ids, loss_mask, attn), spec.eval.batch_size))
     headline, curve, text = sample_quality(ev, strat, mask_id)
     metrics.update(headline)
     return EvalResult(strat, metrics, curve, text)

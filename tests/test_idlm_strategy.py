@@ -103,3 +103,52 @@ def test_noisy_half_cannot_see_its_own_clean_block():
         b = s.joint_logits(model, noisy, changed, valid)
     assert torch.allclose(a[:, :6], b[:, :6], atol=1e-6)  # noisy blocks 0–2 see clean blocks < their own
     assert not torch.allclose(a[:, 6:8], b[:, 6:8])  # noisy block 3 sees clean block 2
+
+
+def test_alpha_ia_is_the_expected_acceptance_of_decode_proposals_under_the_verify_half():
+    """Σ_v min(p, q) per supervised token, from the two halves of one [x_t ‖ x_0] forward; 1 when they agree."""
+    from strategies.idlm_strategy import IDLMStrategy
+
+    torch.manual_seed(0)
+    model = build_model(tiny_model_config("llama", 32, 16, 16, 1, 2, None, None, True), seed=0)
+    strategy = IDLMStrategy({"mask_token_id": 31})
+    ids = torch.randint(0, 31, (2, 8))
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0, 0, 0]])
+    attn = torch.tensor([[1] * 8, [1] * 6 + [0] * 2])
+    sums, counts = strategy.introspective_acceptance_rows(model, ids, loss_mask, attn)
+    assert counts.tolist() == [6, 4]  # supervised ∧ valid, position 0 excluded
+    noisy = torch.where(loss_mask.bool(), torch.full_like(ids, 31), ids)
+    logits = strategy.joint_logits(model, noisy, ids, attn.bool()).float()
+    q, p = logits[:, :7].softmax(-1), logits[:, 8:15].softmax(-1)
+    i, j = 0, 3  # row 0 scores token 4 from row 3 of each half
+    assert sums[0] > 0 and (sums <= counts).all()
+    per_token = torch.minimum(p[i, j], q[i, j]).sum()
+    full = torch.minimum(p, q).sum(-1) * (loss_mask.bool() & attn.bool())[:, 1:]
+    assert torch.allclose(full.sum(1), sums, atol=1e-6) and 0 < per_token <= 1
+    metrics = strategy.eval_metrics(model, (ids, loss_mask, attn), batch_size=1)
+    assert metrics["idlm/alpha_ia"] == pytest.approx(float(sums.sum() / counts.sum()), rel=1e-6)
+
+
+def test_alpha_ia_hand_computed_on_stub_halves():
+    """Decode half q = (½, ½, 0…), verify half p = one-hot on token 0 → Σ min = ½; identical halves → 1."""
+    from strategies.idlm_strategy import IDLMStrategy
+
+    big = 1e4
+
+    class Stub(IDLMStrategy):
+        same = False
+
+        def joint_logits(self, model, noisy, clean, valid):
+            b, length = clean.shape
+            logits = torch.full((b, 2 * length, 4), -big)
+            logits[:, :length, :2] = 0.0  # q: uniform over tokens 0 and 1
+            logits[:, length:, 0] = 0.0  # p: all mass on token 0
+            if self.same:
+                logits[:, :length] = logits[:, length:]
+            return logits
+
+    ids, ones = torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 5, dtype=torch.long)
+    strategy = Stub({"mask_token_id": 3})
+    assert strategy.eval_metrics(None, (ids, ones, ones), 1)["idlm/alpha_ia"] == pytest.approx(0.5)
+    strategy.same = True
+    assert strategy.eval_metrics(None, (ids, ones, ones), 1)["idlm/alpha_ia"] == pytest.approx(1.0)
