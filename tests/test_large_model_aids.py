@@ -56,20 +56,22 @@ def test_merge_folds_adapters_without_changing_the_function():
     assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
 
 
+def _mdlm_step_grads(model) -> list[torch.Tensor]:
+    """The parameter gradients of one fixed MDLM step on `model`."""
+    model.train()
+    s = MDLMStrategy()
+    ctx = StepContext(model=model, loss_fn=s.create_loss_fn({}), mask_token_id=M, step=1, base_seed=0)
+    ids = torch.randint(0, M, (4, 16), generator=torch.Generator().manual_seed(0))
+    corrupted, _, n_sup = s.pre_step(ctx, [Microbatch(ids, torch.ones(4, 16), torch.ones(4, 16))])
+    s.forward_backward(ctx, corrupted[0], num_diffusion_tokens=n_sup, num_ar_tokens=n_sup, is_train=True)
+    return [p.grad.clone() for p in model.parameters()]
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
-    grads = []
-    for checkpointing in (False, True):
-        model = _tiny()
-        if checkpointing:
-            enable_activation_checkpointing(model)
-        model.train()
-        s = MDLMStrategy()
-        ctx = StepContext(model=model, loss_fn=s.create_loss_fn({}), mask_token_id=M, step=1, base_seed=0)
-        ids = torch.randint(0, M, (4, 16), generator=torch.Generator().manual_seed(0))
-        corrupted, _, n_sup = s.pre_step(ctx, [Microbatch(ids, torch.ones(4, 16), torch.ones(4, 16))])
-        s.forward_backward(ctx, corrupted[0], num_diffusion_tokens=n_sup, num_ar_tokens=n_sup, is_train=True)
-        grads.append([p.grad.clone() for p in model.parameters()])
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+    checkpointed = _tiny()
+    enable_activation_checkpointing(checkpointed)
+    pairs = zip(_mdlm_step_grads(_tiny()), _mdlm_step_grads(checkpointed))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in pairs)
 
 
 @pytest.fixture(scope="module")
@@ -150,16 +152,8 @@ def test_fused_head_trains_the_same_curve_as_full_logits(prepared, tiny_spec, tm
 def test_compiled_layers_give_the_eager_gradients():
     from tasks.trainee import compile_layers
 
-    grads = []
-    for compiled in (False, True):
-        model = _tiny()
-        if compiled:
-            assert compile_layers(model) == len(model.model.layers)
-        s = MDLMStrategy()
-        ctx = StepContext(model=model, loss_fn=s.create_loss_fn({}), mask_token_id=M, step=1, base_seed=0)
-        ids = torch.randint(0, M, (4, 16), generator=torch.Generator().manual_seed(0))
-        corrupted, _, n_sup = s.pre_step(ctx, [Microbatch(ids, torch.ones(4, 16), torch.ones(4, 16))])
-        s.forward_backward(ctx, corrupted[0], num_diffusion_tokens=n_sup, num_ar_tokens=n_sup, is_train=True)
-        grads.append([p.grad.clone() for p in model.parameters()])
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
-    assert list(_tiny().state_dict()) == list(model.state_dict())  # compiled in place: checkpoint names unchanged
+    compiled = _tiny()
+    assert compile_layers(compiled) == len(compiled.model.layers)
+    pairs = zip(_mdlm_step_grads(_tiny()), _mdlm_step_grads(compiled))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in pairs)
+    assert list(_tiny().state_dict()) == list(compiled.state_dict())  # compiled in place: checkpoint names unchanged
