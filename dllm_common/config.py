@@ -183,6 +183,7 @@ class EvalConfig(_Section):
     seed: int = 1234
     num_samples: int = Field(4, ge=0)
     sample_length: int = Field(48, ge=1)
+    data_rows: int = Field(32, ge=1)  # held-out rows of the data row (docs/evaluation.md §4.4)
     sample_steps: int = Field(48, ge=1)
     sample_block_size: int = Field(16, ge=1)
     temperature: float = Field(0.0, ge=0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -88,3 +89,9 @@ def prefect_task(fn: Callable, *, name: str, stage_of: Callable[..., tuple[str, 
         return f"{stage}/{key}/prefect-result"
 
     return task(fn, name=name, cache_key_fn=cache_key, persist_result=True, retries=retries)
+
+
+def fmt_number(value, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)

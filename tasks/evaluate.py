@@ -28,6 +28,7 @@ from strategies import assemble_strategy, strategy_class
 from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.checkpoints import load_trained_model
 from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.data_row import data_row_metrics
 from tasks.evaluation import (
     EvalResult,
     Evaluation,
@@ -40,7 +41,7 @@ from tasks.evaluation import (
 )
 from tasks.prepare_data import load_split, load_tokenizer
 from tasks.runtime import resolve_device, tracking_for
-from tasks.scoring import generative_perplexity, load_scorer, mean_entropy
+from tasks.scoring import gen_ppl_with_interval, load_scorer, mean_entropy, prompt_nll
 from tasks.speculative_eval import dflash_evaluation
 from tasks.train import model_dir
 
@@ -147,11 +148,12 @@ def sample_quality(ev: Evaluation, strategy, mask_token_id: int) -> tuple[dict, 
         decoded = [tokenizer.decode(i) for i in ids]
         point = {"steps": steps, **{k.split("/")[1]: v for k, v in stats.items()}, "entropy": mean_entropy(ids)}
         if scorer is not None:
-            point["gen_ppl"], point["gen_ppl_tokens"] = generative_perplexity(*scorer, list(zip(texts, decoded)))
+            point.update(gen_ppl_with_interval(*prompt_nll(*scorer, list(zip(texts, decoded)))))
         curve.append(point)
         if steps == budgets[0]:
             headline = {f"eval/{k}": v for k, v in point.items() if k not in ("steps", "gen_ppl_tokens")}
             samples_text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
+    headline.update(data_row_metrics(ev, prompts))
     return headline, curve, samples_text
 
 
@@ -170,6 +172,7 @@ RESULT_FIELDS = (
     "sampler.threshold",
     "eval.nfe_budgets",
     "eval.prompts",
+    "eval.data_rows",
     "scorer",
     "dtype",
     "device",
@@ -195,6 +198,7 @@ def repro_card(ev: Evaluation, strategy, data_key: str) -> dict:
             "seed": e.seed,
             "nfe_budgets": e.budgets(),
             "prompts": list(e.prompts[: e.num_samples]),
+            "data_rows": e.data_rows,
         },
         "train_seed": spec.train.seed,
         "data_key": data_key,

@@ -12,7 +12,6 @@ vs entropy, quality vs NFE), written to the store, copied to the workdir and log
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import tempfile
 from collections import Counter
@@ -24,6 +23,8 @@ from matplotlib.figure import Figure
 from dllm_common.store import MANIFEST, atomic_write_text, stage_key
 from dllm_common.tracking import Tracking
 from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.common import fmt_number as _fmt
+from tasks.data_row import data_row_table
 from tasks.evaluate import RESULT_FIELDS, eval_artifact_path
 
 STAGE = "report"
@@ -104,12 +105,6 @@ def card_mismatches(rows: list[dict]) -> dict[str, list[tuple[str, str, str]]]:
 # ---------------------------------------------------------------------------------------- render
 
 
-def _fmt(value, digits: int = 4) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
 def _pm(m: dict, key: str) -> str:
     if key not in m:
         return "–"
@@ -119,6 +114,7 @@ def _pm(m: dict, key: str) -> str:
 def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str]) -> str:
     lines = [f"# dllm-flow report: {title}", ""]
     lines += _comparison_table(rows, flags)
+    lines += data_row_table(rows)
     lines += _flag_lines(flags)
     lines += _dflash_table([r for r in rows if "dflash/tau" in r["metrics"]])
     lines += _curve_table(rows)

@@ -24,6 +24,7 @@ from dllm_common.config import ScorerConfig
 from dllm_common.store import sha256_file, stage_key
 from strategies.models import resolve_model_path
 from tasks.common import store_for
+from tasks.evaluation import ratio_with_se
 
 STAGE = "scorer"
 
@@ -86,13 +87,13 @@ def load_causal_lm(path: str, gguf_file: str | None, trust_remote_code: bool):
     return model, tokenizer
 
 
-def generative_perplexity(model, tokenizer, pairs: list[tuple[str, str]]) -> tuple[float, int]:
-    """exp(Σ NLL / N) over the scorer tokens of each generated continuation given its prompt.
+def prompt_nll(model, tokenizer, pairs: list[tuple[str, str]]) -> tuple[list[float], list[int]]:
+    """Per pair: (Σ NLL, N) over the scorer tokens of the continuation given its prompt (pairs whose
+    continuation is empty are left out).
 
     The continuation's tokens are those after the scorer's tokenization of the prompt alone (BOS
-    prepended when the scorer has one). Returns (gen_ppl, N); (nan, 0) when nothing was generated.
-    """
-    total, count = 0.0, 0
+    prepended when the scorer has one)."""
+    sums, counts = [], []
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     with torch.no_grad():
         for prompt, sample in pairs:
@@ -106,8 +107,27 @@ def generative_perplexity(model, tokenizer, pairs: list[tuple[str, str]]) -> tup
             x = torch.tensor([ids])
             logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), dim=-1)
             nll = -logp.gather(-1, x[0, 1:, None]).squeeze(-1)[start - 1 :]
-            total += float(nll.sum())
-            count += len(nll)
-    if count == 0:
+            sums.append(float(nll.sum()))
+            counts.append(len(nll))
+    return sums, counts
+
+
+def generative_perplexity(model, tokenizer, pairs: list[tuple[str, str]]) -> tuple[float, int]:
+    """exp(Σ NLL / N) over the scorer tokens of every continuation (`prompt_nll`); (nan, 0) when nothing
+    was generated."""
+    sums, counts = prompt_nll(model, tokenizer, pairs)
+    if not counts:
         return float("nan"), 0
-    return math.exp(min(total / count, 50.0)), count
+    return math.exp(min(sum(sums) / sum(counts), 50.0)), sum(counts)
+
+
+def gen_ppl_with_interval(sums: list[float], counts: list[int]) -> dict:
+    """gen_ppl and its 95 % interval over prompts: exp(r ± 1.96·se) of the ratio estimator r = ΣNLL/ΣN
+    (docs/evaluation.md §4.4). Needs two prompts for an interval."""
+    if not counts:
+        return {"gen_ppl": float("nan")}
+    r, se = ratio_with_se(sums, counts)
+    out = {"gen_ppl": math.exp(min(r, 50.0)), "gen_ppl_tokens": sum(counts)}
+    if len(counts) > 1:
+        out.update(gen_ppl_lo=math.exp(min(r - 1.96 * se, 50.0)), gen_ppl_hi=math.exp(min(r + 1.96 * se, 50.0)))
+    return out

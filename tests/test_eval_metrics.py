@@ -146,3 +146,36 @@ def test_bits_per_byte_divides_total_nats_by_the_bytes_the_scored_tokens_spell()
     # ln 2 nats per token over 5 scored tokens = 5 bits, over 8 bytes
     assert bits_per_byte(math.log(2), 5, n_bytes) == pytest.approx(5 / 8)
     assert math.isnan(bits_per_byte(1.0, 3, 0))
+
+
+def test_gen_ppl_interval_is_the_ratio_estimator_over_prompts():
+    from tasks.scoring import gen_ppl_with_interval
+
+    out = gen_ppl_with_interval([1.0, 4.0], [1, 1])  # r = 2.5, se = sqrt(((1−2.5)² + (4−2.5)²)/2) = 1.5
+    assert out["gen_ppl"] == pytest.approx(math.exp(2.5))
+    assert out["gen_ppl_lo"] == pytest.approx(math.exp(2.5 - 1.96 * 1.5))
+    assert out["gen_ppl_hi"] == pytest.approx(math.exp(2.5 + 1.96 * 1.5))
+    assert "gen_ppl_lo" not in gen_ppl_with_interval([3.0], [2])  # one prompt: no interval
+
+
+def test_data_row_cuts_held_out_rows_like_the_prompts_and_is_reported_beside_every_strategy():
+    from types import SimpleNamespace
+
+    from tasks.data_row import data_row_metrics
+
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 0, 0, 0], [1, 1, 2, 2, 3, 3]])
+    attn = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1] * 6])
+    ev = SimpleNamespace(
+        spec=SimpleNamespace(eval=SimpleNamespace(sample_length=3, data_rows=5)),
+        val=(ids, torch.ones_like(ids), attn),
+        scorer=None,
+        tokenizer=None,
+    )
+    m = data_row_metrics(ev, prompts=[[5], [6, 7], [8, 9, 9]])  # median prompt length 2
+    assert m["eval/data_rows"] == 2  # the 3-token row is too short for 2 + 3
+    assert m["eval/data_entropy"] == pytest.approx(mean_entropy([[3, 4, 5], [2, 2, 3]]))
+    rows = [row("mdlm", card(), **{**m, "eval/entropy": 0.5}), row("scdd", card(), **{"eval/entropy": 0.0})]
+    md = render_markdown("demo", rows, {}, [])
+    assert "## Samples against real text" in md and "| **data** (2 held-out rows" in md
+    ratio = 0.5 / mean_entropy([[3, 4, 5], [2, 2, 3]])
+    assert f"| mdlm | – | – | 0.500 | {ratio:.2f} |" in md
