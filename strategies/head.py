@@ -161,12 +161,11 @@ class FusedHeadRows(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        # an output nobody used gets no gradient from autograd: it counts as zero
+        grads = tuple(hidden.new_zeros(hidden.shape[0], dtype=torch.float32) if g is None else g.float() for g in grads)
         for rows, keep in zip(_chunks(hidden.shape[0], ctx.chunk), ctx.kept):
             logits = _chunk_logits(hidden[rows], weight, bias, ctx.compute_dtype)
-            chunk_grads = tuple(None if g is None else g[rows].float() for g in grads)
-            chunk_grads = tuple(
-                torch.zeros(logits.shape[0], device=logits.device) if g is None else g for g in chunk_grads
-            )
+            chunk_grads = tuple(g[rows] for g in grads)
             g_logits = ctx.kernel.backward(logits, keep, tuple(a[rows] for a in args), chunk_grads)
             if grad_h is not None:
                 grad_h[rows] = (g_logits @ weight.float()).to(hidden.dtype)
@@ -235,8 +234,3 @@ def deferred_logits(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     finally:
         for head in heads:
             head.deferred = False
-
-
-def as_logits(value: Logits) -> Tensor:
-    """A real logits tensor, materializing a projection (code that needs every logit)."""
-    return value.materialize() if isinstance(value, HeadProjection) else value

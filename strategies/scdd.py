@@ -85,7 +85,6 @@ class _VocabTermsFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_sigma, g_x, g_z, g_lp):
         logits, x0, zt, beta, rho, row_max, norm = ctx.saved_tensors
-        g_lp = torch.where(zt == ctx.mask_id, torch.zeros_like(g_lp), g_lp)
         grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         work = _Scratch(logits, ctx.chunk)
         for rows in work.chunks():
@@ -129,6 +128,7 @@ def _grad_rows(work: _Scratch, out: Tensor, logits, x0, zt, beta, rho, row_max, 
     """∂loss/∂logits for a chunk of rows into `out`: the closed form of `_VocabTermsFn`, with
     w = ρp/(β + ρp) = 1 − β·r, r = 1/(β + ρp), so that G − p·ΣG = g_Σ − g_Σβ·r − p·ΣG off the sparse terms."""
     g_sigma, g_x, g_z, g_lp = grads
+    g_lp = torch.where(zt == mask_id, torch.zeros_like(g_lp), g_lp)  # log p(z) is a constant at z = [MASK]
     exp = work.exp(logits, row_max, mask_id)
     scale = rho / norm  # ρ·p = scale·exp
     recip = torch.addcmul(beta[:, None], exp, scale[:, None], out=work.b[: len(exp)])
@@ -158,12 +158,9 @@ class _SCDDRows(RowKernel):
 
     def backward(self, logits, saved, args, grads):
         (row_max, norm), (x0, zt, log_beta, log_rho) = saved, args
-        g_sigma, g_x, g_z, g_lp = grads
-        g_lp = torch.where(zt == self.mask_id, torch.zeros_like(g_lp), g_lp)
         out = torch.empty_like(logits)
         work = _Scratch(logits, logits.shape[0])
-        beta, rho = log_beta.exp(), log_rho.exp()
-        _grad_rows(work, out, logits, x0, zt, beta, rho, row_max, norm, (g_sigma, g_x, g_z, g_lp), self.mask_id)
+        _grad_rows(work, out, logits, x0, zt, log_beta.exp(), log_rho.exp(), row_max, norm, grads, self.mask_id)
         return out
 
 

@@ -115,10 +115,8 @@ def prompt_nll(model, tokenizer, pairs: list[tuple[str, str]]) -> tuple[list[flo
 def generative_perplexity(model, tokenizer, pairs: list[tuple[str, str]]) -> tuple[float, int]:
     """exp(Σ NLL / N) over the scorer tokens of every continuation (`prompt_nll`); (nan, 0) when nothing
     was generated."""
-    sums, counts = prompt_nll(model, tokenizer, pairs)
-    if not counts:
-        return float("nan"), 0
-    return math.exp(min(sum(sums) / sum(counts), 50.0)), sum(counts)
+    scored = gen_ppl_with_interval(*prompt_nll(model, tokenizer, pairs))
+    return scored["gen_ppl"], scored.get("gen_ppl_tokens", 0)
 
 
 def gen_ppl_with_interval(sums: list[float], counts: list[int]) -> dict:
