@@ -15,7 +15,7 @@ from strategies.corruption import corrupt_mix, scdd_grid_times
 from strategies.models import model_logits
 from strategies.options import SCDDOptions, StrategyOptions
 from strategies.scdd import SCDDLoss, scdd_schedule
-from strategies.uniform_sampling import scdd_ancestral_sample
+from strategies.scdd_sampling import scdd_ancestral_sample
 
 
 class SCDDStrategy(MDLMStrategy):

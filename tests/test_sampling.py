@@ -7,7 +7,7 @@ import torch
 
 from strategies.sampling import SamplerConfig, absorbing_sample, hybrid_sample, infill_sample, num_transfer_tokens
 from strategies.scdd import scdd_schedule
-from strategies.uniform_sampling import scdd_ancestral_sample
+from strategies.scdd_sampling import scdd_ancestral_sample
 
 MASK, PAD, V = 15, 0, 16
 
