@@ -48,6 +48,7 @@ class SCDDOptions(StrategyOptions):
     schedule_shape: float = Field(1.0, gt=0)
     schedule_peak: float = Field(0.5, gt=0, lt=1)
     chunk_size: int | None = Field(1024, ge=1)  # None: the loss over the whole vocabulary at once
+    time_conditioning: bool = False  # the backbone reads the noise level t (as the SCDD reference's does)
 
 
 class HybridOptions(StrategyOptions):
@@ -72,6 +73,7 @@ class DFlashOptions(StrategyOptions):
 
     block_size: int = Field(0, ge=0)
     loss_decay_gamma: float = 0.0
+    loss_type: Literal["decay", "dpace"] = "decay"  # position weights: fixed exp decay, or D-PACE (§8.5)
     num_blocks_per_sample: int = Field(1, ge=1)
     attention_backend: Literal["sdpa", "flex_attention"] = "sdpa"
     overlap_anchors: bool = True

@@ -34,6 +34,7 @@ SPECULATIVE = "speculative"  # a draft proposes a block, the frozen target verif
 SAMPLERS: dict[str, SamplerInfo] = {
     ABSORBING: SamplerInfo("absorbing [MASK] sampler (mdlm; also scdd and the hybrid's diffusion branch)", True),
     "idlm": SamplerInfo("absorbing sampler with logit shift 1 (idlm)", True),
+    "isd": SamplerInfo("introspective strided decoding: propose with the diffusion half, verify causally (idlm)"),
     "scdd": SamplerInfo("ancestral posterior sampler with the final noise-removal pass (scdd)", False, 1.0),
     "hybrid": SamplerInfo("blocks seeded by the causal branch, completed by diffusion (hybrid)"),
     "canvas": SamplerInfo("uniform-noise canvas decoding (block_diffusion)"),
@@ -54,6 +55,8 @@ class SamplerConfig:
     # K/V reuse across steps (docs/decoding.md §5): "none", "exact" (causal parts only, tokens unchanged),
     # "prefix" / "dual" (also Fast-dLLM's approximate caches for bidirectional decoding)
     cache: str = "exact"
+    # which of the strategy's samplers `DLLMStrategy.sample` runs ("auto": its first, see `samplers`)
+    sampler: str = "auto"
 
     def __post_init__(self) -> None:
         check_cache_mode(self.cache)
@@ -65,6 +68,8 @@ class SampleResult:
     prompt_lengths: list[int]
     prompt_width: int
     nfe: float  # denoiser forwards per sequence (a batched forward counts once; per-row loops are averaged)
+    # generated tokens per sequence that a sampler able to revise (SCDD) changed after first placing them
+    revised: float | None = None
 
     def generated(self, row: int) -> Tensor:
         start = self.prompt_lengths[row]
