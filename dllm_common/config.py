@@ -176,6 +176,11 @@ class LMEvalConfig(_Section):
     num_fewshot: int | None = Field(None, ge=0)  # None: each task's own
 
 
+# Open-ended sampling defaults (docs/strategies.md §11.7), chosen by measurement against the data row.
+OPEN_ENDED_TEMPERATURE = 1.0
+OPEN_ENDED_TOP_P = 0.95
+
+
 class EvalConfig(_Section):
     val_rows: int = Field(128, ge=1)  # validation rows scored by the NELBO
     t_samples: int = Field(8, ge=1)  # stratified diffusion times per row
@@ -186,7 +191,13 @@ class EvalConfig(_Section):
     data_rows: int = Field(32, ge=1)  # held-out rows of the data row (docs/evaluation.md §4.4)
     sample_steps: int = Field(48, ge=1)
     sample_block_size: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0)
+    # how the report's samples are drawn (docs/strategies.md §11.7): the settings a user would pick for open-ended
+    # text; `generate` defaults to the same. `greedy`: also decode at temperature 0 (the report's second table)
+    temperature: float = Field(OPEN_ENDED_TEMPERATURE, ge=0)
+    top_p: float = Field(OPEN_ENDED_TOP_P, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    remasking: Literal["low_confidence", "random"] = "low_confidence"
+    greedy: bool = True
     threshold: float | None = Field(None, gt=0, le=1)  # confidence-threshold parallel decoding (absorbing samplers)
     prompts: tuple[str, ...] = ("To be, or not to be", "My lord,", "What say you", "O")
     # step budgets of the quality-vs-NFE curve; empty → sample_steps, ½ and ¼ of it

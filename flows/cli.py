@@ -118,7 +118,7 @@ def cmd_generate(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from strategies.sampling import SamplerConfig
     from tasks.checkpoints import load_for_generation
-    from tasks.generate import Request, check_sampler, default_temperature, resolve_checkpoint
+    from tasks.generate import Request, check_sampler, default_temperature, default_top_p, resolve_checkpoint
     from tasks.runtime import resolve_device
 
     ckpt = resolve_checkpoint(args.checkpoint, Path(args.workdir), args.tracking_uri)
@@ -131,14 +131,18 @@ def cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens,
         block_size=args.block_size,
         temperature=temperature,
+        top_p=args.top_p if args.top_p is not None else default_top_p(temperature),
+        top_k=args.top_k,
         remasking=args.remasking,
         threshold=args.threshold,
+        sampler=sampler,
         **({"cache": args.cache} if args.cache else {}),
     )
     chat = (loaded.meta.get("chat", False) or args.chat) and not args.raw
     print(
         f"[dllm-flow] {ckpt} ({loaded.meta['strategy']}, sampler {sampler}, steps {args.steps}, "
-        f"temperature {temperature}, cache {config.cache}, seed {args.seed})",
+        f"temperature {temperature}, top-p {config.top_p}, top-k {config.top_k}, cache {config.cache}, "
+        f"seed {args.seed})",
         file=sys.stderr,
         flush=True,
     )
@@ -172,9 +176,9 @@ def cmd_report(args) -> int:
     quiet_environment()
     uri = args.tracking_uri or default_tracking_uri(Path(args.workdir))
     client = MlflowClient(uri)
-    parent_id = _parent_run(client, args.run_id)
-    out = Path(args.out) if args.out else Path(args.workdir) / "reports" / args.run_id
-    path = render_from_mlflow(client, parent_id, out)
+    parent_ids = [_parent_run(client, run_id) for run_id in args.run_id]
+    out = Path(args.out) if args.out else Path(args.workdir) / "reports" / "+".join(args.run_id)
+    path = render_from_mlflow(client, parent_ids, out)
     print(path.read_text().split("\n## ")[0])
     print(f"[dllm-flow] report written to {path} (and PNGs beside it)")
     return 0
@@ -244,8 +248,13 @@ def _add_generate(sub) -> None:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument(
-        "--temperature", type=float, default=None, help="default: the sampler's (0; scdd's ancestral sampler: 1)"
+        "--temperature",
+        type=float,
+        default=None,
+        help="default: evaluation's open-ended setting (docs/strategies.md §11.7); the speculative sampler: 0",
     )
+    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling at temperature > 0 (default: eval's)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens only (0: all)")
     gen.add_argument("--threshold", type=float, default=None, help="confidence-threshold parallel decoding")
     gen.add_argument("--remasking", default="low_confidence", choices=["low_confidence", "random"])
     gen.add_argument(
@@ -268,7 +277,11 @@ def _add_generate(sub) -> None:
 def _inspection_commands(sub) -> None:
     """report, ui, export."""
     rep = sub.add_parser("report", help="re-render a pipeline run's comparison report from MLflow")
-    rep.add_argument("run_id", help="pipeline run id (dllm-flow runs) or the parent MLflow run id")
+    rep.add_argument(
+        "run_id",
+        nargs="+",
+        help="pipeline run id (dllm-flow runs) or the parent MLflow run id; several: one table of all their strategies",
+    )
     rep.add_argument("--workdir", default=DEFAULT_WORKDIR)
     rep.add_argument("--tracking-uri", default=None)
     rep.add_argument("--out", default=None, help="default: <workdir>/reports/<run_id>")

@@ -26,7 +26,8 @@ class SamplerInfo:
 
     summary: str
     infills: bool = False  # fills [MASK] spans anywhere in the prompt (`infill_sample`)
-    default_temperature: float = 0.0
+    # None: the open-ended defaults of evaluation (`eval.temperature`, `eval.top_p`; docs/strategies.md §11.7)
+    default_temperature: float | None = None
 
 
 ABSORBING = "llada"  # the absorbing [MASK] sampler over any strategy's bidirectional denoiser
@@ -35,10 +36,11 @@ SAMPLERS: dict[str, SamplerInfo] = {
     ABSORBING: SamplerInfo("absorbing [MASK] sampler (mdlm; also scdd and the hybrid's diffusion branch)", True),
     "idlm": SamplerInfo("absorbing sampler with logit shift 1 (idlm)", True),
     "isd": SamplerInfo("introspective strided decoding: propose with the diffusion half, verify causally (idlm)"),
-    "scdd": SamplerInfo("ancestral posterior sampler with the final noise-removal pass (scdd)", False, 1.0),
+    "scdd": SamplerInfo("ancestral posterior sampler with the final noise-removal pass (scdd)"),
     "hybrid": SamplerInfo("blocks seeded by the causal branch, completed by diffusion (hybrid)"),
     "canvas": SamplerInfo("uniform-noise canvas decoding (block_diffusion)"),
-    SPECULATIVE: SamplerInfo("DFlash: the draft proposes, the target verifies; the target's own greedy text"),
+    # greedy by default: the target's own greedy text, token for token (T > 0 samples the target's distribution)
+    SPECULATIVE: SamplerInfo("DFlash: the draft proposes, the target verifies; the target's own text", False, 0.0),
 }
 
 
@@ -48,6 +50,10 @@ class SamplerConfig:
     max_new_tokens: int = 128
     block_size: int = 32
     temperature: float = 0.0
+    # at temperature > 0, draw only from the `top_k` most likely tokens (0: all) and from the smallest set
+    # whose probability reaches `top_p` (nucleus sampling; 1.0: all) — docs/strategies.md §11.7
+    top_k: int = 0
+    top_p: float = 1.0
     remasking: str = "low_confidence"
     threshold: float | None = None
     eos_token_id: int | None = None
@@ -60,6 +66,8 @@ class SamplerConfig:
 
     def __post_init__(self) -> None:
         check_cache_mode(self.cache)
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_k must be ≥ 0 and top_p in (0, 1]; got top_k={self.top_k}, top_p={self.top_p}")
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,26 @@ def _uniform(shape, generator: torch.Generator | None, device, cols: tuple[int, 
         return torch.rand(shape, generator=generator, device=device, **kw)
     lo, width = cols
     return torch.rand((shape[0], width, *shape[2:]), generator=generator, device=device, **kw)[:, lo : lo + shape[1]]
+
+
+def truncate(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """`logits` with every token outside the top-k and outside the nucleus set to −inf (docs/strategies.md §11.7).
+
+    The nucleus is the smallest set of most likely tokens whose probability reaches `top_p`; the most likely
+    token is always kept, ties at the cut are kept together. `top_k` 0 and `top_p` 1 return `logits` itself."""
+    if top_k <= 0 and top_p >= 1:
+        return logits
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        keep &= logits >= kth
+    if top_p < 1:
+        probs = torch.softmax(logits.float().masked_fill(~keep, -math.inf), dim=-1)
+        sorted_p, _ = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the strictly more likely tokens
+        cut = sorted_p.masked_fill(before >= top_p, math.inf).amin(dim=-1, keepdim=True)
+        keep &= probs >= cut
+    return logits.masked_fill(~keep, -math.inf)
 
 
 def _proposals(
@@ -190,7 +218,8 @@ def _denoise_window(
         logits = logits.clone()
         logits[..., mask_token_id] = -math.inf  # never "reveal" a position as [MASK] again
         nfe += 1
-        proposals = _proposals(logits, config.temperature, generator, cols)
+        # draws come from the truncated distribution; confidence stays the model's own probability
+        proposals = _proposals(truncate(logits, config.top_k, config.top_p), config.temperature, generator, cols)
         conf = _confidence(logits, proposals, config.remasking, generator, cols)
         chosen = _select(conf, candidates[:, lo:hi], schedule[:, s], config.threshold)
         x = torch.cat([x[:, :lo], torch.where(chosen, proposals, x[:, lo:hi]), x[:, hi:]], dim=1)
@@ -338,7 +367,7 @@ def hybrid_sample(
             size = min(bs, gen_len - b * bs)
             seed_logits = seeder(context)[:, -1:].clone()
             seed_logits[..., mask_token_id] = -math.inf
-            seed = _proposals(seed_logits, config.temperature, generator)  # [1,1]
+            seed = _proposals(truncate(seed_logits, config.top_k, config.top_p), config.temperature, generator)
             nfe += 1
             x = torch.cat([context, seed, torch.full((1, size - 1), mask_token_id, dtype=torch.long, device=device)], 1)
             window = torch.zeros_like(x, dtype=torch.bool)

@@ -48,31 +48,55 @@ def _ratio(value, reference) -> str:
     return f"{value / reference:.2f}"
 
 
+def _sampling_settings(rows: list[dict]) -> str:
+    """How the main table's samples were drawn, read from the first row's reproducibility card."""
+    sampler = rows[0].get("card", {}).get("sampler", {})
+    if not sampler:
+        return "the eval settings"
+    cut = [f"top-p {sampler['top_p']}"] if sampler.get("top_p", 1) < 1 else []
+    cut += [f"top-k {sampler['top_k']}"] if sampler.get("top_k", 0) > 0 else []
+    return ", ".join([f"temperature {sampler.get('temperature')}", *cut, f"{sampler.get('remasking')} remasking"])
+
+
+def _sample_lines(rows: list[dict], prefix: str, data_ppl, data_ent) -> list[str]:
+    lines = []
+    for r in rows:
+        m = r["metrics"]
+        if f"{prefix}entropy" not in m:
+            continue
+        revised = m.get(f"{prefix}revised_tokens")
+        lines.append(
+            f"| {r['strategy']} | {_ppl_ci(m, prefix)} | {_ratio(m.get(f'{prefix}gen_ppl'), data_ppl)} | "
+            f"{_fmt(m.get(f'{prefix}entropy'), 3)} | {_ratio(m.get(f'{prefix}entropy'), data_ent)} | "
+            f"{_fmt(revised, 1) if revised is not None else '–'} |"
+        )
+    return lines
+
+
 def data_row_table(rows: list[dict]) -> list[str]:
-    """Every strategy's samples beside real held-out text scored the same way (docs/evaluation.md §4.4)."""
+    """Every strategy's samples beside real held-out text scored the same way (docs/evaluation.md §4.4):
+    first at the eval sampling settings, then (where evaluated) greedy."""
     with_data = [r for r in rows if "eval/data_entropy" in r["metrics"]]
     if not with_data:
         return []
     d = with_data[0]["metrics"]
     data_ppl, data_ent = d.get("eval/data_gen_ppl"), d["eval/data_entropy"]
-    lines = [
-        "## Samples against real text",
-        "",
-        "| | gen_ppl [95 % CI over prompts] | gen_ppl ÷ data | entropy | entropy ÷ data |",
-        "|---|---|---|---|---|",
+    head = [
+        "| | gen_ppl [95 % CI over prompts] | gen_ppl ÷ data | entropy | entropy ÷ data | tokens revised |",
+        "|---|---|---|---|---|---|",
         f"| **data** ({int(d['eval/data_rows'])} held-out rows, real continuations) | "
-        f"{_ppl_ci(d, 'eval/data_')} | 1.00 | {_fmt(data_ent, 3)} | 1.00 |",
+        f"{_ppl_ci(d, 'eval/data_')} | 1.00 | {_fmt(data_ent, 3)} | 1.00 | – |",
     ]
-    for r in rows:
-        m = r["metrics"]
-        lines.append(
-            f"| {r['strategy']} | {_ppl_ci(m, 'eval/')} | {_ratio(m.get('eval/gen_ppl'), data_ppl)} | "
-            f"{_fmt(m.get('eval/entropy'), 3)} | {_ratio(m.get('eval/entropy'), data_ent)} |"
-        )
+    lines = [f"## Samples against real text ({_sampling_settings(rows)})", "", *head]
+    lines += _sample_lines(rows, "eval/", data_ppl, data_ent)
+    greedy = _sample_lines(rows, "eval/greedy_", data_ppl, data_ent)
+    if greedy:
+        lines += ["", "### Greedy decoding (temperature 0, same prompts and step budget)", "", *head, *greedy]
     return lines + [
         "",
         "The data row cuts held-out validation rows into a prompt as long as the eval prompts and the next "
         "`eval.sample_length` real tokens, scored by the same scorer: a model whose gen_ppl is far *below* the data "
-        "row's with a lower entropy is repeating itself, not writing better than the data.",
+        "row's with a lower entropy is repeating itself, not writing better than the data. `tokens revised`: "
+        "generated tokens per sample that the sampler changed after first placing them (samplers that can).",
         "",
     ]

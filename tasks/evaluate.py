@@ -91,15 +91,17 @@ def eval_artifact_path(key: str) -> str:
     return f"eval/{key[:12]}"
 
 
-def sampler_config(spec: PipelineSpec, strategy, steps: int, eos_token_id: int | None):
-
+def sampler_config(spec: PipelineSpec, strategy, steps: int, eos_token_id: int | None, greedy: bool = False):
+    """The sampler settings of `eval:` (`greedy`: the same at temperature 0, for the report's second table)."""
     e = spec.eval
     return SamplerConfig(
         steps=steps,
         max_new_tokens=e.sample_length,
         block_size=e.sample_block_size,
-        temperature=e.temperature,
-        remasking="low_confidence",
+        temperature=0.0 if greedy else e.temperature,
+        top_k=e.top_k,
+        top_p=e.top_p,
+        remasking=e.remasking,
         threshold=e.threshold,
         eos_token_id=eos_token_id,
         logit_shift=strategy.logit_shift,
@@ -107,11 +109,11 @@ def sampler_config(spec: PipelineSpec, strategy, steps: int, eos_token_id: int |
 
 
 def draw_samples(
-    ev: Evaluation, strategy, mask_token_id: int, prompts: list[list[int]], steps: int
+    ev: Evaluation, strategy, mask_token_id: int, prompts: list[list[int]], steps: int, greedy: bool = False
 ) -> tuple[list[list[int]], dict]:
     """Generated token ids (cut at EOS) for each prompt at one step budget, and the sampling-cost metrics."""
     spec, model, tokenizer, device = ev.spec, ev.model, ev.tokenizer, ev.device
-    cfg = sampler_config(spec, strategy, steps, tokenizer.eos_token_id)
+    cfg = sampler_config(spec, strategy, steps, tokenizer.eos_token_id, greedy)
     gen = torch.Generator(device=device).manual_seed(spec.eval.seed)
     t0 = time.perf_counter()
     result = strategy.sample(
@@ -131,6 +133,8 @@ def draw_samples(
         "eval/tokens_per_forward": per_row / max(result.nfe, 1e-9),
         "eval/tokens_per_s": len(prompts) * per_row / seconds,
     }
+    if result.revised is not None:  # samplers that can change a token after placing it (SCDD)
+        stats["eval/revised_tokens"] = float(result.revised)
     return ids, stats
 
 
@@ -142,19 +146,32 @@ def sample_quality(ev: Evaluation, strategy, mask_token_id: int) -> tuple[dict, 
     texts = list(e.prompts[: e.num_samples]) or ["O"]
     prompts = encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")
     budgets = e.budgets()
-    headline, curve, samples_text = {}, [], ""
-    for steps in budgets:
-        ids, stats = draw_samples(ev, strategy, mask_token_id, prompts, steps)
+
+    def point_at(steps: int, greedy: bool = False) -> tuple[dict, str]:
+        ids, stats = draw_samples(ev, strategy, mask_token_id, prompts, steps, greedy)
         decoded = [tokenizer.decode(i) for i in ids]
         point = {"steps": steps, **{k.split("/")[1]: v for k, v in stats.items()}, "entropy": mean_entropy(ids)}
         if scorer is not None:
             point.update(gen_ppl_with_interval(*prompt_nll(*scorer, list(zip(texts, decoded)))))
+        return point, "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
+
+    headline, curve, samples_text = {}, [], ""
+    for steps in budgets:
+        point, text = point_at(steps)
         curve.append(point)
         if steps == budgets[0]:
             headline = {f"eval/{k}": v for k, v in point.items() if k not in ("steps", "gen_ppl_tokens")}
-            samples_text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
+            samples_text = text
+    if e.greedy and e.temperature > 0:  # the report's second table: the same budget at temperature 0
+        point, text = point_at(budgets[0], greedy=True)
+        headline.update({f"eval/greedy_{k}": point[k] for k in GREEDY_KEYS if k in point})
+        samples_text += "\n\n## greedy (temperature 0)\n\n" + text
     headline.update(data_row_metrics(ev, prompts))
     return headline, curve, samples_text
+
+
+# what the greedy second table keeps of a sample point (logged as eval/greedy_<key>)
+GREEDY_KEYS = ("gen_ppl", "gen_ppl_lo", "gen_ppl_hi", "entropy", "revised_tokens")
 
 
 # Card fields that change a result: two evaluations that differ on one are not silently compared.
@@ -168,11 +185,14 @@ RESULT_FIELDS = (
     "sampler.max_new_tokens",
     "sampler.block_size",
     "sampler.temperature",
+    "sampler.top_k",
+    "sampler.top_p",
     "sampler.remasking",
     "sampler.threshold",
     "eval.nfe_budgets",
     "eval.prompts",
     "eval.data_rows",
+    "eval.greedy",
     "scorer",
     "dtype",
     "device",
@@ -199,6 +219,7 @@ def repro_card(ev: Evaluation, strategy, data_key: str) -> dict:
             "nfe_budgets": e.budgets(),
             "prompts": list(e.prompts[: e.num_samples]),
             "data_rows": e.data_rows,
+            "greedy": e.greedy,
         },
         "train_seed": spec.train.seed,
         "data_key": data_key,

@@ -49,7 +49,7 @@ from strategies import strategy_class
 from strategies.dflash_draft import DFlashDraftModel
 from strategies.models import merge_lora, model_from_config_dir
 from strategies.sampling import SamplerConfig
-from tasks.generate import default_temperature, resolve_checkpoint
+from tasks.generate import default_temperature, default_top_p, resolve_checkpoint
 from tasks.model_card import CARD, DLLM_SUBDIR, Layout, model_card
 from tasks.prepare_data import load_tokenizer
 from tasks.provenance import Evaluation, Provenance, find_provenance
@@ -339,7 +339,8 @@ def generation_settings(source: Source, evaluation: Evaluation | None) -> dict:
     if evaluated:
         cfg, origin = evaluated, f"evaluation {evaluation.key}"
     else:
-        cfg = {**SamplerConfig().__dict__, "temperature": default_temperature(sampler)}
+        temperature = default_temperature(sampler)
+        cfg = {**SamplerConfig().__dict__, "temperature": temperature, "top_p": default_top_p(temperature)}
         origin = "sampler defaults"
     temperature = float(cfg["temperature"])
     settings = {
@@ -360,4 +361,6 @@ def generation_settings(source: Source, evaluation: Evaluation | None) -> dict:
     }
     if temperature > 0:
         settings["temperature"] = temperature
+        settings["top_p"] = float(cfg.get("top_p", 1.0))
+        settings["top_k"] = int(cfg.get("top_k", 0))
     return settings

@@ -16,6 +16,7 @@ from pathlib import Path
 import mlflow
 import torch
 
+from dllm_common.config import EvalConfig
 from dllm_common.tracking import default_tracking_uri, quiet_environment
 from strategies import strategy_class
 from strategies.dflash_draft import speculative_generate
@@ -88,7 +89,14 @@ def check_sampler(strategy_name: str, sampler: str, infill: bool) -> str:
 
 
 def default_temperature(sampler: str) -> float:
-    return SAMPLERS[sampler].default_temperature
+    """The sampler's own default, else evaluation's open-ended one (docs/strategies.md §11.7)."""
+    own = SAMPLERS[sampler].default_temperature
+    return EvalConfig().temperature if own is None else own
+
+
+def default_top_p(temperature: float) -> float:
+    """Evaluation's nucleus when sampling; irrelevant (1.0) at temperature 0."""
+    return EvalConfig().top_p if temperature > 0 else 1.0
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,9 @@ def _flag_lines(flags: dict) -> list[str]:
     return lines + [""]
 
 
+TAU_GAP = 0.15  # |τ_sim ÷ τ − 1| above this is flagged in the DFlash table
+
+
 def _dflash_table(spec_rows: list[dict]) -> list[str]:
     """The speculative-decoding table of the rows that have DFlash metrics (none: no table)."""
     if not spec_rows:
@@ -171,19 +174,33 @@ def _dflash_table(spec_rows: list[dict]) -> list[str]:
     lines = [
         "## Speculative decoding (DFlash)",
         "",
-        "| strategy | dflash/tau_sim | dflash/tau | dflash/speedup | dflash/exact_match | "
+        "| strategy | dflash/tau_sim | dflash/tau | τ_sim ÷ τ | dflash/speedup | dflash/exact_match | "
         + " | ".join(f"acc_k{k}" for k in ks)
         + " |",
-        "|---|---|---|---|---|" + "---|" * len(ks),
+        "|---|---|---|---|---|---|" + "---|" * len(ks),
     ]
+    gaps = []
     for r in spec_rows:
         m = r["metrics"]
+        sim, real = m.get("dflash/tau_sim"), m.get("dflash/tau")
+        gap = sim / real if isinstance(sim, float) and isinstance(real, float) and real > 0 else None
+        flag = " ⚠" if gap is not None and abs(gap - 1) > TAU_GAP else ""
+        if flag:
+            gaps.append(f"- **{r['strategy']}**: τ_sim {sim:.2f} vs real τ {real:.2f}")
         lines.append(
-            f"| {r['strategy']} | {_fmt(m.get('dflash/tau_sim'), 3)} | {_fmt(m.get('dflash/tau'), 3)} | "
+            f"| {r['strategy']} | {_fmt(sim, 3)} | {_fmt(real, 3)} | {_fmt(gap, 2)}{flag} | "
             f"{_fmt(m.get('dflash/speedup'), 2)} | {_fmt(m.get('dflash/exact_match'), 2)} | "
             + " | ".join(_fmt(m.get(f"dflash/acc_k{k}"), 3) for k in ks)
             + " |"
         )
+    if gaps:
+        lines += [
+            "",
+            f"⚠ τ_sim and real τ differ by more than {TAU_GAP:.0%}: τ_sim is teacher-forced on held-out data text, "
+            "real τ decodes the target's own continuations; a draft that learned the data rather than the target's "
+            "outputs shows this gap (docs/strategies.md §10.7: train on the target's regenerated text):",
+            *gaps,
+        ]
     return lines + [
         "",
         "`dflash/tau`: tokens committed per verification cycle in speculative decoding of held-out "
@@ -284,8 +301,43 @@ def _plot_quality_vs_nfe(ax, rows: list[dict], have_ppl: bool) -> None:
     ax.legend()
 
 
-def render_from_mlflow(client, parent_run_id: str, out: Path) -> Path:
-    """Write report.md, report.json and the PNGs for a parent run into `out` (from MLflow alone)."""
+def render_from_mlflow(client, parent_run_ids: str | list[str], out: Path) -> Path:
+    """Write report.md, report.json and the PNGs for one or more parent runs into `out` (from MLflow alone).
+    Several pipeline runs (e.g. one DFlash draft per loss) become one table; a strategy that appears more than
+    once is labelled with the training parameters that tell its runs apart."""
+    ids = [parent_run_ids] if isinstance(parent_run_ids, str) else list(parent_run_ids)
+    if len(ids) == 1:
+        return render_runs(client, *_runs_of(client, ids[0]), out)
+    runs, titles = [], []
+    for parent_id in ids:
+        these, title = _runs_of(client, parent_id)
+        runs += these
+        titles.append(title)
+    return render_runs(client, _labelled(client, runs), " + ".join(dict.fromkeys(titles)), out)
+
+
+def _labelled(client, runs: list[dict]) -> list[dict]:
+    """Runs of one strategy that occur more than once get `strategy (param=value, …)` from the training
+    parameters on which they differ (the MLflow run id's head when none does)."""
+    by_name: dict[str, list[dict]] = {}
+    for r in runs:
+        by_name.setdefault(r["strategy"], []).append(r)
+    out = []
+    for r in runs:
+        same = by_name[r["strategy"]]
+        if len(same) == 1:
+            out.append(r)
+            continue
+        params = [client.get_run(x["run_id"]).data.params for x in same]
+        differing = sorted(k for k in set().union(*params) if len({p.get(k) for p in params}) > 1)
+        mine = params[same.index(r)]
+        shown = [f"{k}={mine.get(k)}" for k in differing if not k.startswith(("mlflow.", "dllm.run"))][:3]
+        out.append({**r, "strategy": f"{r['strategy']} ({', '.join(shown) or r['run_id'][:8]})"})
+    return out
+
+
+def _runs_of(client, parent_run_id: str) -> tuple[list[dict], str]:
+    """The evaluated strategies of one pipeline run's parent MLflow run, and the pipeline's name."""
     parent = client.get_run(parent_run_id)
     runs = json.loads(parent.data.tags.get(RUNS_TAG, "[]"))
     if not runs:  # a pipeline run from before the tag: its child runs, in creation order
@@ -297,7 +349,7 @@ def render_from_mlflow(client, parent_run_id: str, out: Path) -> Path:
         runs = [{"strategy": c.data.tags.get("strategy", c.info.run_name), "run_id": c.info.run_id} for c in children]
     if not runs:
         raise FileNotFoundError(f"MLflow run {parent_run_id} has no evaluated strategies to report")
-    return render_runs(client, runs, parent.data.tags.get("dllm.pipeline", parent.info.run_name), out)
+    return runs, parent.data.tags.get("dllm.pipeline", parent.info.run_name)
 
 
 def render_runs(client, runs: list[dict], title: str, out: Path) -> Path:

@@ -179,3 +179,63 @@ def test_data_row_cuts_held_out_rows_like_the_prompts_and_is_reported_beside_eve
     assert "## Samples against real text" in md and "| **data** (2 held-out rows" in md
     ratio = 0.5 / mean_entropy([[3, 4, 5], [2, 2, 3]])
     assert f"| mdlm | – | – | 0.500 | {ratio:.2f} |" in md
+
+
+def test_report_reads_samples_at_the_eval_settings_first_and_greedy_second():
+    data = {"eval/data_entropy": 4.0, "eval/data_rows": 32, "eval/data_gen_ppl": 200.0}
+    sampled = card(sampler__temperature=1.0, sampler__top_p=0.9, sampler__top_k=0)
+    rows = [
+        row(
+            "mdlm",
+            sampled,
+            **data,
+            **{"eval/gen_ppl": 300.0, "eval/entropy": 3.6, "eval/greedy_gen_ppl": 8.0, "eval/greedy_entropy": 1.0},
+        ),
+        row("scdd", sampled, **{"eval/gen_ppl": 500.0, "eval/entropy": 3.2, "eval/revised_tokens": 5.25}),
+    ]
+    md = render_markdown("demo", rows, {}, [])
+    main, _, greedy = md.partition("### Greedy decoding (temperature 0")
+    assert "## Samples against real text (temperature 1.0, top-p 0.9, low_confidence remasking)" in main
+    assert "| mdlm | 300.00 | 1.50 | 3.600 | 0.90 | – |" in main
+    assert "| scdd | 500.00 | 2.50 | 3.200 | 0.80 | 5.2 |" in main  # tokens the sampler revised
+    assert "| mdlm | 8.00 | 0.04 | 1.000 | 0.25 | – |" in greedy
+    assert "| scdd |" not in greedy.split("\n\n")[1]  # no greedy run for scdd: no greedy row
+
+
+def test_dflash_table_flags_a_gap_between_tau_sim_and_real_tau():
+    rows = [
+        row(
+            "dflash (dflash.loss_type=decay)",
+            card(),
+            **{"dflash/tau_sim": 2.0, "dflash/tau": 1.9, "dflash/acc_k1": 0.5},
+        ),
+        row("dflash (dflash.loss_type=dpace)", card(), **{"dflash/tau_sim": 3.0, "dflash/tau": 1.5}),
+    ]
+    md = render_markdown("demo", rows, {}, [])
+    assert "| dflash (dflash.loss_type=decay) | 2.000 | 1.900 | 1.05 |" in md  # within 15 %: no flag
+    assert "| dflash (dflash.loss_type=dpace) | 3.000 | 1.500 | 2.00 ⚠ |" in md
+    assert "- **dflash (dflash.loss_type=dpace)**: τ_sim 3.00 vs real τ 1.50" in md
+    assert "decay)**: τ_sim" not in md
+
+
+def test_runs_of_one_strategy_from_several_pipeline_runs_are_labelled_by_what_differs():
+    from types import SimpleNamespace
+
+    from tasks.report import _labelled
+
+    params = {
+        "a": {"dflash.loss_type": "decay", "train.steps": "100", "dllm.run_id": "x"},
+        "b": {"dflash.loss_type": "dpace", "train.steps": "100", "dllm.run_id": "y"},
+        "c": {"train.steps": "100"},
+    }
+    client = SimpleNamespace(get_run=lambda rid: SimpleNamespace(data=SimpleNamespace(params=params[rid])))
+    runs = [
+        {"strategy": "dflash", "run_id": "a"},
+        {"strategy": "dflash", "run_id": "b"},
+        {"strategy": "mdlm", "run_id": "c"},
+    ]
+    assert [r["strategy"] for r in _labelled(client, runs)] == [
+        "dflash (dflash.loss_type=decay)",
+        "dflash (dflash.loss_type=dpace)",
+        "mdlm",
+    ]
