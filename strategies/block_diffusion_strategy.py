@@ -7,6 +7,15 @@ K/V) and its own noisy block. One block per example is scored each step; the enc
 head adds an AR loss. `eval/nelbo` is the blockwise bound of the uniform-noise process (see
 `uniform_diffusion_nelbo_terms`).
 
+Own-token evidence (`own_token_evidence`, docs/strategies.md §5.4). A canvas token z_i is the clean token
+with probability α_t + (1 − α_t)/V and any other given token with (1 − α_t)/V, so the posterior over the
+clean token is π(x) ∝ x̂(x)·q(z_i | x), where x̂ is the prediction from everything *but* z_i. With
+"analytic" (the default) the model's logits are log x̂ and the known log q(z_i | x) is added to them
+wherever the posterior is needed (canvas loss at the training level t, sampler at its own level); the
+bound and the reverse step take x̂ as it is. With "learned" (the reference, DiffusionGemma) the logits
+are log π: the model must learn how far to trust z_i without being told t, and the bound and the
+sampler divide q(z_i | x) out again (`own_token_removed`).
+
 Randomness: corruption, block choice and the self-conditioning coin are drawn per sample from
 the sample's own seed (docs/strategies.md §3), so they are identical across resume and any data-parallel layout.
 (The reference seeds block choice per (step, micro-batch); per-sample is strictly stronger.)
@@ -25,15 +34,62 @@ from strategies.losses import (
     BlockDiffusionCrossEntropyLoss,
     DLLMLossOutput,
     encoder_ar_loss,
+    nll_at,
     uniform_diffusion_nelbo_terms,
 )
 from strategies.masks import build_block_diffusion_training_mask
 from strategies.models import BLOCK_DIFFUSION
 from strategies.options import BlockDiffusionOptions, StrategyOptions
 from strategies.seeding import seeded_generator
-from strategies.uniform_sampling import block_canvas_sample
+from strategies.uniform_sampling import block_canvas_sample, own_token_removed
 
 _AUX_SEED_XOR = 0x5DEECE66D  # separates the block-choice / self-conditioning stream from the corruption stream
+OWN_TOKEN_MODES = ("analytic", "learned")
+_MIN_LEVEL = 1e-6  # noise levels are clamped to [1e-6, 1 − 1e-6] wherever log q(z | x) is formed
+
+
+class OwnTokenCanvasLoss(nn.Module):
+    """Canvas loss with analytic own-token evidence (docs/strategies.md §5.4): the cross-entropy of the
+    posterior π ∝ softmax(logits)·q(z_i | x) at the clean token, per scored token, over `max(N, 1)`.
+
+    q(z | x) = (1 − α)/V·(1 + (e^b − 1)·[x = z]) with b = log(1 + V·α/(1 − α)), α = 1 − t and t = `p_mask`
+    (the row's noise level), so with p_z = softmax(logits)_z
+
+        CE_i = −log π(x_i) = CE(logits, x_i) − b·[x_i = z_i] + log(1 + (e^b − 1)·p_z)
+
+    which needs the logits at two ids only (`nll_at`, so a deferred head stays chunked). Like the flat
+    loss, every scored canvas token counts, replaced or not.
+    """
+
+    def forward(
+        self,
+        logits,
+        target_ids: Tensor,
+        noise_mask: Tensor | None,
+        p_mask: Tensor | None,
+        loss_mask: Tensor,
+        *,
+        loss_mask_ar: Tensor | None = None,
+        num_diffusion_tokens: int | Tensor | None = None,
+        num_ar_tokens: int | Tensor | None = None,
+        causal_logits: Tensor | None = None,
+        noisy_input_ids: Tensor | None = None,
+    ) -> DLLMLossOutput:
+        if noisy_input_ids is None or p_mask is None:
+            raise ValueError("OwnTokenCanvasLoss needs noisy_input_ids (the canvas) and p_mask (the noise level t)")
+        selected = loss_mask.bool()
+        vocab = logits.shape[-1]
+        nll_x = nll_at(logits, selected, target_ids)
+        nll_z = nll_at(logits, selected, noisy_input_ids)
+        alpha = 1 - p_mask.double().clamp(_MIN_LEVEL, 1)
+        b = torch.log1p(vocab * alpha / (1 - alpha))
+        log_expm1_b = b + torch.log(-torch.expm1(-b))  # log(e^b − 1); −inf at b = 0 (t = 1) is harmless
+        own = (target_ids == noisy_input_ids).to(b.dtype)
+        ce = nll_x + (torch.nn.functional.softplus(log_expm1_b - nll_z.double()) - b * own).to(nll_x.dtype)
+        total = torch.where(selected, ce, torch.zeros_like(ce)).sum()
+        count = num_diffusion_tokens if num_diffusion_tokens is not None else int(selected.sum())
+        total = total / max(int(count), 1)
+        return DLLMLossOutput(total, total.detach())
 
 
 @dataclass(frozen=True)
@@ -168,12 +224,23 @@ class BlockDiffusionStrategy(DLLMStrategy):
         self.block_size = self.options.block_size
         self.self_conditioning_p = self.options.self_conditioning_p
         self.encoder_loss_weight = self.options.encoder_loss_weight
+        self.own_token_evidence = self._own_token_mode(self.options, "analytic")
+
+    @staticmethod
+    def _own_token_mode(options, fallback: str) -> str:
+        """`own_token_evidence` of the options, or `fallback` where the options model has no such key."""
+        mode = getattr(options, "own_token_evidence", fallback)
+        if mode not in OWN_TOKEN_MODES:
+            raise ValueError(f"own_token_evidence must be one of {OWN_TOKEN_MODES}, got {mode!r}")
+        return mode
 
     def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
-        """The loss needs no option (its block and canvas come with each batch); the options are still checked."""
+        """The canvas loss of `own_token_evidence` (of `dllm_cfg` when given, else the strategy's own):
+        `OwnTokenCanvasLoss` for "analytic", the reference's flat `BlockDiffusionCrossEntropyLoss` for "learned"."""
+        mode = self.own_token_evidence
         if dllm_cfg is not None:
-            self.coerce_options(dllm_cfg)
-        return BlockDiffusionCrossEntropyLoss()
+            mode = self._own_token_mode(self.coerce_options(dllm_cfg), mode)
+        return OwnTokenCanvasLoss() if mode == "analytic" else BlockDiffusionCrossEntropyLoss()
 
     def setup_extra(self, setup: SetupContext) -> int | None:
         """Random-token corruption never uses [MASK]: an unset mask id is 0 (docs/strategies.md §9.1)."""
@@ -187,9 +254,20 @@ class BlockDiffusionStrategy(DLLMStrategy):
                 "BlockDiffusionStrategy requires dllm.vocab_size (replacement tokens are drawn "
                 "uniformly from it); set dllm.vocab_size or assemble the strategy for a model"
             )
-        return corrupt_uniform_random(
+        level = None
+        if self.own_token_evidence == "analytic":  # the loss needs the row's level t: draw it as the kernel will
+            if generator is None:
+                seed = int(torch.randint(0, 2**62, (1,)))
+                generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+            fork = torch.Generator(device=generator.device)
+            fork.set_state(generator.get_state())
+            level = eps + (1 - eps) * torch.rand(input_ids.shape[0], generator=fork, device=input_ids.device)
+        noisy, noise, p_mask = corrupt_uniform_random(
             input_ids, loss_mask, self.vocab_size, block_size=None, eps=eps, generator=generator
         )
+        if level is not None:
+            p_mask = level[:, None].expand_as(p_mask).to(p_mask.dtype).contiguous()
+        return noisy, noise, p_mask
 
     @staticmethod
     def split_prompt_response(input_ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -283,6 +361,7 @@ class BlockDiffusionStrategy(DLLMStrategy):
             window.p_mask,
             window.loss_mask,
             num_diffusion_tokens=num_diffusion_tokens,
+            noisy_input_ids=window.canvas_ids,
         )
         encoder_logits = getattr(out, "encoder_logits", None)
         if is_train and encoder_logits is not None and self.encoder_loss_weight > 0:
@@ -303,10 +382,14 @@ class BlockDiffusionStrategy(DLLMStrategy):
         attention_mask: Tensor | None = None,
     ) -> Tensor:
         """Blockwise bound per row at noise level t [B]: every response block scored given the clean
-        blocks before it (docs/evaluation.md §4.2), each token by the continuous-time uniform-noise term."""
+        blocks before it (docs/evaluation.md §4.2), each token by the continuous-time uniform-noise term.
+
+        The term's x̂ is the clean-token distribution that has not seen the token's own noisy value: the
+        model's output under "analytic" own-token evidence; under "learned" the model predicts the
+        posterior, whose own-token evidence is divided out first (`own_token_removed`)."""
         vocab = self.vocab_size or model.config.vocab_size
         batch, length = clean_ids.shape
-        t = t.clamp(1e-6, 1 - 1e-6)
+        t = t.clamp(_MIN_LEVEL, 1 - _MIN_LEVEL)
         u = torch.rand(batch, length, generator=generator, device=clean_ids.device)
         r = torch.randint(
             0, vocab, (batch, length), generator=generator, device=clean_ids.device, dtype=clean_ids.dtype
@@ -325,7 +408,10 @@ class BlockDiffusionStrategy(DLLMStrategy):
             attention_mask if attention_mask is not None else torch.ones_like(loss_mask),
         )
         logits = model(**self.model_inputs(batch_view, window)).logits
-        terms = uniform_diffusion_nelbo_terms(logits, window.target_ids, window.canvas_ids, 1 - t, vocab)
+        x_hat = logits
+        if self.own_token_evidence == "learned":
+            x_hat = own_token_removed(logits, window.canvas_ids, (1 - t)[:, None], vocab)
+        terms = uniform_diffusion_nelbo_terms(x_hat, window.target_ids, window.canvas_ids, 1 - t, vocab)
         return (terms * window.loss_mask).sum(dim=1)
 
     def sample(
@@ -350,4 +436,5 @@ class BlockDiffusionStrategy(DLLMStrategy):
             generator=generator,
             device=device,
             on_block=on_block,
+            own_token_evidence=self.own_token_evidence,
         )

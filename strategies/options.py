@@ -49,6 +49,11 @@ class SCDDOptions(StrategyOptions):
     schedule_peak: float = Field(0.5, gt=0, lt=1)
     chunk_size: int | None = Field(1024, ge=1)  # None: the loss over the whole vocabulary at once
     time_conditioning: bool = False  # the backbone reads the noise level t (as the SCDD reference's does)
+    # how the denoiser's output at a visible token is read (docs/strategies.md §5.8, §11.5)
+    parametrization: Literal["context", "posterior"] = "context"
+    # the sampler's final pass and where its temperature acts; the reference: "argmax", "weights" (§11.5)
+    noise_removal: Literal["posterior", "argmax"] = "posterior"
+    tempering: Literal["draws", "weights"] = "draws"
 
 
 class HybridOptions(StrategyOptions):
@@ -73,7 +78,8 @@ class DFlashOptions(StrategyOptions):
 
     block_size: int = Field(0, ge=0)
     loss_decay_gamma: float = 0.0
-    loss_type: Literal["decay", "dpace"] = "decay"  # position weights: fixed exp decay, or D-PACE (§8.5)
+    loss_type: Literal["decay", "dpace"] = "decay"  # position weights: fixed exp decay, or D-PACE (§5.7)
+    dpace_alpha: float = Field(0.5, ge=0, le=1)  # D-PACE's confidence floor α (§5.7)
     num_blocks_per_sample: int = Field(1, ge=1)
     attention_backend: Literal["sdpa", "flex_attention"] = "sdpa"
     overlap_anchors: bool = True
@@ -95,6 +101,8 @@ class BlockDiffusionOptions(StrategyOptions):
     block_size: int = Field(256, ge=1)
     self_conditioning_p: float = Field(0.5, ge=0, le=1)
     encoder_loss_weight: float = Field(1.0, ge=0)
+    # how a canvas token's own evidence enters the prediction (docs/strategies.md §5.4); "learned": the reference
+    own_token_evidence: Literal["analytic", "learned"] = "analytic"
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,18 @@
 """The block-diffusion canvas sampler (docs/strategies.md §11.6) and the reverse step of uniform-noise
 diffusion it uses. SCDD's sampler is in `strategies.scdd_sampling`. The shared machinery (config, result,
 windows, transfer schedule) is in `strategies.sampling`.
+
+What the denoiser predicts. The canvas loss (docs/strategies.md §5.4) is a cross-entropy on every canvas
+token, so the model learns the posterior π(x_i) = p(x_i | z_t), which has already read the token z_t^i
+it is asked about. The uniform-noise reverse step and the uniform-noise bound are written in terms of a
+clean-token distribution x̂ that has *not* seen z_t^i: by Bayes, π(x) ∝ x̂(x)·q(z_t^i | x), so
+
+    x̂(x) ∝ π(x) / q(z_t^i | x),      q(z | x) = α_t·[x = z] + (1 − α_t)/V
+
+(`own_token_removed`). With it, the exact reverse kernel Σ_x π(x)·q(z_s | z_t, x) is
+`uniform_posterior(x̂, …)`, and x̂ is what the bound's score ratios need (docs/evaluation.md §4.2).
+Plugging π in directly counts the evidence of z_t^i twice: the sampler keeps noise tokens and the
+bound comes out above ln V even for good predictions.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from strategies.sampling import (
     SamplerConfig,
     SampleResult,
     per_row_result,
+    truncate,
 )
 
 
@@ -35,6 +48,36 @@ def uniform_posterior(probs: Tensor, z_t: Tensor, alpha_t: float, alpha_s: float
     return post / post.sum(dim=-1, keepdim=True)
 
 
+def own_token_log_likelihood(z_t: Tensor, alpha_t: Tensor | float, vocab: int) -> Tensor:
+    """log q(z_t^i | x) for every candidate x, float64 `[..., V]`: log(α_t + (1 − α_t)/V) at x = z_t^i and
+    log((1 − α_t)/V) elsewhere (the uniform kernel of docs/strategies.md §4.4). `alpha_t` is a float or a
+    tensor broadcastable to `z_t` (one level per row: `[B, 1]`); it must be < 1."""
+    alpha = torch.as_tensor(alpha_t, dtype=torch.float64, device=z_t.device)
+    alpha = alpha.expand(z_t.shape)[..., None]
+    out = torch.log((1 - alpha) / vocab).expand(*z_t.shape, vocab).clone()
+    own = torch.log(alpha + (1 - alpha) / vocab).expand_as(out)
+    return out.scatter_(-1, z_t[..., None], own.gather(-1, z_t[..., None]))
+
+
+def own_token_removed(log_probs: Tensor, z_t: Tensor, alpha_t: Tensor | float, vocab: int) -> Tensor:
+    """Unnormalised log x̂ from the denoiser's posterior log π (module docstring): log π − log q(z_t^i | x),
+    in float64. Softmax-invariant, so raw logits can stand for log π."""
+    return log_probs.double() - own_token_log_likelihood(z_t, alpha_t, vocab)
+
+
+def reverse_step(probs: Tensor, z_t: Tensor, alpha_t: float, alpha_s: float) -> Tensor:
+    """p(z_s | z_t) = Σ_x π(x)·q(z_s | z_t, x) for a posterior π over the clean token (float64 `[..., V]`):
+    `uniform_posterior` of π with the evidence of z_t removed (exact, module docstring). A one-hot π
+    (temperature 0) is unchanged by the removal."""
+    vocab = probs.shape[-1]
+    if alpha_t > 0:
+        q_own = torch.full_like(probs, (1 - alpha_t) / vocab)
+        q_own.scatter_add_(-1, z_t[..., None], torch.full_like(z_t[..., None], alpha_t, dtype=probs.dtype))
+        probs = probs / q_own
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return uniform_posterior(probs, z_t, max(alpha_t, 1e-12), alpha_s)
+
+
 @torch.no_grad()
 def block_canvas_sample(
     model,
@@ -47,17 +90,28 @@ def block_canvas_sample(
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
     on_block: Progress | None = None,
+    own_token_evidence: str = "analytic",
 ) -> SampleResult:
     """Block-diffusion canvas decoding for a `BlockDiffusionLM` (uniform noise, no [MASK]).
 
     Per block: the canvas starts as uniform random tokens; for k = 0..K−1 the model (encoder over the
     clean context, canvas under the block-causal mask, previous step's logits as self-conditioning)
-    predicts x̂ and the canvas moves from t = 1 − k/K to s = 1 − (k+1)/K by the posterior above;
-    temperature 0 uses a greedy x̂. The finished block joins the clean context. Stops after a block
+    predicts the posterior π over each clean token, tempered and truncated (top-k / top-p) as for the
+    other samplers, and the canvas moves from t = 1 − k/K to s = 1 − (k+1)/K: with `remasking:
+    low_confidence` (the default) the ⌊(k+1)·bs/K⌋ most confident proposals are kept and the rest of the
+    canvas is fresh noise (`_confident_step`); with `random` by the exact reverse step
+    Σ_x π(x)·q(z_s | z_t, x) (`reverse_step`). Temperature 0 proposes the argmax. The finished block
+    joins the clean context. `own_token_evidence` says what the logits are
+    (strategies/block_diffusion_strategy.py): "analytic", log x̂, to which log q(z_t | x) at the step's
+    level is added to get log π; "learned", log π itself. Stops after a block
     that contains EOS. One NFE = one model call. Unless `config.cache` is "none", the encoder's K/V of the
     context are computed once per block and extended by each finished block (exact, docs/decoding.md).
     """
-    job = _CanvasDecoding(model, vocab_size, block_size, pad_token_id, config, generator, device)
+    if own_token_evidence not in ("analytic", "learned"):
+        raise ValueError(f"own_token_evidence must be 'analytic' or 'learned', got {own_token_evidence!r}")
+    job = _CanvasDecoding(
+        model, vocab_size, block_size, pad_token_id, config, generator, device, own_token_evidence == "analytic"
+    )
     n_blocks = math.ceil(config.max_new_tokens / block_size)
     steps = max(1, config.steps // n_blocks)
     nfe, rows = 0, []
@@ -71,7 +125,8 @@ def block_canvas_sample(
 @dataclass(frozen=True)
 class _CanvasDecoding:
     """What stays fixed while `block_canvas_sample` decodes: the model, the vocabulary and block sizes,
-    the pad id, the sampler settings, the generator every draw comes from and the device."""
+    the pad id, the sampler settings, the generator every draw comes from, the device and whether the
+    logits leave out the evidence of the token they score (`own_token_evidence` "analytic")."""
 
     model: object
     vocab_size: int
@@ -80,6 +135,7 @@ class _CanvasDecoding:
     config: SamplerConfig
     generator: torch.Generator | None
     device: torch.device | str
+    add_own_token: bool = True
 
 
 class _CanvasInputs(NamedTuple):
@@ -149,27 +205,74 @@ def _canvas_step(job: _CanvasDecoding, context: Tensor, encoder: EncoderCache | 
 def _canvas_decode_block(
     job: _CanvasDecoding, context: Tensor, steps: int, encoder: EncoderCache | None = None
 ) -> tuple[Tensor, int]:
-    """One block: a uniform random canvas [1, bs] moved from t = 1 to t = 0 in `steps` posterior steps
-    (the last one greedy at temperature 0) → (the canvas, the model calls it took)."""
+    """One block: a uniform random canvas [1, bs] moved from t = 1 to t = 0 in `steps` steps → (the canvas,
+    the model calls it took). Each step turns the logits into the posterior π at the step's level and
+    moves the canvas by `_ancestral_step` (`remasking: random`) or `_confident_step` (`low_confidence`)."""
+    if job.config.remasking not in ("low_confidence", "random"):
+        raise NotImplementedError(f"canvas sampler: unknown remasking {job.config.remasking!r}")
     step = _canvas_step(job, context, encoder)
     canvas = torch.randint(0, job.vocab_size, (1, job.block_size), generator=job.generator, device=job.device)
+    settled = torch.zeros_like(canvas, dtype=torch.bool)
     previous = None
     nfe = 0
     for k in range(steps):
         logits = step(canvas, previous).double()
         nfe += 1
-        previous = logits
-        probs = _canvas_probs(logits, job.vocab_size, job.config.temperature)
+        previous = logits  # self-conditioning reads the raw logits, as in training (docs/strategies.md §9.5)
         alpha_t, alpha_s = k / steps, (k + 1) / steps  # α = 1 − t
-        if k == steps - 1 and job.config.temperature == 0:
-            return probs.argmax(-1), nfe
-        post = uniform_posterior(probs, canvas, max(alpha_t, 1e-12), alpha_s)
-        canvas = torch.multinomial(post[0], 1, generator=job.generator).T
+        if job.config.remasking == "random":
+            logits = _posterior_logits(job, logits, canvas, alpha_t, None)
+            canvas = _ancestral_step(job, logits, canvas, alpha_t, alpha_s, last=k == steps - 1)
+        else:
+            logits = _posterior_logits(job, logits, canvas, alpha_t, ~settled)
+            canvas, settled = _confident_step(job, logits, ((k + 1) * job.block_size) // steps)
     return canvas, nfe
 
 
-def _canvas_probs(logits: Tensor, vocab_size: int, temperature: float) -> Tensor:
-    """x̂ of one step in float64: one-hot of the argmax at temperature 0, else the tempered softmax."""
-    if temperature == 0:
+def _posterior_logits(job: _CanvasDecoding, logits: Tensor, canvas: Tensor, alpha_t: float, noise: Tensor | None):
+    """log π (up to a constant per position) from the model's logits at level α_t. Positions in `noise`
+    [1, bs] are known to hold fresh noise, so their token is no evidence and π = x̂ there; elsewhere the
+    token is evidence, weighed by q(z | x) (module docstring)."""
+    evidence = own_token_log_likelihood(canvas, alpha_t, job.vocab_size)
+    with_own, without_own = (logits + evidence, logits) if job.add_own_token else (logits, logits - evidence)
+    return with_own if noise is None else torch.where(noise[..., None], without_own, with_own)
+
+
+def _ancestral_step(job: _CanvasDecoding, logits: Tensor, canvas: Tensor, alpha_t: float, alpha_s: float, last: bool):
+    """The exact reverse step: z_s ~ Σ_x π(x)·q(z_s | z_t, x) (`reverse_step`); every position may move,
+    chosen at random. At temperature 0 π is one-hot and the last step takes its argmax directly."""
+    probs = _canvas_probs(logits, job.vocab_size, job.config)
+    if last and job.config.temperature == 0:
+        return probs.argmax(-1)
+    post = reverse_step(probs, canvas, alpha_t, alpha_s)
+    return torch.multinomial(post[0], 1, generator=job.generator).T
+
+
+def _confident_step(job: _CanvasDecoding, logits: Tensor, settled: int) -> tuple[Tensor, Tensor]:
+    """Low-confidence remasking on the uniform canvas (the absorbing sampler's rule, docs/strategies.md
+    §11.2, with fresh noise in place of [MASK]): every position proposes x̃ from π (argmax at temperature
+    0, else a tempered, truncated draw); the `settled` positions whose proposal has the highest
+    posterior probability keep it, and every other position gets a fresh uniform random token, as the
+    forward process at the next level has it → (canvas, settled mask). A settled token is proposed again
+    next step and stays only while it stays among the most confident, so the sampler can revise it; the
+    last step settles all."""
+    probs = _canvas_probs(logits, job.vocab_size, job.config)
+    if job.config.temperature == 0:
+        proposal = probs.argmax(-1)
+    else:
+        proposal = torch.multinomial(probs[0], 1, generator=job.generator).T
+    keep = torch.zeros_like(proposal, dtype=torch.bool)
+    if settled >= job.block_size:
+        return proposal, ~keep
+    confidence = torch.softmax(logits, dim=-1).gather(-1, proposal[..., None])[..., 0]
+    keep[0, confidence[0].topk(settled).indices] = True
+    noise = torch.randint(0, job.vocab_size, proposal.shape, generator=job.generator, device=proposal.device)
+    return torch.where(keep, proposal, noise), keep
+
+
+def _canvas_probs(logits: Tensor, vocab_size: int, config: SamplerConfig) -> Tensor:
+    """π of one step in float64: one-hot of the argmax at temperature 0, else the tempered softmax over
+    the tokens `top_k` / `top_p` keep (docs/decoding.md §2)."""
+    if config.temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), vocab_size).double()
-    return torch.softmax(logits / temperature, dim=-1)
+    return torch.softmax(truncate(logits, config.top_k, config.top_p) / config.temperature, dim=-1)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dllm_common.checkpoint import load_weights_into, write_checkpoint
+from dllm_common.config import EvalConfig
 from strategies import (
     BlockDiffusionCrossEntropyLoss,
     BlockDiffusionStrategy,
@@ -19,11 +20,19 @@ from strategies import (
     get_dllm_strategy,
     uniform_diffusion_nelbo_terms,
 )
-from strategies.block_diffusion_strategy import CanvasExtras, batched_block_mask, supervised_runs
+from strategies.block_diffusion_strategy import CanvasExtras, OwnTokenCanvasLoss, batched_block_mask, supervised_runs
+from strategies.head import HeadProjection
 from strategies.losses import encoder_ar_loss, per_token_nll
 from strategies.models import BlockDiffusionLM, DLLMOutput, build_model, model_from_config_dir, tiny_model_config
 from strategies.sampling import SamplerConfig, SampleResult
-from strategies.uniform_sampling import block_canvas_sample, uniform_posterior
+from strategies.uniform_sampling import (
+    block_canvas_sample,
+    own_token_log_likelihood,
+    own_token_removed,
+    reverse_step,
+    uniform_posterior,
+)
+from tasks.evaluation import fixed_noise_nelbo
 
 V = 50
 
@@ -32,8 +41,12 @@ def _model(seed=0):
     return BlockDiffusionLM(build_model(tiny_model_config("llama", V, 64, 32, 2, 4, None, None, True), seed))
 
 
-def _strategy(**cfg):
-    return BlockDiffusionStrategy({"vocab_size": V, "block_size": 4, **cfg})
+def _strategy(own_token="analytic", **cfg):
+    """`own_token` is set on the instance: it is the strategy's option `own_token_evidence` where the options
+    model declares it, and the same attribute either way."""
+    s = BlockDiffusionStrategy({"vocab_size": V, "block_size": 4, **cfg})
+    s.own_token_evidence = own_token
+    return s
 
 
 # ------------------------------------------------------------------ strategy contract (docs/strategies.md §14.5)
@@ -42,19 +55,20 @@ def _strategy(**cfg):
 def test_registered_supervised_normalization_and_loss():
     s = get_dllm_strategy("block_diffusion")
     assert isinstance(s, BlockDiffusionStrategy) and s.normalization_mode == "supervised"
-    assert isinstance(s.create_loss_fn({}), BlockDiffusionCrossEntropyLoss)
+    assert s.own_token_evidence == "analytic" and isinstance(s.create_loss_fn({}), OwnTokenCanvasLoss)
+    assert isinstance(_strategy("learned").create_loss_fn(), BlockDiffusionCrossEntropyLoss)  # the reference's
     assert s.block_size == 256 and s.self_conditioning_p == 0.5 and s.encoder_loss_weight == 1.0
     assert s.setup_extra(SetupContext(None, None, None)) == 0  # mask id unused: defaults to 0
     tuned = _strategy(self_conditioning_p=0.2, encoder_loss_weight=0.3)
     assert (tuned.vocab_size, tuned.block_size) == (V, 4)
     assert (tuned.self_conditioning_p, tuned.encoder_loss_weight) == (0.2, 0.3)
     # create_loss_fn is pure: it checks the options it is given and leaves the strategy's own alone
-    assert isinstance(s.create_loss_fn({"block_size": 8}), BlockDiffusionCrossEntropyLoss) and s.block_size == 256
+    assert isinstance(s.create_loss_fn({"block_size": 8}), OwnTokenCanvasLoss) and s.block_size == 256
     with pytest.raises(ValueError, match="Extra inputs are not permitted"):
         s.create_loss_fn({"block_length": 2})
     built = assemble_strategy("block_diffusion", {"block_size": 4}, _model(), None)
     assert built.mask_token_id == 0 and built.strategy.vocab_size == V and built.strategy.block_size == 4
-    assert isinstance(built.loss_fn, BlockDiffusionCrossEntropyLoss)
+    assert isinstance(built.loss_fn, OwnTokenCanvasLoss)
 
 
 def test_corruption_needs_vocab_and_draws_in_range():
@@ -63,11 +77,18 @@ def test_corruption_needs_vocab_and_draws_in_range():
     loss[:, :24] = 1
     with pytest.raises(ValueError, match="BlockDiffusionStrategy requires dllm.vocab_size"):
         BlockDiffusionStrategy().apply_corruption(ids, loss, 999, eps=1e-3, block_size=None, half_life_ratio=None)
-    noisy, noise, p = _strategy().apply_corruption(
+    draw = lambda own: _strategy(own).apply_corruption(  # noqa: E731
         ids, loss, 999, eps=1e-3, block_size=None, half_life_ratio=None, generator=torch.Generator().manual_seed(0)
     )
+    noisy, noise, p = draw("analytic")
     assert noisy.min() >= 0 and noisy.max() < V and not (noisy == 999).any()
-    assert torch.equal(p, torch.ones(4, 32)) and not noise[:, 24:].any() and torch.equal(noisy[:, 24:], ids[:, 24:])
+    assert not noise[:, 24:].any() and torch.equal(noisy[:, 24:], ids[:, 24:])
+    # the reference's p_mask is all ones; the analytic loss gets the row's level t instead, the same t the
+    # kernel drew (the same noise either way)
+    ref_noisy, ref_noise, ref_p = draw("learned")
+    assert torch.equal(ref_p, torch.ones(4, 32)) and torch.equal(noisy, ref_noisy) and torch.equal(noise, ref_noise)
+    level = 1e-3 + (1 - 1e-3) * torch.rand(4, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(p, level[:, None].expand(4, 32))
 
 
 def test_split_prompt_response():
@@ -242,13 +263,14 @@ def test_checkpoint_round_trip_rebuilds_the_wrapper(tmp_path):
         )
 
 
-def test_forward_backward_equals_hand_loss():
+@pytest.mark.parametrize("own_token", ["analytic", "learned"])
+def test_forward_backward_equals_hand_loss(own_token):
     torch.manual_seed(0)
     model = _model()
-    s = _strategy(encoder_loss_weight=0.7)
+    s = _strategy(own_token, encoder_loss_weight=0.7)
     ids = torch.randint(0, 40, (2, 12))
     mb = Microbatch(ids, torch.ones(2, 12), torch.ones(2, 12))
-    ctx = StepContext(model=model, loss_fn=BlockDiffusionCrossEntropyLoss(), mask_token_id=0, step=2, base_seed=0)
+    ctx = StepContext(model=model, loss_fn=s.create_loss_fn(), mask_token_id=0, step=2, base_seed=0)
     corrupted, n_noise, n_sup = s.pre_step(ctx, [mb])
     n_diff, n_ar = s.loss_denominators(corrupted, n_noise, n_sup)
     c = corrupted[0]
@@ -259,10 +281,39 @@ def test_forward_backward_equals_hand_loss():
         model.eval()
         logits = model(input_ids=ids, canvas_ids=w.canvas_ids, decoder_attention_mask=w.decoder_attention_mask).logits
         encoder_logits = model.lm(input_ids=ids).logits
+    if own_token == "analytic":  # the posterior: the model's x̂ times q(z | x) at the row's own level
+        assert (w.p_mask < 1).all()
+        logits = logits.double() + own_token_log_likelihood(w.canvas_ids, 1 - w.p_mask[:, :1].double(), V)
     canvas = per_token_nll(logits, w.target_ids)[w.loss_mask].sum() / n_diff
     ar = per_token_nll(encoder_logits[:, :-1], ids[:, 1:]).sum() / n_ar
-    assert torch.allclose(out.dllm_loss, canvas, rtol=1e-5)
-    assert torch.allclose(out.total_loss.detach(), canvas + 0.7 * ar, rtol=1e-5)
+    assert torch.allclose(out.dllm_loss.double(), canvas.double(), rtol=1e-5)
+    assert torch.allclose(out.total_loss.detach().double(), canvas.double() + 0.7 * ar, rtol=1e-5)
+
+
+def test_own_token_loss_is_the_posterior_cross_entropy_even_at_the_ends():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 5, V, generator=gen, requires_grad=True)
+    target = torch.randint(0, V, (3, 5), generator=gen)
+    canvas = torch.where(torch.rand(3, 5, generator=gen) < 0.5, target, torch.randint(0, V, (3, 5), generator=gen))
+    level = torch.tensor([1e-3, 0.4, 1.0])[:, None].expand(3, 5)  # t = 1: the canvas says nothing
+    scored = torch.rand(3, 5, generator=gen) < 0.8
+    out = OwnTokenCanvasLoss()(logits, target, None, level, scored, num_diffusion_tokens=7, noisy_input_ids=canvas)
+    posterior = logits.double() + own_token_log_likelihood(canvas, 1 - level[:, :1].double().clamp_max(1 - 1e-6), V)
+    hand = per_token_nll(posterior, target)[scored].sum() / 7
+    assert torch.allclose(out.total_loss.double(), hand, rtol=1e-5)
+    out.total_loss.backward()
+    assert torch.isfinite(logits.grad).all()
+    # at t = 1 it is the plain cross-entropy; with a deferred head (chunked logits) the same value
+    plain = OwnTokenCanvasLoss()(logits[2:], target[2:], None, level[2:], scored[2:], noisy_input_ids=canvas[2:])
+    assert torch.allclose(plain.total_loss, per_token_nll(logits[2:], target[2:])[scored[2:]].mean(), rtol=1e-5)
+    hidden, weight = torch.randn(3, 5, 8, generator=gen), torch.randn(V, 8, generator=gen)
+    deferred = OwnTokenCanvasLoss()(
+        HeadProjection(hidden, weight), target, None, level, scored, noisy_input_ids=canvas
+    ).total_loss
+    dense = OwnTokenCanvasLoss()(hidden @ weight.T, target, None, level, scored, noisy_input_ids=canvas).total_loss
+    assert torch.allclose(deferred, dense, rtol=1e-5)
+    with pytest.raises(ValueError, match="needs noisy_input_ids"):
+        OwnTokenCanvasLoss()(logits, target, None, level, scored)
 
 
 # ------------------------------------------------------------------ the uniform-noise bound
@@ -323,6 +374,72 @@ def test_uniform_bound_zero_for_a_perfect_denoiser_and_positive_otherwise():
         uniform_diffusion_nelbo_terms(torch.zeros(1, 3, 6), target, noisy, alpha, 7)
 
 
+class _Fixed(torch.nn.Module):
+    """A denoiser whose logits depend on the canvas alone: zero (x̂ uniform) unless `fn(canvas)` is given."""
+
+    def __init__(self, fn=None):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, input_ids, canvas_ids, **_):
+        return DLLMOutput(logits=torch.zeros(*canvas_ids.shape, V) if self.fn is None else self.fn(canvas_ids))
+
+
+def _know_nothing_integrand(alpha):
+    """E_z of the integrand for x̂ uniform, by hand: x̄_θ ≡ 1, and with x̄_x = 1 + (V − 1)·α the linear terms
+    cancel in expectation, leaving ((V − 1)/V)·log((1 + (V − 1)·α)/(1 − α)). Its integral over α ∈ (0, 1) is
+    ((V − 1)/V)·(V·ln V/(V − 1) − 1 + 1) = ln V."""
+    return (V - 1) / V * torch.log((1 + (V - 1) * alpha) / (1 - alpha))
+
+
+def test_know_nothing_denoiser_bound_is_ln_v():
+    x = 7
+    alpha = torch.tensor([0.05, 0.5, 0.93], dtype=torch.float64)
+    z = torch.arange(V)
+    q = alpha[:, None] * (z == x) + (1 - alpha[:, None]) / V  # q(z | x) [3, V]
+    target = torch.full((3, V), x)
+    canvas = z[None].expand(3, V)
+    exact = lambda logits: (q * uniform_diffusion_nelbo_terms(logits, target, canvas, alpha, V)).sum(-1)  # noqa: E731
+    # analytic own-token evidence: knowing nothing is x̂ uniform, i.e. zero logits
+    assert torch.allclose(exact(torch.zeros(3, V, V)), _know_nothing_integrand(alpha), rtol=1e-10)
+    # learned (the reference's output is the posterior): knowing nothing is π(x) ∝ q(z | x); dividing q
+    # out again gives x̂ uniform, the same value. The posterior plugged in as if it were x̂ scores far worse.
+    posterior = own_token_log_likelihood(canvas, alpha[:, None], V)
+    assert torch.allclose(exact(own_token_removed(posterior, canvas, alpha[:, None], V)), exact(torch.zeros(3, V, V)))
+    assert (exact(posterior) > 1.05 * _know_nothing_integrand(alpha)).all()
+    m = 400_000
+    a = (torch.arange(m, dtype=torch.float64) + 0.5) / m
+    assert abs(float(_know_nothing_integrand(a).mean()) - math.log(V)) < 1e-4
+    # the evaluation's estimator over a zero-logit model: ln V within its standard error
+    s = _strategy()
+    ids = torch.randint(0, V, (512, 8), generator=torch.Generator().manual_seed(0))
+    nelbo, se, n = fixed_noise_nelbo(s, _Fixed(), (ids, torch.ones(512, 8)), 0, EvalConfig(t_samples=8, batch_size=512))
+    assert n == 512 * 8 and se < 0.15 and abs(nelbo - math.log(V)) < 3 * se
+
+
+def test_briefly_trained_model_bound_is_well_below_ln_v():
+    """Rows are runs (a, a + 1, …) mod 40: a few steps of training must beat knowing nothing (ln V) by a clear
+    margin under the evaluation's own estimator. (The reference's flat posterior loss, scored with the
+    posterior plugged in as x̂, stays above ln V on this data.)"""
+    torch.manual_seed(0)
+    model, s = _model(), _strategy()
+    ctx_of = lambda step: StepContext(model=model, loss_fn=s.create_loss_fn(), mask_token_id=0, step=step, base_seed=0)  # noqa: E731
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    runs = lambda n: (torch.randint(0, 40, (n, 1), generator=gen) + torch.arange(12)) % 40  # noqa: E731
+    for step in range(30):
+        ids = runs(16)
+        ctx = ctx_of(step)
+        corrupted, n_noise, n_sup = s.pre_step(ctx, [Microbatch(ids, torch.ones(16, 12), torch.ones(16, 12))])
+        n_diff, n_ar = s.loss_denominators(corrupted, n_noise, n_sup)
+        s.forward_backward(ctx, corrupted[0], num_diffusion_tokens=n_diff, num_ar_tokens=n_ar, is_train=True)
+        opt.step()
+        opt.zero_grad()
+    ids = runs(64)
+    nelbo, se, _ = fixed_noise_nelbo(s, model, (ids, torch.ones(64, 12)), 0, EvalConfig(t_samples=8, batch_size=64))
+    assert nelbo < math.log(V) - 0.5 and nelbo + 3 * se < math.log(V), (nelbo, se)
+
+
 def test_nelbo_rows_scores_every_block_and_is_finite():
     s = _strategy()
     model = _model().eval()
@@ -346,6 +463,22 @@ def test_uniform_posterior_is_a_distribution_and_exact_at_the_end():
     assert torch.equal(
         uniform_posterior(onehot, torch.tensor([[0, 4, 6]]), 0.5, 1.0).argmax(-1), torch.tensor([[4, 4, 4]])
     )
+
+
+def test_reverse_step_is_the_posterior_mixture_of_exact_kernels():
+    """Σ_x π(x)·q(z_s | z_t, x), each kernel written out by Bayes' rule, against `reverse_step`; the plug-in
+    `uniform_posterior(π)` (the evidence of z_t counted twice) keeps z_t more often than the exact kernel."""
+    vocab, a_t, a_s = 6, 0.55, 0.8
+    pi = torch.softmax(torch.randn(vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(1)), -1)
+    z_t = torch.tensor([2])
+    onehot = torch.eye(vocab, dtype=torch.float64)
+    exact = sum(pi[x] * uniform_posterior(onehot[x][None], z_t, a_t, a_s)[0] for x in range(vocab))
+    assert torch.allclose(reverse_step(pi[None], z_t, a_t, a_s)[0], exact, atol=1e-12)
+    assert uniform_posterior(pi[None], z_t, a_t, a_s)[0, 2] > exact[2] + 0.05
+    # at the first step (α_t = 0) there is no evidence to remove; a one-hot π is left as it is
+    assert torch.allclose(reverse_step(pi[None], z_t, 0.0, a_s), uniform_posterior(pi[None], z_t, 1e-12, a_s))
+    sure = onehot[4][None]
+    assert torch.allclose(reverse_step(sure, z_t, a_t, a_s), uniform_posterior(sure, z_t, a_t, a_s))
 
 
 class _Confident(torch.nn.Module):
@@ -389,3 +522,70 @@ def test_canvas_sampler_stops_after_an_eos_block():
     assert res.nfe == 4 and res.generated(0).tolist()[:4] == [11, 12, 13, 14]
     assert res.generated(0).tolist()[4:] == [12] * 8  # EOS fill after the stop
     assert math.isclose(len(res.generated(0)), 12)
+
+
+class _Peaked(torch.nn.Module):
+    """A denoiser that gives token (position % 7) + 10 probability ≈ 0.95 and spreads the rest evenly."""
+
+    def forward(self, input_ids, canvas_ids, decoder_attention_mask, decoder_position_ids=None, **_):
+        top = (decoder_position_ids % 7 + 10)[..., None]
+        return DLLMOutput(logits=torch.zeros(*canvas_ids.shape, V).scatter(-1, top, math.log(0.95 * 49 / 0.05)))
+
+
+@pytest.mark.parametrize("own_token", ["analytic", "learned"])
+def test_canvas_sampler_honours_top_p(own_token):
+    """At temperature 1 the peaked denoiser leaves ≈ 5 % of x̂ to other tokens; with analytic own-token
+    evidence the posterior also lifts a stray canvas token, to at most ≈ 16 % of the top token's mass at
+    these levels. Top-p 0.8 keeps the top token alone, so the sample is exactly that token everywhere;
+    with top-p 1 it is not."""
+    expected = [(1 + j) % 7 + 10 for j in range(24)]
+
+    def draw(top_p):
+        cfg = SamplerConfig(steps=12, max_new_tokens=24, block_size=8, temperature=1.0, top_p=top_p)
+        res = block_canvas_sample(
+            _Peaked(),
+            [[1]],
+            vocab_size=V,
+            block_size=8,
+            pad_token_id=0,
+            config=cfg,
+            generator=torch.Generator().manual_seed(0),
+            own_token_evidence=own_token,
+        )
+        return res.generated(0).tolist()
+
+    assert draw(0.8) == expected and draw(1.0) != expected
+
+
+class _Unsure(torch.nn.Module):
+    """x̂ puts 0.2 on token (position % 7) + 10 and spreads 0.8 over the other 49 tokens (analytic logits)."""
+
+    def forward(self, input_ids, canvas_ids, decoder_attention_mask, decoder_position_ids=None, **_):
+        top = (decoder_position_ids % 7 + 10)[..., None]
+        return DLLMOutput(logits=torch.zeros(*canvas_ids.shape, V).scatter(-1, top, math.log(0.2 * 49 / 0.8)))
+
+
+def test_low_confidence_canvas_never_settles_its_own_noise():
+    """Late in a block a canvas token is clean with probability α_t, so the posterior of an unsure denoiser
+    keeps whatever token it sees: the exact ancestral sampler at temperature 0 leaves the starting noise in
+    place. The low-confidence sampler knows which positions hold fresh noise, reads x̂ there and settles
+    the denoiser's own choice at every position."""
+    expected = [(1 + j) % 7 + 10 for j in range(16)]
+
+    def greedy(remasking):
+        cfg = SamplerConfig(steps=16, max_new_tokens=16, block_size=8, temperature=0.0, remasking=remasking)
+        res = block_canvas_sample(
+            _Unsure(),
+            [[1]],
+            vocab_size=V,
+            block_size=8,
+            pad_token_id=0,
+            config=cfg,
+            generator=torch.Generator().manual_seed(0),
+        )
+        return res.generated(0).tolist()
+
+    assert greedy("low_confidence") == expected
+    assert sum(a != b for a, b in zip(greedy("random"), expected)) >= 4
+    with pytest.raises(NotImplementedError, match="unknown remasking"):
+        greedy("top_k_margin")
