@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -115,14 +118,95 @@ def full_attention_mask(input_ids: Tensor) -> Tensor:
     return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device).expand(batch, 1, length, length)
 
 
-def model_logits(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
-    """Denoiser forward: logits [B, L, V] with every position attending every position."""
+def model_logits(model: nn.Module, inputs: dict[str, Tensor], time: Tensor | float | None = None) -> Tensor:
+    """Denoiser forward: logits [B, L, V] with every position attending every position. `time`: the noise
+    level of each row ([B] or a scalar), read by a time-conditioned backbone (`add_time_conditioning`) and
+    ignored by any other."""
     kwargs = dict(inputs)
     config = getattr(model, "module", model).config  # DDP/FSDP wrappers hold the HF model as `.module`
     if getattr(config, "dllm_attention", BIDIRECTIONAL_MASK) == BIDIRECTIONAL_MASK:
         kwargs["attention_mask"] = full_attention_mask(kwargs["input_ids"])
-    out = model(**kwargs, use_cache=False)
+    with time_input(model, time):
+        out = model(**kwargs, use_cache=False)
     return out.logits if hasattr(out, "logits") else out
+
+
+# ------------------------------------------------------------------ time conditioning (docs/strategies.md §8.2)
+
+TIME_CONDITIONING = "dllm_time_conditioning"  # config flag: the backbone carries a `TimeEmbedding`
+TIME_MODULE = "dllm_time_embedding"  # its attribute on the causal LM (state-dict prefix)
+
+
+class TimeEmbedding(nn.Module):
+    """The noise level t ∈ [0, 1] of each row → one vector added to every token embedding of the row.
+
+    Sinusoidal features of 1000·t (the transformer's position code applied to the time, as DDPM and
+    DiT do) go through Linear → SiLU → Linear. The last layer starts at zero, so a freshly added
+    embedding leaves the backbone's output unchanged. It works through a forward hook on the input
+    embedding: `time_input(model, t)` sets the rows' times for the duration of one forward; with no time
+    set the hook adds nothing."""
+
+    def __init__(self, hidden_size: int, features: int = 128, scale: float = 1000.0):
+        super().__init__()
+        half = features // 2
+        freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=torch.float32) / half)
+        self.register_buffer("freqs", freqs, persistent=False)
+        self.scale = scale
+        self.mlp = nn.Sequential(nn.Linear(2 * half, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+        nn.init.zeros_(self.mlp[2].weight)
+        nn.init.zeros_(self.mlp[2].bias)
+        self.current: Tensor | None = None  # the rows' times during a forward (never saved)
+
+    def forward(self, t: Tensor) -> Tensor:
+        """[B] times → [B, hidden]."""
+        angles = (self.scale * t.float())[:, None] * self.freqs[None, :]
+        weight = self.mlp[0].weight
+        return self.mlp(torch.cat([angles.cos(), angles.sin()], dim=-1).to(weight.dtype))
+
+    def add_to_embeddings(self, module: nn.Module, args, output: Tensor) -> Tensor:
+        if self.current is None:
+            return output
+        t = self.current.to(output.device).reshape(-1)
+        if t.numel() == 1:
+            t = t.expand(output.shape[0])
+        return output + self(t).to(output.dtype)[:, None, :]
+
+
+def time_embedding(model: nn.Module) -> TimeEmbedding | None:
+    """The backbone's `TimeEmbedding`, or None for a backbone that reads no time."""
+    return getattr(backbone_lm(getattr(model, "module", model)), TIME_MODULE, None)
+
+
+def add_time_conditioning(model: nn.Module, seed: int = 0) -> TimeEmbedding:
+    """Give the causal LM inside `model` a `TimeEmbedding` in place (idempotent), recorded on its config so a
+    checkpoint rebuilds it (`model_from_config_dir`). Initialized from its own seed: the global RNG is untouched."""
+    existing = time_embedding(model)
+    if existing is not None:
+        return existing
+    lm = backbone_lm(getattr(model, "module", model))
+    embed = lm.get_input_embeddings()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = TimeEmbedding(lm.config.hidden_size)
+    module.to(device=embed.weight.device, dtype=embed.weight.dtype)
+    setattr(lm, TIME_MODULE, module)
+    embed.register_forward_hook(module.add_to_embeddings)
+    setattr(lm.config, TIME_CONDITIONING, True)
+    return module
+
+
+@contextmanager
+def time_input(model: nn.Module, time: Tensor | float | None) -> Iterator[None]:
+    """Inside this block a time-conditioned backbone reads `time` ([B] or a scalar); otherwise a no-op."""
+    module = time_embedding(model) if time is not None else None
+    if module is None:
+        yield
+        return
+    module.current = torch.as_tensor(time, dtype=torch.float32)
+    try:
+        yield
+    finally:
+        module.current = None
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -301,6 +385,8 @@ def model_from_config_dir(path, trust_remote_code: bool = False) -> nn.Module:
     lm = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     if getattr(config, "dllm_lora", None):
         add_lora(lm, **config.dllm_lora)
+    if getattr(config, TIME_CONDITIONING, False):  # added after the adapters, as in training
+        add_time_conditioning(lm)
     return wrap_for_architecture(lm, getattr(config, "dllm_architecture", None))
 
 

@@ -20,7 +20,12 @@ from strategies.sampling import (
     SampleResult,
     prompt_canvas,
     row_windows,
+    truncate,
 )
+from strategies.scdd import PARAMETRIZATIONS, own_token_shift
+
+NOISE_REMOVAL = ("posterior", "argmax")
+TEMPERING = ("draws", "weights")
 
 
 @torch.no_grad()
@@ -37,16 +42,46 @@ def scdd_ancestral_sample(
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
     on_block: Progress | None = None,
+    time_input: bool = False,
+    noise_removal: str = "posterior",
+    tempering: str = "draws",
+    parametrization: str = "context",
 ) -> SampleResult:
     """SCDD ancestral posterior sampler (docs/strategies.md §11.5) over the generation window of each row.
 
-    Times 1 = t_0 > … > t_steps = eps. At (t, s): C = clean_t/clean_s, Υ = γ_t/γ_s − C, Ā = 1 − γ_t/γ_s.
-    Visible c: w(v) = (clean_s·Υ/K)·p(v) + uniform_s·Υ/K², plus clean_s·C·p(c) + C·uniform_s/K at v = c,
-    w([M]) = 0, over uniform_t/K + clean_t·p(c). Masked: ρ = Ā/absorbed_t, w(v) = ρ·(uniform_s/K + clean_s·p(v)),
-    w([M]) = absorbed_s/absorbed_t. One multinomial draw per position; prompt positions never move.
-    Then one noise-removal forward: argmax (mask excluded) at every window position. NFE = steps + 1.
+    Times 1 = t_0 > … > t_steps = eps. At (t, s): C = clean_t/clean_s, Υ = γ_t/γ_s − C, Ā = 1 − γ_t/γ_s, and
+    with p = p_θ(· | canvas) ([MASK] excluded) the exact posterior of one position is
+      visible c:  w(v) = (clean_s·Υ/K)·p(v) + uniform_s·Υ/K², plus clean_s·C·p(c) + C·uniform_s/K at v = c,
+                  w([M]) = 0, over uniform_t/K + clean_t·p(c);
+      masked:     w(v) = (Ā/absorbed_t)·(uniform_s/K + clean_s·p(v)),  w([M]) = absorbed_s/absorbed_t.
+    `tempering="draws"` (default) draws each position in two parts: whether it moves (a [MASK] is revealed,
+    a visible token is revised) with the probability the exact posterior gives under the model's own p, then
+    where to, ∝ clean_s·q(v) + uniform_s/K over the tokens it may move to, q being p at the sampler's
+    temperature, top-k and top-p (at temperature 0: the argmax of p, no uniform draw). At temperature 1 with
+    no truncation this is the exact posterior. `tempering="weights"` puts the tempered p into the weights
+    themselves, as the reference does: at temperature 0 p is one-hot, p(c) = 0 for every visible c that is
+    not the argmax, and the posterior then revises such tokens to the argmax (the canvas collapses onto it).
+
+    Then one noise-removal forward at t = eps: `"posterior"` (default) takes at every window position the most
+    probable clean token given the canvas, argmax_v p(v)·q(z = c | x = v) — the argmax of p at a [MASK], and at
+    a visible c the weight clean_t + uniform_t/K for v = c against uniform_t/K for any other v, so a
+    visible token is replaced only where the model all but rules it out. `"argmax"` (the reference) takes the
+    argmax of p everywhere, which discards the visible tokens: p at a visible position is the model's guess
+    from the other positions alone (the token's own evidence enters only through q(z_t | x)), so the pass
+    overwrites the canvas with context guesses. NFE = steps + 1; prompt positions never move.
+    `time_input`: `denoise` also takes each row's time, `denoise(x, attn, t [B])` (a time-conditioned backbone).
+    `parametrization` (as `SCDDLoss`'s): "posterior" reads the denoiser's softmax at a visible token c as
+    p_θ(x | canvas) and turns it into the p above by lowering c's logit by `own_token_shift(t)`.
+    `revised` of the result: generated tokens per sequence changed after first being placed (positions, each
+    counted once however often it changed).
     `schedule(t)` → an object with clean_mass, uniform_mass, absorbed_mass, gamma (as `scdd_schedule`).
     """
+    if noise_removal not in NOISE_REMOVAL:
+        raise ValueError(f"noise_removal={noise_removal!r}: use one of {NOISE_REMOVAL}")
+    if tempering not in TEMPERING:
+        raise ValueError(f"tempering={tempering!r}: use one of {TEMPERING}")
+    if parametrization not in PARAMETRIZATIONS:
+        raise ValueError(f"parametrization={parametrization!r}: use one of {PARAMETRIZATIONS}")
     k = vocab_size - 1
     x, attn, starts, width = prompt_canvas(
         prompts, config.max_new_tokens, mask_token_id, pad_token_id, config.eos_token_id, device
@@ -54,16 +89,43 @@ def scdd_ancestral_sample(
     window = row_windows(x, starts, 0, config.max_new_tokens)
     job = Denoising(denoise, mask_token_id, config, generator)
     times = torch.linspace(1.0, eps, config.steps + 1, dtype=torch.float64)
+    revised = torch.zeros_like(window)
+
+    def logits_at(t: Tensor) -> Tensor:
+        if time_input:
+            rows = torch.full((x.shape[0],), float(t), dtype=torch.float32, device=x.device)
+            logits = _masked_logits(job.denoise(x, attn, rows), mask_token_id)
+        else:
+            logits = _masked_logits(job.denoise(x, attn), mask_token_id)
+        if parametrization == "posterior":  # the plug-in p: the visible token's own evidence divided out
+            at_t = schedule(t.reshape(1))
+            shift = float(own_token_shift(torch.as_tensor(at_t.clean_mass), torch.as_tensor(at_t.uniform_mass), k))
+            down = torch.where(x == mask_token_id, 0.0, shift).to(logits.dtype)
+            logits = logits.scatter_add(-1, x[..., None], -down[..., None])
+        return logits
+
     for i in range(config.steps):
         step = _AncestralStep.between(schedule(times[i : i + 1]), schedule(times[i + 1 : i + 2]))
-        p = _scdd_log_probs(job, x, attn).double().exp()  # [B,T,V]; zero on [MASK]
-        weights = _ancestral_weights(p, x, step, k, mask_token_id)
-        x = torch.where(window, _draw_positions(weights, x, generator), x)
-    final = _scdd_log_probs(job, x, attn).argmax(-1)  # noise removal: clears leftover masks, corrects visible tokens
-    x = torch.where(window, final, x)
+        logits = logits_at(times[i])
+        if tempering == "draws":
+            new = _tempered_draw(logits, x, step, k, job)
+        else:
+            p = _tempered_log_probs(logits, config.temperature).double().exp()
+            new = _draw_positions(_ancestral_weights(p, x, step, k, mask_token_id), x, generator)
+        x, revised = _commit(x, new, window, revised, mask_token_id)
+    final = _noise_removal(logits_at(times[-1]), x, schedule(times[-1:]), k, mask_token_id, noise_removal)
+    x, revised = _commit(x, final, window, revised, mask_token_id)
     if on_block is not None:
         on_block(x)
-    return SampleResult(x, starts, width, config.steps + 1)
+    per_row = revised.sum(dim=1).double().mean().item() if len(prompts) else 0.0
+    return SampleResult(x, starts, width, config.steps + 1, revised=per_row)
+
+
+def _commit(x: Tensor, new: Tensor, window: Tensor, revised: Tensor, mask_token_id: int) -> tuple[Tensor, Tensor]:
+    """The canvas with `new` inside the window, and the positions revised so far: a visible token replaced
+    by another ([MASK] is never re-entered, so any change at a visible position is a revision)."""
+    changed = window & (new != x)
+    return torch.where(window, new, x), revised | (changed & (x != mask_token_id))
 
 
 @dataclass(frozen=True)
@@ -91,14 +153,55 @@ class _AncestralStep:
         return cls(clean_t, clean_s, unif_t, unif_s, abs_t, abs_s, c, ups, a_bar)
 
 
-def _scdd_log_probs(job: Denoising, canvas: Tensor, attn: Tensor) -> Tensor:
-    """log p_θ(v) [B,T,V] with [MASK] excluded: a one-hot of the argmax at temperature 0."""
-    logits = job.denoise(canvas, attn).float().clone()
-    logits[..., job.mask_token_id] = -math.inf
-    if job.config.temperature == 0:
+def _masked_logits(logits: Tensor, mask_token_id: int) -> Tensor:
+    """float32 logits with the [MASK] column at −∞ (p_θ lives on the K non-mask tokens)."""
+    logits = logits.float().clone()
+    logits[..., mask_token_id] = -math.inf
+    return logits
+
+
+def _tempered_log_probs(logits: Tensor, temperature: float) -> Tensor:
+    """log p at a temperature: a one-hot of the argmax at temperature 0 (the reference's tempering)."""
+    if temperature == 0:
         hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).bool()
         return torch.where(hot, 0.0, -math.inf)
-    return torch.log_softmax(logits / job.config.temperature, dim=-1)
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def _tempered_draw(logits: Tensor, x: Tensor, step: _AncestralStep, k: int, job: Denoising) -> Tensor:
+    """One ancestral step with `tempering="draws"` (see `scdd_ancestral_sample`): whether each position moves,
+    from the exact posterior under the model's own p; where to, from the tempered, truncated p."""
+    config, mask_id, generator = job.config, job.mask_token_id, job.generator
+    p = torch.softmax(logits.double(), dim=-1)
+    is_mask = x == mask_id
+    p_cur = p.gather(-1, x[..., None])[..., 0]  # 0 at a [MASK]
+    revise = (step.ups / k) * (step.clean_s * (1 - p_cur) + step.unif_s * (k - 1) / k)
+    revise = revise / (step.unif_t / k + step.clean_t * p_cur).clamp_min(1e-300)
+    reveal = 1 - step.abs_s / max(step.abs_t, 1e-300)
+    moves = torch.where(is_mask, torch.full_like(revise, reveal), revise).clamp(0, 1)
+    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float64)
+    # where to: never [MASK], never the token already there
+    allowed = logits.scatter(-1, x[..., None], -math.inf)  # at a [MASK] this is the [MASK] column, already −∞
+    if config.temperature == 0:
+        dest = allowed.argmax(-1)
+    else:
+        q = torch.softmax(truncate(allowed, config.top_k, config.top_p).double() / config.temperature, dim=-1)
+        weights = step.clean_s * q + (step.unif_s / k) * torch.isfinite(allowed)
+        dest = torch.multinomial(weights.reshape(-1, weights.shape[-1]), 1, generator=generator).view_as(x)
+    return torch.where(u < moves, dest, x)
+
+
+def _noise_removal(logits: Tensor, x: Tensor, at_t, k: int, mask_token_id: int, rule: str) -> Tensor:
+    """The final pass's token at every position (see `scdd_ancestral_sample`)."""
+    if rule == "argmax":
+        return logits.argmax(-1)
+    log_p = torch.log_softmax(logits.double(), dim=-1)
+    clean, unif = float(at_t.clean_mass), float(at_t.uniform_mass)
+    other = math.log(max(unif / k, 1e-300))  # q(z = c | x = v) for v ≠ c
+    own = math.log(max(clean + unif / k, 1e-300))  # q(z = c | x = c)
+    visible = (x != mask_token_id)[..., None].double()  # a [MASK] carries no evidence: plain argmax of p
+    score = (log_p + other * visible).scatter_add(-1, x[..., None], (own - other) * visible)
+    return score.argmax(-1)
 
 
 def _ancestral_weights(p: Tensor, x: Tensor, step: _AncestralStep, k: int, mask_token_id: int) -> Tensor:

@@ -2,7 +2,8 @@
 
 Corruption mixes the absorbing [MASK] channel with a uniform "different token" channel at a grid
 time t (the p_mask slot carries t); the loss is SCDD's discrete-time NELBO. The model sees noisy
-ids with no attention mask, exactly like MDLM.
+ids with no attention mask, exactly like MDLM; with `time_conditioning` the backbone also reads t
+(`strategies.models.add_time_conditioning`) in training, in the bound and in the sampler.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from strategies.base import MDLMStrategy, SetupContext
+from strategies.base import CorruptedBatch, MDLMStrategy, SetupContext, StepContext
 from strategies.corruption import corrupt_mix, scdd_grid_times
-from strategies.models import model_logits
+from strategies.models import add_time_conditioning, model_logits, time_embedding, time_input
 from strategies.options import SCDDOptions, StrategyOptions
 from strategies.scdd import SCDDLoss, scdd_schedule
 from strategies.scdd_sampling import scdd_ancestral_sample
@@ -27,6 +28,10 @@ class SCDDStrategy(MDLMStrategy):
     def __init__(self, options: SCDDOptions | dict | None = None) -> None:
         super().__init__(options)
         self.vocab_size: int | None = self.options.vocab_size
+        # the sampler's final pass and where its temperature acts (docs/strategies.md §11.5); the reference's
+        # behaviour is noise_removal="argmax", tempering="weights"
+        self.noise_removal: str = getattr(self.options, "noise_removal", "posterior")
+        self.tempering: str = getattr(self.options, "tempering", "draws")
         # the loss also scores evaluation rows (`nelbo_rows`); an unresolved mask id is 0 until assembled
         self.loss_fn: SCDDLoss | None = self.create_loss_fn(self.options) if self.vocab_size is not None else None
 
@@ -45,6 +50,7 @@ class SCDDStrategy(MDLMStrategy):
             gamma_shape=options.schedule_shape,
             t_peak=options.schedule_peak,
             chunk_size=options.chunk_size,
+            parametrization=getattr(options, "parametrization", "context"),
         )
 
     def setup_extra(self, setup: SetupContext) -> int | None:
@@ -57,6 +63,8 @@ class SCDDStrategy(MDLMStrategy):
                 raise ValueError(f"dllm.mask_token_id={mask} is outside the model vocab (size {vocab}).")
             if self.vocab_size != vocab:
                 raise ValueError(f"dllm.vocab_size={self.vocab_size} does not match the model vocab ({vocab}).")
+        if self.options.time_conditioning:  # in place, before the optimizer sees the parameters
+            add_time_conditioning(setup.model)
         return int(mask)
 
     def _channel_probs(self, t: Tensor) -> tuple[Tensor, Tensor]:
@@ -84,6 +92,15 @@ class SCDDStrategy(MDLMStrategy):
         )
         return noisy, noise, t[:, None].expand(batch, length).to(torch.float32).contiguous()
 
+    def forward_backward(
+        self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int, num_ar_tokens: int, is_train: bool
+    ):
+        """The default step; a time-conditioned backbone reads each row's t (the p_mask slot)."""
+        with time_input(ctx.model, batch.p_mask[:, 0]):
+            return super().forward_backward(
+                ctx, batch, num_diffusion_tokens=num_diffusion_tokens, num_ar_tokens=num_ar_tokens, is_train=is_train
+            )
+
     def nelbo_rows(
         self,
         model: nn.Module,
@@ -106,7 +123,7 @@ class SCDDStrategy(MDLMStrategy):
             uniform_prob=uniform_prob,
             generator=generator,
         )
-        logits = model_logits(model, {"input_ids": noisy})
+        logits = model_logits(model, {"input_ids": noisy}, time=t)
         p = t[:, None].expand_as(clean_ids)
         return torch.stack(
             [
@@ -142,8 +159,10 @@ class SCDDStrategy(MDLMStrategy):
         """Ancestral posterior sampling with the training schedule, then the noise-removal pass (§11.5)."""
         if self.loss_fn is None:
             raise ValueError("SCDDStrategy needs dllm.vocab_size before sampling (the sampler uses its schedule)")
+        timed = time_embedding(model) is not None
+        denoise = (lambda x, attn, t: model_logits(model, {"input_ids": x}, time=t)) if timed else self.denoiser(model)
         return scdd_ancestral_sample(
-            self.denoiser(model),
+            denoise,
             prompts,
             mask_token_id=mask_token_id,
             pad_token_id=pad_token_id,
@@ -153,4 +172,24 @@ class SCDDStrategy(MDLMStrategy):
             generator=generator,
             device=device,
             on_block=on_block,
+            time_input=timed,
+            noise_removal=self.noise_removal,
+            tempering=self.tempering,
+            parametrization=self.loss_fn.parametrization,
+            eps=self.options.eps,
         )
+
+    def denoiser(self, model: nn.Module):
+        """The bidirectional denoiser (the absorbing sampler's, `--sampler llada`). A time-conditioned backbone
+        reads each row's share of [MASK] among its attended positions as t (absorbed(t) ≈ t for the default
+        schedule), and decodes uncached: the K/V caches run the backbone without the time input."""
+        if time_embedding(model) is None:
+            return super().denoiser(model)
+
+        def denoise(x: Tensor, attn: Tensor | None) -> Tensor:
+            seen = torch.ones_like(x, dtype=torch.bool) if attn is None else attn.bool()
+            masked = ((x == self.options.mask_token_id) & seen).sum(1)
+            t = (masked.float() / seen.sum(1).clamp_min(1).float()).clamp(0, 1)
+            return model_logits(model, {"input_ids": x}, time=t)
+
+        return denoise

@@ -250,6 +250,112 @@ def test_scdd_temperature_zero_never_proposes_mask():
     assert res.generated(0).tolist() == [3] * 5
 
 
+def _scdd(denoise, prompts, steps=16, n=6, temperature=1.0, ratio=0.1, seed=0, **kw):
+    return scdd_ancestral_sample(
+        denoise,
+        prompts,
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        vocab_size=V,
+        schedule=schedule(ratio),
+        config=SamplerConfig(steps=steps, max_new_tokens=n, temperature=temperature),
+        generator=torch.Generator().manual_seed(seed),
+        **kw,
+    )
+
+
+def context_guesser(target_fn, guess=3, own=0.35, wrong=1e-6):
+    """What a trained SCDD denoiser outputs: at a [MASK] its confident prediction; at a visible token a guess
+    from the other positions alone (docs/strategies.md §11.5), here `guess` with probability 0.6, the visible
+    token itself `own` where it is the right one and `wrong` where it is not, the rest spread evenly."""
+
+    def denoise(x, attn=None):
+        logits = torch.full((*x.shape, V), -20.0)
+        for p in range(x.shape[1]):
+            logits[:, p, target_fn(p)] = 20.0
+        right = torch.tensor([target_fn(p) for p in range(x.shape[1])]) == x
+        mass = torch.where(right, own, wrong)[..., None]
+        visible = ((1 - 0.6 - mass) / (V - 3)).expand(*x.shape, V).clone()
+        visible.scatter_(-1, x[..., None], mass)
+        visible[..., guess] = 0.6
+        return torch.where((x == MASK)[..., None], logits, visible.log())
+
+    return denoise
+
+
+def test_scdd_keeps_a_confident_diverse_canvas():
+    """Tokens placed from confident predictions survive: the final pass weighs each visible token's own
+    evidence (clean_t + uniform_t/K against uniform_t/K) instead of overwriting it with the context guess,
+    and at temperature 0 the revision probability comes from the model's p, not from a one-hot of it.
+    The reference's final argmax and its one-hot tempering collapse the canvas onto the guess."""
+    target = lambda p: 4 + p % 9  # noqa: E731
+    want = [4 + (1 + k) % 9 for k in range(8)]
+    for temperature, ratio in ((0.0, 0.1), (1.0, 0.0)):
+        res = _scdd(context_guesser(target), [[1]], steps=24, n=8, temperature=temperature, ratio=ratio)
+        assert res.generated(0).tolist() == want and res.revised == 0
+    # at temperature 1 the uniform channel also places random tokens; the model rules them out and they are revised
+    noisy = _scdd(context_guesser(target), [[1]], steps=24, n=8, seed=2)
+    assert all(tok in (w, 3) for tok, w in zip(noisy.generated(0).tolist(), want)) and noisy.revised >= 1
+    assert _scdd(context_guesser(target), [[1]], steps=24, n=8, noise_removal="argmax").generated(0).tolist() == [3] * 8
+    greedy = _scdd(context_guesser(target), [[1]], steps=24, n=8, temperature=0.0, tempering="weights")
+    assert (greedy.generated(0) == 3).sum() >= 6 and greedy.revised >= 6
+
+
+def test_scdd_revised_counts_the_positions_changed_after_placement():
+    """Hand-built: the denoiser is sure of 5 during the ancestral steps and of 7 in the final pass; with
+    uniform_ratio 0 nothing moves but [MASK]s until the reference's final argmax rewrites every placed 5.
+    So each row's revised count is the number of its positions that held a token before the final pass."""
+    steps, seen = 6, []
+
+    def switching(x, attn):
+        seen.append(x.clone())
+        return confident(lambda p: 5 if len(seen) <= steps else 7)(x)
+
+    # eps 0.4: the ancestral steps stop with about 40 % still masked
+    res = _scdd(switching, [[1, 2], [3]], steps=steps, n=5, ratio=0.0, seed=1, noise_removal="argmax", eps=0.4)
+    before_final = seen[-1]
+    placed = [int((before_final[i, len(p) : len(p) + 5] != MASK).sum()) for i, p in enumerate([[1, 2], [3]])]
+    assert res.revised == sum(placed) / 2 and 0 < sum(placed) < 10  # some still masked: filled, not revised
+    assert [res.generated(i).tolist() for i in range(2)] == [[7] * 5] * 2
+    seen.clear()
+    kept = _scdd(switching, [[1]], steps=steps, n=5, ratio=0.0, eps=0.4)  # the posterior pass keeps the 5s
+    assert kept.revised == 0 and 5 in kept.generated(0).tolist()
+
+
+def test_scdd_draws_at_temperature_one_are_the_exact_posterior():
+    """The two-part draw (move or not from the posterior, then where to) has the exact posterior of
+    `_ancestral_weights` as its distribution, at a [MASK] and at a visible token."""
+    from strategies.sampling import Denoising
+    from strategies.scdd_sampling import _ancestral_weights, _AncestralStep, _tempered_draw
+
+    n = 40_000
+    step = _AncestralStep.between(schedule(0.3)(torch.tensor([0.6])), schedule(0.3)(torch.tensor([0.45])))
+    logits = torch.randn(1, 2, V, generator=torch.Generator().manual_seed(0)).repeat(n, 1, 1)
+    logits[..., MASK] = -float("inf")
+    x = torch.tensor([[MASK, 6]]).repeat(n, 1)
+    job = Denoising(None, MASK, SamplerConfig(temperature=1.0), torch.Generator().manual_seed(1))
+    drawn = _tempered_draw(logits, x, step, V - 1, job)
+    exact = _ancestral_weights(torch.softmax(logits[:1].double(), -1), x[:1], step, V - 1, MASK)[0]
+    exact = exact / exact.sum(-1, keepdim=True)
+    for pos in range(2):
+        freq = torch.bincount(drawn[:, pos], minlength=V).double() / n
+        assert (freq - exact[pos]).abs().max() < 0.012, (pos, freq, exact[pos])
+    assert exact[1, 6] < 0.999 and exact[0, MASK] > 0.5  # both rules actually move something
+
+
+def test_scdd_time_input_reads_each_step_time():
+    times = []
+
+    def timed(x, attn, t):
+        times.append(float(t[0]))
+        assert t.shape == (x.shape[0],)
+        return confident(lambda p: 4)(x)
+
+    res = _scdd(timed, [[1], [2, 3]], steps=4, time_input=True)
+    # step i reads its t_i; the final pass reads the last time, eps
+    assert torch.allclose(torch.tensor(times), torch.linspace(1.0, 1e-3, 5)) and res.nfe == 5
+
+
 def test_samplers_are_deterministic_for_a_seed():
     def noisy(x, attn):
         g = torch.Generator().manual_seed(int(x.sum()))

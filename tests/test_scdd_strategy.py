@@ -1,8 +1,10 @@
-"""SCDDStrategy (docs/strategies.md §8.2, §14.5 [PR]): config threading, setup checks, corruption contract, training."""
+"""SCDDStrategy (docs/strategies.md §8.2, §14.5 [PR]): config threading, setup checks, corruption contract, training,
+the optional time conditioning and the checkpoints with and without it."""
 
 import pytest
 import torch
 
+from dllm_common.checkpoint import write_checkpoint
 from strategies import (
     Microbatch,
     SCDDLoss,
@@ -12,8 +14,10 @@ from strategies import (
     assemble_strategy,
     get_dllm_strategy,
 )
-from strategies.models import build_model, tiny_model_config
+from strategies.models import build_model, model_logits, time_embedding, tiny_model_config
+from strategies.sampling import SamplerConfig
 from strategies.seeding import seeded_generator as gen
+from tasks.checkpoints import load_trained_model
 
 V, M = 64, 63
 
@@ -119,3 +123,66 @@ def test_strategy_and_loss_handshake_gives_gradients():
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert torch.isfinite(out.total_loss) and grads and all(torch.isfinite(g).all() for g in grads)
     assert sum(float(g.abs().sum()) for g in grads) > 0
+
+
+def _timed_strategy(model):
+    built = assemble_strategy("scdd", {"vocab_size": V, "mask_token_id": M, "time_conditioning": True}, model, None)
+    emb = time_embedding(model)
+    torch.nn.init.normal_(emb.mlp[2].weight, std=0.05)  # as after some training: the output depends on t
+    seen = []
+    emb.register_forward_hook(lambda module, args, out: seen.append(args[0].detach().clone()))
+    return built, emb, seen
+
+
+def test_time_conditioning_reads_t_in_training_in_the_bound_and_in_the_samplers():
+    model = build_model(tiny_model_config("llama", V, 16, 16, 1, 2, None, None, True), 0)
+    built, emb, seen = _timed_strategy(model)
+    s = built.strategy
+    assert model.config.dllm_time_conditioning and time_embedding(_tiny_model()) is None
+    ids = torch.randint(0, M, (4, 16), generator=gen(3))
+    ctx = StepContext(model=model, loss_fn=built.loss_fn, mask_token_id=M, step=3, base_seed=0)
+    corrupted, _, n_sup = s.pre_step(ctx, [Microbatch(ids, torch.ones(4, 16), torch.ones(4, 16))])
+    s.forward_backward(ctx, corrupted[0], num_diffusion_tokens=n_sup, num_ar_tokens=n_sup, is_train=True)
+    assert torch.equal(seen[-1], corrupted[0].p_mask[:, 0])  # training: each row's own t
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in emb.parameters())
+
+    t = torch.tensor([0.1234, 0.5, 0.9, 0.0001])
+    rows = s.nelbo_rows(model, ids, torch.ones(4, 16), M, t, gen(0))
+    assert torch.isfinite(rows).all() and torch.allclose(seen[-1], torch.tensor([0.124, 0.5, 0.9, 0.001]))  # grid
+
+    seen.clear()
+    config = SamplerConfig(steps=3, max_new_tokens=4, temperature=1.0)
+    s.sample(model, [[1, 2]], mask_token_id=M, pad_token_id=0, config=config, generator=gen(1), device="cpu")
+    assert torch.allclose(torch.cat(seen), torch.linspace(1, 1e-3, 4))  # each step's t, then eps in the final pass
+    seen.clear()
+    x = torch.tensor([[1, M, M, 4], [M, M, M, M]])
+    s.denoiser(model)(x, torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))  # the absorbing sampler: t = share of [MASK]
+    assert torch.allclose(seen[-1], torch.tensor([2 / 3, 1.0]))
+
+
+def _tiny_model():
+    return build_model(tiny_model_config("llama", V, 16, 16, 1, 2, None, None, True), 0)
+
+
+def test_checkpoints_with_and_without_time_conditioning_load(tmp_path):
+    """A checkpoint trained before the option existed (options without the key) rebuilds an unconditioned
+    backbone with the same logits; a time-conditioned one rebuilds its time embedding."""
+    ids = torch.randint(0, M, (2, 16), generator=gen(4))
+    plain = _tiny_model()
+    legacy = {"vocab_size": V, "mask_token_id": M, "num_timesteps": 1000, "uniform_ratio": 0.1}
+    write_checkpoint(tmp_path / "plain", plain, meta={"strategy": "scdd", "options": legacy})
+    model = load_trained_model(tmp_path / "plain", "cpu")
+    built = assemble_strategy("scdd", legacy, model, None, mask_token_id=M)
+    assert time_embedding(model) is None and not built.strategy.options.time_conditioning
+    assert torch.equal(model_logits(model, {"input_ids": ids}), model_logits(plain, {"input_ids": ids}))
+
+    timed = _tiny_model()
+    _timed_strategy(timed)
+    write_checkpoint(tmp_path / "timed", timed, meta={"strategy": "scdd"})
+    model = load_trained_model(tmp_path / "timed", "cpu")
+    s = assemble_strategy("scdd", {**legacy, "time_conditioning": True}, model, None, mask_token_id=M).strategy
+    t = torch.tensor([0.3, 0.8])
+    assert torch.equal(model_logits(model, {"input_ids": ids}, time=t), model_logits(timed, {"input_ids": ids}, time=t))
+    config = SamplerConfig(steps=2, max_new_tokens=3)
+    out = s.sample(model, [[1]], mask_token_id=M, pad_token_id=0, config=config, generator=gen(0), device="cpu")
+    assert not (out.generated(0) == M).any() and out.revised is not None
