@@ -1,5 +1,5 @@
 """DFlash building blocks (docs/strategies.md §5.7, §6.2, §10): target layer selection, anchor-block sampling,
-the multi-block attention mask (dense and flex), the decay-weighted loss, the draft model and
+the multi-block attention mask (dense and flex), the decay-weighted and D-PACE losses, the draft model and
 speculative decoding against a frozen causal target.
 
 Pure PyTorch: no Prefect, no MLflow. Fixes relative to the reference: the mask is always applied
@@ -197,6 +197,7 @@ class DFlashDecayLoss(nn.Module):
 
     `normalize="tokens"`: ÷ max(num_tokens, 1) when given, else unnormalized; `"mean"`: ÷ (Σ W + 1e-6).
     Returns `DLLMLossOutput` with per-offset correct/count sums when the block layout is known.
+    Subclasses change only the position weights (`position_weights`; D-PACE: `DFlashDPACELoss`).
     """
 
     def __init__(
@@ -219,8 +220,12 @@ class DFlashDecayLoss(nn.Module):
         w = torch.exp(-torch.arange(per, device=device, dtype=torch.float32) / self.loss_gamma)
         return w.repeat(math.ceil(length / per))[:length]
 
+    def position_weights(self, nll: Tensor, block_mask: Tensor, block_size: int | None) -> Tensor:
+        """Weight of every predicted position, `[1 or B, T]`, before the block mask: the fixed decay."""
+        return self.weights(nll.shape[1], block_size, nll.device)[None]
+
     def _reduce(self, nll: Tensor, correct: Tensor, block_mask: Tensor, num_tokens, block_size) -> DLLMLossOutput:
-        w = self.weights(nll.shape[1], block_size, nll.device)[None] * block_mask.float()
+        w = self.position_weights(nll, block_mask, block_size) * block_mask.float()
         total = (nll.float() * w).sum()
         if self.normalize == "mean":
             total = total / (w.sum() + 1e-6)
@@ -267,6 +272,53 @@ class DFlashDecayLoss(nn.Module):
             corrects.append(corr)
         nll = torch.cat(nlls).view_as(target_ids)
         return self._reduce(nll, torch.cat(corrects).view_as(target_ids), block_mask, num_tokens, block_size)
+
+
+DPACE_ALPHA = 0.5  # D-PACE's confidence smoothing α (Wu et al. 2026, arXiv 2605.18810, Eq. 7), the paper's default
+
+
+def dpace_weights(nll: Tensor, block_mask: Tensor, block_size: int, alpha: float = DPACE_ALPHA) -> Tensor:
+    """D-PACE position weights (Wu et al. 2026, "D-PACE: Dynamic Position-Aware Cross-Entropy for Parallel
+    Speculative Drafting", arXiv 2605.18810, Eq. 7-8), detached, `[B, T]` for `T = N·(bs − 1)` predictions.
+
+    Within each block, with `q_k = exp(−nll_k)` the draft's probability of the true token at offset k:
+    `q̃_k = α + (1 − α)·q_k` (1 where the block mask is 0, so a masked slot neither shrinks nor counts),
+    `C_m = Π_{k ≤ m} q̃_k` (the chance the block is still accepted at m) and `w_k = Σ_{m ≥ k} C_m` (the
+    accepted length still riding on position k). Masked positions get weight 0."""
+    per = block_size - 1
+    if nll.shape[1] % per:
+        raise ValueError(f"D-PACE weights need whole blocks: {nll.shape[1]} predictions, block size {block_size}")
+    with torch.no_grad():
+        shape = (nll.shape[0], -1, per)
+        valid = block_mask.reshape(shape) > 0
+        q = torch.exp(-nll.detach().float()).reshape(shape)
+        smooth = torch.where(valid, alpha + (1.0 - alpha) * q, torch.ones_like(q))
+        reach = torch.cumprod(smooth, dim=-1) * valid
+        after = reach.flip(-1).cumsum(-1).flip(-1)  # Σ_{m ≥ k} C_m
+        return (after * valid).reshape(nll.shape)
+
+
+class DFlashDPACELoss(DFlashDecayLoss):
+    """D-PACE in place of the fixed decay: `Σ w_k · block_mask · CE / max(num_tokens, 1)`, with the detached
+    weights of `dpace_weights` recomputed from the draft's own confidences at every call (docs/strategies.md
+    §5.7). The strategy passes the global number of scored blocks as `num_tokens`, so the loss is the weighted
+    CE per block. Needs the block layout (`block_size`); the gradient flows through CE only."""
+
+    def __init__(self, alpha: float = DPACE_ALPHA, use_fused_linear_ce: bool = False, chunk_size: int = 1024):
+        super().__init__(None, use_fused_linear_ce, chunk_size, "tokens")
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"the D-PACE smoothing alpha must be in (0, 1], got {alpha}")
+        self.alpha = float(alpha)
+
+    def position_weights(self, nll: Tensor, block_mask: Tensor, block_size: int | None) -> Tensor:
+        if not block_size or block_size < 2:
+            raise ValueError("the D-PACE loss needs the block size (block_size=...) to find each block")
+        return dpace_weights(nll, block_mask, block_size, self.alpha)
+
+
+def scored_blocks(block_mask: Tensor, block_size: int) -> int:
+    """Blocks with at least one supervised prediction in a `[B, N·(bs − 1)]` block mask (D-PACE's count)."""
+    return int((block_mask.reshape(block_mask.shape[0], -1, block_size - 1) > 0).any(dim=-1).sum())
 
 
 def acceptance_from_correct(correct: Tensor, block_mask: Tensor, block_size: int) -> tuple[float, list[float]]:

@@ -22,15 +22,18 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext
+from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, global_sum
 from strategies.corruption import corrupt_uniform
 from strategies.dflash import (
+    DPACE_ALPHA,
     DFlashDecayLoss,
+    DFlashDPACELoss,
     block_position_ids,
     create_dflash_block_mask,
     create_dflash_sdpa_mask,
     default_gamma,
     sample_anchor_blocks,
+    scored_blocks,
 )
 from strategies.dflash_draft import _embed_and_head, target_features
 from strategies.losses import DLLMLossOutput
@@ -152,14 +155,31 @@ class DFlashStrategy(DLLMStrategy):
         return options.model_copy(update={"block_size": int(draft_bs)})
 
     def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
-        """The decay-weighted block loss (docs/strategies.md §8.5); γ ≤ 0 is the paper's value for the block size."""
+        """The block loss (docs/strategies.md §5.7, §8.5): `loss_type` "decay" weights offset k by exp(−(k−1)/γ)
+        (γ ≤ 0: the paper's value for the block size); "dpace" by D-PACE's confidence-derived weights."""
         options = self.options if dllm_cfg is None else self.coerce_options(dllm_cfg)
         if not options.block_size:
             raise ValueError("Cannot infer block_size from draft config. Set dflash.block_size in the YAML.")
+        if options.loss_type == "dpace":
+            alpha = getattr(options, "dpace_alpha", DPACE_ALPHA)  # an options key once DFlashOptions declares it
+            return DFlashDPACELoss(
+                alpha, use_fused_linear_ce=options.use_fused_linear_ce, chunk_size=options.ce_chunk_size
+            )
         gamma = options.loss_decay_gamma if options.loss_decay_gamma > 0 else default_gamma(options.block_size)
         return DFlashDecayLoss(
             float(gamma), use_fused_linear_ce=options.use_fused_linear_ce, chunk_size=options.ce_chunk_size
         )
+
+    def loss_denominators(
+        self, corrupted: list[CorruptedBatch], num_noise: int, num_supervised: int
+    ) -> tuple[int, int]:
+        """Decay: the global Σ block mask (docs/strategies.md §7.2). D-PACE: the global number of scored blocks
+        (a block with at least one supervised prediction), all-reduced over the data-parallel group here, so
+        the loss is the weighted CE per block whatever the split into ranks and micro-batches."""
+        if self.options.loss_type != "dpace":
+            return super().loss_denominators(corrupted, num_noise, num_supervised)
+        local = sum(scored_blocks(c.extras.block_mask, self.block_size) for c in corrupted)
+        return int(global_sum(local)), num_supervised
 
     def setup_extra(self, setup: SetupContext) -> int | None:
         """The target must lend embeddings and an LM head; the features must be the draft's layers."""

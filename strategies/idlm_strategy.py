@@ -3,7 +3,9 @@
 Every supervised token of the noisy copy becomes [MASK]; the model runs once over `[x_t ‖ x_0]`
 (length 2L, position ids repeated) under the I-DLM block mask, and `IDLMLoss` trains both halves
 with the next-token shift. The clean half is an ordinary causal LM, so its NLL is exact
-(`eval/ar_nll`). Generation uses plain causal attention with logit shift 1.
+(`eval/ar_nll`). Generation uses plain causal attention: the absorbing sampler with logit shift 1 ("idlm", the
+default), or introspective strided decoding ("isd", `strategies/idlm_sampling.py`), where each forward verifies
+the previous proposals with the causal half and proposes `block_length` new ones with the noisy half.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import Tensor, nn
 from strategies.base import CorruptedBatch, DLLMStrategy, SetupContext, StepContext
 from strategies.corruption import corrupt_all_masked
 from strategies.decoding_cache import causal_denoiser
+from strategies.idlm_sampling import isd_sample
 from strategies.losses import DLLMLossOutput, IDLMLoss, causal_nll_rows
 from strategies.masks import create_idlm_sdpa_mask
 from strategies.options import IDLMOptions, StrategyOptions
@@ -27,7 +30,7 @@ class IDLMStrategy(DLLMStrategy):
     Options = IDLMOptions
     logit_shift = 1
     sampler_name = "absorbing_shift1"
-    samplers = ("idlm",)
+    samplers = ("idlm", "isd")
     likelihoods = ("ar_nll",)
 
     @property
@@ -84,6 +87,43 @@ class IDLMStrategy(DLLMStrategy):
         if is_train:
             (out.total_loss * ctx.loss_scale).backward()
         return out
+
+    def sample(
+        self,
+        model: nn.Module,
+        prompts: list[list[int]],
+        *,
+        mask_token_id: int,
+        pad_token_id: int,
+        config,
+        generator: torch.Generator | None,
+        device: str,
+        on_block=None,
+    ):
+        """The absorbing sampler with logit shift 1, or ISD when `config.sampler` is "isd": `block_length`
+        proposals per forward (a noisy block of that length is what training showed the model)."""
+        if getattr(config, "sampler", "auto") != "isd":
+            return super().sample(
+                model,
+                prompts,
+                mask_token_id=mask_token_id,
+                pad_token_id=pad_token_id,
+                config=config,
+                generator=generator,
+                device=device,
+                on_block=on_block,
+            )
+        return isd_sample(
+            model,
+            prompts,
+            mask_token_id=mask_token_id,
+            pad_token_id=pad_token_id,
+            config=config,
+            proposals=self.block_length,
+            generator=generator,
+            device=device,
+            on_block=on_block,
+        )
 
     def denoiser(self, model: nn.Module):
         """Decoding uses plain causal attention; the sampler applies `logit_shift`."""

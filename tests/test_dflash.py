@@ -1,5 +1,6 @@
 """DFlash pieces (docs/strategies.md §5.7, §6.2, §10, §14): layer ids, anchors, the mask against an element-wise
-reference (dense and flex), the decay loss by hand, leakage, and speculative decoding = greedy."""
+reference (dense and flex), the decay and D-PACE losses by hand, D-PACE's split invariance (micro-batches and
+gloo ranks), leakage, and speculative decoding = greedy."""
 
 import copy
 import math
@@ -12,14 +13,18 @@ from torch.nn.attention.flex_attention import create_mask
 
 import strategies.dflash_draft as dflash_draft
 from strategies import Microbatch, SetupContext, StepContext, assemble_strategy
+from strategies.base import global_sum
 from strategies.dflash import (
     DFlashDecayLoss,
+    DFlashDPACELoss,
     _build_target_layer_ids,
     acceptance_from_correct,
     build_dflash_mask_mod,
     create_dflash_block_mask,
     create_dflash_sdpa_mask,
+    dpace_weights,
     sample_anchor_blocks,
+    scored_blocks,
 )
 from strategies.dflash_draft import (
     DFlashDraftConfig,
@@ -129,6 +134,73 @@ def test_fused_chunked_path_equals_the_plain_one():
     assert torch.equal(plain.draft_correct_per_pos, fused.draft_correct_per_pos)
 
 
+def test_dpace_loss_by_hand():
+    """B = 1, two blocks of bs = 3 (T = 4), V = 2, α = 0.5; the third prediction is unsupervised. Per block,
+    q = exp(−CE), q̃ = α + (1 − α)·q (1 where masked), C_m = Π_{k≤m} q̃_k, w_k = Σ_{m≥k} C_m (0 where masked)."""
+    logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0], [0.0, 1.0], [1.0, 1.0]]])
+    targets = torch.tensor([[0, 0, 0, 1]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    nll = [math.log(2), math.log(1 + math.exp(-2)), math.log(1 + math.e), math.log(2)]
+    qt = [0.5 + 0.5 * math.exp(-n) for n in nll]
+    w = [qt[0] + qt[0] * qt[1], qt[0] * qt[1], 0.0, qt[3]]  # block 2: the masked slot is a no-op
+    num = sum(n * wi for n, wi in zip(nll, w))
+    loss = DFlashDPACELoss(alpha=0.5)
+    out = loss(logits, targets, mask, num_tokens=2, block_size=3)  # 2 scored blocks
+    assert math.isclose(out.total_loss.item(), num / 2, rel_tol=1e-6)
+    assert torch.allclose(dpace_weights(torch.tensor([nll]), mask, 3, 0.5), torch.tensor([w]), atol=1e-7)
+    assert scored_blocks(mask, 3) == 2 and scored_blocks(torch.tensor([[0.0, 0.0, 0.0, 1.0]]), 3) == 1
+    # another implementation's hand-worked case (confidences 0.8, 0.5 → weights 1.575, 0.675)
+    two = dpace_weights(-torch.tensor([[0.8, 0.5]]).log(), torch.ones(1, 2), 3, 0.5)
+    assert torch.allclose(two, torch.tensor([[1.575, 0.675]]), atol=1e-6)
+    assert out.draft_count_per_pos.tolist() == [1.0, 2.0]  # the accuracy sums are the decay loss's
+    with pytest.raises(ValueError, match="alpha must be in"):
+        DFlashDPACELoss(alpha=0.0)
+    with pytest.raises(ValueError, match="needs the block size"):
+        loss(logits, targets, mask, num_tokens=2)
+
+
+def test_dpace_weights_match_an_elementwise_reference_and_carry_no_gradient():
+    g = torch.Generator().manual_seed(0)
+    bsz, n_blocks, bs, alpha = 2, 3, 5, 0.3
+    logits = torch.randn(bsz, n_blocks * (bs - 1), 11, generator=g, requires_grad=True)
+    targets = torch.randint(0, 11, (bsz, n_blocks * (bs - 1)), generator=g)
+    mask = (torch.rand(bsz, n_blocks * (bs - 1), generator=g) > 0.3).float()
+    nll = torch.nn.functional.cross_entropy(logits.detach().flatten(0, 1), targets.flatten(), reduction="none")
+    nll = nll.view_as(targets)
+    ref = torch.zeros_like(nll)
+    for b in range(bsz):
+        for n in range(n_blocks):
+            sl = range(n * (bs - 1), (n + 1) * (bs - 1))
+            for k in sl:
+                if mask[b, k] == 0:
+                    continue
+                for m in sl:  # Σ over later supervised m of Π over supervised i ≤ m of q̃_i
+                    if m < k or mask[b, m] == 0:
+                        continue
+                    prod = 1.0
+                    for i in sl:
+                        if i <= m and mask[b, i] > 0:
+                            prod *= alpha + (1 - alpha) * math.exp(-float(nll[b, i]))
+                    ref[b, k] += prod
+    got = dpace_weights(nll, mask, bs, alpha)
+    assert torch.allclose(got, ref, atol=1e-6) and not got.requires_grad
+    # the weights are constants for backward: the gradient is that of Σ w·CE with w frozen
+    out = DFlashDPACELoss(alpha)(logits, targets, mask, num_tokens=5, block_size=bs)
+    (grad,) = torch.autograd.grad(out.total_loss, logits)
+    frozen = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    (expected,) = torch.autograd.grad((frozen.view_as(targets) * ref * mask).sum() / 5, logits)
+    assert torch.allclose(grad, expected, atol=1e-6)
+    # the fused, chunked head path gives the same value and gradients
+    hidden = torch.randn(bsz, n_blocks * (bs - 1), 6, generator=g, requires_grad=True)
+    weight = torch.randn(11, 6, generator=g, requires_grad=True)
+    plain = DFlashDPACELoss(alpha, chunk_size=5)(hidden @ weight.T, targets, mask, num_tokens=5, block_size=bs)
+    fused = DFlashDPACELoss(alpha, chunk_size=5).forward_fused(hidden, weight, targets, mask, 5, bs)
+    assert torch.allclose(plain.total_loss, fused.total_loss, atol=1e-6)
+    g_plain = torch.autograd.grad(plain.total_loss, (hidden, weight))
+    g_fused = torch.autograd.grad(fused.total_loss, (hidden, weight))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_plain, g_fused))
+
+
 def test_anchor_blocks_follow_the_spec_and_reproduce_from_seeds():
     x = torch.arange(40).view(2, 20) % 50
     attn = torch.ones(2, 20, dtype=torch.long)
@@ -172,6 +244,11 @@ def test_non_overlapping_sampler_with_fewer_slots_than_blocks_does_not_break():
 
 @pytest.fixture(scope="module")
 def pair():
+    return _make_pair()
+
+
+def _make_pair():
+    """A frozen 4-layer target and a 2-layer draft (block 4), built the same in every process."""
     # frozen as `tasks.dflash_setup.load_target` loads a target (the strategy holds it as given)
     target = build_model(tiny_model_config("llama", 64, 128, 32, 4, 4, None, None, False), seed=0)
     target = target.eval().requires_grad_(False)
@@ -384,6 +461,133 @@ def test_draft_training_lowers_the_loss_and_touches_only_the_draft(pair):
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
     assert all(p.grad is None for p in target.parameters())
     assert not target.training and not any(p.requires_grad for p in target.parameters())  # still frozen
+
+
+def _uneven_rows():
+    """Four rows whose scored-block counts differ (row 1 is too short to keep any block; row 3 has its first
+    eight tokens unsupervised), so a per-micro-batch or per-rank denominator would change the loss."""
+    ids = torch.randint(0, 60, (4, 24), generator=torch.Generator().manual_seed(3))
+    attn = torch.ones_like(ids)
+    attn[1, 7:] = 0
+    loss_mask = attn.float().clone()
+    loss_mask[3, :8] = 0
+    return ids, loss_mask, attn
+
+
+def _split_step(built, draft, rows, microbatches: int, dp_rank: int = 0, dp_size: int = 1):
+    """One training step over `rows` (global row indices) split into `microbatches`: pre_step, the
+    (all-reduced) denominators, forward/backward × loss_scale. Returns (Σ micro-batch losses, denominator)."""
+    ids, loss_mask, attn = _uneven_rows()
+    per = len(rows) // microbatches
+    mbs = [
+        Microbatch(ids[r], loss_mask[r], attn[r], torch.tensor(r))
+        for r in (rows[i * per : (i + 1) * per] for i in range(microbatches))
+    ]
+    ctx = StepContext(
+        model=draft,
+        loss_fn=built.loss_fn,
+        mask_token_id=MASK,
+        step=3,
+        base_seed=7,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        grad_acc_steps=microbatches,
+        loss_scale=float(dp_size),
+    )
+    s = built.strategy
+    batches, n_noise, n_sup = s.pre_step(ctx, mbs)
+    n_diff, n_ar = s.loss_denominators(batches, global_sum(n_noise), global_sum(n_sup))
+    total = sum(
+        float(s.forward_backward(ctx, b, num_diffusion_tokens=n_diff, num_ar_tokens=n_ar, is_train=True).dllm_loss)
+        for b in batches
+    )
+    return total, n_diff
+
+
+@pytest.mark.parametrize("loss_type", ["decay", "dpace"])
+def test_loss_and_gradient_do_not_depend_on_the_micro_batch_split(pair, loss_type):
+    """The same 4 rows as one micro-batch of 4 or two of 2: same anchors (per-row seeds), same loss, same
+    gradient, because each micro-batch divides by the step's global count (docs/strategies.md §7.2)."""
+    target, draft = pair
+    results = []
+    for microbatches in (1, 2):
+        d = copy.deepcopy(draft)
+        built = _strategy(target, d, loss_type=loss_type)
+        loss, denominator = _split_step(built, d, [0, 1, 2, 3], microbatches)
+        results.append((loss, denominator, [p.grad.clone() for p in d.parameters()]))
+    (one, den_one, g_one), (two, den_two, g_two) = results
+    assert den_one == den_two and one == pytest.approx(two, rel=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-7, rtol=1e-5) for a, b in zip(g_one, g_two))
+    if loss_type == "dpace":
+        assert den_one == 8  # 3 + 0 + 3 + 2 scored blocks of 3 rows kept
+        assert isinstance(built.loss_fn, DFlashDPACELoss)
+    else:
+        assert isinstance(built.loss_fn, DFlashDecayLoss) and built.loss_fn.loss_gamma == 2.0
+
+
+def test_a_per_micro_batch_dpace_denominator_would_change_the_update(pair):
+    """Sensitivity of the test above: dividing each micro-batch by its own block count (what a rank-local
+    denominator does, then averaged over ranks) weights the blocks of the smaller share more: another
+    gradient on the same rows."""
+    target, draft = pair
+    ids, loss_mask, attn = _uneven_rows()
+    grads = {}
+    for name in ("global", "local"):
+        d = copy.deepcopy(draft)
+        built = _strategy(target, d, loss_type="dpace")
+        ctx = StepContext(model=d, loss_fn=built.loss_fn, mask_token_id=MASK, step=3, base_seed=7, grad_acc_steps=2)
+        mbs = [Microbatch(ids[r], loss_mask[r], attn[r], torch.tensor(r)) for r in ([0, 1], [2, 3])]
+        batches, _, _ = built.strategy.pre_step(ctx, mbs)
+        local = [scored_blocks(b.extras.block_mask, 4) for b in batches]
+        assert local == [3, 5]
+        for b, n in zip(batches, local):
+            count, scale = (sum(local), 1.0) if name == "global" else (n, 0.5)
+            out = built.strategy.forward_backward(ctx, b, num_diffusion_tokens=count, num_ar_tokens=1, is_train=False)
+            (out.total_loss * scale).backward()
+        grads[name] = torch.cat([p.grad.flatten() for p in d.parameters()])
+    gap = (grads["global"] - grads["local"]).norm() / grads["global"].norm()
+    assert gap > 0.05
+
+
+def _gloo_worker(rank: int, world: int, init_file: str, out_file: str, loss_type: str):
+    """Rank `rank` of `world`: rows rank, rank + world, … of the global batch, gloo all-reduces, gradients
+    averaged over ranks as DDP averages them."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        target, draft = _make_pair()
+        built = _strategy(target, draft, loss_type=loss_type)
+        loss, denominator = _split_step(built, draft, list(range(rank, 4, world)), 1, rank, world)
+        grads = [p.grad for p in draft.parameters()]
+        for grad in grads:
+            dist.all_reduce(grad)
+            grad /= world
+        if rank == 0:
+            torch.save({"loss": global_sum(loss), "denominator": denominator, "grads": grads}, out_file)
+        else:
+            global_sum(loss)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["dpace"])
+def test_dpace_under_two_gloo_processes_matches_one_process(tmp_path, loss_type):
+    """Two CPU processes (gloo), two rows each, against one process with all four: the D-PACE denominator
+    (scored blocks) is all-reduced, so the loss and the DDP-averaged gradient are the one-process ones."""
+    import torch.multiprocessing as mp
+
+    target, draft = _make_pair()
+    built = _strategy(target, draft, loss_type=loss_type)
+    loss, denominator = _split_step(built, draft, [0, 1, 2, 3], 1)
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_gloo_worker, args=(2, str(tmp_path / "rendezvous"), str(out), loss_type), nprocs=2, join=True)
+    two = torch.load(out)
+    assert two["denominator"] == denominator == 8
+    assert two["loss"] == pytest.approx(loss, rel=1e-6)
+    assert all(torch.allclose(p.grad, g, atol=1e-7, rtol=1e-5) for p, g in zip(draft.parameters(), two["grads"]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention has no CPU backward in torch 2.13; GPU check")

@@ -152,3 +152,154 @@ def test_alpha_ia_hand_computed_on_stub_halves():
     assert strategy.eval_metrics(None, (ids, ones, ones), 1)["idlm/alpha_ia"] == pytest.approx(0.5)
     strategy.same = True
     assert strategy.eval_metrics(None, (ids, ones, ones), 1)["idlm/alpha_ia"] == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------------------- ISD
+
+
+class _Halves(torch.nn.Module):
+    """A stub I-DLM over 3 real tokens and [MASK] = 3, read with plain causal attention: a real token t's row is
+    the causal half, `P[t]` (a bigram); a [MASK] row d places after the last real token t is the noisy half's
+    guess of the token d + 1 ahead, `Q(d, t)`."""
+
+    MASK = 3
+
+    def __init__(self, P, Q):
+        super().__init__()
+        self.P, self.Q, self.calls = P, Q, 0
+
+    def forward(self, input_ids, use_cache=False):
+        from types import SimpleNamespace
+
+        self.calls += 1
+        rows, last, d = [], None, 0
+        for t in input_ids[0].tolist():
+            if t == self.MASK:
+                d += 1
+                rows.append(self.Q(d, last))
+            else:
+                last, d = t, 0
+                rows.append(self.P[t])
+        probs = torch.stack([torch.cat([r, torch.zeros(1)]) for r in rows])  # [MASK] never predicted
+        return SimpleNamespace(logits=probs.log()[None])
+
+
+def _chain(step, t, d):
+    for _ in range(d):
+        t = step[t]
+    return t
+
+
+def _peaked(t):
+    return torch.full((3,), 0.05).index_fill(0, torch.tensor([t]), 0.9)
+
+
+NEXT = [2, 0, 1]  # the deterministic chain of the greedy tests: 0 → 2 → 1 → 0 → …
+
+
+def _greedy_causal(model, prompt, n, mask_id, eos=None):
+    x = list(prompt)
+    for _ in range(n):
+        logits = model(input_ids=torch.tensor([x]), use_cache=False).logits[0, -1].clone()
+        logits[mask_id] = float("-inf")
+        x.append(int(logits.argmax()))
+        if x[-1] == eos:
+            break
+    return x[len(prompt) :]
+
+
+def test_isd_is_listed_after_the_default_sampler_and_runs_through_sample():
+    from strategies.sampling import SAMPLERS, SamplerConfig
+
+    assert IDLMStrategy.samplers[0] == "idlm" and "isd" in IDLMStrategy.samplers and "isd" in SAMPLERS
+    agree = _Halves(torch.stack([_peaked(NEXT[t]) for t in range(3)]), lambda d, t: _peaked(_chain(NEXT, t, d + 1)))
+    strategy = IDLMStrategy({"block_length": 2, "mask_token_id": 3})
+    config = SamplerConfig(max_new_tokens=9, temperature=0.0, sampler="isd", cache="none")
+    res = strategy.sample(
+        agree, [[0], [1, 2]], mask_token_id=3, pad_token_id=0, config=config, generator=None, device="cpu"
+    )
+    assert res.generated(0).tolist() == _greedy_causal(agree, [0], 9, 3)
+    assert res.generated(1).tolist() == _greedy_causal(agree, [1, 2], 9, 3)
+    assert res.nfe == 4  # 1 + 3 + 3 + 2 tokens: the first forward commits one, every later one k + 1 = 3
+
+
+def test_isd_at_temperature_zero_is_greedy_causal_decoding():
+    """Halves that agree: every proposal stands (k + 1 tokens per forward after the first) and the text is the
+    causal greedy one. A noisy half that guesses wrong changes only the number of forwards. A real tiny model,
+    with and without the exact K/V cache, also decodes exactly its greedy causal text."""
+    from strategies.idlm_sampling import ISDStats, isd_sample
+    from strategies.sampling import SamplerConfig
+
+    P = torch.stack([_peaked(NEXT[t]) for t in range(3)])
+    agree = _Halves(P, lambda d, t: _peaked(_chain(NEXT, t, d + 1)))
+    wrong = _Halves(P, lambda d, t: _peaked(_chain(NEXT, t, d)))  # one step behind: rejected every time
+    for model, k in ((agree, 2), (agree, 3), (wrong, 2)):
+        stats = ISDStats()
+        cfg = SamplerConfig(max_new_tokens=13, temperature=0.0, cache="none")
+        out = isd_sample(model, [[1]], mask_token_id=3, pad_token_id=0, config=cfg, proposals=k, stats=stats)
+        assert out.generated(0).tolist() == _greedy_causal(model, [1], 13, 3)
+        if model is agree:
+            assert stats.per_forward[:-1] == [1] + [k + 1] * (len(stats.per_forward) - 2)
+            assert stats.accepted == stats.proposed
+        else:
+            assert stats.accepted == 0 and max(stats.per_forward) == 1
+    # EOS (token 0 here) ends the row; the rest of the canvas is EOS
+    cfg = SamplerConfig(max_new_tokens=13, temperature=0.0, eos_token_id=0, cache="none")
+    out = isd_sample(agree, [[1]], mask_token_id=3, pad_token_id=0, config=cfg, proposals=2)
+    assert out.generated(0).tolist()[:2] == [0, 0] and _greedy_causal(agree, [1], 13, 3, eos=0) == [0]
+    model = _model()
+    prompt = [5, 9, 2, 30]
+    for cache in ("none", "exact"):
+        cfg = SamplerConfig(max_new_tokens=12, temperature=0.0, cache=cache)
+        out = isd_sample(model, [prompt], mask_token_id=M, pad_token_id=0, config=cfg, proposals=2)
+        assert out.generated(0).tolist() == _greedy_causal(model, prompt, 12, M)
+
+
+def _joint_counts(model, n, generator, k=2, length=3, top_p=1.0):
+    """Joint counts of the first `length` tokens over `n` ISD samples after the prompt [0] at T = 1."""
+    from strategies.idlm_sampling import isd_sample
+    from strategies.sampling import SamplerConfig
+
+    cfg = SamplerConfig(max_new_tokens=length, temperature=1.0, top_p=top_p, cache="none")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of tiny forwards: no thread pool to wake each time
+    try:
+        out = isd_sample(
+            model, [[0]] * n, mask_token_id=3, pad_token_id=0, config=cfg, proposals=k, generator=generator
+        )
+    finally:
+        torch.set_num_threads(threads)
+    codes = (out.tokens[:, 1:] * torch.tensor([9, 3, 1])).sum(dim=1)
+    return torch.bincount(codes, minlength=3**length).float()
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.75])
+def test_isd_at_temperature_one_samples_the_causal_half(monkeypatch, top_p):
+    """Three generated tokens over a 3-token vocabulary, 4,000 runs at T = 1 with a noisy half far from the
+    causal one: the 27 joint frequencies are the causal chain's exact probabilities (chi-square, significance
+    1e-4); with a 0.75 nucleus, those of the truncated chain (and never a token outside it). The first token
+    comes from a forward without proposals; the second and third are proposals that stand or are redrawn from
+    max(0, p − q), or come after a rejection. Sensitivity: accepting every proposal (no rejection step) fails
+    the same test."""
+    from scipy.stats import chisquare
+
+    import strategies.idlm_sampling as isd
+    from strategies.sampling import truncate
+
+    P = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6], [0.35, 0.45, 0.2]])
+    Q = {1: torch.tensor([0.1, 0.2, 0.7]), 2: torch.tensor([0.6, 0.3, 0.1]), 3: torch.tensor([0.3, 0.3, 0.4])}
+    model = _Halves(P, lambda d, t: Q[d])
+    chain = torch.softmax(truncate(P.log(), 0, top_p), dim=-1)  # what the causal half samples at T = 1
+    exact = torch.tensor(
+        [float(chain[0, a] * chain[a, b] * chain[b, c]) for a in range(3) for b in range(3) for c in range(3)]
+    )
+    seen = exact > 0
+    n = 4000
+    counts = _joint_counts(model, n, torch.Generator().manual_seed(0), top_p=top_p)
+    assert counts[~seen].sum() == 0
+    assert chisquare(counts[seen].numpy(), (exact[seen] * n).numpy()).pvalue > 1e-4
+    assert model.calls < 3 * n  # some proposals stood: fewer forwards than one per token
+    monkeypatch.setattr(isd, "_uniform", lambda generator, device: 0.0)  # every proposal stands
+    broken = _joint_counts(model, 2000, torch.Generator().manual_seed(1), top_p=top_p)
+    outside = broken[~seen].sum() > 0
+    assert outside or chisquare(broken[seen].numpy(), (exact[seen] * 2000).numpy()).pvalue < 1e-4
