@@ -44,7 +44,6 @@ from strategies.seeding import seeded_generator
 from strategies.uniform_sampling import block_canvas_sample, own_token_removed
 
 _AUX_SEED_XOR = 0x5DEECE66D  # separates the block-choice / self-conditioning stream from the corruption stream
-OWN_TOKEN_MODES = ("analytic", "learned")
 _MIN_LEVEL = 1e-6  # noise levels are clamped to [1e-6, 1 − 1e-6] wherever log q(z | x) is formed
 
 
@@ -224,22 +223,12 @@ class BlockDiffusionStrategy(DLLMStrategy):
         self.block_size = self.options.block_size
         self.self_conditioning_p = self.options.self_conditioning_p
         self.encoder_loss_weight = self.options.encoder_loss_weight
-        self.own_token_evidence = self._own_token_mode(self.options, "analytic")
-
-    @staticmethod
-    def _own_token_mode(options, fallback: str) -> str:
-        """`own_token_evidence` of the options, or `fallback` where the options model has no such key."""
-        mode = getattr(options, "own_token_evidence", fallback)
-        if mode not in OWN_TOKEN_MODES:
-            raise ValueError(f"own_token_evidence must be one of {OWN_TOKEN_MODES}, got {mode!r}")
-        return mode
+        self.own_token_evidence = self.options.own_token_evidence
 
     def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
         """The canvas loss of `own_token_evidence` (of `dllm_cfg` when given, else the strategy's own):
         `OwnTokenCanvasLoss` for "analytic", the reference's flat `BlockDiffusionCrossEntropyLoss` for "learned"."""
-        mode = self.own_token_evidence
-        if dllm_cfg is not None:
-            mode = self._own_token_mode(self.coerce_options(dllm_cfg), mode)
+        mode = self.own_token_evidence if dllm_cfg is None else self.coerce_options(dllm_cfg).own_token_evidence
         return OwnTokenCanvasLoss() if mode == "analytic" else BlockDiffusionCrossEntropyLoss()
 
     def setup_extra(self, setup: SetupContext) -> int | None:

@@ -49,8 +49,6 @@ class SCDDOptions(StrategyOptions):
     schedule_peak: float = Field(0.5, gt=0, lt=1)
     chunk_size: int | None = Field(1024, ge=1)  # None: the loss over the whole vocabulary at once
     time_conditioning: bool = False  # the backbone reads the noise level t (as the SCDD reference's does)
-    # how the denoiser's output at a visible token is read (docs/strategies.md §5.8, §11.5)
-    parametrization: Literal["context", "posterior"] = "context"
     # the sampler's final pass and where its temperature acts; the reference: "argmax", "weights" (§11.5)
     noise_removal: Literal["posterior", "argmax"] = "posterior"
     tempering: Literal["draws", "weights"] = "draws"

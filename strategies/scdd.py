@@ -70,29 +70,27 @@ class _VocabTermsFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, x0, zt, log_beta, log_rho, mask_id, chunk, shift):
+    def forward(ctx, logits, x0, zt, log_beta, log_rho, mask_id, chunk):
         beta, rho = log_beta.float().exp(), log_rho.float().exp()
         work = _Scratch(logits, chunk)
-        part = (lambda rows: None) if shift is None else (lambda rows: shift[rows])  # noqa: E731
         parts = [
-            _forward_rows(work, logits[rows], x0[rows], zt[rows], beta[rows], rho[rows], mask_id, part(rows))
+            _forward_rows(work, logits[rows], x0[rows], zt[rows], beta[rows], rho[rows], mask_id)
             for rows in work.chunks()
         ]
         sigma, tau_x, tau_z, logp_z, row_max, norm = (torch.cat(p) for p in zip(*parts))
-        ctx.save_for_backward(logits, x0, zt, beta, rho, row_max, norm, shift)
+        ctx.save_for_backward(logits, x0, zt, beta, rho, row_max, norm)
         ctx.mask_id, ctx.chunk = mask_id, chunk
         return sigma, tau_x, tau_z, logp_z
 
     @staticmethod
     def backward(ctx, g_sigma, g_x, g_z, g_lp):
-        logits, x0, zt, beta, rho, row_max, norm, shift = ctx.saved_tensors
+        logits, x0, zt, beta, rho, row_max, norm = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         work = _Scratch(logits, ctx.chunk)
         for rows in work.chunks():
             pick = (logits[rows], x0[rows], zt[rows], beta[rows], rho[rows], row_max[rows], norm[rows])
-            grads = (g_sigma[rows], g_x[rows], g_z[rows], g_lp[rows])
-            _grad_rows(work, grad[rows], *pick, grads, ctx.mask_id, None if shift is None else shift[rows])
-        return grad.to(logits.dtype), None, None, None, None, None, None, None
+            _grad_rows(work, grad[rows], *pick, (g_sigma[rows], g_x[rows], g_z[rows], g_lp[rows]), ctx.mask_id)
+        return grad.to(logits.dtype), None, None, None, None, None, None
 
 
 class _Scratch:
@@ -114,16 +112,7 @@ class _Scratch:
         return exp
 
 
-def _own_logit_down(logits: Tensor, zt: Tensor, shift: Tensor | None) -> Tensor:
-    """The logits with each row's own token `zt` lowered by `shift` (a copy; the input is left alone):
-    the plug-in of a "posterior" parametrization (`SCDDLoss`). The shift is a constant, so ∂/∂logits is unchanged."""
-    if shift is None:
-        return logits
-    return logits.scatter_add(1, zt[:, None], -shift[:, None].to(logits.dtype))
-
-
-def _forward_rows(work: _Scratch, logits, x0, zt, beta, rho, mask_id, shift=None):
-    logits = _own_logit_down(logits, zt, shift)
+def _forward_rows(work: _Scratch, logits, x0, zt, beta, rho, mask_id):
     row_max = _row_max_without(logits, mask_id)
     exp = work.exp(logits, row_max, mask_id)
     norm = exp.sum(dim=1)
@@ -135,10 +124,9 @@ def _forward_rows(work: _Scratch, logits, x0, zt, beta, rho, mask_id, shift=None
     return sigma, tau_x, tau_z, logp_z, row_max, norm
 
 
-def _grad_rows(work: _Scratch, out: Tensor, logits, x0, zt, beta, rho, row_max, norm, grads, mask_id, shift=None):
+def _grad_rows(work: _Scratch, out: Tensor, logits, x0, zt, beta, rho, row_max, norm, grads, mask_id):
     """∂loss/∂logits for a chunk of rows into `out`: the closed form of `_VocabTermsFn`, with
     w = ρp/(β + ρp) = 1 − β·r, r = 1/(β + ρp), so that G − p·ΣG = g_Σ − g_Σβ·r − p·ΣG off the sparse terms."""
-    logits = _own_logit_down(logits, zt, shift)
     g_sigma, g_x, g_z, g_lp = grads
     g_lp = torch.where(zt == mask_id, torch.zeros_like(g_lp), g_lp)  # log p(z) is a constant at z = [MASK]
     exp = work.exp(logits, row_max, mask_id)
@@ -163,18 +151,16 @@ class _SCDDRows(RowKernel):
     def __init__(self, mask_id: int):
         self.mask_id = mask_id
 
-    def forward(self, logits, x0, zt, log_beta, log_rho, shift=None):
+    def forward(self, logits, x0, zt, log_beta, log_rho):
         work = _Scratch(logits, logits.shape[0])
-        beta, rho = log_beta.exp(), log_rho.exp()
-        *terms, row_max, norm = _forward_rows(work, logits, x0, zt, beta, rho, self.mask_id, shift)
+        *terms, row_max, norm = _forward_rows(work, logits, x0, zt, log_beta.exp(), log_rho.exp(), self.mask_id)
         return tuple(terms), (row_max, norm)
 
     def backward(self, logits, saved, args, grads):
-        (row_max, norm), (x0, zt, log_beta, log_rho, *shift) = saved, args
+        (row_max, norm), (x0, zt, log_beta, log_rho) = saved, args
         out = torch.empty_like(logits)
         work = _Scratch(logits, logits.shape[0])
-        beta, rho, own = log_beta.exp(), log_rho.exp(), shift[0] if shift else None
-        _grad_rows(work, out, logits, x0, zt, beta, rho, row_max, norm, grads, self.mask_id, own)
+        _grad_rows(work, out, logits, x0, zt, log_beta.exp(), log_rho.exp(), row_max, norm, grads, self.mask_id)
         return out
 
 
@@ -183,12 +169,10 @@ def _row_max_without(logits: Tensor, mask_id: int) -> Tensor:
     return functools.reduce(torch.maximum, sides).float()
 
 
-def _vocab_terms(logits: Tensor, x0, zt, log_beta, log_rho, mask_id: int, chunk: int | None = None, shift=None):
+def _vocab_terms(logits: Tensor, x0, zt, log_beta, log_rho, mask_id: int, chunk: int | None = None):
     """(Σ_{v≠M} τ(v), τ(x0), τ(z), log p_θ(z)) for rows of logits, τ(v) = log(β_s + ρ_s·p_θ(v)), `chunk` rows
-    at a time (None: all at once); see `_VocabTermsFn`. `shift` [N]: p_θ is the softmax of the logits with each
-    row's `zt` logit lowered by it (None: the logits as they are)."""
-    size = chunk or max(logits.shape[0], 1)
-    return _VocabTermsFn.apply(logits, x0, zt, log_beta, log_rho, int(mask_id), size, shift)
+    at a time (None: all at once); see `_VocabTermsFn`."""
+    return _VocabTermsFn.apply(logits, x0, zt, log_beta, log_rho, int(mask_id), chunk or max(logits.shape[0], 1))
 
 
 class _RowCoefficients(NamedTuple):
@@ -212,17 +196,6 @@ class _VocabTerms(NamedTuple):
     logp_z: Tensor
 
 
-PARAMETRIZATIONS = ("posterior", "context")
-
-
-def own_token_shift(clean_t: Tensor, uniform_t: Tensor, k: int) -> Tensor:
-    """Δ_t = log(1 + K·clean_t/uniform_t) = log q(z_t = c | x = c) − log q(z_t = c | x = v ≠ c): how much more
-    likely a visible token c is under x = c than under any other x. 0 where uniform_t = 0 (no visible token is
-    ever noise; the visible terms of the loss do not depend on p_θ then)."""
-    ratio = k * clean_t / uniform_t.clamp_min(_TINY)
-    return torch.where(uniform_t > 0, torch.log1p(ratio), torch.zeros_like(ratio))
-
-
 class SCDDLoss(nn.Module):
     """Discrete-time SCDD NELBO (docs/strategies.md §5.8). The p_mask slot carries the diffusion time t per row.
 
@@ -231,13 +204,6 @@ class SCDDLoss(nn.Module):
                             / max(β_t + ρ_t δ, 1e-30)
     per_token = T·J;  L = Σ ℓ·per_token / max(D, 1), D = num_diffusion_tokens or local Σℓ.
     The vocabulary-sized terms come from `_VocabTermsFn` (closed-form backward), `chunk_size` positions at a time.
-
-    `parametrization` says what the softmax of the logits means at a visible position (at a [MASK] both agree):
-    "context" (the reference) plugs it into the posterior as is, so the loss trains it to be the guess of x
-    from the *other* positions alone (the visible token's own evidence enters through q(z_t | x)): the network
-    must unlearn copying its input. "posterior" reads it as p_θ(x | z_t), the visible token included, and plugs
-    in p_θ(v)/q(z_t = c | x = v) renormalized: the own token's logit lowered by `own_token_shift(t)`. Both
-    describe the same family of reverse processes (the same bound); they differ in what the network must learn.
     """
 
     def __init__(
@@ -248,14 +214,10 @@ class SCDDLoss(nn.Module):
         gamma_shape: float = 1.0,
         t_peak: float = 0.5,
         chunk_size: int | None = 1024,
-        parametrization: str = "context",
     ):
         super().__init__()
         if num_timesteps < 2:
             raise ValueError(f"SCDDLoss requires num_timesteps >= 2 (got {num_timesteps})")
-        if parametrization not in PARAMETRIZATIONS:
-            raise ValueError(f"SCDDLoss parametrization must be one of {PARAMETRIZATIONS} (got {parametrization!r})")
-        self.parametrization = parametrization
         self.mask_token_id = int(mask_token_id)
         self.num_timesteps, self.max_ratio, self.gamma_shape, self.t_peak = (
             num_timesteps,
@@ -291,11 +253,7 @@ class SCDDLoss(nn.Module):
 
         x0, zt = target_ids.reshape(-1), noisy_input_ids.reshape(-1)
         log_bs, log_rs = row(coef.beta_s.clamp_min(_TINY).log()).float(), row(coef.rho_s.clamp_min(_TINY).log()).float()
-        shift = None
-        if self.parametrization == "posterior":
-            at_t = self._schedule(p_mask[:, 0].double().clamp(0, 1))
-            shift = (row(own_token_shift(at_t.clean_mass, at_t.uniform_mass, k)) * (zt != self.mask_token_id)).float()
-        terms = self._chunked_vocab_terms(logits.reshape(-1, vocab), x0, zt, log_bs, log_rs, shift)
+        terms = self._chunked_vocab_terms(logits.reshape(-1, vocab), x0, zt, log_bs, log_rs)
 
         per_position = _RowCoefficients(*(row(v) for v in coef))
         per_token = self.num_timesteps * self._integrand(per_position, terms, x0, zt, k)
@@ -316,16 +274,14 @@ class SCDDLoss(nn.Module):
         return _RowCoefficients(beta_s, at_s.rho, beta_t, rho_t, ut, ct, kappa)
 
     def _chunked_vocab_terms(
-        self, flat_logits: Logits, x0: Tensor, zt: Tensor, log_bs: Tensor, log_rs: Tensor, shift: Tensor | None
+        self, flat_logits: Logits, x0: Tensor, zt: Tensor, log_bs: Tensor, log_rs: Tensor
     ) -> _VocabTerms:
         """`_vocab_terms` over chunks of `chunk_size` positions; a `HeadProjection` runs the same kernel fused
         with the head (`strategies.head.FusedHeadRows`), chunked by its own size."""
         if isinstance(flat_logits, HeadProjection):
-            extra = () if shift is None else (shift,)
-            terms = flat_logits.rowwise(_SCDDRows(self.mask_token_id), x0, zt, log_bs, log_rs, *extra)
+            terms = flat_logits.rowwise(_SCDDRows(self.mask_token_id), x0, zt, log_bs, log_rs)
         else:
-            mask_id, chunk = self.mask_token_id, self.chunk_size
-            terms = _vocab_terms(flat_logits, x0, zt, log_bs, log_rs, mask_id, chunk=chunk, shift=shift)
+            terms = _vocab_terms(flat_logits, x0, zt, log_bs, log_rs, self.mask_token_id, chunk=self.chunk_size)
         return _VocabTerms(*(p.double() for p in terms))
 
     def _integrand(self, c: _RowCoefficients, terms: _VocabTerms, x0: Tensor, zt: Tensor, k: int) -> Tensor:

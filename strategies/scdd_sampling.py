@@ -22,7 +22,6 @@ from strategies.sampling import (
     row_windows,
     truncate,
 )
-from strategies.scdd import PARAMETRIZATIONS, own_token_shift
 
 NOISE_REMOVAL = ("posterior", "argmax")
 TEMPERING = ("draws", "weights")
@@ -45,7 +44,6 @@ def scdd_ancestral_sample(
     time_input: bool = False,
     noise_removal: str = "posterior",
     tempering: str = "draws",
-    parametrization: str = "context",
 ) -> SampleResult:
     """SCDD ancestral posterior sampler (docs/strategies.md §11.5) over the generation window of each row.
 
@@ -56,11 +54,14 @@ def scdd_ancestral_sample(
       masked:     w(v) = (Ā/absorbed_t)·(uniform_s/K + clean_s·p(v)),  w([M]) = absorbed_s/absorbed_t.
     `tempering="draws"` (default) draws each position in two parts: whether it moves (a [MASK] is revealed,
     a visible token is revised) with the probability the exact posterior gives under the model's own p, then
-    where to, ∝ clean_s·q(v) + uniform_s/K over the tokens it may move to, q being p at the sampler's
-    temperature, top-k and top-p (at temperature 0: the argmax of p, no uniform draw). At temperature 1 with
-    no truncation this is the exact posterior. `tempering="weights"` puts the tempered p into the weights
-    themselves, as the reference does: at temperature 0 p is one-hot, p(c) = 0 for every visible c that is
-    not the argmax, and the posterior then revises such tokens to the argmax (the canvas collapses onto it).
+    where to, from q = p at the sampler's temperature, top-k and top-p over the tokens it may move to (never
+    [MASK], never the token already there; at temperature 0 the argmax). At temperature 1 with no top-k/top-p
+    the destination is the posterior's, ∝ clean_s·p(v) + uniform_s/K, and the step is the exact posterior; any
+    tempering or truncation also leaves out the uniform channel's random tokens (uniform_s/K): they are not
+    tokens the settings accept, and placing them only to revise them later costs quality (docs/strategies.md
+    §11.5). `tempering="weights"` puts the tempered p into the weights themselves, as the reference does: at
+    temperature 0 p is one-hot, p(c) = 0 for every visible c that is not the argmax, and the posterior then
+    revises such tokens to the argmax (the canvas collapses onto it); top-k and top-p are not applied there.
 
     Then one noise-removal forward at t = eps: `"posterior"` (default) takes at every window position the most
     probable clean token given the canvas, argmax_v p(v)·q(z = c | x = v) — the argmax of p at a [MASK], and at
@@ -70,8 +71,6 @@ def scdd_ancestral_sample(
     from the other positions alone (the token's own evidence enters only through q(z_t | x)), so the pass
     overwrites the canvas with context guesses. NFE = steps + 1; prompt positions never move.
     `time_input`: `denoise` also takes each row's time, `denoise(x, attn, t [B])` (a time-conditioned backbone).
-    `parametrization` (as `SCDDLoss`'s): "posterior" reads the denoiser's softmax at a visible token c as
-    p_θ(x | canvas) and turns it into the p above by lowering c's logit by `own_token_shift(t)`.
     `revised` of the result: generated tokens per sequence changed after first being placed (positions, each
     counted once however often it changed).
     `schedule(t)` → an object with clean_mass, uniform_mass, absorbed_mass, gamma (as `scdd_schedule`).
@@ -80,8 +79,6 @@ def scdd_ancestral_sample(
         raise ValueError(f"noise_removal={noise_removal!r}: use one of {NOISE_REMOVAL}")
     if tempering not in TEMPERING:
         raise ValueError(f"tempering={tempering!r}: use one of {TEMPERING}")
-    if parametrization not in PARAMETRIZATIONS:
-        raise ValueError(f"parametrization={parametrization!r}: use one of {PARAMETRIZATIONS}")
     k = vocab_size - 1
     x, attn, starts, width = prompt_canvas(
         prompts, config.max_new_tokens, mask_token_id, pad_token_id, config.eos_token_id, device
@@ -92,17 +89,10 @@ def scdd_ancestral_sample(
     revised = torch.zeros_like(window)
 
     def logits_at(t: Tensor) -> Tensor:
-        if time_input:
-            rows = torch.full((x.shape[0],), float(t), dtype=torch.float32, device=x.device)
-            logits = _masked_logits(job.denoise(x, attn, rows), mask_token_id)
-        else:
-            logits = _masked_logits(job.denoise(x, attn), mask_token_id)
-        if parametrization == "posterior":  # the plug-in p: the visible token's own evidence divided out
-            at_t = schedule(t.reshape(1))
-            shift = float(own_token_shift(torch.as_tensor(at_t.clean_mass), torch.as_tensor(at_t.uniform_mass), k))
-            down = torch.where(x == mask_token_id, 0.0, shift).to(logits.dtype)
-            logits = logits.scatter_add(-1, x[..., None], -down[..., None])
-        return logits
+        if not time_input:
+            return _masked_logits(job.denoise(x, attn), mask_token_id)
+        rows = torch.full((x.shape[0],), float(t), dtype=torch.float32, device=x.device)
+        return _masked_logits(job.denoise(x, attn, rows), mask_token_id)
 
     for i in range(config.steps):
         step = _AncestralStep.between(schedule(times[i : i + 1]), schedule(times[i + 1 : i + 2]))
@@ -185,8 +175,9 @@ def _tempered_draw(logits: Tensor, x: Tensor, step: _AncestralStep, k: int, job:
     if config.temperature == 0:
         dest = allowed.argmax(-1)
     else:
-        q = torch.softmax(truncate(allowed, config.top_k, config.top_p).double() / config.temperature, dim=-1)
-        weights = step.clean_s * q + (step.unif_s / k) * torch.isfinite(allowed)
+        weights = torch.softmax(truncate(allowed, config.top_k, config.top_p).double() / config.temperature, dim=-1)
+        if config.temperature == 1 and config.top_k <= 0 and config.top_p >= 1:  # the exact posterior
+            weights = step.clean_s * weights + (step.unif_s / k) * torch.isfinite(allowed)
         dest = torch.multinomial(weights.reshape(-1, weights.shape[-1]), 1, generator=generator).view_as(x)
     return torch.where(u < moves, dest, x)
 

@@ -28,10 +28,6 @@ class SCDDStrategy(MDLMStrategy):
     def __init__(self, options: SCDDOptions | dict | None = None) -> None:
         super().__init__(options)
         self.vocab_size: int | None = self.options.vocab_size
-        # the sampler's final pass and where its temperature acts (docs/strategies.md §11.5); the reference's
-        # behaviour is noise_removal="argmax", tempering="weights"
-        self.noise_removal: str = getattr(self.options, "noise_removal", "posterior")
-        self.tempering: str = getattr(self.options, "tempering", "draws")
         # the loss also scores evaluation rows (`nelbo_rows`); an unresolved mask id is 0 until assembled
         self.loss_fn: SCDDLoss | None = self.create_loss_fn(self.options) if self.vocab_size is not None else None
 
@@ -50,7 +46,6 @@ class SCDDStrategy(MDLMStrategy):
             gamma_shape=options.schedule_shape,
             t_peak=options.schedule_peak,
             chunk_size=options.chunk_size,
-            parametrization=getattr(options, "parametrization", "context"),
         )
 
     def setup_extra(self, setup: SetupContext) -> int | None:
@@ -173,9 +168,8 @@ class SCDDStrategy(MDLMStrategy):
             device=device,
             on_block=on_block,
             time_input=timed,
-            noise_removal=self.noise_removal,
-            tempering=self.tempering,
-            parametrization=self.loss_fn.parametrization,
+            noise_removal=self.options.noise_removal,
+            tempering=self.options.tempering,
             eps=self.options.eps,
         )
 

@@ -250,7 +250,7 @@ def test_scdd_temperature_zero_never_proposes_mask():
     assert res.generated(0).tolist() == [3] * 5
 
 
-def _scdd(denoise, prompts, steps=16, n=6, temperature=1.0, ratio=0.1, seed=0, **kw):
+def _scdd(denoise, prompts, steps=16, n=6, temperature=1.0, ratio=0.1, seed=0, top_p=1.0, **kw):
     return scdd_ancestral_sample(
         denoise,
         prompts,
@@ -258,7 +258,7 @@ def _scdd(denoise, prompts, steps=16, n=6, temperature=1.0, ratio=0.1, seed=0, *
         pad_token_id=PAD,
         vocab_size=V,
         schedule=schedule(ratio),
-        config=SamplerConfig(steps=steps, max_new_tokens=n, temperature=temperature),
+        config=SamplerConfig(steps=steps, max_new_tokens=n, temperature=temperature, top_p=top_p),
         generator=torch.Generator().manual_seed(seed),
         **kw,
     )
@@ -293,9 +293,15 @@ def test_scdd_keeps_a_confident_diverse_canvas():
     for temperature, ratio in ((0.0, 0.1), (1.0, 0.0)):
         res = _scdd(context_guesser(target), [[1]], steps=24, n=8, temperature=temperature, ratio=ratio)
         assert res.generated(0).tolist() == want and res.revised == 0
-    # at temperature 1 the uniform channel also places random tokens; the model rules them out and they are revised
-    noisy = _scdd(context_guesser(target), [[1]], steps=24, n=8, seed=2)
-    assert all(tok in (w, 3) for tok, w in zip(noisy.generated(0).tolist(), want)) and noisy.revised >= 1
+    # at temperature 1 (exact posterior) the uniform channel also places random tokens: the model rules them out
+    # and they are revised; a nucleus leaves them out, only predictions are ever placed
+    for top_p, random_placed in ((1.0, True), (0.5, False)):
+        canvases = []
+        spy = lambda x, attn, seen=canvases: seen.append(x[0, 1:].tolist()) or context_guesser(target)(x)  # noqa: E731
+        res = _scdd(spy, [[1]], steps=24, n=8, seed=2, top_p=top_p)
+        assert all(tok in (w, 3) for tok, w in zip(res.generated(0).tolist(), want))
+        seen = {(i, tok) for canvas in canvases for i, tok in enumerate(canvas)}
+        assert any(tok not in (want[i], 3, MASK) for i, tok in seen) == random_placed
     assert _scdd(context_guesser(target), [[1]], steps=24, n=8, noise_removal="argmax").generated(0).tolist() == [3] * 8
     greedy = _scdd(context_guesser(target), [[1]], steps=24, n=8, temperature=0.0, tempering="weights")
     assert (greedy.generated(0) == 3).sum() >= 6 and greedy.revised >= 6

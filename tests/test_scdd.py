@@ -180,3 +180,31 @@ def test_scdd_chunking_is_exact_in_loss_and_gradient(scdd_batch, chunk):
     assert torch.allclose(la, lb, rtol=1e-6) and torch.allclose(a.grad, b.grad, atol=1e-7)
     if chunk == 7:
         assert (b.grad.abs().sum(-1) > 0).all()  # every supervised position receives gradient
+
+
+def _logit_grads(t, z, x=10, vocab=2048, p_x=0.05, p_z=None):
+    """(∂L/∂logit_x, ∂L/∂logit_z) at one position holding z, with p_θ(x) = p_x (and p_θ(z) = p_z)."""
+    logits = torch.zeros(1, 1, vocab)
+    logits[0, 0, x] = math.log(p_x * (vocab - 2) / (1 - p_x))
+    if p_z is not None:
+        logits[0, 0, z] = math.log(p_z * (vocab - 2) / (1 - p_z))
+    logits.requires_grad_(True)
+    loss = SCDDLoss(2, num_timesteps=1000, max_ratio=0.1)
+    out = loss(
+        logits, torch.tensor([[x]]), None, torch.full((1, 1), t), torch.ones(1, 1), noisy_input_ids=torch.tensor([[z]])
+    )
+    out.total_loss.backward()
+    return logits.grad[0, 0, x].item(), logits.grad[0, 0, z].item()
+
+
+@pytest.mark.parametrize("t", [0.05, 0.3, 0.7])
+def test_scdd_visible_token_evidence_lives_in_the_posterior_not_in_p(t):
+    """What the loss trains at a visible position (docs/strategies.md §5.8, §11.5): at an untouched one it
+    hardly depends on p_θ(x) (∂/∂logit_x under 1/100 of a masked position's), because the token's own
+    evidence enters through q(z_t | x); at a replaced one it pushes p_θ(z) down and p_θ(x) up. So p_θ at a
+    visible position is a guess from the other positions, which the sampler's final pass must not copy."""
+    masked, _ = _logit_grads(t, 2)
+    clean, _ = _logit_grads(t, 10)
+    to_x, to_z = _logit_grads(t, 11, p_z=0.05)
+    assert masked < 0 and abs(clean) < abs(masked) / 100
+    assert to_x < 0 < to_z and abs(to_z) > abs(masked) / 2

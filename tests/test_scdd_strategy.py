@@ -186,3 +186,15 @@ def test_checkpoints_with_and_without_time_conditioning_load(tmp_path):
     config = SamplerConfig(steps=2, max_new_tokens=3)
     out = s.sample(model, [[1]], mask_token_id=M, pad_token_id=0, config=config, generator=gen(0), device="cpu")
     assert not (out.generated(0) == M).any() and out.revised is not None
+
+
+def test_sampler_options_reach_the_sampler(monkeypatch):
+    """`noise_removal` and `tempering` (docs/strategies.md §11.5): the defaults, and the reference's behaviour."""
+    seen = {}
+    monkeypatch.setattr("strategies.scdd_strategy.scdd_ancestral_sample", lambda *a, **kw: seen.update(kw))
+    model, config = _tiny_model(), SamplerConfig(steps=2, max_new_tokens=3)
+    for options, want in (({}, ("posterior", "draws")), (dict(noise_removal="argmax", tempering="weights"), None)):
+        s = _strategy(**options)
+        s.sample(model, [[1]], mask_token_id=M, pad_token_id=0, config=config, generator=None, device="cpu")
+        assert (seen["noise_removal"], seen["tempering"]) == (want or ("argmax", "weights"))
+        assert seen["time_input"] is False and seen["eps"] == s.options.eps
