@@ -154,7 +154,7 @@ def _shift(logits: Tensor, shift: int) -> Tensor:
     return out
 
 
-def _select(confidence: Tensor, candidates: Tensor, counts: Tensor, threshold: float | None) -> Tensor:
+def select_confident(confidence: Tensor, candidates: Tensor, counts: Tensor, threshold: float | None) -> Tensor:
     """Which candidates to reveal this step: top-`counts` by confidence, or top-1 + all ≥ threshold."""
     conf = torch.where(candidates, confidence, torch.full_like(confidence, -math.inf))
     chosen = torch.zeros_like(candidates)
@@ -221,7 +221,7 @@ def _denoise_window(
         # draws come from the truncated distribution; confidence stays the model's own probability
         proposals = _proposals(truncate(logits, config.top_k, config.top_p), config.temperature, generator, cols)
         conf = _confidence(logits, proposals, config.remasking, generator, cols)
-        chosen = _select(conf, candidates[:, lo:hi], schedule[:, s], config.threshold)
+        chosen = select_confident(conf, candidates[:, lo:hi], schedule[:, s], config.threshold)
         x = torch.cat([x[:, :lo], torch.where(chosen, proposals, x[:, lo:hi]), x[:, hi:]], dim=1)
         if stop is not None and stop(x):
             break

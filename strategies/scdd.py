@@ -196,6 +196,9 @@ class _VocabTerms(NamedTuple):
     logp_z: Tensor
 
 
+WEIGHTINGS = ("elbo", "flat")
+
+
 class SCDDLoss(nn.Module):
     """Discrete-time SCDD NELBO (docs/strategies.md §5.8). The p_mask slot carries the diffusion time t per row.
 
@@ -204,6 +207,11 @@ class SCDDLoss(nn.Module):
                             / max(β_t + ρ_t δ, 1e-30)
     per_token = T·J;  L = Σ ℓ·per_token / max(D, 1), D = num_diffusion_tokens or local Σℓ.
     The vocabulary-sized terms come from `_VocabTermsFn` (closed-form backward), `chunk_size` positions at a time.
+
+    `weighting="flat"` multiplies each row's per_token by f(t) = min(1, 1/(T·κ·ρ_s)), the inverse of the weight
+    the bound puts on −log p_θ(x0) at a [MASK] (≈ 1/t): a reweighting over time that trains every row at the
+    scale of a plain cross-entropy (docs/strategies.md §5.8). At uniform_ratio 0 it is MDLM's flat loss exactly.
+    `bound()` is the same loss with the bound's weights, which evaluation always reports.
     """
 
     def __init__(
@@ -214,10 +222,14 @@ class SCDDLoss(nn.Module):
         gamma_shape: float = 1.0,
         t_peak: float = 0.5,
         chunk_size: int | None = 1024,
+        weighting: str = "elbo",
     ):
         super().__init__()
         if num_timesteps < 2:
             raise ValueError(f"SCDDLoss requires num_timesteps >= 2 (got {num_timesteps})")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"SCDDLoss weighting must be one of {WEIGHTINGS} (got {weighting!r})")
+        self.weighting = weighting
         self.mask_token_id = int(mask_token_id)
         self.num_timesteps, self.max_ratio, self.gamma_shape, self.t_peak = (
             num_timesteps,
@@ -226,6 +238,14 @@ class SCDDLoss(nn.Module):
             t_peak,
         )
         self.chunk_size = _validate_chunk(chunk_size)
+
+    def bound(self) -> SCDDLoss:
+        """This loss with the bound's own weights (itself when it has them)."""
+        if self.weighting == "elbo":
+            return self
+        return SCDDLoss(
+            self.mask_token_id, self.num_timesteps, self.max_ratio, self.gamma_shape, self.t_peak, self.chunk_size
+        )
 
     def _schedule(self, t: Tensor) -> SCDDSchedule:
         return scdd_schedule(t, max_ratio=self.max_ratio, gamma_shape=self.gamma_shape, t_peak=self.t_peak)
@@ -257,6 +277,9 @@ class SCDDLoss(nn.Module):
 
         per_position = _RowCoefficients(*(row(v) for v in coef))
         per_token = self.num_timesteps * self._integrand(per_position, terms, x0, zt, k)
+        if self.weighting == "flat":  # 1 / (the bound's weight on −log p_θ(x0) at a [MASK]), at most 1
+            masked_weight = self.num_timesteps * per_position.kappa * per_position.rho_s
+            per_token = per_token / masked_weight.clamp_min(1.0)
         sup = loss_mask.reshape(-1).double()
         denom = num_diffusion_tokens if num_diffusion_tokens is not None else int(sup.sum())
         total = ((per_token * sup).sum() / max(int(denom), 1)).to(logits.dtype)

@@ -20,6 +20,7 @@ from strategies.sampling import (
     SampleResult,
     prompt_canvas,
     row_windows,
+    select_confident,
     truncate,
 )
 
@@ -79,6 +80,8 @@ def scdd_ancestral_sample(
         raise ValueError(f"noise_removal={noise_removal!r}: use one of {NOISE_REMOVAL}")
     if tempering not in TEMPERING:
         raise ValueError(f"tempering={tempering!r}: use one of {TEMPERING}")
+    if config.remasking not in ("low_confidence", "random"):
+        raise NotImplementedError(f"unknown remasking {config.remasking!r}; use 'low_confidence' or 'random'")
     k = vocab_size - 1
     x, attn, starts, width = prompt_canvas(
         prompts, config.max_new_tokens, mask_token_id, pad_token_id, config.eos_token_id, device
@@ -98,7 +101,7 @@ def scdd_ancestral_sample(
         step = _AncestralStep.between(schedule(times[i : i + 1]), schedule(times[i + 1 : i + 2]))
         logits = logits_at(times[i])
         if tempering == "draws":
-            new = _tempered_draw(logits, x, step, k, job)
+            new = _tempered_draw(logits, x, step, k, job, window)
         else:
             p = _tempered_log_probs(logits, config.temperature).double().exp()
             new = _draw_positions(_ancestral_weights(p, x, step, k, mask_token_id), x, generator)
@@ -158,10 +161,15 @@ def _tempered_log_probs(logits: Tensor, temperature: float) -> Tensor:
     return torch.log_softmax(logits / temperature, dim=-1)
 
 
-def _tempered_draw(logits: Tensor, x: Tensor, step: _AncestralStep, k: int, job: Denoising) -> Tensor:
+def _tempered_draw(
+    logits: Tensor, x: Tensor, step: _AncestralStep, k: int, job: Denoising, window: Tensor | None = None
+) -> Tensor:
     """One ancestral step with `tempering="draws"` (see `scdd_ancestral_sample`): whether each position moves,
-    from the exact posterior under the model's own p; where to, from the tempered, truncated p."""
+    from the exact posterior under the model's own p; where to, from the tempered, truncated p.
+    `remasking="low_confidence"`: which [MASK]s inside `window` are revealed is the most confident proposals',
+    as many as the posterior reveals in expectation (stochastically rounded); destinations come from q alone."""
     config, mask_id, generator = job.config, job.mask_token_id, job.generator
+    exact = config.remasking == "random"
     p = torch.softmax(logits.double(), dim=-1)
     is_mask = x == mask_id
     p_cur = p.gather(-1, x[..., None])[..., 0]  # 0 at a [MASK]
@@ -175,11 +183,21 @@ def _tempered_draw(logits: Tensor, x: Tensor, step: _AncestralStep, k: int, job:
     if config.temperature == 0:
         dest = allowed.argmax(-1)
     else:
-        weights = torch.softmax(truncate(allowed, config.top_k, config.top_p).double() / config.temperature, dim=-1)
-        if config.temperature == 1 and config.top_k <= 0 and config.top_p >= 1:  # the exact posterior
-            weights = step.clean_s * weights + (step.unif_s / k) * torch.isfinite(allowed)
+        if exact and config.temperature == 1 and config.top_k <= 0 and config.top_p >= 1:  # the exact posterior:
+            # clean_s·p(v) + uniform_s/K with p over the whole vocabulary, not renormalized without the token here
+            weights = step.clean_s * p.scatter(-1, x[..., None], 0.0) + (step.unif_s / k) * torch.isfinite(allowed)
+        else:
+            weights = torch.softmax(truncate(allowed, config.top_k, config.top_p).double() / config.temperature, -1)
         dest = torch.multinomial(weights.reshape(-1, weights.shape[-1]), 1, generator=generator).view_as(x)
-    return torch.where(u < moves, dest, x)
+    if exact:
+        return torch.where(u < moves, dest, x)
+    candidates = is_mask if window is None else is_mask & window
+    expected = candidates.sum(dim=1).double() * reveal
+    counts = torch.floor(
+        expected + torch.rand(expected.shape, generator=generator, device=x.device, dtype=torch.float64)
+    )
+    chosen = select_confident(p.gather(-1, dest[..., None])[..., 0], candidates, counts.long(), None)
+    return torch.where(chosen | (~is_mask & (u < moves)), dest, x)
 
 
 def _noise_removal(logits: Tensor, x: Tensor, at_t, k: int, mask_token_id: int, rule: str) -> Tensor:

@@ -46,6 +46,7 @@ class SCDDStrategy(MDLMStrategy):
             gamma_shape=options.schedule_shape,
             t_peak=options.schedule_peak,
             chunk_size=options.chunk_size,
+            weighting=options.loss_weighting,
         )
 
     def setup_extra(self, setup: SetupContext) -> int | None:
@@ -120,9 +121,10 @@ class SCDDStrategy(MDLMStrategy):
         )
         logits = model_logits(model, {"input_ids": noisy}, time=t)
         p = t[:, None].expand_as(clean_ids)
+        bound = self.loss_fn.bound()  # the bound's weights whatever the training weighting
         return torch.stack(
             [
-                self.loss_fn(
+                bound(
                     logits[i : i + 1].float(),
                     clean_ids[i : i + 1],
                     None,

@@ -3,6 +3,7 @@ prompts untouched,
 windows respected, confident denoiser exact), infilling, I-DLM shift, hybrid AR-seeded blocks, SCDD ancestral
 (self-correction), and determinism for a fixed seed."""
 
+import pytest
 import torch
 
 from strategies.sampling import SamplerConfig, absorbing_sample, hybrid_sample, infill_sample, num_transfer_tokens
@@ -250,7 +251,9 @@ def test_scdd_temperature_zero_never_proposes_mask():
     assert res.generated(0).tolist() == [3] * 5
 
 
-def _scdd(denoise, prompts, steps=16, n=6, temperature=1.0, ratio=0.1, seed=0, top_p=1.0, **kw):
+def _scdd(denoise, prompts, steps=16, n=6, temperature=1.0, ratio=0.1, seed=0, top_p=1.0, remasking="random", **kw):
+    """The SCDD sampler; `remasking` "random" (the exact ancestral step) unless a test asks otherwise."""
+    config = SamplerConfig(steps=steps, max_new_tokens=n, temperature=temperature, top_p=top_p, remasking=remasking)
     return scdd_ancestral_sample(
         denoise,
         prompts,
@@ -258,7 +261,7 @@ def _scdd(denoise, prompts, steps=16, n=6, temperature=1.0, ratio=0.1, seed=0, t
         pad_token_id=PAD,
         vocab_size=V,
         schedule=schedule(ratio),
-        config=SamplerConfig(steps=steps, max_new_tokens=n, temperature=temperature, top_p=top_p),
+        config=config,
         generator=torch.Generator().manual_seed(seed),
         **kw,
     )
@@ -330,22 +333,34 @@ def test_scdd_revised_counts_the_positions_changed_after_placement():
 
 def test_scdd_draws_at_temperature_one_are_the_exact_posterior():
     """The two-part draw (move or not from the posterior, then where to) has the exact posterior of
-    `_ancestral_weights` as its distribution, at a [MASK] and at a visible token."""
+    `_ancestral_weights` as its distribution, at a [MASK], at a visible token and at a visible token the
+    model all but confirms (p(c) ≈ 0.9: a destination renormalized without c would weigh the clean channel
+    against the uniform one 10× wrong there)."""
     from strategies.sampling import Denoising
     from strategies.scdd_sampling import _ancestral_weights, _AncestralStep, _tempered_draw
 
-    n = 40_000
+    n = 160_000
     step = _AncestralStep.between(schedule(0.3)(torch.tensor([0.6])), schedule(0.3)(torch.tensor([0.45])))
-    logits = torch.randn(1, 2, V, generator=torch.Generator().manual_seed(0)).repeat(n, 1, 1)
+    logits = torch.randn(1, 3, V, generator=torch.Generator().manual_seed(0)).repeat(n, 1, 1)
     logits[..., MASK] = -float("inf")
-    x = torch.tensor([[MASK, 6]]).repeat(n, 1)
-    job = Denoising(None, MASK, SamplerConfig(temperature=1.0), torch.Generator().manual_seed(1))
+    logits[:, 2, 9] = 6.0
+    x = torch.tensor([[MASK, 6, 9]]).repeat(n, 1)
+    job = Denoising(None, MASK, SamplerConfig(temperature=1.0, remasking="random"), torch.Generator().manual_seed(1))
     drawn = _tempered_draw(logits, x, step, V - 1, job)
     exact = _ancestral_weights(torch.softmax(logits[:1].double(), -1), x[:1], step, V - 1, MASK)[0]
     exact = exact / exact.sum(-1, keepdim=True)
-    for pos in range(2):
+    for pos in range(3):
         freq = torch.bincount(drawn[:, pos], minlength=V).double() / n
         assert (freq - exact[pos]).abs().max() < 0.012, (pos, freq, exact[pos])
+        moved = exact[pos].clone()
+        moved[x[0, pos]] = 0
+        if pos == 2:  # where a revised token goes, given that it moves (≈ 1,300 moves)
+            others = torch.bincount(drawn[:, pos][drawn[:, pos] != 9], minlength=V).double()
+            p = torch.softmax(logits[0, 2].double(), -1)
+            renormalized = step.clean_s * p / (1 - p[9]) + step.unif_s / (V - 1)
+            renormalized[[9, MASK]] = 0
+            tv = lambda a, b: 0.5 * (a / a.sum() - b / b.sum()).abs().sum().item()  # noqa: E731
+            assert others.sum() > 1000 and tv(others, moved) < 0.07 and tv(renormalized, moved) > 0.15
     assert exact[1, 6] < 0.999 and exact[0, MASK] > 0.5  # both rules actually move something
 
 
@@ -410,3 +425,35 @@ def test_threshold_mode_is_adaptive_and_never_leaves_masks():
         config=SamplerConfig(steps=2, max_new_tokens=8, block_size=4, threshold=0.9),
     )
     assert not (res.tokens == MASK).any() and res.nfe == 8
+
+
+def test_scdd_low_confidence_reveals_the_most_confident_masks_first():
+    """`remasking="low_confidence"` (the default; docs/strategies.md §11.5): each step reveals the [MASK]s whose
+    proposal the model is surest of, as many as the posterior reveals in expectation (all of them by the
+    end); "random" is the exact ancestral step, whose reveal order ignores confidence."""
+    n, steps = 8, 8
+
+    def rising(seen):
+        def denoise(x, attn=None):
+            seen.append(x[0, 1:].clone())
+            logits = torch.zeros(*x.shape, V)
+            for p in range(1, x.shape[1]):  # position p proposes token 1 + p % 10, surer the further right
+                logits[:, p, 1 + p % 10] = 1.0 + p
+            return logits
+
+        return denoise
+
+    def reveal_order(remasking, seed):
+        seen = []
+        res = _scdd(rising(seen), [[1]], steps=steps, n=n, ratio=0.0, seed=seed, remasking=remasking, temperature=0)
+        first = [min((i for i, c in enumerate(seen) if c[j] != MASK), default=len(seen)) for j in range(n)]
+        return first, res
+
+    for seed in range(3):
+        first, res = reveal_order("low_confidence", seed)
+        assert first == sorted(first, reverse=True) and first[0] > first[-1]  # the surest (rightmost) first
+        assert first[0] < steps + 1 and res.generated(0).tolist() == [1 + p % 10 for p in range(1, n + 1)]
+    orders = [reveal_order("random", seed)[0] for seed in range(3)]
+    assert any(o != sorted(o, reverse=True) for o in orders)
+    with pytest.raises(NotImplementedError, match="remasking"):
+        _scdd(rising([]), [[1]], steps=2, n=2, remasking="leftmost")

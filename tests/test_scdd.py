@@ -208,3 +208,26 @@ def test_scdd_visible_token_evidence_lives_in_the_posterior_not_in_p(t):
     to_x, to_z = _logit_grads(t, 11, p_z=0.05)
     assert masked < 0 and abs(clean) < abs(masked) / 100
     assert to_x < 0 < to_z and abs(to_z) > abs(masked) / 2
+
+
+def test_scdd_flat_at_ratio_zero_is_mdlm_flat_and_elsewhere_a_per_row_rescale(scdd_batch):
+    """`weighting="flat"` (docs/strategies.md §5.8): at uniform_ratio 0 the loss is the plain mean cross-entropy
+    over masked tokens (MDLM's flat loss); with a uniform channel each row's bound term is divided by
+    T·κ·ρ_s, the bound's weight on −log p_θ(x0) at a [MASK] (capped so no row is scaled up)."""
+    logits, x0, zt, lm = scdd_batch
+    masked_only = torch.where(torch.arange(10) % 2 == 0, M, x0)
+    for t in (0.05, 0.4, 0.9):
+        out = _scdd(logits, x0, masked_only, lm, t=t, max_ratio=0.0, weighting="flat")
+        no_mask = logits.clone()
+        no_mask[..., M] = -math.inf
+        expected = (ce(no_mask, x0) * (masked_only == M)).sum() / lm.sum()
+        assert out.total_loss.item() == pytest.approx(expected.item(), rel=1e-4)
+    steps, t = 1000, 0.3
+    sched = lambda u: scdd_schedule(torch.tensor([u], dtype=torch.float64), max_ratio=0.1, gamma_shape=1.0, t_peak=0.5)  # noqa: E731
+    at_t, at_s = sched(t), sched(t - 1 / steps)
+    weight = steps * (at_s.gamma - at_t.gamma) / (1 - at_t.gamma) * at_s.rho
+    elbo, flat = (_scdd(logits, x0, zt, lm, t=t, weighting=w).total_loss.item() for w in ("elbo", "flat"))
+    assert weight.item() > 1 and flat == pytest.approx(elbo / weight.item(), rel=1e-5)
+    assert SCDDLoss(M, weighting="flat").bound().weighting == "elbo"
+    with pytest.raises(ValueError, match="weighting must be one of"):
+        SCDDLoss(M, weighting="1/t")

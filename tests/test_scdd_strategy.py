@@ -198,3 +198,14 @@ def test_sampler_options_reach_the_sampler(monkeypatch):
         s.sample(model, [[1]], mask_token_id=M, pad_token_id=0, config=config, generator=None, device="cpu")
         assert (seen["noise_removal"], seen["tempering"]) == (want or ("argmax", "weights"))
         assert seen["time_input"] is False and seen["eps"] == s.options.eps
+
+
+def test_flat_weighting_trains_flat_and_evaluates_the_bound():
+    """`loss_weighting: flat` reaches the training loss; `nelbo_rows` (eval/nelbo) scores the bound either way."""
+    flat, elbo = _strategy(loss_weighting="flat"), _strategy()
+    assert (flat.loss_fn.weighting, elbo.loss_fn.weighting) == ("flat", "elbo")
+    assert flat.create_loss_fn({"vocab_size": V, "loss_weighting": "elbo"}).weighting == "elbo"
+    model, ids = _tiny_model(), torch.randint(0, M, (3, 16), generator=gen(5))
+    t = torch.tensor([0.05, 0.5, 0.95])
+    rows = [s.nelbo_rows(model, ids, torch.ones(3, 16), M, t, gen(0)) for s in (flat, elbo)]
+    assert torch.equal(rows[0], rows[1]) and (rows[0] > 0).all()
