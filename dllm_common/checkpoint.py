@@ -67,6 +67,12 @@ def write_checkpoint(
     return dest
 
 
+# inside a workdir's store, `run --verify` re-hashes every entry and rebuilds a damaged one (set aside, not deleted)
+_REBUILD = (
+    "rerun the pipeline with `dllm-flow run --verify` to set the damaged stage aside and rebuild it, or replace {path}"
+)
+
+
 def verify_checkpoint(path: Path) -> dict[str, str]:
     """Check every recorded digest; raise `CorruptCheckpointError` naming the first bad file."""
     path = Path(path)
@@ -76,14 +82,14 @@ def verify_checkpoint(path: Path) -> dict[str, str]:
     try:
         digests = json.loads(digest_file.read_text())
     except json.JSONDecodeError:
-        raise CorruptCheckpointError(f"{digest_file} is unreadable; delete {path} and rerun to rebuild it") from None
+        raise CorruptCheckpointError(f"{digest_file} is unreadable; {_REBUILD.format(path=path)}") from None
     for name, expected in digests.items():
         f = path / name
         if not f.is_file():
-            raise CorruptCheckpointError(f"checkpoint file {f} is missing; delete {path} and rerun to rebuild it")
+            raise CorruptCheckpointError(f"checkpoint file {f} is missing; {_REBUILD.format(path=path)}")
         if sha256_file(f) != expected:
             raise CorruptCheckpointError(
-                f"checkpoint file {f} is corrupt (sha256 mismatch, not loaded); delete {path} and rerun to rebuild it"
+                f"checkpoint file {f} is corrupt (sha256 mismatch, not loaded); {_REBUILD.format(path=path)}"
             )
     return digests
 

@@ -4,6 +4,11 @@ key = sha256(canonical JSON of {config slice, upstream keys, code version}). A s
 private temp dir and publishes it with one atomic rename after fsync, so a half-written stage is
 never a cache hit. A stage that must survive a crash mid-way (training) keeps its resumable state
 in `work_dir(stage, key)`, which is separate from the published entry.
+
+Reuse is verified (docs/architecture.md, "The stage protocol"): an entry counts as published only
+while its manifest parses and every file it lists is there with its recorded size (and, with
+`DLLM_FLOW_VERIFY=full`, i.e. `dllm-flow run --verify`, its recorded sha256). A damaged entry is
+reported in one line, moved aside to `<stage>/<key>.damaged-<time>` (never deleted) and rebuilt.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -24,6 +30,12 @@ from typing import Any
 from dllm_common.config import canonical_json
 
 MANIFEST = "manifest.json"
+VERIFY_ENV = "DLLM_FLOW_VERIFY"  # "full": re-hash every file of an entry on reuse; otherwise sizes only
+log = logging.getLogger("dllm_flow.store")
+
+
+def full_verification() -> bool:
+    return os.environ.get(VERIFY_ENV, "").lower() == "full"
 
 
 def stage_key(stage: str, config_slice: Any, upstream: dict[str, str], code_version: str) -> str:
@@ -99,10 +111,56 @@ class Store:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
     def lookup(self, stage: str, key: str) -> StageEntry | None:
+        """The published entry if it is intact; a damaged one is set aside (under the entry's lock) and
+        None returned, so the caller rebuilds it."""
+        hit, problems = self._inspect(stage, key)
+        if problems:
+            with self.lock(stage, key):
+                hit, problems = self._inspect(stage, key)
+                if problems:
+                    self._set_aside(stage, key, problems)
+        return hit
+
+    def _inspect(self, stage: str, key: str) -> tuple[StageEntry | None, list[str]]:
+        """(the entry if present and intact, what is wrong with it if present and damaged)."""
         path = self.entry_dir(stage, key)
-        if (path / MANIFEST).is_file():
-            return StageEntry(stage, key, path)
-        return None
+        if not path.exists():
+            return None, []
+        entry = StageEntry(stage, key, path)
+        problems = self.check(entry, full=full_verification())
+        return (None, problems) if problems else (entry, [])
+
+    def check(self, entry: StageEntry, full: bool = False) -> list[str]:
+        """What is wrong with a published entry (empty: intact): an unreadable manifest, or a listed file
+        missing, of another size, or (with `full`) of another sha256."""
+        try:
+            files = entry.manifest["files"]
+            listed = [(rel, int(meta["bytes"]), meta["sha256"]) for rel, meta in files.items()]
+        except FileNotFoundError:
+            return [f"{MANIFEST} is missing"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return [f"{MANIFEST} is unreadable ({type(exc).__name__}: {exc})"]
+        problems = []
+        for rel, size, digest in listed:
+            p = entry.path / rel
+            if not p.is_file():
+                problems.append(f"{rel} is missing")
+            elif p.stat().st_size != size:
+                problems.append(f"{rel} has {p.stat().st_size} bytes, the manifest says {size}")
+            elif full and sha256_file(p) != digest:
+                problems.append(f"{rel} does not match its sha256")
+        return problems
+
+    def _set_aside(self, stage: str, key: str, problems: list[str]) -> Path:
+        """Move a damaged entry to `<stage>/<key>.damaged-<time>` (kept for inspection) and say so in one line."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        dest = self.root / stage / f"{key}.damaged-{stamp}-{uuid.uuid4().hex[:6]}"
+        os.rename(self.entry_dir(stage, key), dest)
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        log.warning(
+            "store entry %s/%s is damaged: %s%s; moved aside to %s and rebuilding", stage, key, problems[0], more, dest
+        )
+        return dest
 
     @contextlib.contextmanager
     def _publishing(self, stage: str, key: str) -> Iterator[tuple[Path, dict]]:
@@ -154,8 +212,11 @@ class Store:
         if (hit := self.lookup(stage, key)) is not None:
             return hit, True
         with self.lock(stage, key):
-            if (hit := self.lookup(stage, key)) is not None:
+            hit, problems = self._inspect(stage, key)
+            if hit is not None:
                 return hit, True
+            if problems:  # damaged since the first look
+                self._set_aside(stage, key, problems)
             with self._publishing(stage, key) as (tmp, manifest):
                 manifest.update(build(tmp))
         return StageEntry(stage, key, self.entry_dir(stage, key)), False
@@ -169,10 +230,5 @@ class Store:
             yield tmp
 
     def verify(self, entry: StageEntry) -> list[str]:
-        """Files whose sha256 no longer matches the manifest (empty list = intact)."""
-        bad = []
-        for rel, meta in entry.manifest.get("files", {}).items():
-            p = entry.path / rel
-            if not p.is_file() or sha256_file(p) != meta["sha256"]:
-                bad.append(rel)
-        return bad
+        """What is wrong with the entry, every file re-hashed (empty list = intact)."""
+        return self.check(entry, full=True)

@@ -29,8 +29,20 @@ def load_config(path, overrides: list[str] | None = None):
     return load_checked(path, overrides)
 
 
+VERIFY_HELP = "re-hash every reused stage's files (default: sizes only); a damaged stage is set aside and rebuilt"
+
+
+def _verification(args) -> None:
+    """`--verify`: every reused store entry is re-hashed, not only size-checked (workers inherit the setting)."""
+    if getattr(args, "verify", False):
+        from dllm_common.store import VERIFY_ENV
+
+        os.environ[VERIFY_ENV] = "full"
+
+
 def cmd_run(args) -> int:
     load_config(args.config, args.set)  # fail fast, before any service starts
+    _verification(args)
     prefect_env(Path(args.workdir))
     from tasks.common import check_workdir
 
@@ -58,6 +70,7 @@ def cmd_resume(args) -> int:
         )
     done = [s.name for s in record.stages if s.status in ("COMPLETED", "REUSED")]
     todo = [s.name for s in record.stages if s.status not in ("COMPLETED", "REUSED")]
+    _verification(args)
     print(f"[dllm-flow] resuming pipeline run {record.run_id} ({record.status}) with its recorded config")
     print(f"[dllm-flow] completed before, will be reused: {', '.join(done) or 'none'}")
     print(f"[dllm-flow] to run again: {', '.join(todo) or 'none recorded'} (and every stage after them)")
@@ -223,10 +236,12 @@ def _pipeline_commands(sub) -> None:
     run.add_argument("config")
     run.add_argument("--set", action="append", default=[], metavar="dotted.key=value", help="override a config key")
     run.add_argument("--workdir", default=DEFAULT_WORKDIR)
+    run.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     run.set_defaults(func=cmd_run)
     res = sub.add_parser("resume", help="rerun a failed/crashed pipeline run with its recorded config")
     res.add_argument("run_id")
     res.add_argument("--workdir", default=DEFAULT_WORKDIR)
+    res.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     res.set_defaults(func=cmd_resume)
     val = sub.add_parser("validate", help="print the resolved config, or what is wrong with it")
     val.add_argument("config")

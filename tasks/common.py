@@ -81,11 +81,14 @@ def prefect_task(fn: Callable, *, name: str, stage_of: Callable[..., tuple[str, 
     The cache key is `<stage>/<key>/prefect-result` and the flow roots result storage at the store
     (`flows.pipeline.store_result_storage`), so Prefect's cached result lives *inside* the published
     entry: deleting an entry also drops Prefect's memory of it, and a half-written stage is never
-    served from cache.
+    served from cache. The entry is checked before Prefect looks (`Store.lookup`): a damaged entry is
+    moved aside with the cached result inside it, so a cache hit never skips the store's verification.
     """
 
     def cache_key(_context, parameters: dict) -> str:
         stage, key = stage_of(**parameters)
+        if parameters.get("workdir") is not None:
+            store_for(parameters["workdir"]).lookup(stage, key)
         return f"{stage}/{key}/prefect-result"
 
     return task(fn, name=name, cache_key_fn=cache_key, persist_result=True, retries=retries)

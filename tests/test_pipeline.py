@@ -1,6 +1,7 @@
 """End to end through the CLI: smoke pipeline → MLflow lineage → cached rerun → eval-only rerun → bad input."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -200,9 +201,23 @@ def test_corrupt_checkpoint_fails_evaluation_clearly(smoke_run, prefect_api):
         assert stage_status(latest_record(workdir))["evaluate[mdlm]"] == "FAILED"
         logs, _ = flow_run_logs_and_artifacts(prefect_api, latest_record(workdir)["prefect_flow_run_id"])
         failed = [m for m in logs if m.startswith("evaluate[mdlm]: FAILED after ")]  # in the run's Logs tab
-        assert failed and "sha256 mismatch" in failed[0]
+        assert failed and "sha256 mismatch" in failed[0] and "dllm-flow run --verify" in out.stderr
+        # the advice works: --verify re-hashes the reused entries, sets the damaged training aside (Prefect's
+        # cached result with it, so the cache cannot skip the check) and retrains it bit for bit
+        fixed = cli(
+            "run", "configs/smoke.yaml", "--set", "eval.t_samples=4", "--verify", workdir=workdir, api=prefect_api
+        )
+        assert fixed.returncode == 0, fixed.stderr[-3000:]
+        statuses = stage_status(latest_record(workdir))
+        assert statuses["prepare_data"] == "REUSED" and statuses["train[mdlm]"] == "COMPLETED"
+        aside = list((workdir / "store" / "train").glob("*.damaged-*"))
+        assert len(aside) == 1 and (aside[0] / "model" / "model.safetensors").read_bytes() != original
+        assert "is damaged: model/model.safetensors does not match its sha256" in fixed.stdout + fixed.stderr
+        assert weights.read_bytes() == original  # deterministic training: the same weights again
     finally:
-        weights.write_bytes(original)
+        weights.write_bytes(original) if weights.is_file() else None
+        for damaged in (workdir / "store" / "train").glob("*.damaged-*"):
+            shutil.rmtree(damaged)
 
 
 def test_bad_input_gets_one_clear_error(tmp_path, capsys):

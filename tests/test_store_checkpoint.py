@@ -1,6 +1,7 @@
 """Atomic, content-addressed stage store and digest-verified checkpoints."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -44,7 +45,60 @@ def test_publish_is_all_or_nothing(tmp_path):
     entry = store.lookup("s", "k1")
     assert entry.manifest["files"]["out.txt"]["bytes"] == 4 and store.verify(entry) == []
     (entry.path / "out.txt").write_text("tampered")
-    assert store.verify(entry) == ["out.txt"]
+    assert store.verify(entry) == ["out.txt has 8 bytes, the manifest says 4"]
+
+
+def _published(store, key="k", text="abcd"):
+    calls = []
+
+    def build(out):
+        calls.append(1)
+        (out / "sub").mkdir()
+        (out / "sub" / "w.bin").write_text(text)
+        return {"info": {"n": len(calls)}}
+
+    return build, calls
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda e: (e.path / "manifest.json").write_text('{"files": {'), "manifest.json is unreadable"),
+        (lambda e: (e.path / "manifest.json").write_text("[]"), "manifest.json is unreadable"),
+        (lambda e: (e.path / "manifest.json").unlink(), "manifest.json is missing"),
+        (lambda e: (e.path / "sub" / "w.bin").write_text("ab"), "sub/w.bin has 2 bytes, the manifest says 4"),
+        (lambda e: shutil.rmtree(e.path / "sub"), "sub/w.bin is missing"),
+    ],
+)
+def test_damaged_entry_is_set_aside_and_rebuilt(tmp_path, caplog, damage, problem):
+    """Reuse is verified (docs/architecture.md, "The stage protocol"): a damaged entry is reported in one
+    line, moved aside (never deleted) and rebuilt; the intact rebuild is then reused."""
+    store = Store(tmp_path)
+    build, calls = _published(store)
+    entry, reused = store.reuse_or_build("s", "k", build)
+    assert not reused and store.reuse_or_build("s", "k", build)[1] and len(calls) == 1
+    damage(entry)
+    with caplog.at_level("WARNING", logger="dllm_flow.store"):
+        again, reused = store.reuse_or_build("s", "k", build)
+    assert not reused and len(calls) == 2 and again.manifest["info"] == {"n": 2} and store.verify(again) == []
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and problem in warnings[0] and "moved aside" in warnings[0]
+    aside = [p for p in (tmp_path / "s").iterdir() if ".damaged-" in p.name]
+    assert len(aside) == 1 and aside[0].name.startswith("k.damaged-") and str(aside[0]) in warnings[0]
+    assert store.reuse_or_build("s", "k", build)[1] and len(calls) == 2
+
+
+def test_same_size_corruption_is_caught_by_full_verification_only(tmp_path, monkeypatch):
+    """The check on every reuse compares sizes (cheap); `DLLM_FLOW_VERIFY=full` (`dllm-flow run --verify`)
+    re-hashes every file and catches a same-size change too."""
+    store = Store(tmp_path)
+    build, calls = _published(store)
+    entry, _ = store.reuse_or_build("s", "k", build)
+    (entry.path / "sub" / "w.bin").write_text("abcX")
+    assert store.lookup("s", "k") is not None and len(calls) == 1
+    monkeypatch.setenv("DLLM_FLOW_VERIFY", "full")
+    assert store.lookup("s", "k") is None and not (tmp_path / "s" / "k").exists()
+    assert store.reuse_or_build("s", "k", build)[1] is False and len(calls) == 2
 
 
 def _model():
