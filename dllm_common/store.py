@@ -232,3 +232,16 @@ class Store:
     def verify(self, entry: StageEntry) -> list[str]:
         """What is wrong with the entry, every file re-hashed (empty list = intact)."""
         return self.check(entry, full=True)
+
+
+def refuse_published(out: str | Path, workdir: str | Path | None = None) -> None:
+    """Published entries are immutable: refuse an output directory inside a published entry (a directory
+    holding a manifest, or below one) or inside `workdir`'s store, before anything is written."""
+    target = Path(out).resolve()
+    inside = next((d for d in (target, *target.parents) if (d / MANIFEST).is_file()), None)
+    store = (Path(workdir) / "store").resolve() if workdir is not None else None
+    if inside is None and store is not None and (target == store or store in target.parents):
+        inside = store
+    if inside is not None:
+        what = "the published store entry" if (inside / MANIFEST).is_file() else "the store"
+        raise ValueError(f"{out} is inside {what} {inside}, which is never written to; choose another output directory")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dllm_common.checkpoint import CorruptCheckpointError
 from dllm_common.config import ConfigError
+from dllm_common.store import refuse_published
 from dllm_common.tracking import quiet_environment
 from flows.environment import prefect_env
 from flows.ui import cmd_ui
@@ -186,11 +187,12 @@ def cmd_report(args) -> int:
     from dllm_common.tracking import default_tracking_uri
     from tasks.report import render_from_mlflow
 
+    out = Path(args.out) if args.out else Path(args.workdir) / "reports" / "+".join(args.run_id)
+    refuse_published(out, Path(args.workdir))
     quiet_environment()
     uri = args.tracking_uri or default_tracking_uri(Path(args.workdir))
     client = MlflowClient(uri)
     parent_ids = [_parent_run(client, run_id) for run_id in args.run_id]
-    out = Path(args.out) if args.out else Path(args.workdir) / "reports" / "+".join(args.run_id)
     path = render_from_mlflow(client, parent_ids, out)
     print(path.read_text().split("\n## ")[0])
     print(f"[dllm-flow] report written to {path} (and PNGs beside it)")

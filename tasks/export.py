@@ -44,7 +44,7 @@ from safetensors.torch import load_file, load_model, save_file
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from dllm_common.checkpoint import DIGESTS, CorruptCheckpointError, checkpoint_digest, read_meta, verify_checkpoint
-from dllm_common.store import fsync_tree, sha256_file
+from dllm_common.store import fsync_tree, refuse_published, sha256_file
 from strategies import strategy_class
 from strategies.dflash_draft import DFlashDraftModel
 from strategies.models import merge_lora, model_from_config_dir
@@ -75,6 +75,7 @@ def export_checkpoint(
 ) -> Path:
     """Write CHECKPOINT as a Hugging Face folder at `out` (see the module doc); returns `out`."""
     out = Path(out)
+    refuse_published(out, workdir)
     _refuse_existing(out)
     remote = checkpoint.startswith(("models:/", "runs:/"))
     scratch = Path(tempfile.mkdtemp(prefix="dllm-export-")) if remote else None

@@ -199,6 +199,11 @@ def test_export_never_overwrites_a_non_empty_folder(trained, tmp_path):
     empty = tmp_path / "empty-dir"
     empty.mkdir()
     assert "model.safetensors" in _listing(export_checkpoint(ref.path, empty, workdir))
+    # published entries are immutable: no export into one, nor anywhere in the workdir's store
+    for target in (Path(ref.path) / "hf", Path(workdir) / "store" / "exports"):
+        with pytest.raises(ValueError, match="which is never written to; choose another output directory"):
+            export_checkpoint(ref.path, target, workdir)
+        assert not target.exists()
 
 
 def test_a_corrupt_checkpoint_is_refused_and_nothing_is_written(trained, tmp_path):

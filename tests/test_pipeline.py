@@ -144,6 +144,18 @@ def test_report_rerenders_from_mlflow_alone(smoke_run, tmp_path, capsys):
     for png in ("training_curves.png", "nelbo.png", "quality_vs_nfe.png"):
         assert (tmp_path / "r" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (workdir / png).is_file()
+    # published entries are immutable: --out into one (or anywhere in the store) is refused, nothing written
+    from dllm_common.store import StageEntry, Store
+
+    published = next((workdir / "store" / "report").glob("*/manifest.json")).parent
+    for target in (published, published / "sub", workdir / "store" / "elsewhere"):
+        refused = cli_here(capsys, "report", run_id, "--out", str(target), workdir=workdir)
+        assert (
+            refused.returncode == 2 and "which is never written to; choose another output directory" in refused.stderr
+        )
+        assert not (workdir / "store" / "elsewhere").exists() and not (published / "sub").exists()
+    entry = StageEntry("report", published.name, published)
+    assert Store(workdir / "store").verify(entry) == []
 
 
 def flow_run_logs_and_artifacts(api: str, flow_run_id: str) -> tuple[list[str], list]:
