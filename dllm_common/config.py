@@ -9,18 +9,40 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class ConfigError(ValueError):
     """A config problem a person can fix; the message lists every offending key."""
 
 
+def _numeric(annotation) -> bool:
+    """A field that takes a number (int or float, optionally None) and never a boolean."""
+    args = [a for a in (get_args(annotation) or (annotation,)) if a is not type(None)]
+    if get_origin(annotation) is Annotated:
+        args = [get_args(annotation)[0]]
+    return bool(args) and all(a in (int, float) for a in args)
+
+
+def refuse_boolean_number(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """YAML reads true/false/yes/no as booleans and pydantic would take them as 1/0: refuse that for every
+    numeric field (a `field_validator("*", mode="before")` of each config model)."""
+    field = model.model_fields.get(info.field_name or "")
+    if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+        raise ValueError("expected a number, not a boolean (YAML reads true/false/yes/no as booleans)")
+    return value
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_boolean_number(cls, value, info)
 
 
 class PipelineConfig(_Section):
@@ -201,7 +223,7 @@ class EvalConfig(_Section):
     threshold: float | None = Field(None, gt=0, le=1)  # confidence-threshold parallel decoding (absorbing samplers)
     prompts: tuple[str, ...] = ("To be, or not to be", "My lord,", "What say you", "O")
     # step budgets of the quality-vs-NFE curve; empty → sample_steps, ½ and ¼ of it
-    nfe_budgets: tuple[int, ...] = ()
+    nfe_budgets: tuple[Annotated[int, Field(ge=1)], ...] = ()
     scorer: ScorerConfig | None = None  # None → no eval/gen_ppl (eval/entropy is always reported)
     lm_eval: LMEvalConfig | None = None  # None → no lm-evaluation-harness tasks
 
@@ -365,9 +387,13 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p} (pass the path of a YAML file, e.g. configs/quickstart.yaml)")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+    if raw is None:
+        raise ConfigError(
+            f"config file {p} is empty; a pipeline needs at least its sections (start from configs/quickstart.yaml)"
+        )
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(raw).__name__}")
     return raw

@@ -41,8 +41,21 @@ def _verification(args) -> None:
         os.environ[VERIFY_ENV] = "full"
 
 
+def _check_device(spec) -> None:
+    """train.device: cuda on a machine without one fails here, not inside the first stage (a remote
+    train_deployment trains on its own worker's GPU)."""
+    if spec.train.device == "cuda" and spec.pipeline.train_deployment is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "train.device is 'cuda' but this machine has no CUDA device; use train.device: auto (cuda when "
+                "present) or cpu, or train on a GPU work pool (pipeline.train_deployment)"
+            )
+
+
 def cmd_run(args) -> int:
-    load_config(args.config, args.set)  # fail fast, before any service starts
+    _check_device(load_config(args.config, args.set))  # fail fast, before any service starts
     _verification(args)
     prefect_env(Path(args.workdir))
     from tasks.common import check_workdir

@@ -18,7 +18,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from dllm_common import config as pipeline_config
 from dllm_common.config import ConfigError, PipelineSpec
@@ -28,6 +28,11 @@ class StrategyOptions(BaseModel):
     """What every strategy reads: the [MASK] id (None: the tokenizer's) and the minimum noise level."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return pipeline_config.refuse_boolean_number(cls, value, info)
 
     mask_token_id: int | None = Field(None, ge=0)
     eps: float = Field(1e-3, ge=0, lt=1)

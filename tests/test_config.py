@@ -43,6 +43,31 @@ def test_wrong_type_names_path_and_value():
     assert "train.steps" in str(err.value) and "'many'" in str(err.value)
 
 
+def test_silently_accepted_values_are_refused(tmp_path):
+    """Values that used to be taken as something else (issue: one clear error for every bad input): an empty
+    file, a boolean where a number goes (YAML's yes/no/true), a budget below one step."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# only a comment\n")
+    with pytest.raises(ConfigError, match="is empty; a pipeline needs at least its sections"):
+        load_config(empty)
+    for raw, where in (
+        ({"train": {"steps": True}}, "train.steps"),
+        ({"eval": {"top_p": False}}, "eval.top_p"),
+        ({"data": {"max_val_rows": True}}, "data.max_val_rows"),
+        ({"dllm": {"eps": True}}, "eps"),
+        ({"pipeline": {"strategies": ["scdd"]}, "dllm": {"uniform_ratio": False}}, "uniform_ratio"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            validate_config(raw)
+        assert f"{where}: Value error, expected a number, not a boolean" in str(err.value), str(err.value)
+    with pytest.raises(ConfigError, match=r"eval.nfe_budgets.0: Input should be greater than or equal to 1"):
+        validate_config({"eval": {"nfe_budgets": [-3, 4]}})
+    ok = validate_config(
+        {"pipeline": {"strategies": ["scdd"]}, "dllm": {"time_conditioning": True}, "train": {"steps": 3}}
+    )
+    assert ok.train.steps == 3 and ok.eval.greedy is True  # real booleans stay booleans
+
+
 def test_unknown_strategy_lists_allowed():
     with pytest.raises(ConfigError) as err:
         validate_config({"pipeline": {"strategies": ["mdlm", "gpt"]}})

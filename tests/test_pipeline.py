@@ -243,6 +243,12 @@ def test_bad_input_gets_one_clear_error(tmp_path, capsys):
     assert unknown.returncode == 2 and "'nope'" in unknown.stderr
     bad_key = cli_here(capsys, "validate", "configs/smoke.yaml", "--set", "train.learning_rate=1")
     assert bad_key.returncode == 2 and "train.learning_rate: unknown key" in bad_key.stderr
+    import torch
+
+    if not torch.cuda.is_available():  # on a GPU host this config is valid
+        no_gpu = cli_here(capsys, "run", "configs/smoke.yaml", "--set", "train.device=cuda", workdir=tmp_path / "gpu")
+        assert no_gpu.returncode == 2 and "train.device is 'cuda' but this machine has no CUDA device" in no_gpu.stderr
+        assert not (tmp_path / "gpu").exists()  # refused before the workdir or any service
     wrong_type = cli_here(capsys, "validate", "configs/smoke.yaml", "--set", "train.steps=lots")
     assert wrong_type.returncode == 2 and "train.steps" in wrong_type.stderr and "'lots'" in wrong_type.stderr
 
