@@ -68,6 +68,13 @@ class SamplerConfig:
         check_cache_mode(self.cache)
         if self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"top_k must be ≥ 0 and top_p in (0, 1]; got top_k={self.top_k}, top_p={self.top_p}")
+        for name in ("steps", "max_new_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be ≥ 0 (0: greedy); got {self.temperature}")
+        if self.threshold is not None and not 0 < self.threshold <= 1:
+            raise ValueError(f"threshold must be in (0, 1] (a confidence) or unset; got {self.threshold}")
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,11 @@ def generate(loaded: Loaded, request: Request, device: str, stream=None) -> Gene
     prompt_ids = encode_prompts(loaded.tokenizer, [request.prompt], request.chat)[0]
     if not prompt_ids:
         raise ValueError("--prompt is empty after tokenization; give some text")
+    context = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and len(prompt_ids) > context:
+        raise ValueError(
+            f"--prompt is {len(prompt_ids)} tokens, longer than the model's context of {context} positions; shorten it"
+        )
     if request.sampler == SPECULATIVE:
         return _speculative(loaded, prompt_ids, config, stream, request.seed)
     return _denoise(loaded, request, prompt_ids, gen, device, stream)

@@ -330,3 +330,14 @@ def test_the_card_license_is_the_pretrained_base_models(tmp_path):
     )  # MLflow params
     assert base_model_license({"model": {"kind": "tiny", "path": None}}) is None
     assert base_model_license({"model": {"kind": "pretrained", "path": "org/hub-id"}}) is None
+
+
+def test_a_prompt_longer_than_the_models_context_is_refused(trained):
+    """One clear error instead of decoding past every position the model was built for."""
+    runs, _, _ = trained
+    ref, _ = runs["mdlm"]
+    loaded = load_for_generation(model_dir(ref), "cpu")
+    context = loaded.model.config.max_position_embeddings
+    config = SamplerConfig(steps=4, max_new_tokens=8, block_size=4)
+    with pytest.raises(ValueError, match=f"longer than the model's context of {context} positions; shorten it"):
+        generate(loaded, Request("To be, or not to be " * context, "auto", config, seed=0), "cpu")

@@ -52,6 +52,24 @@ def test_bad_truncation_settings_are_refused():
             SamplerConfig(**kw)
 
 
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"steps": 0}, "steps must be at least 1; got 0"),
+        ({"max_new_tokens": -5}, "max_new_tokens must be at least 1; got -5"),
+        ({"block_size": 0}, "block_size must be at least 1; got 0"),
+        ({"temperature": -1.0}, "temperature must be ≥ 0"),
+        ({"threshold": 1.5}, "threshold must be in"),
+        ({"threshold": 0.0}, "threshold must be in"),
+    ],
+)
+def test_bad_sampler_settings_are_refused_by_name(kw, message):
+    """`dllm-flow generate --steps 0 / --max-new-tokens -5 / --block-size 0 / --temperature -1` and the same in
+    the Python API: one error naming the setting, before any model runs."""
+    with pytest.raises(ValueError, match=message):
+        SamplerConfig(**kw)
+
+
 def noisy_denoiser(seed: int):
     """A fixed random denoiser whose logits depend on position and token (deterministic per canvas)."""
     table = torch.randn(V, V, generator=torch.Generator().manual_seed(seed)) * 1.5
