@@ -365,7 +365,15 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = item.split("=", 1)
     if not key.strip():
         raise ConfigError(f"override {item!r} has an empty key")
-    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else ""
+    if raw == "":
+        return key.strip().split("."), ""
+    try:
+        return key.strip().split("."), yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        where = f" ({exc.problem})" if getattr(exc, "problem", None) else ""
+        raise ConfigError(
+            f"override {item!r}: the value {raw!r} is not valid YAML{where}; quote it as a string or fix the brackets"
+        ) from None
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:

@@ -88,6 +88,8 @@ def test_overrides_are_yaml_typed_and_dotted(tmp_path):
 def test_bad_override_syntax():
     with pytest.raises(ConfigError, match="dotted.key=value"):
         apply_overrides({}, ["train.steps"])
+    with pytest.raises(ConfigError, match=r"override 'eval.nfe_budgets=\[1,2': the value '\[1,2' is not valid YAML"):
+        apply_overrides({}, ["eval.nfe_budgets=[1,2"])
 
 
 def test_models_are_frozen():
