@@ -64,10 +64,17 @@ class RunRecord:
         atomic_write_text(self.path(workdir), json.dumps(asdict(self), indent=2, default=str))
 
 
+class UnreadableRecord(ValueError):
+    """A run record that does not parse (truncated, edited by hand, another version's)."""
+
+
 def load_record(path: Path) -> RunRecord:
-    raw = json.loads(Path(path).read_text())
-    raw["stages"] = [StageStatus(**s) for s in raw.get("stages", [])]
-    return RunRecord(**raw)
+    try:
+        raw = json.loads(Path(path).read_text())
+        raw["stages"] = [StageStatus(**s) for s in raw.get("stages", [])]
+        return RunRecord(**raw)
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        raise UnreadableRecord(f"run record {path} is unreadable ({type(exc).__name__}: {exc})") from None
 
 
 def _alive(pid: int) -> bool:
@@ -92,12 +99,21 @@ def detect_crash(record: RunRecord, workdir: Path) -> RunRecord:
     return record
 
 
-def list_records(workdir: Path) -> list[RunRecord]:
+def read_records(workdir: Path) -> tuple[list[RunRecord], list[str]]:
+    """(the readable run records, oldest first; one message per unreadable record): a damaged record hides
+    only itself."""
     folder = Path(workdir) / "runs"
-    if not folder.is_dir():
-        return []
-    records = (detect_crash(load_record(p), workdir) for p in folder.glob("*.json"))
-    return sorted(records, key=lambda r: r.started_at)
+    records, unreadable = [], []
+    for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            records.append(detect_crash(load_record(p), workdir))
+        except UnreadableRecord as exc:
+            unreadable.append(str(exc))
+    return sorted(records, key=lambda r: r.started_at), unreadable
+
+
+def list_records(workdir: Path) -> list[RunRecord]:
+    return read_records(workdir)[0]
 
 
 def find_record(workdir: Path, run_id: str) -> RunRecord:

@@ -120,9 +120,11 @@ def cmd_validate(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    from dllm_common.runs import list_records
+    from dllm_common.runs import read_records
 
-    records = list_records(Path(args.workdir))
+    records, unreadable = read_records(Path(args.workdir))
+    for message in unreadable:
+        print(f"[dllm-flow] skipped: {message}", file=sys.stderr)
     if not records:
         print(f"no pipeline runs in {args.workdir}")
         return 0

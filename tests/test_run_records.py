@@ -1,0 +1,32 @@
+"""Run records (dllm_common/runs.py): a damaged record hides only itself and names its file."""
+
+import contextlib
+
+import pytest
+from conftest import ROOT
+
+from dllm_common.runs import RunRecord, UnreadableRecord, find_record, read_records
+from flows.cli import main
+
+
+def _record(workdir, run_id, status="COMPLETED"):
+    record = RunRecord(run_id, "smoke", "configs/smoke.yaml", [], {}, "0" * 64, status=status, pid=None)
+    record.stage("train[mdlm]").status = "COMPLETED"
+    record.save(workdir)
+    return record
+
+
+def test_a_truncated_record_is_named_and_the_others_still_list(tmp_path, capsys):
+    _record(tmp_path, "20261201-000000-aaaaaa")
+    broken = _record(tmp_path, "20261201-000001-bbbbbb").path(tmp_path)
+    broken.write_text(broken.read_text()[:40])
+    records, unreadable = read_records(tmp_path)
+    assert [r.run_id for r in records] == ["20261201-000000-aaaaaa"]
+    assert len(unreadable) == 1 and str(broken) in unreadable[0] and "is unreadable (JSONDecodeError" in unreadable[0]
+    with contextlib.chdir(ROOT):
+        assert main(["runs", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "20261201-000000-aaaaaa  COMPLETED" in out.out and "train[mdlm]" in out.out
+    assert out.err.count("[dllm-flow] skipped: run record") == 1 and "Traceback" not in out.err
+    with pytest.raises(UnreadableRecord, match="20261201-000001-bbbbbb.json is unreadable"):
+        find_record(tmp_path, "20261201-000001-bbbbbb")
