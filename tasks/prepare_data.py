@@ -111,44 +111,86 @@ def shakespeare_documents(shape: str) -> list[Document]:
     return docs
 
 
-def _records(cfg: DataConfig) -> list[dict]:
-    path = Path(cfg.path) if cfg.path else None
-    if cfg.source == "jsonl":
-        if not path or not path.exists():
-            raise DataError(f"data.path {cfg.path!r} does not exist (expected a .jsonl file)")
-        rows = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{n} is not valid JSON ({exc.msg})") from None
-        return rows
-    if cfg.source == "parquet":
-        if not path or not path.exists():
-            raise DataError(f"data.path {cfg.path!r} does not exist (expected a .parquet file or directory)")
-        return pq.read_table(path).to_pylist()
-    # source == "hf": a hub name (with hub access), a local dataset dir, or a save_to_disk dir
+def _jsonl_rows(path: Path) -> list[tuple[str, object]]:
+    """(`file:line`, parsed row) per non-blank line; a line that is not UTF-8 or not JSON is one error naming both."""
+    if not path.is_file():
+        raise DataError(f"data.path {str(path)!r} is not a file (expected a .jsonl file)")
+    rows = []
+    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+        where = f"{path}:{n}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{where} is not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})") from None
+        if line.strip():
+            try:
+                rows.append((where, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where} is not valid JSON ({exc.msg})") from None
+    return rows
+
+
+def _hf_rows(cfg: DataConfig, path: Path | None) -> list[dict]:
+    """A `save_to_disk` directory, or a dataset `datasets.load_dataset` can open (a hub name needs hub access)."""
     if path and path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             loaded = loaded[cfg.hf_split]
         return list(loaded)
-    return list(datasets.load_dataset(cfg.path, cfg.hf_config, split=cfg.hf_split))
+    try:
+        return list(datasets.load_dataset(cfg.path, cfg.hf_config, split=cfg.hf_split))
+    except Exception as exc:  # the datasets library raises many types here; the user needs one message
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(
+            f"data.path {cfg.path!r}: no Hugging Face dataset could be loaded ({type(exc).__name__}: {first}); "
+            "give a directory written by Dataset.save_to_disk, a jsonl/parquet file with data.source set to match, "
+            "or a hub name on a machine with hub access"
+        ) from None
+
+
+def _records(cfg: DataConfig) -> list[tuple[str, object]]:
+    """(where, row) for every row of `data.path`: `file:line` for jsonl, `file row i` otherwise."""
+    path = Path(cfg.path) if cfg.path else None
+    if cfg.source == "jsonl":
+        if not path or not path.exists():
+            raise DataError(f"data.path {cfg.path!r} does not exist (expected a .jsonl file)")
+        return _jsonl_rows(path)
+    if cfg.source == "parquet":
+        if not path or not path.exists():
+            raise DataError(f"data.path {cfg.path!r} does not exist (expected a .parquet file or directory)")
+        return [(f"{path} row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+    return [(f"{cfg.path} row {i}", r) for i, r in enumerate(_hf_rows(cfg, path))]
+
+
+def _checked_value(where: str, row: object, cfg: DataConfig):
+    """The row's text (pretrain) or messages (dialogue), checked: one error naming the row otherwise."""
+    setting = "text_field" if cfg.shape == "pretrain" else "messages_field"
+    field = cfg.text_field if cfg.shape == "pretrain" else cfg.messages_field
+    if not isinstance(row, dict):
+        raise DataError(f"{where} is a {type(row).__name__}, not an object with a {field!r} field")
+    if field not in row:
+        raise DataError(f"{where} has no {field!r} field (set data.{setting})")
+    value = row[field]
+    if cfg.shape == "pretrain":
+        if not isinstance(value, str):
+            raise DataError(f"{where}: {field!r} is {value!r}, not a string")
+        return value
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: {field!r} must be a non-empty list of {{role, content}} messages, got {value!r:.80}")
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: message {j} of {field!r} needs a string 'role' and 'content', got {m!r:.80}")
+    return value
 
 
 def record_documents(cfg: DataConfig) -> list[Document]:
-    rows = _records(cfg)
-    field = cfg.text_field if cfg.shape == "pretrain" else cfg.messages_field
     grouped: dict[str, list] = {}
-    for i, row in enumerate(rows):
-        if field not in row:
-            setting = "text_field" if cfg.shape == "pretrain" else "messages_field"
-            raise DataError(f"row {i} of {cfg.path} has no {field!r} field (set data.{setting})")
+    for i, (where, row) in enumerate(_records(cfg)):
+        value = _checked_value(where, row, cfg)
         doc = str(row.get(cfg.document_field, i)) if cfg.document_field else str(i)
-        grouped.setdefault(doc, []).append(row[field])
+        grouped.setdefault(doc, []).append(value)
     if cfg.shape == "pretrain":
-        return [Document(d, text="\n\n".join(map(str, v))) for d, v in grouped.items()]
+        return [Document(d, text="\n\n".join(v)) for d, v in grouped.items()]
     return [Document(d, dialogues=tuple(tuple(m) for m in v)) for d, v in grouped.items()]
 
 

@@ -137,6 +137,39 @@ def test_missing_data_file_and_missing_field(tmp_path):
         prepare_data(_spec(tmp_path, source="jsonl", path=str(bad)), str(tmp_path / "w"))
 
 
+@pytest.mark.parametrize(
+    "lines, shape, message",
+    [
+        ([b'{"text": "ok"}', b'{"text": null}'], "pretrain", r"b.jsonl:2: 'text' is None, not a string"),
+        ([b'{"text": "ok"}', b'{"text": "caf\xe9"}'], "pretrain", r"b.jsonl:2 is not UTF-8 \(byte 0xe9 at column 14\)"),
+        ([b'{"text": "ok"}', b"", b'{"text": "ok",}'], "pretrain", r"b.jsonl:3 is not valid JSON"),
+        ([b'["text"]'], "pretrain", r"b.jsonl:1 is a list, not an object with a 'text' field"),
+        ([b'{"messages": "hi"}'], "dialogue", r"b.jsonl:1: 'messages' must be a non-empty list"),
+        (
+            [b'{"messages": [{"content": "hi"}]}'],
+            "dialogue",
+            r"b.jsonl:1: message 0 of 'messages' needs a string 'role'",
+        ),
+    ],
+)
+def test_bad_rows_are_one_error_naming_file_and_line(tmp_path, lines, shape, message):
+    """Data errors name the file and the line (issue: one clear error for every bad input); a null text is no
+    longer trained on as the string "None"; nothing is published."""
+    bad = tmp_path / "b.jsonl"
+    bad.write_bytes(b"\n".join(lines))
+    with pytest.raises(DataError, match=message):
+        prepare_data(_spec(tmp_path, source="jsonl", path=str(bad), shape=shape), str(tmp_path / "w"))
+    assert not list((tmp_path / "w").rglob("manifest.json"))
+
+
+def test_a_directory_or_an_unknown_dataset_as_data_path(tmp_path):
+    with pytest.raises(DataError, match="is not a file \\(expected a .jsonl file\\)"):
+        prepare_data(_spec(tmp_path, source="jsonl", path=str(tmp_path)), str(tmp_path / "w"))
+    missing = tmp_path / "no-such-dataset"
+    with pytest.raises(DataError, match="no Hugging Face dataset could be loaded .*save_to_disk"):
+        prepare_data(_spec(tmp_path, source="hf", path=str(missing)), str(tmp_path / "w"))
+
+
 def test_hf_dataset_from_local_path(tmp_path):
     import datasets
 
