@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, global_sum
-from strategies.corruption import corrupt_uniform_random
+from strategies.corruption import check_rows, corrupt_uniform_random
 from strategies.losses import (
     BlockDiffusionCrossEntropyLoss,
     DLLMLossOutput,
@@ -261,6 +261,7 @@ class BlockDiffusionStrategy(DLLMStrategy):
     @staticmethod
     def split_prompt_response(input_ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
         """prefix_b = index of the first supervised token (L if none); response = positions ≥ prefix_b."""
+        check_rows(input_ids, loss_mask, caller="split_prompt_response")
         length = input_ids.shape[1]
         sup = loss_mask.bool()
         first = torch.where(

@@ -7,9 +7,41 @@ randomness only from the passed `torch.Generator` (never the global RNG when one
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
+
+
+def check_rows(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    mask_token_id: object = None,
+    *,
+    eps: float | None = None,
+    vocab_size: int | None = None,
+    caller: str = "corruption",
+) -> None:
+    """The argument checks every kernel shares (one error naming the argument): integer `[B, L]` ids, a loss
+    mask of the same shape, an integer [MASK] id inside the vocabulary, 0 ≤ eps < 1. Shapes and dtypes only:
+    no pass over the values, so the checks cost nothing next to the kernel."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        what = (
+            f"{input_ids.dtype} of shape {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor) else type(input_ids)
+        )
+        raise ValueError(f"{caller}: input_ids must be an integer tensor [batch, length], got {what}")
+    if not isinstance(loss_mask, Tensor) or loss_mask.shape != input_ids.shape:
+        shape = tuple(loss_mask.shape) if isinstance(loss_mask, Tensor) else type(loss_mask).__name__
+        raise ValueError(f"{caller}: loss_mask must have input_ids' shape {tuple(input_ids.shape)}, got {shape}")
+    if mask_token_id is not None:
+        if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral) or mask_token_id < 0:
+            raise ValueError(f"{caller}: mask_token_id must be a non-negative integer, got {mask_token_id!r}")
+        if vocab_size is not None and mask_token_id >= vocab_size:
+            raise ValueError(
+                f"{caller}: mask_token_id {mask_token_id} is outside the vocabulary of {vocab_size} tokens"
+            )
+    if eps is not None and not 0 <= eps < 1:
+        raise ValueError(f"{caller}: eps (the minimum noise level) must be in [0, 1), got {eps!r}")
 
 
 def corrupt_uniform(
@@ -27,6 +59,7 @@ def corrupt_uniform(
 
     Returns (noisy_ids [B,L], noise_mask [B,L] bool, p_mask [B,L] float32, p constant per row).
     """
+    check_rows(input_ids, loss_mask, mask_token_id, eps=eps, caller="corrupt_uniform")
     batch, length = input_ids.shape
     t = torch.rand(batch, generator=generator, device=input_ids.device)
     p = (1.0 - eps) * t + eps
@@ -41,6 +74,7 @@ def mask_at_level(
     input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, p: Tensor, generator: torch.Generator | None = None
 ) -> tuple[Tensor, Tensor]:
     """Absorbing corruption at given per-row levels p [B] (used by the fixed-noise NELBO)."""
+    check_rows(input_ids, loss_mask, mask_token_id, caller="mask_at_level")
     u = torch.rand(input_ids.shape, generator=generator, device=input_ids.device)
     noise_mask = (u < p[:, None]) & loss_mask.bool()
     return torch.where(noise_mask, torch.full_like(input_ids, mask_token_id), input_ids), noise_mask
@@ -83,6 +117,7 @@ def corrupt_blockwise(
     Positions are chosen among all slots, then unsupervised picks are dropped (so realized k ≤ k).
     Draw order: all m's, then the Gumbel uniforms.
     """
+    check_rows(input_ids, loss_mask, mask_token_id, eps=eps, caller="corrupt_blockwise")
     batch, length = input_ids.shape
     device = input_ids.device
     if block_size is None:
@@ -127,6 +162,7 @@ def corrupt_uniform_random(
     replacement r ~ Uniform{0..V−1} (may equal the clean token). p_mask is all ones (flat loss).
     Draw order: t, u (B·L), r (B·L).
     """
+    check_rows(input_ids, loss_mask, eps=eps, caller="corrupt_uniform_random")
     batch, length = input_ids.shape
     device = input_ids.device
     if block_size is None:
@@ -146,6 +182,7 @@ def corrupt_all_masked(
     input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, generator: torch.Generator | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """I-DLM kernel (docs/strategies.md §4.5): every supervised token becomes [MASK]; deterministic; p_mask = 1."""
+    check_rows(input_ids, loss_mask, mask_token_id, caller="corrupt_all_masked")
     noise_mask = loss_mask.bool()
     noisy = torch.where(noise_mask, torch.full_like(input_ids, mask_token_id), input_ids)
     return noisy, noise_mask, torch.ones(input_ids.shape, dtype=torch.float32, device=input_ids.device)
@@ -170,6 +207,7 @@ def corrupt_mix(
     """
     if vocab_size < 3:
         raise ValueError(f"corrupt_mix requires vocab_size >= 3 (got {vocab_size})")
+    check_rows(input_ids, loss_mask, mask_token_id, vocab_size=vocab_size, caller="corrupt_mix")
     total = (mask_prob + uniform_prob).max()
     if total > 1 + 1e-5:
         raise ValueError(f"corrupt_mix requires mask_prob + uniform_prob <= 1 (got up to {float(total):.6f})")

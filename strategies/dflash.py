@@ -35,10 +35,11 @@ def _build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> li
         raise ValueError(f"need at least one target and one draft layer (got {num_target_layers}, {num_draft_layers})")
     if num_draft_layers == 1:
         return [num_target_layers // 2]
-    if num_target_layers < 4:
+    if num_target_layers < 4 or num_draft_layers > num_target_layers - 3:
         raise ValueError(
-            f"a {num_draft_layers}-layer draft needs a target with at least 4 layers "
-            f"(got {num_target_layers}); use one draft layer or a deeper target"
+            f"a {num_draft_layers}-layer draft reads {num_draft_layers} distinct target layers among 1 … T − 3, so it "
+            f"needs a target with at least {max(4, num_draft_layers + 3)} layers (got {num_target_layers}); use fewer "
+            "draft layers, a deeper target, or dflash.target_layer_ids"
         )
     return [round(1 + i * (num_target_layers - 4) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 

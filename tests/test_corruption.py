@@ -237,3 +237,30 @@ def test_seeded_kernels_are_reproducible_and_leave_global_rng_alone(batch, name)
     assert torch.equal(torch.get_rng_state(), state)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(a[1], c[1])
+
+
+def test_kernels_check_their_arguments_by_name():
+    """Bad input to the public kernels is one error naming the argument (it used to be accepted: float ids, a
+    fractional [MASK] id, eps outside [0, 1), an SCDD [MASK] id outside the vocabulary, mismatched shapes)."""
+    from strategies import BlockDiffusionStrategy
+    from strategies.corruption import corrupt_all_masked, corrupt_blockwise, corrupt_mix, corrupt_uniform
+
+    ids, lm = torch.randint(0, 10, (2, 8)), torch.ones(2, 8)
+    cases = [
+        (lambda: corrupt_uniform(ids.float(), lm, 11), "input_ids must be an integer tensor"),
+        (lambda: corrupt_uniform(ids, lm[:1], 11), r"loss_mask must have input_ids' shape \(2, 8\), got \(1, 8\)"),
+        (lambda: corrupt_uniform(ids, lm, 11.5), "mask_token_id must be a non-negative integer, got 11.5"),
+        (lambda: corrupt_uniform(ids, lm, True), "mask_token_id must be a non-negative integer, got True"),
+        (lambda: corrupt_uniform(ids, lm, 11, eps=1.0), r"eps \(the minimum noise level\) must be in \[0, 1\)"),
+        (lambda: corrupt_blockwise(ids, lm, 11, eps=-0.1), r"corrupt_blockwise: eps .* got -0.1"),
+        (lambda: corrupt_all_masked(ids[0], lm, 11), "corrupt_all_masked: input_ids must be an integer tensor"),
+        (
+            lambda: corrupt_mix(ids, lm, 40, 32, mask_prob=torch.zeros(2), uniform_prob=torch.zeros(2)),
+            "mask_token_id 40 is outside the vocabulary of 32 tokens",
+        ),
+        (lambda: BlockDiffusionStrategy.split_prompt_response(ids, lm[:, :4]), "split_prompt_response: loss_mask"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert corrupt_uniform(ids, lm.bool(), 11, eps=0.0)[0].shape == ids.shape  # a bool mask and eps 0 are fine

@@ -46,8 +46,12 @@ def test_target_layer_ids_examples_and_errors():
     assert _build_target_layer_ids(12, 1) == [6]
     assert _build_target_layer_ids(12, 3) == [1, 5, 9]
     assert _build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
-    with pytest.raises(ValueError, match="at least 4 layers"):
-        _build_target_layer_ids(3, 2)
+    assert _build_target_layer_ids(5, 2) == [1, 2]
+    # every draft layer reads a distinct target layer among 1 … T − 3 (4 target layers for 8 draft layers used to
+    # give [1] * 8)
+    for target, draft, need in ((3, 2, 5), (4, 2, 5), (4, 8, 11)):
+        with pytest.raises(ValueError, match=f"needs a target with at least {need} layers"):
+            _build_target_layer_ids(target, draft)
 
 
 def reference_visible(anchors, keep, s, bs, causal):
@@ -248,11 +252,11 @@ def pair():
 
 
 def _make_pair():
-    """A frozen 4-layer target and a 2-layer draft (block 4), built the same in every process."""
+    """A frozen 5-layer target and a 2-layer draft (block 4), built the same in every process."""
     # frozen as `tasks.dflash_setup.load_target` loads a target (the strategy holds it as given)
-    target = build_model(tiny_model_config("llama", 64, 128, 32, 4, 4, None, None, False), seed=0)
+    target = build_model(tiny_model_config("llama", 64, 128, 32, 5, 4, None, None, False), seed=0)
     target = target.eval().requires_grad_(False)
-    ids = _build_target_layer_ids(4, 2)
+    ids = _build_target_layer_ids(5, 2)
     cfg = DFlashDraftConfig(
         hidden_size=32,
         num_layers=2,
