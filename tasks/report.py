@@ -196,9 +196,11 @@ def _dflash_table(spec_rows: list[dict]) -> list[str]:
     if gaps:
         lines += [
             "",
-            f"⚠ τ_sim and real τ differ by more than {TAU_GAP:.0%}: τ_sim is teacher-forced on held-out data text, "
-            "real τ decodes the target's own continuations; a draft that learned the data rather than the target's "
-            "outputs shows this gap (docs/strategies.md §10.7: train on the target's regenerated text):",
+            f"⚠ τ_sim and real τ differ by more than {TAU_GAP:.0%}. They measure different text: τ_sim is "
+            "teacher-forced on held-out real text, real τ decodes the target's own continuations of held-out prompts. "
+            "A draft trained on the target's regenerated text (dflash.regenerate, docs/strategies.md §10.7) has τ_sim "
+            "well below τ by design; one trained on real text tends to the opposite. Real τ is the one that sets "
+            "the speedup:",
             *gaps,
         ]
     return lines + [
@@ -329,11 +331,21 @@ def _labelled(client, runs: list[dict]) -> list[dict]:
             out.append(r)
             continue
         params = [client.get_run(x["run_id"]).data.params for x in same]
-        differing = sorted(k for k in set().union(*params) if len({p.get(k) for p in params}) > 1)
+        differing = [k for k in _differing(params) if not _bookkeeping(k)]
+        options = [k for k in differing if k.startswith("options.")]  # the strategy's resolved options say it best
         mine = params[same.index(r)]
-        shown = [f"{k}={mine.get(k)}" for k in differing if not k.startswith(("mlflow.", "dllm.run"))][:3]
+        shown = [f"{k.removeprefix('options.')}={mine.get(k)}" for k in (options or differing)][:3]
         out.append({**r, "strategy": f"{r['strategy']} ({', '.join(shown) or r['run_id'][:8]})"})
     return out
+
+
+def _differing(params: list[dict]) -> list[str]:
+    return sorted(k for k in set().union(*params) if len({p.get(k) for p in params}) > 1)
+
+
+def _bookkeeping(key: str) -> bool:
+    """Parameters that differ between any two runs without saying how they differ (ids, keys, paths)."""
+    return key.startswith(("mlflow.", "dllm.run")) or key.endswith(("key", "_id", "run_id")) or ".path" in key
 
 
 def _runs_of(client, parent_run_id: str) -> tuple[list[dict], str]:

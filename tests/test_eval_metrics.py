@@ -224,9 +224,14 @@ def test_runs_of_one_strategy_from_several_pipeline_runs_are_labelled_by_what_di
     from tasks.report import _labelled
 
     params = {
-        "a": {"dflash.loss_type": "decay", "train.steps": "100", "dllm.run_id": "x"},
-        "b": {"dflash.loss_type": "dpace", "train.steps": "100", "dllm.run_id": "y"},
+        "a": {"dflash.loss_type": "decay", "train.steps": "100", "dllm.run_id": "x", "stage.key": "k1"},
+        "b": {"dflash.loss_type": "dpace", "train.steps": "100", "dllm.run_id": "y", "stage.key": "k2"},
         "c": {"train.steps": "100"},
+        # the strategy's resolved options name the difference better than the settings that echo them
+        "d": {"options.loss_type": "decay", "settings.loss_type": "None", "stage.key": "k1", "data.path": "/a"},
+        "e": {"options.loss_type": "dpace", "settings.loss_type": "dpace", "stage.key": "k2", "data.path": "/b"},
+        "f": {"stage.key": "k3"},
+        "g": {"stage.key": "k4"},
     }
     client = SimpleNamespace(get_run=lambda rid: SimpleNamespace(data=SimpleNamespace(params=params[rid])))
     runs = [
@@ -239,3 +244,7 @@ def test_runs_of_one_strategy_from_several_pipeline_runs_are_labelled_by_what_di
         "dflash (dflash.loss_type=dpace)",
         "mdlm",
     ]
+    more = [{"strategy": "dflash", "run_id": "d"}, {"strategy": "dflash", "run_id": "e"}]
+    assert [r["strategy"] for r in _labelled(client, more)] == ["dflash (loss_type=decay)", "dflash (loss_type=dpace)"]
+    same = [{"strategy": "scdd", "run_id": "f"}, {"strategy": "scdd", "run_id": "g"}]
+    assert [r["strategy"] for r in _labelled(client, same)] == ["scdd (f)", "scdd (g)"]  # nothing differs: run ids
