@@ -10,7 +10,9 @@ before `quiet_environment()` has switched telemetry off, and must stay light.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -38,7 +40,53 @@ def quiet_environment() -> None:
 
 
 def default_tracking_uri(workdir: Path) -> str:
+    """The workdir's own MLflow store (sqlite), relocated first if the workdir was moved or copied."""
+    relocate_local_store(workdir)
     return f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}"
+
+
+# where MLflow's sqlite store keeps absolute artifact paths: (table, column)
+_ARTIFACT_COLUMNS = (
+    ("experiments", "artifact_location"),
+    ("runs", "artifact_uri"),
+    ("model_versions", "source"),
+    ("model_versions", "storage_location"),
+    ("logged_models", "artifact_location"),
+)
+
+
+def relocate_local_store(workdir: Path) -> str | None:
+    """A workdir that was moved, copied or mounted elsewhere still has the old absolute artifact root in its
+    `mlflow.db` (MLflow stores absolute paths), so its runs would read, and new artifacts land, under the old
+    location. Rewrite that root to this workdir's `mlartifacts` (one line says so); returns the old root, or
+    None when nothing had to change. Only the workdir's own sqlite store is touched."""
+    import sqlite3
+
+    db = Path(workdir).resolve() / "mlflow.db"
+    if not db.is_file():
+        return None
+    new = artifact_root(workdir)
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as con:
+        try:
+            locations = [r[0] for r in con.execute("SELECT artifact_location FROM experiments")]
+        except sqlite3.DatabaseError:
+            return None  # not an MLflow store (yet): MLflow itself reports that
+        old = {loc[: loc.index("/mlartifacts") + len("/mlartifacts")] for loc in locations if "/mlartifacts" in loc}
+        old.discard(new)
+        if len(old) != 1:
+            return None
+        (previous,) = old
+        with con:
+            for table, column in _ARTIFACT_COLUMNS:
+                try:
+                    con.execute(
+                        f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE substr({column}, 1, ?) = ?",
+                        (new, len(previous) + 1, len(previous), previous),
+                    )
+                except sqlite3.OperationalError:  # a column this MLflow version does not have
+                    continue
+    print(f"[dllm-flow] workdir moved: MLflow's artifact paths rewritten from {previous} to {new}", file=sys.stderr)
+    return previous
 
 
 def artifact_root(workdir: Path) -> str:

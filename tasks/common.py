@@ -78,18 +78,23 @@ def check_workdir(workdir: str | Path) -> Path:
 def prefect_task(fn: Callable, *, name: str, stage_of: Callable[..., tuple[str, str]], retries: int = 0) -> Any:
     """Thin Prefect `@task` over a plain stage function, cached by the stage's store key.
 
-    The cache key is `<stage>/<key>/prefect-result` and the flow roots result storage at the store
-    (`flows.pipeline.store_result_storage`), so Prefect's cached result lives *inside* the published
-    entry: deleting an entry also drops Prefect's memory of it, and a half-written stage is never
-    served from cache. The entry is checked before Prefect looks (`Store.lookup`): a damaged entry is
-    moved aside with the cached result inside it, so a cache hit never skips the store's verification.
+    The cache key is `<stage>/<key>/prefect-result-<hash of the store's path>` and the flow roots
+    result storage at the store (`flows.pipeline.store_result_storage`), so Prefect's cached result lives
+    *inside* the published entry: deleting an entry also drops Prefect's memory of it, and a half-written
+    stage is never served from cache. The entry is checked before Prefect looks (`Store.lookup`): a damaged
+    entry is moved aside with the cached result inside it, so a cache hit never skips the verification.
     """
 
     def cache_key(_context, parameters: dict) -> str:
         stage, key = stage_of(**parameters)
-        if parameters.get("workdir") is not None:
-            store_for(parameters["workdir"]).lookup(stage, key)
-        return f"{stage}/{key}/prefect-result"
+        if parameters.get("workdir") is None:
+            return f"{stage}/{key}/prefect-result"
+        store = store_for(parameters["workdir"])
+        store.lookup(stage, key)
+        # the cached StageRef holds absolute paths: a result is only valid where the store was when it was written
+        # (a moved or copied workdir misses once, reuses its entries and caches refs to its own files)
+        where = hashlib.sha256(str(store.root.resolve()).encode()).hexdigest()[:12]
+        return f"{stage}/{key}/prefect-result-{where}"
 
     return task(fn, name=name, cache_key_fn=cache_key, persist_result=True, retries=retries)
 

@@ -410,8 +410,8 @@ def report(
         render_runs(client, runs, pipeline_name, tmp)
         return {"runs": runs}
 
-    entry, _ = store_for(workdir).reuse_or_build(stage, key, build)
-    return StageRef(STAGE, key, str(entry.path), reused=False)
+    entry, reused = store_for(workdir).reuse_or_build(stage, key, build)
+    return StageRef(STAGE, key, str(entry.path), reused=reused)
 
 
 @dataclass(frozen=True)

@@ -232,6 +232,29 @@ def test_corrupt_checkpoint_fails_evaluation_clearly(smoke_run, prefect_api):
             shutil.rmtree(damaged)
 
 
+def test_a_copied_then_moved_workdir_reuses_everything_from_its_new_place(smoke_run, tmp_path, prefect_api):
+    """Relocatable workdirs: `cp -a` then `mv` (the copy's first home is gone) and rerun. Every stage is reused,
+    nothing is read from or recreated at an old location, and MLflow's artifact paths point into the new one."""
+    import sqlite3
+
+    workdir, _ = smoke_run
+    first, moved = tmp_path / "copy", tmp_path / "moved"
+    shutil.copytree(workdir, first, symlinks=True)
+    shutil.move(first, moved)
+    out = cli("run", "configs/smoke.yaml", workdir=moved, api=prefect_api)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert set(stage_status(latest_record(moved)).values()) == {"REUSED"}, stage_status(latest_record(moved))
+    assert "workdir moved: MLflow's artifact paths rewritten" in out.stderr and not first.exists()
+    con = sqlite3.connect(moved / "mlflow.db")
+    paths = [r[0] for r in con.execute("SELECT artifact_location FROM experiments UNION SELECT artifact_uri FROM runs")]
+    paths += [r[0] for r in con.execute("SELECT source FROM model_versions")]
+    con.close()
+    local = [p for p in paths if "/mlartifacts" in p]
+    assert local and all(p.startswith((moved / "mlartifacts").as_uri()) for p in local), local
+    for entry in (moved / "store" / "train").glob("*/manifest.json"):  # Prefect now caches refs to the new files
+        assert [p.name for p in entry.parent.glob("prefect-result-*")], list(entry.parent.iterdir())
+
+
 def test_bad_input_gets_one_clear_error(tmp_path, capsys):
     missing = cli("run", "configs/nope.yaml", workdir=tmp_path)
     assert missing.returncode == 2 and "config file not found" in missing.stderr

@@ -1,5 +1,7 @@
 """The thin Prefect wrappers: `.fn` is the plain stage function and the cache key is the store key."""
 
+import hashlib
+
 from tasks.evaluate import evaluate, evaluate_task
 from tasks.prepare_data import prepare_data, prepare_data_task, stage_of
 from tasks.report import report, report_task
@@ -14,11 +16,18 @@ def test_tasks_wrap_the_plain_stage_functions():
 def test_cache_key_is_the_store_key_and_follows_the_config(tiny_spec, tmp_path):
     params = {"spec": tiny_spec, "workdir": str(tmp_path)}
     stage, key = stage_of(**params)
-    assert prepare_data_task.cache_key_fn(None, params) == f"{stage}/{key}/prefect-result"
+    where = hashlib.sha256(str((tmp_path / "store").resolve()).encode()).hexdigest()[:12]
+    assert prepare_data_task.cache_key_fn(None, params) == f"{stage}/{key}/prefect-result-{where}"
     changed = tiny_spec.model_copy(update={"tokenizer": tiny_spec.tokenizer.model_copy(update={"vocab_size": 400})})
-    assert prepare_data_task.cache_key_fn(None, {**params, "spec": changed}) != f"{stage}/{key}/prefect-result"
+    assert not prepare_data_task.cache_key_fn(None, {**params, "spec": changed}).startswith(f"{stage}/{key}/")
     eval_only = tiny_spec.model_copy(update={"eval": tiny_spec.eval.model_copy(update={"t_samples": 5})})
-    assert prepare_data_task.cache_key_fn(None, {**params, "spec": eval_only}) == f"{stage}/{key}/prefect-result"
+    assert (
+        prepare_data_task.cache_key_fn(None, {**params, "spec": eval_only}) == f"{stage}/{key}/prefect-result-{where}"
+    )
+    # a workdir at another path (moved, copied, mounted elsewhere) never gets the cached refs to the old files
+    elsewhere = {**params, "workdir": str(tmp_path / "moved")}
+    assert prepare_data_task.cache_key_fn(None, elsewhere).startswith(f"{stage}/{key}/prefect-result-")
+    assert prepare_data_task.cache_key_fn(None, elsewhere) != prepare_data_task.cache_key_fn(None, params)
 
 
 def test_a_strategy_with_an_invalid_normalization_mode_is_rejected(monkeypatch):
