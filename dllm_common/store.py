@@ -116,9 +116,14 @@ class Store:
         hit, problems = self._inspect(stage, key)
         if problems:
             with self.lock(stage, key):
-                hit, problems = self._inspect(stage, key)
-                if problems:
-                    self._set_aside(stage, key, problems)
+                return self._intact_locked(stage, key)
+        return hit
+
+    def _intact_locked(self, stage: str, key: str) -> StageEntry | None:
+        """`lookup` for a caller that holds the entry's lock: a damaged entry is set aside, None returned."""
+        hit, problems = self._inspect(stage, key)
+        if problems:
+            self._set_aside(stage, key, problems)
         return hit
 
     def _inspect(self, stage: str, key: str) -> tuple[StageEntry | None, list[str]]:
@@ -145,8 +150,8 @@ class Store:
             p = entry.path / rel
             if not p.is_file():
                 problems.append(f"{rel} is missing")
-            elif p.stat().st_size != size:
-                problems.append(f"{rel} has {p.stat().st_size} bytes, the manifest says {size}")
+            elif (actual := p.stat().st_size) != size:
+                problems.append(f"{rel} has {actual} bytes, the manifest says {size}")
             elif full and sha256_file(p) != digest:
                 problems.append(f"{rel} does not match its sha256")
         return problems
@@ -212,11 +217,8 @@ class Store:
         if (hit := self.lookup(stage, key)) is not None:
             return hit, True
         with self.lock(stage, key):
-            hit, problems = self._inspect(stage, key)
-            if hit is not None:
+            if (hit := self._intact_locked(stage, key)) is not None:
                 return hit, True
-            if problems:  # damaged since the first look
-                self._set_aside(stage, key, problems)
             with self._publishing(stage, key) as (tmp, manifest):
                 manifest.update(build(tmp))
         return StageEntry(stage, key, self.entry_dir(stage, key)), False
