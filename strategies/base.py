@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dllm_common.config import ConfigError
 from strategies.corruption import corrupt_uniform, mask_at_level
 from strategies.decoding_cache import bidirectional_denoiser
 from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss, per_token_nll
@@ -94,6 +95,27 @@ class SetupContext:
     extras: dict = field(default_factory=dict)
 
 
+def model_vocab_size(model: nn.Module | None) -> int | None:
+    """Rows of the model's token embedding (`config.vocab_size`; wrappers share their backbone's config),
+    None when the model does not say."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(vocab) if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+def check_mask_token_id(mask_token_id: int | None, model: nn.Module | None, key: str = "dllm.mask_token_id") -> None:
+    """The [MASK] id must be a row of the model's embedding: refuse it, naming `key`, the value and the valid
+    range, before any step indexes the embedding with it. Unknown vocabulary or mask id: nothing to check."""
+    vocab = model_vocab_size(model)
+    if mask_token_id is None or vocab is None:
+        return
+    if not 0 <= int(mask_token_id) < vocab:
+        raise ConfigError(
+            f"{key} ({mask_token_id}) is outside the model's vocabulary of {vocab} tokens; valid ids are "
+            f"0..{vocab - 1}. Set {key} to an unused token id below {vocab}, or leave it unset to use the "
+            "tokenizer's [MASK] token"
+        )
+
+
 def global_sum(value: int | float) -> int | float:
     """Sum a scalar over the data-parallel group (identity outside torch.distributed). Integers (token
     counts) are reduced exactly as int64, floats (losses) as float64; the type comes back unchanged."""
@@ -139,7 +161,9 @@ class DLLMStrategy:
 
     @classmethod
     def complete_options(cls, options: StrategyOptions, model: nn.Module) -> StrategyOptions:
-        """Fill what the model decides (an unset `vocab_size` is the model's); every value is fixed after."""
+        """Fill what the model decides (an unset `vocab_size` is the model's); every value is fixed after.
+        A configured `mask_token_id` outside the model's vocabulary is refused here."""
+        check_mask_token_id(options.mask_token_id, model)
         if "vocab_size" in cls.Options.model_fields and getattr(options, "vocab_size", None) is None:
             vocab = getattr(getattr(model, "config", None), "vocab_size", None)
             return options.model_copy(update={"vocab_size": vocab})

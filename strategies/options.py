@@ -13,6 +13,7 @@ exactly what training uses. See docs/architecture.md ("How a strategy plugs in")
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
@@ -36,6 +37,47 @@ class StrategyOptions(BaseModel):
 
     mask_token_id: int | None = Field(None, ge=0)
     eps: float = Field(1e-3, ge=0, lt=1)
+
+    def check_against(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
+        """What the options alone cannot see: values that the rest of the pipeline config makes impossible
+        (at config load, before any stage runs). `where(key)` names the key as the config wrote it."""
+        if self.mask_token_id is None:
+            return
+        bounds = []  # (vocabulary size, where that size comes from)
+        if self.config_vocab_known(spec):
+            bounds.append(
+                (
+                    spec.tokenizer.vocab_size,
+                    "tokenizer.vocab_size: the tokenizer trained from this config has at most that many tokens, "
+                    "and the model's vocabulary is the tokenizer's",
+                )
+            )
+        vocab = getattr(self, "vocab_size", None)
+        if vocab is not None:
+            bounds.append((vocab, where("vocab_size")))
+        for size, source in sorted(bounds, key=lambda b: b[0]):
+            if self.mask_token_id >= size:
+                key = where("mask_token_id")
+                raise ConfigError(
+                    f"{key} ({self.mask_token_id}) is outside the vocabulary of {size} tokens ({source}); valid "
+                    f"ids are 0..{size - 1}. Set {key} to an unused token id below {size}, or leave it unset to "
+                    "use the tokenizer's [MASK] token"
+                )
+
+    def config_vocab_known(self, spec: PipelineSpec) -> bool:
+        """The model's vocabulary is bounded by `tokenizer.vocab_size`: a tiny model built for a tokenizer
+        trained from the config (a pretrained model or tokenizer is only known at run time)."""
+        return spec.tokenizer.kind == "train_bpe" and spec.model.kind == "tiny"
+
+
+def refuse_longer_than_rows(spec: PipelineSpec, key: str, value: int | None, hint: str) -> None:
+    """A block (`key` names it) longer than a training row (`data.seq_len`) is one block over the whole row."""
+    if value is not None and value > spec.data.seq_len:
+        raise ConfigError(
+            f"{key} ({value}) is larger than data.seq_len ({spec.data.seq_len}); a training row holds "
+            f"{spec.data.seq_len} tokens, so the block could never be filled. Set {key} to at most "
+            f"{spec.data.seq_len}{hint}, or raise data.seq_len"
+        )
 
 
 class MDLMOptions(StrategyOptions):
@@ -68,6 +110,11 @@ class HybridOptions(StrategyOptions):
     block_size: int | None = Field(None, ge=1)
     half_life_ratio: float = Field(0.25, gt=0)
 
+    def check_against(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
+        super().check_against(spec, where)
+        hint = " (or leave it unset for one noise level per row)"
+        refuse_longer_than_rows(spec, where("block_size"), self.block_size, hint)
+
 
 class IDLMOptions(StrategyOptions):
     """Introspective diffusion (docs/strategies.md §8.4)."""
@@ -75,6 +122,10 @@ class IDLMOptions(StrategyOptions):
     block_length: int = Field(1, ge=1)
     clean_loss_weight: float = Field(0.2, ge=0)
     auto_balance_clean_loss: bool = False
+
+    def check_against(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
+        super().check_against(spec, where)
+        refuse_longer_than_rows(spec, where("block_length"), self.block_length, "")
 
 
 class DFlashOptions(StrategyOptions):
@@ -98,6 +149,32 @@ class DFlashOptions(StrategyOptions):
             raise ValueError("dflash.block_size must be at least 2 (or 0 to read it from the draft checkpoint)")
         return value
 
+    def check_against(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
+        super().check_against(spec, where)
+        if not self.block_size:  # 0: the draft checkpoint's, known at run time
+            return
+        # an anchor block is kept only in a row with ≥ 2 × block_size supervised tokens
+        # (strategies.dflash.sample_anchor_blocks): with a larger block, no block ever trains
+        key, size, seq_len, regen = where("block_size"), self.block_size, spec.data.seq_len, spec.dflash.regenerate
+        supervised, why = seq_len, f"data.seq_len ({seq_len}) tokens"
+        if regen is not None and regen.prompt_len < seq_len:
+            supervised = seq_len - regen.prompt_len
+            why = f"data.seq_len ({seq_len}) − dflash.regenerate.prompt_len ({regen.prompt_len}) = {supervised}"
+        if 2 * size > supervised:
+            what = (
+                f"is larger than data.seq_len ({seq_len})" if size > seq_len else "is too large for the training rows"
+            )
+            raise ConfigError(
+                f"{key} ({size}) {what}: DFlash keeps an anchor block only in a row with at least 2 × {size} = "
+                f"{2 * size} supervised tokens, and a row has {why}, so no block would ever train. Set {key} to "
+                f"at most {supervised // 2}, or use longer rows"
+            )
+
+    def config_vocab_known(self, spec: PipelineSpec) -> bool:
+        """The draft writes through the target's head: the target is built from the config's tokenizer only
+        when the `pretrain_target` stage trains it (no `dflash.target_model_id`)."""
+        return super().config_vocab_known(spec) and spec.dflash.target_model_id is None
+
 
 class BlockDiffusionOptions(StrategyOptions):
     """Encoder + noised canvas (docs/strategies.md §8.6, §9). `vocab_size` None: the model's."""
@@ -108,6 +185,13 @@ class BlockDiffusionOptions(StrategyOptions):
     encoder_loss_weight: float = Field(1.0, ge=0)
     # how a canvas token's own evidence enters the prediction (docs/strategies.md §5.4); "learned": the reference
     own_token_evidence: Literal["analytic", "learned"] = "analytic"
+
+    def check_against(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
+        super().check_against(spec, where)
+        # the default (256) may exceed short rows: one canvas block per row, as block_size = seq_len; a value
+        # written in the config that is longer than a row is a mistake
+        if "block_size" in self.model_fields_set:
+            refuse_longer_than_rows(spec, where("block_size"), self.block_size, " (data.seq_len: one block per row)")
 
 
 @dataclass(frozen=True)
@@ -165,6 +249,17 @@ def _validated(reg: Registration, values: dict[str, Any], where: str) -> Strateg
         raise ConfigError("\n".join(lines)) from None
 
 
+def option_source(spec: PipelineSpec, name: str, key: str) -> str:
+    """Where `key` of strategy `name` was set, as a dotted config key (the highest-precedence place that sets
+    it; `dllm.<key>` when none does)."""
+    reg = registration(name)
+    if key in spec.dllm.overrides.get(name, {}):
+        return f"dllm.overrides.{name}.{key}"
+    if reg.section is not None and key in _section_values(spec, reg):
+        return f"{reg.section}.{key}"
+    return f"dllm.{key}"
+
+
 def resolve_options(spec: PipelineSpec, name: str) -> StrategyOptions:
     """The options `name` trains with: shared `dllm:` keys it declares, its section, its overrides."""
     reg = registration(name)
@@ -198,7 +293,10 @@ def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
             )
     for name, values in spec.dllm.overrides.items():
         _validated(REGISTRY[name], values, f"dllm.overrides.{name}")
-    return {name: resolve_options(spec, name) for name in spec.pipeline.strategies}
+    resolved = {name: resolve_options(spec, name) for name in spec.pipeline.strategies}
+    for name, options in resolved.items():
+        options.check_against(spec, lambda key, name=name: option_source(spec, name, key))
+    return resolved
 
 
 def validate_config(raw: dict, source: str = "<dict>") -> PipelineSpec:

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from strategies.base import DLLMStrategy, SetupContext
+from strategies.base import DLLMStrategy, SetupContext, check_mask_token_id
 from strategies.options import REGISTRY, StrategyOptions, registration
 
 DLLM_STRATEGIES: dict[str, type[DLLMStrategy]] = {name: reg.load() for name, reg in REGISTRY.items()}
@@ -75,6 +75,8 @@ def assemble_strategy(
         raise ValueError(
             "dllm.mask_token_id must be set in config, resolved by the tokenizer, or set by strategy.setup_extra()."
         )
+    if name != "dflash":  # a DFlash draft's mask row is checked against its target (tasks/dflash_setup.py)
+        check_mask_token_id(int(mask), model)
     final = opts.model_copy(update={"mask_token_id": int(mask)})
     strategy = cls(final, **resources)
     return AssembledStrategy(strategy, strategy.create_loss_fn(final), int(mask))
