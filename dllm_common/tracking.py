@@ -11,6 +11,7 @@ before `quiet_environment()` has switched telemetry off, and must stay light.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sys
 import time
@@ -40,9 +41,42 @@ def quiet_environment() -> None:
 
 
 def default_tracking_uri(workdir: Path) -> str:
-    """The workdir's own MLflow store (sqlite), relocated first if the workdir was moved or copied."""
+    """The workdir's own MLflow store (sqlite), checked and relocated first if the workdir was moved or copied."""
     relocate_local_store(workdir)
     return f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}"
+
+
+class DamagedStoreError(ValueError):
+    """A local MLflow sqlite store that sqlite cannot read (truncated, overwritten): a problem a person fixes by
+    moving the file aside; the message says how."""
+
+
+def check_local_store(db: Path, workdir: Path | None = None) -> None:
+    """Refuse a damaged sqlite store before MLflow opens it (it would fail deep inside SQLAlchemy): one
+    read-only open and `PRAGMA quick_check`. The file is never written, moved or deleted. A missing or empty
+    file is fine (MLflow creates its tables), and so is a store that is only busy (locked by a writer)."""
+    import sqlite3
+
+    db = Path(db)
+    if not db.is_file() or db.stat().st_size == 0:
+        return
+    problem = None
+    try:
+        with contextlib.closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)) as con:
+            rows = [r[0] for r in con.execute("PRAGMA quick_check(3)")]
+            if rows != ["ok"]:
+                problem = "; ".join(str(r) for r in rows)
+    except sqlite3.OperationalError:
+        return  # locked, busy or unreadable for now: not damage; MLflow reports what it finds
+    except sqlite3.DatabaseError as exc:  # "file is not a database", "database disk image is malformed"
+        problem = str(exc)
+    if problem is None:
+        return
+    stage_store = (Path(workdir).resolve() if workdir is not None else db.parent) / "store"
+    raise DamagedStoreError(
+        f"MLflow store {db} is damaged ({problem}); move it aside (mv {db} {db}.damaged) to start a fresh "
+        f"tracking store — the stage store under {stage_store} is untouched"
+    )
 
 
 # where MLflow's sqlite store keeps absolute artifact paths: (table, column)
@@ -65,6 +99,7 @@ def relocate_local_store(workdir: Path) -> str | None:
     db = Path(workdir).resolve() / "mlflow.db"
     if not db.is_file():
         return None
+    check_local_store(db, workdir)
     new = artifact_root(workdir)
     with contextlib.closing(sqlite3.connect(db, timeout=30)) as con:
         try:
@@ -178,6 +213,23 @@ class MlflowTracker:
         self.client.set_terminated(self.run_id, status=status)
 
 
+@contextlib.contextmanager
+def _store_lock(uri: str):
+    """An exclusive lock beside a local sqlite store while it is created or migrated (MLflow's schema migration
+    is not safe against a second process doing the same); a no-op for a tracking server."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
 class Tracking:
     """Opens the experiment and creates/reopens runs. `uri=None` → sqlite in the workdir."""
 
@@ -186,8 +238,16 @@ class Tracking:
         from mlflow.tracking import MlflowClient  # lazy: only after quiet_environment() (telemetry off)
 
         self.workdir = Path(workdir)
+        if uri and uri.startswith("sqlite:///"):  # a given (or recorded) local store: checked like the workdir's
+            check_local_store(Path(uri.removeprefix("sqlite:///").split("?", 1)[0]), self.workdir)
         self.uri = uri or default_tracking_uri(self.workdir)
-        self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
+        with _store_lock(self.uri):  # two runs starting on one workdir: one creates the store, the other waits
+            self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
+            exp_id = self._experiment(experiment)
+        self.experiment_id = exp_id
+
+    def _experiment(self, experiment: str) -> str:
+        """The experiment's id, created (with its kind tag) if it is new."""
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
             location = artifact_root(self.workdir) if self.uri.startswith("sqlite") else None
@@ -198,7 +258,7 @@ class Tracking:
             exp_id = exp.experiment_id
             if EXPERIMENT_KIND_TAG not in exp.tags:  # created before the tag, or by hand: mark it, keep a chosen kind
                 self.client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
-        self.experiment_id = exp_id
+        return exp_id
 
     def start_run(self, name: str, tags: dict[str, Any], parent_run_id: str | None = None) -> MlflowTracker:
         all_tags = {k: str(v) for k, v in tags.items()}
