@@ -20,7 +20,7 @@ from dllm_common.store import atomic_write_text
 @dataclass
 class StageStatus:
     name: str
-    status: str = "PENDING"  # PENDING | RUNNING | COMPLETED | REUSED | FAILED | CRASHED
+    status: str = "PENDING"  # PENDING | RUNNING | COMPLETED | REUSED | FAILED | CRASHED | INTERRUPTED
     key: str | None = None
     mlflow_run_id: str | None = None
     seconds: float | None = None

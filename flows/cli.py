@@ -15,12 +15,16 @@ from pathlib import Path
 
 from dllm_common.checkpoint import CorruptCheckpointError
 from dllm_common.config import ConfigError
-from dllm_common.store import refuse_published
+from dllm_common.store import DiskFullError, refuse_published
 from dllm_common.tracking import quiet_environment
-from flows.environment import prefect_env
+from flows.environment import DEBUG_ENV, prefect_env
 from flows.ui import cmd_ui
 
 DEFAULT_WORKDIR = "work"
+
+
+class _session:
+    log_file: Path | None = None  # this command's log file (`run`, `resume`), named in error messages
 
 
 def load_config(path, overrides: list[str] | None = None):
@@ -55,18 +59,51 @@ def _check_device(spec) -> None:
 
 
 def cmd_run(args) -> int:
-    _check_device(load_config(args.config, args.set))  # fail fast, before any service starts
+    spec = load_config(args.config, args.set)
+    _check_device(spec)  # fail fast, before any service starts
+    if spec.tracking.uri is None:
+        from dllm_common.tracking import check_local_store
+
+        check_local_store(Path(args.workdir) / "mlflow.db", Path(args.workdir))
     _verification(args)
+    result = _run_pipeline(args, config_path=str(args.config), overrides=args.set)
+    if isinstance(result, int):
+        return result
+    print(f"[dllm-flow] pipeline run {result['run_id']} completed; report: {result['report']}")
+    print(f"[dllm-flow] browse it with: dllm-flow ui --workdir {Path(args.workdir).resolve()}")
+    return 0
+
+
+def _run_pipeline(args, **kwargs) -> dict | int:
+    """The pipeline flow under a detached local Prefect API (flows/local_api.py), with SIGINT/SIGTERM ending
+    it cleanly: the flow's result, or the exit status of an interrupted run (128 + the signal's number)."""
+    from dllm_common import interrupt
+
     prefect_env(Path(args.workdir))
     from tasks.common import check_workdir
 
     workdir = check_workdir(args.workdir)
-    from flows.pipeline import dllm_pipeline
+    interrupt.install()
+    from flows.environment import open_log_file
+    from flows.local_api import local_prefect_api
 
-    result = dllm_pipeline(config_path=str(args.config), overrides=args.set, workdir=str(workdir))
-    print(f"[dllm-flow] pipeline run {result['run_id']} completed; report: {result['report']}")
-    print(f"[dllm-flow] browse it with: dllm-flow ui --workdir {workdir}")
-    return 0
+    _session.log_file = open_log_file(workdir)
+    from flows.pipeline import cancel_flow_run, dllm_pipeline
+
+    with local_prefect_api():
+        try:
+            return dllm_pipeline(workdir=str(workdir), **kwargs)
+        except interrupt.Interrupted as exc:
+            run_id = getattr(exc, "run_id", None)
+            cancel_flow_run(getattr(exc, "flow_run_id", None), str(exc))
+            where = f" during {exc.stage}" if getattr(exc, "stage", None) and not exc.where else ""
+            how = (
+                f"resume with: dllm-flow resume {run_id} --workdir {args.workdir}"
+                if run_id
+                else f"rerun: dllm-flow {args.command} ... --workdir {args.workdir}"
+            )
+            print(f"dllm-flow: {exc}{where}; {how}", file=sys.stderr, flush=True)
+            return exc.exit_code
 
 
 def cmd_resume(args) -> int:
@@ -88,19 +125,15 @@ def cmd_resume(args) -> int:
     print(f"[dllm-flow] resuming pipeline run {record.run_id} ({record.status}) with its recorded config")
     print(f"[dllm-flow] completed before, will be reused: {', '.join(done) or 'none'}")
     print(f"[dllm-flow] to run again: {', '.join(todo) or 'none recorded'} (and every stage after them)")
-    prefect_env(Path(args.workdir))
-    from tasks.common import check_workdir
-
-    workdir = check_workdir(args.workdir)
-    from flows.pipeline import dllm_pipeline
-
-    result = dllm_pipeline(
+    result = _run_pipeline(
+        args,
         config_path=record.config_path,
         overrides=record.overrides,
-        workdir=str(workdir),
         config=record.config,
         resumed_from=record.run_id,
     )
+    if isinstance(result, int):
+        return result
     print(
         f"[dllm-flow] pipeline run {result['run_id']} (resuming {record.run_id}) completed; report: {result['report']}"
     )
@@ -240,6 +273,7 @@ def cmd_export(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dllm-flow", description="Declarative training pipelines for diffusion LMs.")
+    p.add_argument("--debug", action="store_true", help="print Prefect's console log and full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
     _pipeline_commands(sub)
     _add_generate(sub)
@@ -336,20 +370,48 @@ def _inspection_commands(sub) -> None:
     exp.set_defaults(func=cmd_export)
 
 
+# what the user can change: a config, a path, a damaged file, a full disk
+USER_ERRORS = (
+    ConfigError,
+    CorruptCheckpointError,
+    DiskFullError,
+    FileExistsError,
+    FileNotFoundError,
+    PermissionError,
+    ValueError,
+)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0, 2 with one `dllm-flow: error:` line for what the user can change (a stage's traceback is in the
+    command's log file), 1 with one line for anything else, 128 + N after signal N. `--debug` prints tracebacks."""
     args = build_parser().parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"
+    _session.log_file = None
     try:
         return args.func(args)
-    except (
-        ConfigError,
-        CorruptCheckpointError,
-        FileExistsError,
-        FileNotFoundError,
-        PermissionError,
-        ValueError,
-    ) as exc:
-        print(f"dllm-flow: error: {exc}", file=sys.stderr)
+    except USER_ERRORS as exc:
+        if args.debug:
+            raise
+        print(f"dllm-flow: error: {exc}{_log_hint(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"dllm-flow: error: {type(exc).__name__}: {exc}{_log_hint(exc)}", file=sys.stderr)
+        return 1
+
+
+def _log_hint(exc: BaseException) -> str:
+    """Where the full traceback is: the command's log file (written there now), or `--debug`."""
+    import traceback
+
+    if _session.log_file is None:
+        return "" if isinstance(exc, USER_ERRORS) else " (rerun with --debug for the traceback)"
+    with open(_session.log_file, "a", encoding="utf-8") as log:
+        log.write("dllm-flow: error:\n" + "".join(traceback.format_exception(exc)))
+    return f" (details: {_session.log_file})"
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.exceptions import MissingContextError
 
 from dllm_common.config import PipelineSpec, config_sha256, flatten
+from dllm_common.interrupt import Interrupted
 from dllm_common.runs import RunRecord
 from dllm_common.tracking import Tracking
 from tasks.common import StageRef, check_workdir
@@ -82,7 +83,13 @@ class StageRunner:
         record.save(self.record_dir)
         log.info("%s: started", name)
         t0 = time.time()
-        state = task.with_options(task_run_name=name, result_storage=self.storage)(**kwargs, return_state=True)
+        try:
+            state = task.with_options(task_run_name=name, result_storage=self.storage)(**kwargs, return_state=True)
+        except Interrupted as exc:
+            status.status, status.seconds, status.error = "INTERRUPTED", round(time.time() - t0, 2), str(exc)
+            record.save(self.record_dir)
+            exc.stage = name
+            raise
         status.seconds = round(time.time() - t0, 2)
         if not state.is_completed():
             status.status, status.error = "FAILED", str(state.message)[:2000]
@@ -128,7 +135,10 @@ def dllm_pipeline(
     resolved `config` mapping recorded by an earlier run (what `dllm-flow resume` passes)."""
     from prefect.runtime import flow_run
 
+    from dllm_common import interrupt
     from strategies.options import load_config, validate_config  # the strategy registry (imports torch)
+
+    interrupt.install()  # over Prefect's own SIGTERM bridge, which would abort a training step mid-way
 
     overrides = list(overrides or [])
     spec = (
@@ -162,10 +172,23 @@ def dllm_pipeline(
     )
     try:
         result = _stages(spec, wd, record, parent.run_id)
+    except Interrupted as exc:
+        record.status, record.finished_at = "INTERRUPTED", time.time()
+        record.save(wd)
+        try:
+            end_open_runs(parent, "KILLED")
+        except Exception as tracking_error:
+            log.warning("could not mark the MLflow runs of %s KILLED: %s", record.run_id, tracking_error)
+        log.info("pipeline run %s %s", record.run_id, exc)
+        exc.run_id, exc.flow_run_id = record.run_id, record.prefect_flow_run_id
+        raise
     except BaseException as exc:
         record.status, record.finished_at = "FAILED", time.time()
         record.save(wd)
-        parent.close("FAILED")
+        try:
+            parent.close("FAILED")
+        except Exception as tracking_error:  # the tracking server may be what failed: keep the stage's error
+            log.warning("could not mark MLflow run %s FAILED: %s", parent.run_id, tracking_error)
         log.error("pipeline run %s failed: %s: %s", record.run_id, type(exc).__name__, str(exc)[:2000])
         raise
     record.status, record.finished_at = "COMPLETED", time.time()
@@ -173,6 +196,32 @@ def dllm_pipeline(
     parent.set_tags({"dllm.reused_stages": ",".join(s.name for s in record.stages if s.status == "REUSED")})
     parent.close("FINISHED")
     return result
+
+
+def end_open_runs(parent, status: str) -> None:
+    """End the parent MLflow run and every child run still open (the interrupted stage's) with `status`."""
+    client = parent.client
+    experiment = client.get_run(parent.run_id).info.experiment_id
+    children = client.search_runs(
+        [experiment], f"tags.`mlflow.parentRunId` = '{parent.run_id}' and attributes.status = 'RUNNING'"
+    )
+    for run in children:
+        client.set_terminated(run.info.run_id, status=status)
+    parent.close(status)
+
+
+def cancel_flow_run(flow_run_id: str | None, message: str) -> None:
+    """Mark an interrupted pipeline's Prefect flow run Cancelled (the engine leaves it Crashed)."""
+    if not flow_run_id:
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
+    except Exception as exc:  # the API is gone: the run record still says INTERRUPTED
+        logging.getLogger("dllm_flow").warning("could not mark flow run %s cancelled: %s", flow_run_id, exc)
 
 
 def _stage_tasks() -> SimpleNamespace:

@@ -12,10 +12,13 @@ tracks, checkpoints and writes the result; the launching process publishes it.
 
 from __future__ import annotations
 
+import codecs
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
+
+from dllm_common import interrupt
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,19 @@ def load_full_optimizer_state(model, optimizer, state) -> None:
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
+def _relay(stream, to) -> None:
+    """torchrun's output (rank logs, the progress bar) to this process's stream `to` as it comes; once the run
+    is interrupted, to the log file only (torchrun answers a signal with a traceback of its own)."""
+    log, decode = logging.getLogger("dllm_flow.torchrun"), codecs.getincrementaldecoder("utf-8")("replace").decode
+    for chunk in iter(lambda: os.read(stream.fileno(), 1 << 16), b""):
+        text = decode(chunk)
+        if interrupt.requested():
+            log.info(text)
+        else:
+            to.write(text)
+            to.flush()
+
+
 def launch(job, out: Path) -> None:
     """Run a training job (`tasks.train.TrainJob`) under torchrun with `train.nproc_per_node` processes,
     rank 0 writing its result into `out`; raise if torchrun fails."""
@@ -112,7 +130,30 @@ def launch(job, out: Path) -> None:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(job.spec.train.threads or 1))
     print(f"[dllm-flow] train[{job.strategy}]: launching torchrun with {nproc} processes", flush=True)
-    code = subprocess.call(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    pumps = [
+        threading.Thread(target=_relay, args=pair, daemon=True)
+        for pair in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
+    ]
+    for pump in pumps:
+        pump.start()
+    interrupt.note("torchrun stopped; the ranks resume from their last periodic checkpoint")
+    try:
+        code = proc.wait()
+    except BaseException:  # interrupted (dllm_common/interrupt.py): torchrun stops its ranks, then itself
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        interrupt.note("")
+        for pump in pumps:
+            pump.join(timeout=5)
     if code != 0:
         raise RuntimeError(
             f"torchrun for train[{job.strategy}] exited with status {code}; see the rank logs above. "

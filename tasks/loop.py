@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from dllm_common import faults, interrupt
 from strategies import StepContext
 from strategies.base import global_sum
 from tasks.checkpointing import Checkpointer
@@ -75,6 +76,7 @@ class LoopRun:
     checkpoint_meta: dict = field(default_factory=dict)  # what every checkpoint records besides the step
     start: int = 0
     logged_upto: int = -1  # steps an earlier, crashed attempt already logged
+    pending: list = field(default_factory=list)  # (step, metrics) an earlier attempt could not log (tracking down)
 
 
 def step_context(trainee: Trainee, step: int, base_seed: int, model, dist: DistInfo, grad_acc: int) -> StepContext:
@@ -157,20 +159,29 @@ def train_step(run: LoopRun, settings: LoopSettings, ctx: StepContext, mbs) -> d
     }
 
 
-class MetricLog:
-    """Metrics buffered per step, written in batches; steps a crashed attempt already logged are skipped."""
+class TrackingUnavailable(RuntimeError):
+    """The tracking server stopped answering; the metrics not yet logged are kept."""
 
-    def __init__(self, tracker, logged_upto: int):
-        self.tracker, self.logged_upto, self.buffer = tracker, logged_upto, []
+
+class MetricLog:
+    """Metrics buffered per step, written in batches; steps a crashed attempt already logged are skipped.
+    If the tracker fails, what was not logged stays buffered and `TrackingUnavailable` is raised."""
+
+    def __init__(self, tracker, logged_upto: int, pending: list | None = None):
+        self.tracker, self.logged_upto, self.buffer = tracker, logged_upto, [tuple(p) for p in pending or []]
 
     def add(self, step: int, metrics: dict) -> None:
         self.buffer.append((step, metrics))
 
     def flush(self) -> None:
-        for step, metrics in self.buffer:
+        while self.buffer:
+            step, metrics = self.buffer[0]
             if self.tracker is not None and step > self.logged_upto:
-                self.tracker.log_metrics(metrics, step=step)
-        self.buffer.clear()
+                try:
+                    self.tracker.log_metrics(metrics, step=step)
+                except Exception as exc:
+                    raise TrackingUnavailable(f"{type(exc).__name__}: {str(exc)[:300]}") from None
+            self.buffer.pop(0)
 
 
 def _due(step: int, every: int | None) -> bool:
@@ -182,7 +193,7 @@ def train_loop(run: LoopRun, settings: LoopSettings) -> float | None:
     order = DataOrder(len(run.train.ids), settings.seed)
     grad_acc = settings.global_batch_size // run.dist.world // settings.micro_batch_size
     tokens_per_step = settings.global_batch_size * run.train.ids.shape[1]
-    log = MetricLog(run.tracker, run.logged_upto)
+    log = MetricLog(run.tracker, run.logged_upto, run.pending)
     run.trainee.model.train()
     bar = tqdm(
         range(run.start, settings.steps),
@@ -194,25 +205,74 @@ def train_loop(run: LoopRun, settings: LoopSettings) -> float | None:
         disable=not run.dist.is_main,
     )
     val_loss = None
-    for step in bar:
-        t0 = time.perf_counter()
-        ctx = step_context(run.trainee, step, settings.seed, run.stepper, run.dist, grad_acc)
-        rows = order.rows(step, settings.global_batch_size)[run.dist.rank :: run.dist.world]
-        metrics = train_step(run, settings, ctx, run.train.microbatches(rows, settings.micro_batch_size, run.device))
-        metrics["train/tokens_per_s"] = tps = tokens_per_step / (time.perf_counter() - t0)
-        if _due(step, settings.val_every) or step + 1 == settings.steps:
-            val_loss = metrics["val/loss"] = validation_loss(run, settings)
-        log.add(step, metrics)
-        bar.set_postfix(
-            loss=f"{metrics['train/loss']:.3f}", val="-" if val_loss is None else f"{val_loss:.3f}", tok_s=f"{tps:,.0f}"
-        )
-        if _due(step, settings.log_every):
-            log.flush()
-        if run.checkpointer is not None and _due(step, settings.checkpoint_every) and step + 1 < settings.steps:
-            log.flush()
-            run.checkpointer.save(
-                run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, {**run.checkpoint_meta, "step": step + 1}
-            )
+    with interrupt.cooperative():  # a signal stops the loop at the end of a step (docs/operations.md)
+        for step in bar:
+            try:
+                val_loss = _one_step(run, settings, step, order, grad_acc, tokens_per_step, log, bar, val_loss)
+            except TrackingUnavailable as exc:
+                _tracking_lost(run, settings, step, log, exc)
+            if interrupt.requested():
+                _stop(run, settings, step, log)
     bar.close()
     log.flush()
     return val_loss
+
+
+def _one_step(
+    run: LoopRun,
+    settings: LoopSettings,
+    step: int,
+    order: DataOrder,
+    grad_acc: int,
+    tokens_per_step: int,
+    log: MetricLog,
+    bar,
+    val_loss,
+):
+    """One step of the loop: train, validate when due, log, checkpoint when due; returns the last validation loss."""
+    faults.reached("train.step")
+    t0 = time.perf_counter()
+    ctx = step_context(run.trainee, step, settings.seed, run.stepper, run.dist, grad_acc)
+    rows = order.rows(step, settings.global_batch_size)[run.dist.rank :: run.dist.world]
+    metrics = train_step(run, settings, ctx, run.train.microbatches(rows, settings.micro_batch_size, run.device))
+    metrics["train/tokens_per_s"] = tps = tokens_per_step / (time.perf_counter() - t0)
+    if _due(step, settings.val_every) or step + 1 == settings.steps:
+        val_loss = metrics["val/loss"] = validation_loss(run, settings)
+    log.add(step, metrics)
+    bar.set_postfix(
+        loss=f"{metrics['train/loss']:.3f}", val="-" if val_loss is None else f"{val_loss:.3f}", tok_s=f"{tps:,.0f}"
+    )
+    if _due(step, settings.log_every):
+        log.flush()
+    if run.checkpointer is not None and _due(step, settings.checkpoint_every) and step + 1 < settings.steps:
+        log.flush()
+        run.checkpointer.save(
+            run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, {**run.checkpoint_meta, "step": step + 1}
+        )
+    return val_loss
+
+
+def _tracking_lost(run: LoopRun, settings: LoopSettings, step: int, log: MetricLog, exc: Exception) -> None:
+    """The tracking server is gone: checkpoint this step with the metrics it could not log (a resumed run logs
+    them first), then fail the stage with one message saying how to go on."""
+    done, ckpt = step + 1, run.checkpointer
+    kept = "no checkpoint (train.checkpoint_every is not set): the stage restarts from step 0"
+    if ckpt is not None:
+        meta = {**run.checkpoint_meta, "step": done, "pending_metrics": log.buffer}
+        ckpt.save(run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, meta)
+        kept = f"checkpoint saved at step {done} with the {len(log.buffer)} steps of metrics not yet logged"
+    raise RuntimeError(
+        f"{settings.name}: the tracking server stopped answering at step {done} ({exc}); {kept}. Once it answers "
+        "again, `dllm-flow resume` continues from there"
+    ) from None
+
+
+def _stop(run: LoopRun, settings: LoopSettings, step: int, log: MetricLog) -> None:
+    """A signal came: flush the metrics, checkpoint this step if that fits in the time left, raise."""
+    log.flush()
+    done, ckpt = step + 1, run.checkpointer
+    if ckpt is not None and done < settings.steps and ckpt.fits_in(interrupt.seconds_left(), run.trainee.model):
+        ckpt.save(run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, {**run.checkpoint_meta, "step": done})
+    saved = ckpt.saved_step if ckpt is not None else None
+    kept = f"checkpoint at step {saved}" if saved else "no checkpoint: the stage restarts from step 0"
+    interrupt.stop(f"{settings.name} stopped after step {done} of {settings.steps}; {kept}")
