@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from dllm_common import faults
 from dllm_common.store import fsync_tree, sha256_file
 
 DIGESTS = "digests.json"
@@ -45,6 +46,7 @@ def write_checkpoint(
     tmp.mkdir()
     try:
         save_model(model, str(tmp / "model.safetensors"))
+        faults.reached("checkpoint.written")
         model.config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -58,6 +60,7 @@ def write_checkpoint(
         if dest.exists():
             old = dest.parent / f".old-{dest.name}-{uuid.uuid4().hex[:8]}"
             os.rename(dest, old)
+            faults.reached("checkpoint.swap")
         os.rename(tmp, dest)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -92,6 +95,23 @@ def verify_checkpoint(path: Path) -> dict[str, str]:
                 f"checkpoint file {f} is corrupt (sha256 mismatch, not loaded); {_REBUILD.format(path=path)}"
             )
     return digests
+
+
+def recover_checkpoint(dest: Path) -> bool:
+    """Undo what a writer killed mid-way left (`write_checkpoint` is a swap of two renames): with `dest`
+    missing, the previous checkpoint it had moved aside is renamed back; leftover temp and old copies are
+    removed. Call before a training stage looks for its checkpoint; returns whether one was restored."""
+    dest = Path(dest)
+    if not dest.parent.is_dir():
+        return False
+    olds = sorted(dest.parent.glob(f".old-{dest.name}-*"), key=lambda p: p.stat().st_mtime)
+    restored = False
+    if not dest.exists() and olds:
+        os.rename(olds.pop(), dest)
+        restored = True
+    for leftover in [*olds, *dest.parent.glob(f".tmp-{dest.name}-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+    return restored
 
 
 def read_meta(path: Path) -> dict:

@@ -14,6 +14,7 @@ reported in one line, moved aside to `<stage>/<key>.damaged-<time>` (never delet
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dllm_common import faults
 from dllm_common.config import canonical_json
 
 MANIFEST = "manifest.json"
@@ -67,11 +69,23 @@ def atomic_write_text(path: Path, text: str) -> None:
     """Write a small file so readers see either the old or the new content, never a torn one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        faults.reached("record.save")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class DiskFullError(OSError):
+    """ENOSPC while publishing: says what was being written and that nothing half-written is left."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 @dataclass(frozen=True)
@@ -179,6 +193,7 @@ class Store:
         started = time.time()
         try:
             yield tmp, manifest
+            faults.reached(f"publish.{stage}.written")
             files = {
                 str(p.relative_to(tmp)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                 for p in sorted(tmp.rglob("*"))
@@ -194,10 +209,21 @@ class Store:
             }
             (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str))
             fsync_tree(tmp)
+            faults.reached(f"publish.{stage}.renaming")
             if final.exists():  # a concurrent twin won the race; identical content by construction
                 shutil.rmtree(tmp)
             else:
                 os.rename(tmp, final)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if exc.errno == errno.ENOSPC:
+                raise DiskFullError(
+                    errno.ENOSPC,
+                    f"no space left on the device while writing {stage}/{key} under {self.root} ({exc}); nothing "
+                    "was published and its temp dir is removed: free space (or point --workdir at a larger disk) "
+                    "and rerun",
+                ) from None
+            raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -219,6 +245,8 @@ class Store:
         with self.lock(stage, key):
             if (hit := self._intact_locked(stage, key)) is not None:
                 return hit, True
+            for stale in self.entry_dir(stage, key).parent.glob(f".tmp-{key}-*"):  # a killed builder's leftovers
+                shutil.rmtree(stale, ignore_errors=True)
             with self._publishing(stage, key) as (tmp, manifest):
                 manifest.update(build(tmp))
         return StageEntry(stage, key, self.entry_dir(stage, key)), False

@@ -18,7 +18,7 @@ from prefect.deployments import run_deployment
 from safetensors.torch import save_file
 from torch.nn.parallel import DistributedDataParallel
 
-from dllm_common.checkpoint import write_checkpoint
+from dllm_common.checkpoint import recover_checkpoint, write_checkpoint
 from dllm_common.config import PipelineSpec, flatten
 from dllm_common.store import stage_key
 from strategies import strategy_class
@@ -212,6 +212,7 @@ def setup_run(job: TrainJob, dist: distributed.DistInfo) -> LoopRun:
         checkpoint_meta(job, trainee, tracker.run_id if tracker else None),
         start,
         tracker.last_step("train/loss") if (start and tracker) else -1,
+        checkpointer.pending_metrics() if resuming else [],
     )
 
 
@@ -270,6 +271,7 @@ def _write_adapter(dest: Path, model, peft) -> None:
 
 def _build(job: TrainJob, out: Path) -> dict:
     """Train into `out`: in this process, or under torchrun (rank 0 writes `out` and the manifest fields)."""
+    recover_checkpoint(job.work / "checkpoint")  # a checkpoint write killed mid-swap
     if job.spec.train.nproc_per_node == 1:
         return run_training(job, out, distributed.DistInfo())
     job.work.mkdir(parents=True, exist_ok=True)

@@ -132,3 +132,15 @@ def prefect_api(tmp_path_factory):
         yield url
     finally:
         stop_group(proc)
+
+
+@pytest.fixture(scope="session")
+def undisturbed(tmp_path_factory, prefect_api):
+    """The signal and fault suites' pipeline run to its end without a fault: what every interrupted,
+    killed or damaged run must reproduce once rerun."""
+    from runkit import run
+
+    workdir = tmp_path_factory.mktemp("undisturbed")
+    code, _, err = run(workdir, api=prefect_api)
+    assert code == 0, err[-3000:]
+    return workdir
