@@ -56,14 +56,7 @@ def write_checkpoint(
         digests = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / DIGESTS).write_text(json.dumps(digests, indent=2, sort_keys=True))
         fsync_tree(tmp)
-        old = None
-        if dest.exists():
-            old = dest.parent / f".old-{dest.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(dest, old)
-            faults.reached("checkpoint.swap")
-        os.rename(tmp, dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_into(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -95,6 +88,19 @@ def verify_checkpoint(path: Path) -> dict[str, str]:
                 f"checkpoint file {f} is corrupt (sha256 mismatch, not loaded); {_REBUILD.format(path=path)}"
             )
     return digests
+
+
+def swap_into(tmp: Path, dest: Path) -> None:
+    """Put the complete folder `tmp` at `dest`, replacing what is there: the old folder is renamed aside, the new
+    one renamed in, the old one removed. A crash between the renames is undone by `recover_checkpoint`."""
+    old = None
+    if dest.exists():
+        old = dest.parent / f".old-{dest.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(dest, old)
+        faults.reached("checkpoint.swap")
+    os.rename(tmp, dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def recover_checkpoint(dest: Path) -> bool:

@@ -1,57 +1,108 @@
 """The training checkpoint: written every `train.checkpoint_every` steps into the stage's work dir,
-read back when a stage that died mid-way is rerun.
+read back when a stage that died mid-way is rerun — at the same or at another world size.
 
-A checkpoint holds the model weights, optimizer and scheduler state, the step and the MLflow run
-id (atomically, see `dllm_common.checkpoint.write_checkpoint`). Under FSDP2 the shards are gathered
-into a full copy that rank 0 keeps on the CPU and writes; every other layout writes rank 0's model.
+A checkpoint is a `torch.distributed.checkpoint` (DCP) folder: every rank writes and reads only its own
+part of the model and optimizer state (its FSDP2 shards; under DDP the replicas are written once), keyed
+by parameter name, so a checkpoint written by N processes loads into M, DDP or FSDP2 alike (DCP reshards
+on load). Beside the shards: `dllm.json` (step, MLflow run id, what the strategy needs), the scheduler's
+state and `digests.json`, the sha256 of every file; the folder is swapped into place atomically
+(`dllm_common.checkpoint.swap_into`). No rank holds the full state at a checkpoint; the published model
+is gathered once, after the last step (`full_model`). docs/architecture.md, "The training runtime".
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
+import shutil
 import time
+import warnings
 from pathlib import Path
 
-from dllm_common.checkpoint import load_trainer_state, load_weights_into, read_meta, write_checkpoint
-from tasks.distributed import DistInfo, barrier, gather_full_state, load_full_optimizer_state
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from dllm_common import faults
+from dllm_common.checkpoint import DIGESTS, read_meta, swap_into, verify_checkpoint
+from dllm_common.store import fsync_tree, sha256_file
+from tasks.distributed import DistInfo, barrier
+
+SHARDS = "shards"  # the DCP folder inside a checkpoint
+SCHEDULER = "scheduler.json"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_is_intended():
+    """DCP warns that it assumes a single process when no process group exists: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers live on the meta device (no memory; ties kept):
+    the module the gathered weights are loaded into at the end, on rank 0 only."""
+    memo = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("meta")
+    return copy.deepcopy(model, memo)
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, dist: DistInfo, sharded: bool):
-        self.directory, self.dist, self.sharded = Path(directory), dist, sharded
-        self._shadow = None  # FSDP2: rank 0's unsharded CPU copy, the module full checkpoints are written from
+    def __init__(self, directory: Path, dist_info: DistInfo, sharded: bool):
+        self.directory, self.dist, self.sharded = Path(directory), dist_info, sharded
+        self._skeleton = None  # FSDP2, rank 0: the meta-device module the final weights are gathered into
         self.saved_step: int | None = None  # the step of the checkpoint on disk (written or restored)
         self.save_seconds: float | None = None  # how long the last save took
 
+    @property
+    def exists(self) -> bool:
+        return (self.directory / "dllm.json").is_file() and (self.directory / SHARDS).is_dir()
+
     def fits_in(self, seconds: float, model) -> bool:
         """Whether a save likely ends within `seconds`: the last save's time, or before any, the bytes of
-        weights + two AdamW moments at a cautious 200 MB/s."""
+        this rank's weights + two AdamW moments at a cautious 200 MB/s."""
         if self.save_seconds is not None:
             return 1.5 * self.save_seconds < seconds
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         return 3 * nbytes / 200e6 < seconds
 
-    @property
-    def exists(self) -> bool:
-        return self.directory.exists()
-
-    def load_weights(self, model) -> None:
-        """Before sharding: every rank loads the same full weights."""
-        load_weights_into(model, self.directory)
-
-    def keep_full_copy(self, model) -> None:
-        """Before sharding (FSDP2): rank 0 keeps the module that full checkpoints are written from."""
+    def keep_skeleton(self, model) -> None:
+        """Before sharding (FSDP2): rank 0 keeps the model's structure, without its memory."""
         if self.sharded and self.dist.is_main:
-            self._shadow = copy.deepcopy(model).cpu()
+            self._skeleton = meta_skeleton(model)
+
+    def _state(self, model, opt) -> dict:
+        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
 
     def restore(self, model, opt, sched) -> tuple[int, str | None]:
-        """Optimizer and scheduler state of the checkpoint; returns (step, MLflow run id)."""
-        state = load_trainer_state(self.directory)
-        if self.sharded:
-            load_full_optimizer_state(model, opt, state["optimizer_full"])
-        else:
-            opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
+        """Every rank loads its part of the model and optimizer state (after sharding or wrapping, at any
+        world size); returns (step, MLflow run id)."""
+        if self.dist.is_main:
+            verify_checkpoint(self.directory)  # a corrupt file is named, never deserialized
+        barrier()
+        state = self._state(model, opt)
+        with _single_process_is_intended():
+            dcp.load(state, checkpoint_id=str(self.directory / SHARDS), no_dist=not _distributed())
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+        sched.load_state_dict(json.loads((self.directory / SCHEDULER).read_text()))
         meta = read_meta(self.directory)
         self.saved_step = meta["step"]
         return meta["step"], meta.get("mlflow_run_id")
@@ -61,32 +112,50 @@ class Checkpointer:
         return read_meta(self.directory).get("pending_metrics", []) if self.exists else []
 
     def save(self, model, opt, sched, tokenizer, meta: dict) -> None:
-        """A collective under FSDP2 (every rank gathers), rank 0 writes; all ranks wait for it."""
+        """A collective: each rank writes its own part into a temp folder, rank 0 adds the metadata and
+        digests and swaps the folder into place; every rank waits for it."""
         t0 = time.monotonic()
-        if self.sharded:
-            weights, optim = gather_full_state(model, opt)
-            if self.dist.is_main:
-                self._shadow.load_state_dict(weights)
-                write_checkpoint(
-                    self.directory,
-                    self._shadow,
-                    tokenizer,
-                    meta,
-                    {"optimizer_full": optim, "scheduler": sched.state_dict()},
-                )
-        elif self.dist.is_main:
-            write_checkpoint(
-                self.directory, model, tokenizer, meta, {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
-            )
+        tmp = self.directory.parent / f".tmp-{self.directory.name}-step{meta['step']}"
+        if self.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        with _single_process_is_intended():
+            dcp.save(self._state(model, opt), checkpoint_id=str(tmp / SHARDS), no_dist=not _distributed())
+        barrier()
+        faults.reached("checkpoint.written")
+        if self.dist.is_main:
+            try:
+                (tmp / "dllm.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+                (tmp / SCHEDULER).write_text(json.dumps(sched.state_dict()))
+                files = sorted(p for p in tmp.rglob("*") if p.is_file())
+                digests = {str(p.relative_to(tmp)): sha256_file(p) for p in files}
+                (tmp / DIGESTS).write_text(json.dumps(digests, indent=2, sort_keys=True))
+                fsync_tree(tmp)
+                swap_into(tmp, self.directory)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         barrier()
         self.saved_step, self.save_seconds = meta["step"], time.monotonic() - t0
 
     def full_model(self, model):
-        """The trained module with full weights on rank 0 (a collective under FSDP2; None on other ranks there)."""
+        """The trained module with full weights on rank 0, for publishing (a collective under FSDP2, where the
+        weights — not the optimizer state — are gathered once, after the last step; None on other ranks)."""
         if not self.sharded:
             return model
-        weights, _ = gather_full_state(model, None)
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.dist.is_main:
             return None
-        self._shadow.load_state_dict(weights)
-        return self._shadow
+        self._skeleton.load_state_dict(weights, assign=True)
+        return self._skeleton
+
+
+def layout(world: int, parallel: str, device: str) -> dict:
+    """How a training ran (recorded with the published result; not part of its key)."""
+    return {
+        "processes": world,
+        "parallel": parallel if world > 1 else "single",
+        "device": device,
+        "torch": torch.__version__,
+    }

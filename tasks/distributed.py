@@ -24,12 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import fully_shard
 
 from dllm_common import interrupt
@@ -84,18 +78,6 @@ def shard_fsdp2(model) -> None:
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
-
-
-def gather_full_state(model, optimizer):
-    """Full (unsharded, CPU) model and optimizer state dicts on every rank — a collective."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
-    return weights, optim
-
-
-def load_full_optimizer_state(model, optimizer, state) -> None:
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def _relay(stream, to) -> None:

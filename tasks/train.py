@@ -25,7 +25,7 @@ from strategies import strategy_class
 from strategies.models import lora_state_dict, merge_lora
 from strategies.options import resolve_options, validate_config
 from tasks import distributed
-from tasks.checkpointing import Checkpointer
+from tasks.checkpointing import Checkpointer, layout
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.loop import LoopRun, LoopSettings, train_loop
 from tasks.prepare_data import load_split
@@ -45,12 +45,19 @@ TRAINING_MODULES = (
 )
 
 
+# how a training is laid out on hardware, not what it computes: left out of the stage key, so a rerun with
+# another layout reuses the published result or resumes its checkpoint (DCP reshards it); recorded instead
+LAYOUT_KEYS = ("nproc_per_node", "parallel", "micro_batch_size", "device", "threads")
+
+
 def train_slice(spec: PipelineSpec, strategy: str) -> dict:
-    """The config that shapes training (the stage key's config part): model, train, the strategy's options."""
+    """The config that shapes training (the stage key's config part): model, train without its layout
+    (`LAYOUT_KEYS`), the strategy's options."""
+    train = {k: v for k, v in spec.train.model_dump(mode="json").items() if k not in LAYOUT_KEYS}
     out = {
         "strategy": strategy,
         "model": spec.model.model_dump(mode="json"),
-        "train": spec.train.model_dump(mode="json"),
+        "train": train,
         "options": resolve_options(spec, strategy).model_dump(mode="json"),
     }
     settings = strategy_class(strategy).train_settings(spec)
@@ -174,14 +181,13 @@ def setup_run(job: TrainJob, dist: distributed.DistInfo) -> LoopRun:
     sharded = dist.world > 1 and cfg.parallel == "fsdp2"
     checkpointer = Checkpointer(job.work / "checkpoint", dist, sharded)
     resuming = checkpointer.exists
-    if resuming:  # every rank loads the same full weights, before sharding
-        checkpointer.load_weights(model)
     if sharded:
-        checkpointer.keep_full_copy(model)
+        checkpointer.keep_skeleton(model)
         distributed.shard_fsdp2(model)
     elif dist.world > 1:
         stepper = DistributedDataParallel(model, device_ids=[dist.local_rank] if device.startswith("cuda") else None)
     opt, sched = make_optimizer(model, OptimSettings.of(cfg))
+    # each rank loads its part of the checkpoint, whatever world size and layout wrote it (DCP reshards)
     start, run_id = checkpointer.restore(model, opt, sched) if resuming else (0, None)
     if resuming and dist.is_main:
         print(
@@ -198,6 +204,9 @@ def setup_run(job: TrainJob, dist: distributed.DistInfo) -> LoopRun:
                 **{f"{name}.key": ref.key for name, ref in job.inputs.items()},
             }
         )
+        # the layout is a tag, not a param: a run resumed at another world size continues this MLflow run
+        where = layout(dist.world, cfg.parallel, device)
+        tracker.set_tags({f"dllm.layout.{k}": v for k, v in where.items()})
     return LoopRun(
         trainee,
         stepper,
@@ -231,6 +240,10 @@ def _write_result(job: TrainJob, run: LoopRun, model, val_loss: float | None, ou
     """The final model (and LoRA adapter) into `out`, logged to the strategy's MLflow run; the manifest fields."""
     spec, tracker = job.spec, run.tracker
     meta = {**run.checkpoint_meta, "step": spec.train.steps, "final_val_loss": val_loss, "data_key": job.data.key}
+    meta["layout"] = {
+        **layout(run.dist.world, spec.train.parallel, run.device),
+        "micro_batch_size": spec.train.micro_batch_size,
+    }
     peft = spec.train.peft
     if peft is not None:
         meta["peft"] = {**peft.model_dump(mode="json"), "merged": peft.merge}

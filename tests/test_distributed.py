@@ -4,6 +4,8 @@ The same global batch (8 rows) is trained as 1 process × 2 micro-batches of 4 a
 1 micro-batch of 4: same rows, same per-sample noise, counts all-reduced, backward × N under DDP.
 Per-step training losses, validation losses and final weights must agree to float tolerance."""
 
+from pathlib import Path
+
 import pytest
 from test_train import _metric_history
 
@@ -77,3 +79,71 @@ def test_dflash_draft_under_two_gloo_processes_matches_one_process(prepared, tin
     b = _metric_history(tmp_path / "2", runs[2].mlflow_run_id, "train/loss")
     assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 6
     assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 1e-5
+
+
+def test_layout_settings_stay_out_of_the_training_key(prepared, tiny_spec):
+    from tasks.train import stage_of
+
+    data, _ = prepared
+    key = lambda spec: stage_of(spec, "mdlm", data, "w")[1]  # noqa: E731
+    base = key(_spec(tiny_spec, 1))
+    same = [_spec(tiny_spec, 2, "ddp"), _spec(tiny_spec, 2, "fsdp2")]
+    same.append(
+        tiny_spec.model_copy(update={"train": _spec(tiny_spec, 1).train.model_copy(update={"micro_batch_size": 8})})
+    )
+    assert {key(s) for s in same} == {base}
+    other = tiny_spec.model_copy(update={"train": _spec(tiny_spec, 1).train.model_copy(update={"lr": 1e-3})})
+    assert key(other) != base
+
+
+def _losses(workdir, ref):
+    return _metric_history(workdir, ref.mlflow_run_id, "train/loss")
+
+
+@pytest.mark.parametrize(
+    "before,after", [((2, "fsdp2"), (1, "ddp")), ((1, "ddp"), (2, "ddp")), ((2, "ddp"), (2, "fsdp2"))]
+)
+def test_a_checkpoint_resumes_at_another_world_size_and_layout(
+    prepared, tiny_spec, tmp_path, monkeypatch, capfd, before, after
+):
+    """Killed after the step-3 checkpoint under one layout, resumed under another: the loss curve continues
+    the uninterrupted one-process run's (same global batch, data order and noise; DCP reshards the state)."""
+    import json
+
+    data, _ = prepared
+    full = train(_spec(tiny_spec, 1, checkpoint_every=3), "mdlm", data, str(tmp_path / "full"))
+    work = str(tmp_path / "resumed")
+    monkeypatch.setenv("DLLM_FLOW_FAULT", "train.step=kill@5")  # SIGKILL at the start of step 5
+    if before[0] == 1:  # a kill would take pytest with it: run the one-process attempt in a child
+        import subprocess
+        import sys
+
+        from conftest import ROOT
+
+        code = (
+            "import sys, json\n"
+            "from dllm_common.config import validate_config\n"
+            "from tasks.common import StageRef\n"
+            "from tasks.train import train\n"
+            "spec = validate_config(json.loads(sys.argv[1]))\n"
+            "train(spec, 'mdlm', StageRef(**json.loads(sys.argv[2])), sys.argv[3])\n"
+        )
+        from dataclasses import asdict
+
+        spec_json = json.dumps(_spec(tiny_spec, *before, checkpoint_every=3).model_dump(mode="json"))
+        out = subprocess.run([sys.executable, "-c", code, spec_json, json.dumps(asdict(data)), work], cwd=ROOT)
+        assert out.returncode == -9
+    else:
+        with pytest.raises(RuntimeError, match="torchrun for train\\[mdlm\\] exited"):
+            train(_spec(tiny_spec, *before, checkpoint_every=3), "mdlm", data, work)
+    monkeypatch.delenv("DLLM_FLOW_FAULT")
+    checkpoint = next((tmp_path / "resumed" / "store" / "train").glob("*.work/checkpoint"))
+    assert json.loads((checkpoint / "dllm.json").read_text())["step"] == 3
+    capfd.readouterr()
+    resumed = train(_spec(tiny_spec, *after, checkpoint_every=3), "mdlm", data, work)
+    assert "train[mdlm]: resuming from the step-3 checkpoint" in capfd.readouterr().out
+    a, b = _losses(tmp_path / "full", full), _losses(tmp_path / "resumed", resumed)
+    assert [s for s, _ in b] == list(range(6)) and [s for s, _ in a] == list(range(6))
+    assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 1e-5
+    layout = json.loads((Path(resumed.path) / "model" / "dllm.json").read_text())["layout"]
+    assert layout["processes"] == after[0] and layout["parallel"] == (after[1] if after[0] > 1 else "single")
