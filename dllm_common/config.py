@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -157,6 +158,12 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(50, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc_per_node: int = Field(1, ge=1)
+    # multi-node (docs/architecture.md, "Scale-out"): this train stage is one node of `nnodes`; node 0 hosts the
+    # rendezvous at `rdzv_endpoint` (else $MASTER_ADDR:$MASTER_PORT) and publishes the result; the node's rank is
+    # `node_rank`, else $NODE_RANK, $JOB_COMPLETION_INDEX (a Kubernetes Indexed Job) or $SLURM_NODEID
+    nnodes: int = Field(1, ge=1)
+    rdzv_endpoint: str | None = None
+    node_rank: int | None = Field(None, ge=0)
     parallel: Literal["ddp", "fsdp2"] = "ddp"  # with nproc_per_node > 1: replicate (DDP) or shard (FSDP2) the model
     threads: int | None = Field(None, ge=1)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast the forward (weights and optimizer stay fp32)
@@ -167,13 +174,24 @@ class TrainConfig(_Section):
     compile: bool = False  # torch.compile each decoder layer (regional compilation; docs/strategies.md §5.9)
     peft: PeftConfig | None = None
 
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainConfig:
-        per_rank = self.global_batch_size // self.nproc_per_node
-        if self.global_batch_size % self.nproc_per_node or per_rank % self.micro_batch_size:
+        per_rank = self.global_batch_size // self.world_size
+        if self.global_batch_size % self.world_size or per_rank % self.micro_batch_size:
             raise ValueError(
-                f"train.global_batch_size ({self.global_batch_size}) must be a multiple of "
-                f"train.nproc_per_node × train.micro_batch_size ({self.nproc_per_node} × {self.micro_batch_size})"
+                f"train.global_batch_size ({self.global_batch_size}) must be a multiple of train.nnodes × "
+                f"train.nproc_per_node × train.micro_batch_size ({self.nnodes} × {self.nproc_per_node} × "
+                f"{self.micro_batch_size}): the global batch stays the global batch on any number of processes"
+            )
+        if self.node_rank is not None and self.node_rank >= self.nnodes:
+            raise ValueError(f"train.node_rank ({self.node_rank}) must be below train.nnodes ({self.nnodes})")
+        if self.rdzv_endpoint is not None and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", self.rdzv_endpoint):
+            raise ValueError(
+                f"train.rdzv_endpoint ({self.rdzv_endpoint!r}) must be HOST:PORT, e.g. trainer-0.trainer:29500"
             )
         return self
 
@@ -392,10 +410,17 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 def read_yaml(path: str | Path) -> dict:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a directory; pass the path of a YAML file, e.g. configs/quickstart.yaml")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p} (pass the path of a YAML file, e.g. configs/quickstart.yaml)")
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {p} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "is it the YAML file you meant?"
+        ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
     if raw is None:

@@ -228,7 +228,7 @@ def _stage_tasks() -> SimpleNamespace:
     """The task layer's Prefect tasks and the strategy registry, imported when a flow runs (they import
     torch), not when flows/ is imported."""
     from strategies import strategy_class
-    from tasks import cache_target, evaluate, prepare_data, regenerate, report, target, train
+    from tasks import cache_target, distributed, evaluate, prepare_data, regenerate, report, target, train
 
     return SimpleNamespace(
         strategy_class=strategy_class,
@@ -243,6 +243,7 @@ def _stage_tasks() -> SimpleNamespace:
         report=report.report_task,
         publish_report=report.publish_report,
         ParentRun=report.ParentRun,
+        node_rank=distributed.node_rank,
     )
 
 
@@ -286,6 +287,8 @@ def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str)
     upstream, regenerated = _upstream(spec, run, t, data, parent_run_id)
     trained, evaluated = [], []
     trainer = t.train_remote if spec.pipeline.train_deployment else t.train
+    # node k > 0 of a multi-node training only lends its ranks to the trainings: node 0 evaluates and reports
+    follower = t.node_rank(spec.train) > 0
     for strategy in spec.pipeline.strategies:
         cls = t.strategy_class(strategy)
         own = {role: upstream[role] for role in cls.upstream_stages(spec)}
@@ -302,6 +305,8 @@ def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str)
                 inputs=own or None,
             )
         )
+        if follower:
+            continue
         evaluated.append(
             run(
                 f"evaluate[{strategy}]",
@@ -313,6 +318,9 @@ def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str)
                 workdir=workdir,
             )
         )
+    if follower:
+        print(f"[dllm-flow] node {t.node_rank(spec.train)} of {spec.train.nnodes}: trainings done; node 0 evaluates")
+        return {"run_id": record.run_id, "report": None, "stages": {s.name: s.status for s in record.stages}}
     rep = run(
         "report",
         t.report,

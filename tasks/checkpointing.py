@@ -151,11 +151,7 @@ class Checkpointer:
         return self._skeleton
 
 
-def layout(world: int, parallel: str, device: str) -> dict:
+def layout(world: int, parallel: str, device: str, nodes: int = 1) -> dict:
     """How a training ran (recorded with the published result; not part of its key)."""
-    return {
-        "processes": world,
-        "parallel": parallel if world > 1 else "single",
-        "device": device,
-        "torch": torch.__version__,
-    }
+    how = parallel if world > 1 else "single"
+    return {"processes": world, "nodes": nodes, "parallel": how, "device": device, "torch": torch.__version__}

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from dllm_common import interrupt
+from dllm_common.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -93,25 +94,66 @@ def _relay(stream, to) -> None:
             to.flush()
 
 
+# where a scheduler says which node this is: torchrun-style launchers, a Kubernetes Indexed Job, Slurm
+NODE_RANK_ENV = ("NODE_RANK", "JOB_COMPLETION_INDEX", "SLURM_NODEID")
+
+
+def node_rank(train) -> int:
+    """This node's rank among `train.nnodes`: the config's `train.node_rank`, else the scheduler's environment."""
+    if train.nnodes == 1:
+        return 0
+    if train.node_rank is not None:
+        return train.node_rank
+    for name in NODE_RANK_ENV:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            if int(value) >= train.nnodes:
+                raise ConfigError(f"${name} is {value}, but train.nnodes is {train.nnodes}: node ranks are 0..N-1")
+            return int(value)
+    raise ConfigError(
+        f"train.nnodes is {train.nnodes} but this node's rank is unknown: set train.node_rank, or one of "
+        f"{', '.join('$' + n for n in NODE_RANK_ENV)} (Kubernetes Indexed Jobs and Slurm set theirs)"
+    )
+
+
+def rendezvous(train) -> tuple[str, int]:
+    """(host, port) of node 0's rendezvous: `train.rdzv_endpoint`, else $MASTER_ADDR:$MASTER_PORT."""
+    endpoint = train.rdzv_endpoint
+    if endpoint is None and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if endpoint is None:
+        raise ConfigError(
+            f"train.nnodes is {train.nnodes}: set train.rdzv_endpoint to HOST:PORT of node 0 (e.g. the headless "
+            "service name of pod 0 and a free port), or $MASTER_ADDR and $MASTER_PORT"
+        )
+    host, port = endpoint.rsplit(":", 1)
+    return host, int(port)
+
+
+def torchrun_command(train, args_file: Path) -> list[str]:
+    """torchrun for one node: `--standalone` on one host; on N hosts a static rendezvous at node 0, so global
+    rank 0 (the one that writes the result) is always on node 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={train.nproc_per_node}"]
+    if train.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        host, port = rendezvous(train)
+        cmd += [f"--nnodes={train.nnodes}", f"--node_rank={node_rank(train)}"]
+        cmd += [f"--master_addr={host}", f"--master_port={port}"]
+    return cmd + ["-m", "tasks.torchrun_entry", str(args_file)]
+
+
 def launch(job, out: Path) -> None:
-    """Run a training job (`tasks.train.TrainJob`) under torchrun with `train.nproc_per_node` processes,
-    rank 0 writing its result into `out`; raise if torchrun fails."""
-    args_file = job.work / "torchrun-args.json"
+    """Run a training job (`tasks.train.TrainJob`) under torchrun: this node's `train.nproc_per_node`
+    processes of `train.nnodes` × that, global rank 0 writing its result into `out`; raise if torchrun fails."""
+    train, rank = job.spec.train, node_rank(job.spec.train)
+    args_file = job.work / f"torchrun-args-node{rank}.json"
     args_file.write_text(json.dumps({"job": json.loads(job.to_json()), "out": str(out)}))
-    nproc = job.spec.train.nproc_per_node
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "tasks.torchrun_entry",
-        str(args_file),
-    ]
+    cmd = torchrun_command(train, args_file)
+    nproc = f"{train.nproc_per_node} processes" + (f" on node {rank} of {train.nnodes}" if train.nnodes > 1 else "")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(job.spec.train.threads or 1))
-    print(f"[dllm-flow] train[{job.strategy}]: launching torchrun with {nproc} processes", flush=True)
+    print(f"[dllm-flow] train[{job.strategy}]: launching torchrun with {nproc}", flush=True)
     proc = subprocess.Popen(
         cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )

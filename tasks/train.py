@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,7 +48,16 @@ TRAINING_MODULES = (
 
 # how a training is laid out on hardware, not what it computes: left out of the stage key, so a rerun with
 # another layout reuses the published result or resumes its checkpoint (DCP reshards it); recorded instead
-LAYOUT_KEYS = ("nproc_per_node", "parallel", "micro_batch_size", "device", "threads")
+LAYOUT_KEYS = (
+    "nproc_per_node",
+    "nnodes",
+    "rdzv_endpoint",
+    "node_rank",
+    "parallel",
+    "micro_batch_size",
+    "device",
+    "threads",
+)
 
 
 def train_slice(spec: PipelineSpec, strategy: str) -> dict:
@@ -205,7 +215,7 @@ def setup_run(job: TrainJob, dist: distributed.DistInfo) -> LoopRun:
             }
         )
         # the layout is a tag, not a param: a run resumed at another world size continues this MLflow run
-        where = layout(dist.world, cfg.parallel, device)
+        where = layout(dist.world, cfg.parallel, device, cfg.nnodes)
         tracker.set_tags({f"dllm.layout.{k}": v for k, v in where.items()})
     return LoopRun(
         trainee,
@@ -241,7 +251,7 @@ def _write_result(job: TrainJob, run: LoopRun, model, val_loss: float | None, ou
     spec, tracker = job.spec, run.tracker
     meta = {**run.checkpoint_meta, "step": spec.train.steps, "final_val_loss": val_loss, "data_key": job.data.key}
     meta["layout"] = {
-        **layout(run.dist.world, spec.train.parallel, run.device),
+        **layout(run.dist.world, spec.train.parallel, run.device, spec.train.nnodes),
         "micro_batch_size": spec.train.micro_batch_size,
     }
     peft = spec.train.peft
@@ -285,7 +295,7 @@ def _write_adapter(dest: Path, model, peft) -> None:
 def _build(job: TrainJob, out: Path) -> dict:
     """Train into `out`: in this process, or under torchrun (rank 0 writes `out` and the manifest fields)."""
     recover_checkpoint(job.work / "checkpoint")  # a checkpoint write killed mid-swap
-    if job.spec.train.nproc_per_node == 1:
+    if job.spec.train.world_size == 1:
         return run_training(job, out, distributed.DistInfo())
     job.work.mkdir(parents=True, exist_ok=True)
     job.manifest_file.unlink(missing_ok=True)
@@ -309,10 +319,34 @@ def train(
     inputs = check_inputs(spec, strategy, inputs)
     stage, key = stage_of(spec, strategy, data, workdir, inputs)
     job = TrainJob(spec, strategy, data, workdir, parent_run_id, key, inputs)
+    if distributed.node_rank(spec.train) > 0:
+        return _follow(job)
     entry, reused = store_for(workdir).reuse_or_build(stage, key, lambda out: _build(job, out))
     if not reused:
         shutil.rmtree(job.work, ignore_errors=True)
     return _ref(entry, strategy, reused)
+
+
+FOLLOW_TIMEOUT_S = 1800  # how long node k > 0 waits for node 0 to publish after its own ranks are done
+
+
+def _follow(job: TrainJob) -> StageRef:
+    """Node k > 0 of a multi-node training: its ranks train with the others, node 0 (global rank 0) writes and
+    publishes the result into the shared store; this node waits for that entry."""
+    store = store_for(job.workdir)
+    if (hit := store.lookup(STAGE, job.key)) is not None:
+        return _ref(hit, job.strategy, reused=True)
+    job.work.mkdir(parents=True, exist_ok=True)
+    distributed.launch(job, job.work / f"node-{distributed.node_rank(job.spec.train)}")  # global rank 0 isn't here
+    deadline = time.monotonic() + FOLLOW_TIMEOUT_S
+    while (entry := store.lookup(STAGE, job.key)) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"train[{job.strategy}]: this node's ranks finished, but node 0 published nothing under {store.root} "
+                f"within {FOLLOW_TIMEOUT_S} s; every node must see the same workdir (shared storage)"
+            )
+        time.sleep(1)
+    return _ref(entry, job.strategy, reused=False)
 
 
 def _ref(entry, strategy: str, reused: bool) -> StageRef:

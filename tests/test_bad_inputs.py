@@ -216,3 +216,14 @@ def test_debug_raises_the_error_that_is_otherwise_one_line(tmp_path, capsys, mon
         assert line.startswith("dllm-flow: error: ") and line.count("\n") == 1 and "nope.yaml" in line
         with pytest.raises((ConfigError, FileNotFoundError)):
             main(["--debug", "validate", missing])
+
+
+def test_a_config_path_that_is_a_directory_or_not_text_is_named(tmp_path):
+    from dllm_common.config import read_yaml
+
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory; pass the path of a YAML file"):
+        read_yaml(tmp_path)
+    binary = tmp_path / "b.yaml"
+    binary.write_bytes(b"\x00\xff")
+    with pytest.raises(ConfigError, match=rf"config file {binary} is not UTF-8 text \(byte 0xff at offset 1\)"):
+        read_yaml(binary)

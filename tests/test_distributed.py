@@ -96,6 +96,59 @@ def test_layout_settings_stay_out_of_the_training_key(prepared, tiny_spec):
     assert key(other) != base
 
 
+CHILD = """
+import sys, json
+from dataclasses import asdict
+from dllm_common.config import validate_config
+from tasks.common import StageRef
+from tasks.train import train
+spec = validate_config(json.loads(sys.argv[1]))
+ref = train(spec, "mdlm", StageRef(**json.loads(sys.argv[2])), sys.argv[3])
+print(json.dumps(asdict(ref)))
+"""
+
+
+def train_in_child(spec, data, workdir, **env):
+    """`train` in a fresh interpreter (one that may be SIGKILLed, or one node of several); stdout: its StageRef."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from conftest import ROOT
+
+    args = [json.dumps(spec.model_dump(mode="json")), json.dumps(asdict(data)), str(workdir)]
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, *args], cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True
+    )
+
+
+def test_two_nodes_of_one_process_train_like_one_process(prepared, tiny_spec, tmp_path):
+    """Two nodes × one process on 127.0.0.1 (static rendezvous at node 0, node rank from $NODE_RANK): the same
+    global batch, so the per-step losses equal the one-process run's; node 0 publishes, node 1 waits for it."""
+    import json
+
+    from conftest import free_port
+
+    from tasks.common import StageRef
+
+    data, _ = prepared
+    one = train(_spec(tiny_spec, 1), "mdlm", data, str(tmp_path / "one"))
+    base = _spec(tiny_spec, 1)
+    two_nodes = base.model_copy(
+        update={"train": base.train.model_copy(update={"nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}"})}
+    )
+    nodes = [train_in_child(two_nodes, data, tmp_path / "two", NODE_RANK=str(r)) for r in (0, 1)]
+    refs = [StageRef(**json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0] and refs[0].path == refs[1].path and refs[0].key == one.key
+    a, b = _losses(tmp_path / "one", one), _losses(tmp_path / "two", refs[0])
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(6))
+    assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 1e-5
+    layout = json.loads((Path(refs[0].path) / "model" / "dllm.json").read_text())["layout"]
+    assert layout["nodes"] == 2 and layout["processes"] == 2
+
+
 def _losses(workdir, ref):
     return _metric_history(workdir, ref.mlflow_run_id, "train/loss")
 
@@ -115,24 +168,8 @@ def test_a_checkpoint_resumes_at_another_world_size_and_layout(
     work = str(tmp_path / "resumed")
     monkeypatch.setenv("DLLM_FLOW_FAULT", "train.step=kill@5")  # SIGKILL at the start of step 5
     if before[0] == 1:  # a kill would take pytest with it: run the one-process attempt in a child
-        import subprocess
-        import sys
-
-        from conftest import ROOT
-
-        code = (
-            "import sys, json\n"
-            "from dllm_common.config import validate_config\n"
-            "from tasks.common import StageRef\n"
-            "from tasks.train import train\n"
-            "spec = validate_config(json.loads(sys.argv[1]))\n"
-            "train(spec, 'mdlm', StageRef(**json.loads(sys.argv[2])), sys.argv[3])\n"
-        )
-        from dataclasses import asdict
-
-        spec_json = json.dumps(_spec(tiny_spec, *before, checkpoint_every=3).model_dump(mode="json"))
-        out = subprocess.run([sys.executable, "-c", code, spec_json, json.dumps(asdict(data)), work], cwd=ROOT)
-        assert out.returncode == -9
+        child = train_in_child(_spec(tiny_spec, *before, checkpoint_every=3), data, work)
+        assert child.wait(timeout=600) == -9
     else:
         with pytest.raises(RuntimeError, match="torchrun for train\\[mdlm\\] exited"):
             train(_spec(tiny_spec, *before, checkpoint_every=3), "mdlm", data, work)
