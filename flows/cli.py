@@ -181,7 +181,14 @@ def cmd_generate(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from strategies.sampling import SamplerConfig
     from tasks.checkpoints import load_for_generation
-    from tasks.generate import Request, check_sampler, default_temperature, default_top_p, resolve_checkpoint
+    from tasks.generate import (
+        Request,
+        check_request,
+        check_sampler,
+        default_temperature,
+        default_top_p,
+        resolve_checkpoint,
+    )
     from tasks.runtime import resolve_device
 
     ckpt = resolve_checkpoint(args.checkpoint, Path(args.workdir), args.tracking_uri)
@@ -202,6 +209,8 @@ def cmd_generate(args) -> int:
         **({"cache": args.cache} if args.cache else {}),
     )
     chat = (loaded.meta.get("chat", False) or args.chat) and not args.raw
+    for prompt in args.prompt:  # refuse a prompt that does not fit before echoing any
+        check_request(loaded, Request(prompt, sampler, config, args.seed, chat, args.infill))
     print(
         f"[dllm-flow] {ckpt} ({loaded.meta['strategy']}, sampler {sampler}, steps {args.steps}, "
         f"temperature {temperature}, top-p {config.top_p}, top-k {config.top_k}, cache {config.cache}, "

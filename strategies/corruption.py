@@ -13,6 +13,58 @@ import torch
 from torch import Tensor
 
 
+def check_args(
+    caller: str,
+    *,
+    eps: float | None = None,
+    integers: dict[str, tuple[object, int]] | None = None,
+    positive: dict[str, object] | None = None,
+    levels: dict[str, object] | None = None,
+    batch: int | None = None,
+) -> None:
+    """The scalar and per-row argument checks of the kernels (one error naming the caller, the argument, its
+    value and the valid range), run before any computation: 0 ≤ eps < 1; `integers` {name: (value, minimum)}
+    are integers ≥ minimum; `positive` {name: value} are finite reals > 0; `levels` {name: value} are
+    probabilities in [0, 1], each a scalar or a 1-D tensor of one level per row ([batch], or [1] for all rows).
+    Levels hold one value per row, so checking their range costs nothing next to the kernel."""
+    if eps is not None and not 0 <= eps < 1:
+        raise ValueError(f"{caller}: eps (the minimum noise level) must be in [0, 1), got {eps!r}")
+    for name, (value, minimum) in (integers or {}).items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+            raise ValueError(f"{caller}: {name} must be an integer >= {minimum}, got {value!r}")
+    for name, value in (positive or {}).items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+            raise ValueError(f"{caller}: {name} must be a finite number > 0, got {value!r}")
+    for name, value in (levels or {}).items():
+        rows = f"[batch] = ({batch},)" if batch is not None else "[batch]"
+        if isinstance(value, Tensor):
+            if value.dim() > 1 or (value.dim() == 1 and value.shape[0] not in (1, batch)):
+                raise ValueError(
+                    f"{caller}: {name} must be a scalar or a tensor of shape {rows} (one level per row of "
+                    f"input_ids) or [1], got shape {tuple(value.shape)}"
+                )
+            if value.numel() == 0:
+                continue
+            lo, hi = float(value.min()), float(value.max())
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            lo = hi = float(value)
+        else:
+            raise ValueError(
+                f"{caller}: {name} must be a scalar or a tensor of shape {rows}, got {type(value).__name__}"
+            )
+        if not (0 <= lo and hi <= 1):  # also refuses NaN
+            got = f"{lo:g}" if lo == hi else f"values from {lo:g} to {hi:g}"
+            raise ValueError(f"{caller}: {name} must be a probability in [0, 1], got {got}")
+
+
+def as_rows(level: Tensor | float, like: Tensor) -> Tensor:
+    """A level checked by `check_args` (a scalar, [1] or [B]) as a 1-D tensor on `like`'s device, ready for
+    `level[:, None]`."""
+    if isinstance(level, Tensor):
+        return level.reshape(-1)
+    return torch.tensor([float(level)], dtype=torch.float32, device=like.device)
+
+
 def check_rows(
     input_ids: Tensor,
     loss_mask: Tensor,
@@ -20,11 +72,16 @@ def check_rows(
     *,
     eps: float | None = None,
     vocab_size: int | None = None,
+    min_vocab: int = 1,
+    levels: dict[str, object] | None = None,
+    integers: dict[str, tuple[object, int]] | None = None,
+    positive: dict[str, object] | None = None,
     caller: str = "corruption",
 ) -> None:
     """The argument checks every kernel shares (one error naming the argument): integer `[B, L]` ids, a loss
-    mask of the same shape, an integer [MASK] id inside the vocabulary, 0 ≤ eps < 1. Shapes and dtypes only:
-    no pass over the values, so the checks cost nothing next to the kernel."""
+    mask of the same shape, an integer [MASK] id inside the vocabulary (an integer ≥ `min_vocab`), then the
+    scalar and per-row checks of `check_args` (eps, integer sizes, positive ratios, levels against B). Shapes,
+    dtypes and per-row levels only: no pass over the [B, L] values, so the checks cost nothing next to the kernel."""
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
         what = (
             f"{input_ids.dtype} of shape {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor) else type(input_ids)
@@ -33,6 +90,9 @@ def check_rows(
     if not isinstance(loss_mask, Tensor) or loss_mask.shape != input_ids.shape:
         shape = tuple(loss_mask.shape) if isinstance(loss_mask, Tensor) else type(loss_mask).__name__
         raise ValueError(f"{caller}: loss_mask must have input_ids' shape {tuple(input_ids.shape)}, got {shape}")
+    if vocab_size is not None:
+        integers = {"vocab_size": (vocab_size, min_vocab), **(integers or {})}
+    check_args(caller, integers=integers)
     if mask_token_id is not None:
         if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, numbers.Integral) or mask_token_id < 0:
             raise ValueError(f"{caller}: mask_token_id must be a non-negative integer, got {mask_token_id!r}")
@@ -40,8 +100,7 @@ def check_rows(
             raise ValueError(
                 f"{caller}: mask_token_id {mask_token_id} is outside the vocabulary of {vocab_size} tokens"
             )
-    if eps is not None and not 0 <= eps < 1:
-        raise ValueError(f"{caller}: eps (the minimum noise level) must be in [0, 1), got {eps!r}")
+    check_args(caller, eps=eps, positive=positive, levels=levels, batch=input_ids.shape[0])
 
 
 def corrupt_uniform(
@@ -71,10 +130,16 @@ def corrupt_uniform(
 
 
 def mask_at_level(
-    input_ids: Tensor, loss_mask: Tensor, mask_token_id: int, p: Tensor, generator: torch.Generator | None = None
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    mask_token_id: int,
+    p: Tensor | float,
+    generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Absorbing corruption at given per-row levels p [B] (used by the fixed-noise NELBO)."""
-    check_rows(input_ids, loss_mask, mask_token_id, caller="mask_at_level")
+    """Absorbing corruption at given per-row levels p [B] in [0, 1] (or one level for all rows: a scalar or
+    [1]); used by the fixed-noise NELBO."""
+    check_rows(input_ids, loss_mask, mask_token_id, levels={"p": p}, caller="mask_at_level")
+    p = as_rows(p, input_ids)
     u = torch.rand(input_ids.shape, generator=generator, device=input_ids.device)
     noise_mask = (u < p[:, None]) & loss_mask.bool()
     return torch.where(noise_mask, torch.full_like(input_ids, mask_token_id), input_ids), noise_mask
@@ -117,7 +182,15 @@ def corrupt_blockwise(
     Positions are chosen among all slots, then unsupervised picks are dropped (so realized k ≤ k).
     Draw order: all m's, then the Gumbel uniforms.
     """
-    check_rows(input_ids, loss_mask, mask_token_id, eps=eps, caller="corrupt_blockwise")
+    check_rows(
+        input_ids,
+        loss_mask,
+        mask_token_id,
+        eps=eps,
+        integers={} if block_size is None else {"block_size": (block_size, 1)},
+        positive={"half_life_ratio": half_life_ratio},
+        caller="corrupt_blockwise",
+    )
     batch, length = input_ids.shape
     device = input_ids.device
     if block_size is None:
@@ -162,7 +235,14 @@ def corrupt_uniform_random(
     replacement r ~ Uniform{0..V−1} (may equal the clean token). p_mask is all ones (flat loss).
     Draw order: t, u (B·L), r (B·L).
     """
-    check_rows(input_ids, loss_mask, eps=eps, caller="corrupt_uniform_random")
+    check_rows(
+        input_ids,
+        loss_mask,
+        eps=eps,
+        vocab_size=vocab_size,
+        integers={} if block_size is None else {"block_size": (block_size, 1)},
+        caller="corrupt_uniform_random",
+    )
     batch, length = input_ids.shape
     device = input_ids.device
     if block_size is None:
@@ -194,8 +274,8 @@ def corrupt_mix(
     mask_token_id: int,
     vocab_size: int,
     *,
-    mask_prob: Tensor,
-    uniform_prob: Tensor,
+    mask_prob: Tensor | float,
+    uniform_prob: Tensor | float,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
     """SCDD forward kernel (docs/strategies.md §4.6): absorb to [MASK] or move to a *different* non-mask token.
@@ -203,11 +283,19 @@ def corrupt_mix(
     One u ~ U[0,1) per position: absorbed = u < mask_prob ∧ ℓ; transitioned =
     mask_prob ≤ u < mask_prob + uniform_prob ∧ ℓ ∧ x ≠ M. The replacement is uniform over the V−2
     tokens that are neither [MASK] nor the clean token: d ~ U{0..V−3}, shifted past min(x,M) then
-    max(x,M). Returns (z, n) with n == (z ≠ x). Draw order: u (B·L) then d (B·L).
+    max(x,M). Returns (z, n) with n == (z ≠ x). mask_prob and uniform_prob are per-row probabilities
+    ([B], or a scalar / [1] for all rows) with mask_prob + uniform_prob ≤ 1. Draw order: u (B·L) then d (B·L).
     """
-    if vocab_size < 3:
-        raise ValueError(f"corrupt_mix requires vocab_size >= 3 (got {vocab_size})")
-    check_rows(input_ids, loss_mask, mask_token_id, vocab_size=vocab_size, caller="corrupt_mix")
+    check_rows(
+        input_ids,
+        loss_mask,
+        mask_token_id,
+        vocab_size=vocab_size,
+        min_vocab=3,
+        levels={"mask_prob": mask_prob, "uniform_prob": uniform_prob},
+        caller="corrupt_mix",
+    )
+    mask_prob, uniform_prob = as_rows(mask_prob, input_ids), as_rows(uniform_prob, input_ids)
     total = (mask_prob + uniform_prob).max()
     if total > 1 + 1e-5:
         raise ValueError(f"corrupt_mix requires mask_prob + uniform_prob <= 1 (got up to {float(total):.6f})")
@@ -233,7 +321,9 @@ def scdd_grid_times(
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
 ) -> Tensor:
-    """SCDD time sampling (docs/strategies.md §5.8): u' = (1−eps)u + eps, t = (⌊u'·T⌋ + 1)/T, then t ≤ 1 − 1/T."""
+    """SCDD time sampling (docs/strategies.md §5.8): u' = (1−eps)u + eps, t = (⌊u'·T⌋ + 1)/T, then t ≤ 1 − 1/T.
+    T = num_timesteps ≥ 2 (the inner grid {1/T, …, (T−1)/T} is empty for T = 1)."""
+    check_args("scdd_grid_times", eps=eps, integers={"batch": (batch, 0), "num_timesteps": (num_timesteps, 2)})
     u = (1 - eps) * torch.rand(batch, generator=generator, device=device) + eps
     t = (torch.floor(u * num_timesteps) + 1) / num_timesteps
     return t.clamp(max=1 - 1 / num_timesteps)

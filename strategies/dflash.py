@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.checkpoint import checkpoint
 
+from strategies.corruption import check_args
 from strategies.losses import DLLMLossOutput
 
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper App. A.1 decay γ by block size
@@ -31,8 +32,10 @@ def default_gamma(block_size: int) -> float:
 def _build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Target layers whose hidden states feed the draft: the middle one for a 1-layer draft, else
     evenly spaced from 1 to T − 3, `round(1 + i·(T − 4)/(D − 1))`."""
-    if num_draft_layers < 1 or num_target_layers < 1:
-        raise ValueError(f"need at least one target and one draft layer (got {num_target_layers}, {num_draft_layers})")
+    check_args(
+        "_build_target_layer_ids",
+        integers={"num_target_layers": (num_target_layers, 1), "num_draft_layers": (num_draft_layers, 1)},
+    )
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     if num_target_layers < 4 or num_draft_layers > num_target_layers - 3:

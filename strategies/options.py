@@ -13,6 +13,7 @@ exactly what training uses. See docs/architecture.md ("How a strategy plugs in")
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
@@ -277,6 +278,18 @@ def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
     for name in spec.dllm.overrides:
         if name not in REGISTRY:
             raise ConfigError(f"dllm.overrides: unknown strategy {name!r}; allowed: {sorted(REGISTRY)}")
+    known = sorted({k for r in REGISTRY.values() for k in r.options.model_fields})
+    unknown = sorted(set(spec.dllm.shared()) - set(known))
+    if unknown:  # no strategy at all reads it: a typo or a key of another tool, not a missing strategy
+        named = [
+            f"dllm.{k}" + "".join(f" (did you mean dllm.{m}?)" for m in difflib.get_close_matches(k, known, n=1))
+            for k in unknown
+        ]
+        it = "it" if len(unknown) == 1 else "them"
+        raise ConfigError(
+            f"dllm: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(named)}: no strategy reads {it}; "
+            f"the dllm.* keys are {', '.join(known)} (and dllm.overrides.<strategy>.<key>). Remove or rename {it}"
+        )
     declared = {k for n in spec.pipeline.strategies for k in REGISTRY[n].options.model_fields}
     unused = sorted(set(spec.dllm.shared()) - declared)
     if unused:

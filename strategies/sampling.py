@@ -65,16 +65,20 @@ class SamplerConfig:
     sampler: str = "auto"
 
     def __post_init__(self) -> None:
+        # each message names the field and its `dllm-flow generate` flag, so it reads right from either
         check_cache_mode(self.cache)
-        if self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_k must be ≥ 0 and top_p in (0, 1]; got top_k={self.top_k}, top_p={self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k (--top-k) must be ≥ 0 (0: all tokens); got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p (--top-p) must be in (0, 1] (1: no nucleus cut); got {self.top_p}")
         for name in ("steps", "max_new_tokens", "block_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name} ({flag}) must be at least 1; got {getattr(self, name)}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be ≥ 0 (0: greedy); got {self.temperature}")
+            raise ValueError(f"temperature (--temperature) must be ≥ 0 (0: greedy); got {self.temperature}")
         if self.threshold is not None and not 0 < self.threshold <= 1:
-            raise ValueError(f"threshold must be in (0, 1] (a confidence) or unset; got {self.threshold}")
+            raise ValueError(f"threshold (--threshold) must be in (0, 1] (a confidence) or unset; got {self.threshold}")
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,14 @@ def store_for(workdir: str | Path) -> Store:
 def check_workdir(workdir: str | Path) -> Path:
     """Create the workdir, or say clearly why it cannot be used."""
     p = Path(workdir).resolve()
+    if p.exists() and not p.is_dir():
+        raise FileExistsError(f"--workdir {p} is a file, not a directory; pass --workdir DIR with a directory path")
+    blocker = next((a for a in p.parents if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise FileExistsError(
+            f"--workdir {p} is not writable: {blocker} is a file, not a directory; pass --workdir DIR with a "
+            "writable path"
+        )
     try:
         p.mkdir(parents=True, exist_ok=True)
         probe = p / f".write-probe-{os.getpid()}"

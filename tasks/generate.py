@@ -62,6 +62,11 @@ def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None,
             ) from None
         ref = local
     path = Path(ref)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"--checkpoint {ref}: the path does not exist; give a checkpoint directory (a train run's model/ "
+            "folder or an exported one) or a models:/NAME@ALIAS URI"
+        )
     for candidate in (path, path / "model"):
         has_config = (candidate / "config.json").is_file() or (candidate / "dflash_draft.json").is_file()
         if has_config and (candidate / "dllm.json").is_file():
@@ -111,21 +116,44 @@ class Request:
     infill: bool = False
 
 
+def check_request(loaded: Loaded, request: Request) -> list[int]:
+    """The ids the request decodes from (the prompt's, or with `infill` the prompt with its [MASK] spans),
+    refused before any decoding where they are empty or, with the `--max-new-tokens` continuation, do not fit
+    the model's context. Cheap (tokenization only): `dllm-flow generate` calls it before echoing the prompt."""
+    if request.infill:
+        ids = _infill_ids(loaded, request.prompt)
+        new = 0
+    else:
+        ids = encode_prompts(loaded.tokenizer, [request.prompt], request.chat)[0]
+        new = request.config.max_new_tokens
+    if not ids:
+        raise ValueError("--prompt is empty after tokenization; give some text")
+    context = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
+    if not isinstance(context, int) or isinstance(context, bool):
+        return ids
+    if len(ids) > context:
+        spans = f" with its [MASK] spans ({INFILL_SPAN} tokens each)" if request.infill else ""
+        raise ValueError(
+            f"--prompt is {len(ids)} tokens{spans}, longer than the model's context of {context} positions; shorten it"
+        )
+    if len(ids) + new > context:
+        room = context - len(ids)
+        fix = f"lower --max-new-tokens to at most {room}" if room >= 1 else "shorten --prompt to leave room"
+        raise ValueError(
+            f"--prompt ({len(ids)} tokens) + --max-new-tokens ({new}) = {len(ids) + new} positions, more than "
+            f"the model's context of {context}; {fix}"
+        )
+    return ids
+
+
 def generate(loaded: Loaded, request: Request, device: str, stream=None) -> Generated:
     """One prompt: sample, calling `stream(new_text)` as blocks finish; returns the text and its cost."""
+    prompt_ids = check_request(loaded, request)
     config = dataclasses.replace(request.config, logit_shift=loaded.strategy.logit_shift)
     request = dataclasses.replace(request, config=config)
     gen = torch.Generator(device=device).manual_seed(request.seed)
     if request.infill:
-        return _infill(loaded, request, gen, device, stream)
-    prompt_ids = encode_prompts(loaded.tokenizer, [request.prompt], request.chat)[0]
-    if not prompt_ids:
-        raise ValueError("--prompt is empty after tokenization; give some text")
-    context = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
-    if isinstance(context, int) and len(prompt_ids) > context:
-        raise ValueError(
-            f"--prompt is {len(prompt_ids)} tokens, longer than the model's context of {context} positions; shorten it"
-        )
+        return _infill(loaded, request, prompt_ids, gen, device, stream)
     if request.sampler == SPECULATIVE:
         return _speculative(loaded, prompt_ids, config, stream, request.seed)
     return _denoise(loaded, request, prompt_ids, gen, device, stream)
@@ -136,15 +164,20 @@ def _emit(stream, text: str) -> None:
         stream(text)
 
 
-def _infill(loaded: Loaded, request: Request, gen, device: str, stream) -> Generated:
-    """Each [MASK] of the prompt becomes `INFILL_SPAN` mask tokens, filled by the absorbing sampler."""
-    tokenizer, mask_id = loaded.tokenizer, loaded.mask_id
-    pieces = request.prompt.split("[MASK]")
+def _infill_ids(loaded: Loaded, prompt: str) -> list[int]:
+    """Each [MASK] of the prompt becomes `INFILL_SPAN` mask tokens."""
+    pieces = prompt.split("[MASK]")
     ids: list[int] = []
     for i, piece in enumerate(pieces):
-        ids += tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+        ids += loaded.tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
         if i < len(pieces) - 1:
-            ids += [mask_id] * INFILL_SPAN
+            ids += [loaded.mask_id] * INFILL_SPAN
+    return ids
+
+
+def _infill(loaded: Loaded, request: Request, ids: list[int], gen, device: str, stream) -> Generated:
+    """The prompt's [MASK] spans (`_infill_ids`) filled by the absorbing sampler."""
+    tokenizer, mask_id = loaded.tokenizer, loaded.mask_id
     t0 = time.perf_counter()
     res = infill_sample(
         loaded.strategy.denoiser(loaded.model),

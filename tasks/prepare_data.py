@@ -200,7 +200,20 @@ def load_documents(cfg: DataConfig) -> list[Document]:
         docs = docs[: cfg.max_documents]
     if len(docs) < 2:
         raise DataError(f"need at least 2 documents to split train/val by document, found {len(docs)} in data.path")
+    if cfg.shape == "pretrain" and not any(d.text and d.text.strip() for d in docs):
+        raise DataError(
+            f"{_where(cfg)}: the text of every document is empty (data.text_field {cfg.text_field!r}, "
+            f"{len(docs)} documents), so there is nothing to train on; point data.path at documents with text, "
+            "or set data.text_field to the field that holds it"
+        )
     return docs
+
+
+def _where(cfg: DataConfig) -> str:
+    """The data a message is about: `data.path '…' (data.source jsonl)`, or the embedded corpus."""
+    if cfg.source == "shakespeare":
+        return "data.source shakespeare"
+    return f"data.path {cfg.path!r} (data.source {cfg.source})"
 
 
 def split_documents(docs: list[Document], val_fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
@@ -329,7 +342,7 @@ def _build(spec: PipelineSpec, tmp: Path) -> dict:
         raise DataError("the tokenizer has no eos token; pick a tokenizer with one (tokenizer.path)")
     train = build_rows(train_docs, tokenizer, cfg, cfg.max_train_rows)
     val = build_rows(val_docs, tokenizer, cfg, cfg.max_val_rows)
-    info = _summarize(train, val, train_docs, val_docs, tokenizer)
+    info = _summarize(train, val, train_docs, val_docs, tokenizer, cfg)
     tokenizer.save_pretrained(tmp / "tokenizer")
     for name, (ids, loss, attn) in (("train", train), ("val", val)):
         save_file({"input_ids": ids, "loss_mask": loss, "attention_mask": attn}, str(tmp / f"{name}.safetensors"))
@@ -350,8 +363,17 @@ def data_ref(entry, reused: bool) -> StageRef:
     return StageRef.of(entry, reused, digest=data_digest(entry.manifest))
 
 
-def _summarize(train, val, train_docs, val_docs, tokenizer) -> dict:
+def _summarize(train, val, train_docs, val_docs, tokenizer, cfg: DataConfig) -> dict:
     n_sup = int(train[1].sum())
+    if n_sup == 0 and cfg.shape == "pretrain":  # packed rows are all supervised: too few tokens for one row
+        tokens = sum(
+            len(ids) + 1 for ids in tokenizer([d.text for d in train_docs], add_special_tokens=False)["input_ids"]
+        )
+        raise DataError(
+            f"{_where(cfg)}: the training documents hold {tokens} tokens (with an eos after each), fewer than "
+            f"one row of data.seq_len ({cfg.seq_len}) tokens, so the prepared training set has no rows; add text "
+            "or lower data.seq_len"
+        )
     if n_sup == 0:
         raise DataError(
             "the prepared training set has no supervised tokens: every loss-mask entry is 0. "

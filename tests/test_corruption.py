@@ -205,7 +205,7 @@ def test_corrupt_mix_never_transitions_a_clean_mask_token():
 
 def test_corrupt_mix_errors_and_boundary():
     ids, loss = torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4)
-    with pytest.raises(ValueError, match="vocab_size >= 3"):
+    with pytest.raises(ValueError, match="corrupt_mix: vocab_size must be an integer >= 3, got 2"):
         corrupt_mix(ids, loss, 1, 2, mask_prob=_probs(1, 0.1), uniform_prob=_probs(1, 0.1))
     with pytest.raises(ValueError, match=r"mask_prob \+ uniform_prob <= 1"):
         corrupt_mix(ids, loss, 1, 10, mask_prob=_probs(1, 0.7), uniform_prob=_probs(1, 0.4))

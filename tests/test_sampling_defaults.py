@@ -47,20 +47,24 @@ def test_nucleus_keeps_tied_tokens_at_the_cut_together():
 
 
 def test_bad_truncation_settings_are_refused():
-    for kw in ({"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}):
-        with pytest.raises(ValueError, match="top_k must be ≥ 0 and top_p in"):
+    for kw, message in (
+        ({"top_k": -1}, r"^top_k \(--top-k\) must be ≥ 0 \(0: all tokens\); got -1$"),
+        ({"top_p": 0.0}, r"^top_p \(--top-p\) must be in \(0, 1\] \(1: no nucleus cut\); got 0.0$"),
+        ({"top_p": 1.5}, r"^top_p \(--top-p\) must be in \(0, 1\] \(1: no nucleus cut\); got 1.5$"),
+    ):
+        with pytest.raises(ValueError, match=message):
             SamplerConfig(**kw)
 
 
 @pytest.mark.parametrize(
     "kw, message",
     [
-        ({"steps": 0}, "steps must be at least 1; got 0"),
-        ({"max_new_tokens": -5}, "max_new_tokens must be at least 1; got -5"),
-        ({"block_size": 0}, "block_size must be at least 1; got 0"),
-        ({"temperature": -1.0}, "temperature must be ≥ 0"),
-        ({"threshold": 1.5}, "threshold must be in"),
-        ({"threshold": 0.0}, "threshold must be in"),
+        ({"steps": 0}, "steps \\(--steps\\) must be at least 1; got 0"),
+        ({"max_new_tokens": -5}, "max_new_tokens \\(--max-new-tokens\\) must be at least 1; got -5"),
+        ({"block_size": 0}, "block_size \\(--block-size\\) must be at least 1; got 0"),
+        ({"temperature": -1.0}, "temperature \\(--temperature\\) must be ≥ 0"),
+        ({"threshold": 1.5}, "threshold \\(--threshold\\) must be in"),
+        ({"threshold": 0.0}, "threshold \\(--threshold\\) must be in"),
     ],
 )
 def test_bad_sampler_settings_are_refused_by_name(kw, message):
