@@ -26,6 +26,9 @@ from dllm_common import faults
 from dllm_common.store import fsync_tree, sha256_file
 
 DIGESTS = "digests.json"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # with shards model-0000i-of-0000n.safetensors (transformers' layout)
+MAX_SHARD_SIZE = "5GB"  # transformers' default: one file below it, shards and an index above
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -33,19 +36,23 @@ class CorruptCheckpointError(RuntimeError):
 
 
 def write_checkpoint(
-    dest: Path, model, tokenizer=None, meta: dict | None = None, trainer_state: dict | None = None
+    dest: Path,
+    model,
+    tokenizer=None,
+    meta: dict | None = None,
+    trainer_state: dict | None = None,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
 ) -> Path:
     """Atomically (re)write checkpoint `dest` from a model (+ tokenizer, metadata, optimizer state)."""
     # lazy: dllm_common stays torch-free at import (flows imports this module with torch blocked)
     import torch
-    from safetensors.torch import save_model
 
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".tmp-{dest.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_model(model, str(tmp / "model.safetensors"))
+        write_weights(tmp, model.state_dict(), max_shard_size)
         faults.reached("checkpoint.written")
         model.config.save_pretrained(tmp)
         if tokenizer is not None:
@@ -120,6 +127,58 @@ def recover_checkpoint(dest: Path) -> bool:
     return restored
 
 
+def dedupe_tensors(tensors: dict) -> dict:
+    """Keep one name per tensor that several names alias (tied embeddings): safetensors stores no aliases.
+    The first name in sorted order stays, as `safetensors.torch.save_model` keeps it."""
+    seen: set[tuple] = set()
+    kept = {}
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.numel():
+            alias = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if alias in seen:
+                continue
+            seen.add(alias)
+        kept[name] = t
+    return kept
+
+
+def write_weights(dest: Path, tensors: dict, max_shard_size: int | str = MAX_SHARD_SIZE) -> list[str]:
+    """`tensors` as `model.safetensors`, or, above `max_shard_size`, as transformers' shards
+    `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`; returns the file names."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous() for k, v in dedupe_tensors(tensors).items()}
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n] for n in names}, str(Path(dest) / filename), metadata={"format": "pt"})
+    files = list(split.filename_to_tensors)
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        (Path(dest) / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        files.append(WEIGHTS_INDEX)
+    return files
+
+
+def weight_files(path: Path) -> list[str]:
+    """The safetensors files of a checkpoint: `model.safetensors`, or the shards its index names."""
+    index = Path(path) / WEIGHTS_INDEX
+    if not index.is_file():
+        return [WEIGHTS]
+    return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+
+
+def read_weights(path: Path) -> dict:
+    """Every stored tensor of a checkpoint (one file or its shards), by name."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in weight_files(path):
+        out.update(load_file(str(Path(path) / name)))
+    return out
+
+
 def read_meta(path: Path) -> dict:
     return json.loads((Path(path) / "dllm.json").read_text())
 
@@ -131,7 +190,21 @@ def load_weights_into(model, path: Path) -> None:
     from safetensors.torch import load_model
 
     verify_checkpoint(path)
-    load_model(model, str(Path(path) / "model.safetensors"), strict=True)
+    if not (Path(path) / WEIGHTS_INDEX).is_file():
+        load_model(model, str(Path(path) / WEIGHTS), strict=True)
+        return
+    state = read_weights(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # a name left out of the files because it aliases a stored one (tied embeddings) is loaded through it
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    aliased = {n for names in groups.values() if any(m in state for m in names) for n in names}
+    missing = [n for n in missing if n not in aliased]
+    if missing or unexpected:
+        raise CorruptCheckpointError(
+            f"{path}: its weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
 
 
 def load_trainer_state(path: Path) -> dict[str, Any] | None:

@@ -156,6 +156,7 @@ class TrainConfig(_Section):
     val_every: int = Field(50, ge=1)
     val_rows: int = Field(64, ge=1)
     checkpoint_every: int = Field(50, ge=1)
+    checkpoint_async: bool = False  # write checkpoints in the background while training goes on
     device: Literal["auto", "cpu", "cuda"] = "auto"
     nproc_per_node: int = Field(1, ge=1)
     # multi-node (docs/architecture.md, "Scale-out"): this train stage is one node of `nnodes`; node 0 hosts the

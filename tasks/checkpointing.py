@@ -53,6 +53,11 @@ def _single_process_is_intended():
         yield
 
 
+def _upload(response):
+    """The future that completes when an `async_save` has written everything (its type varies across torch)."""
+    return getattr(response, "upload_completion", response)
+
+
 def meta_skeleton(model: nn.Module) -> nn.Module:
     """A copy of `model` whose parameters and buffers live on the meta device (no memory; ties kept):
     the module the gathered weights are loaded into at the end, on rank 0 only."""
@@ -65,8 +70,10 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, dist_info: DistInfo, sharded: bool):
-        self.directory, self.dist, self.sharded = Path(directory), dist_info, sharded
+    def __init__(self, directory: Path, dist_info: DistInfo, sharded: bool, asynchronous: bool = False):
+        self.directory, self.dist, self.sharded, self.asynchronous = Path(directory), dist_info, sharded, asynchronous
+        self._pending = None  # an asynchronous save being written: (its future, what finalizing it needs)
+        self._group = None  # the gloo group asynchronous writes use
         self._skeleton = None  # FSDP2, rank 0: the meta-device module the final weights are gathered into
         self.saved_step: int | None = None  # the step of the checkpoint on disk (written or restored)
         self.save_seconds: float | None = None  # how long the last save took
@@ -113,21 +120,61 @@ class Checkpointer:
 
     def save(self, model, opt, sched, tokenizer, meta: dict) -> None:
         """A collective: each rank writes its own part into a temp folder, rank 0 adds the metadata and
-        digests and swaps the folder into place; every rank waits for it."""
+        digests and swaps the folder into place. Asynchronous (`train.checkpoint_async`): the state is
+        staged and written in the background while training goes on, and the folder is swapped in once every
+        rank's write is done (`poll` each step, `finish` at the end, at a stop or at the next save)."""
+        self.finish()
         t0 = time.monotonic()
         tmp = self.directory.parent / f".tmp-{self.directory.name}-step{meta['step']}"
         if self.dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
+        state, where = self._state(model, opt), str(tmp / SHARDS)
+        finalize = (tmp, dict(meta), json.loads(json.dumps(sched.state_dict())), t0)
         with _single_process_is_intended():
-            dcp.save(self._state(model, opt), checkpoint_id=str(tmp / SHARDS), no_dist=not _distributed())
+            if self.asynchronous:
+                self._pending = (dcp.async_save(state, checkpoint_id=where, **self._async_group()), finalize)
+                return
+            dcp.save(state, checkpoint_id=where, no_dist=not _distributed())
+        self._finalize(*finalize)
+
+    def _async_group(self) -> dict:
+        """Background writes talk over their own gloo group, never the training's (no collective interleaving)."""
+        if not _distributed():
+            return {"no_dist": True}
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return {"process_group": self._group}
+
+    def poll(self) -> None:
+        """At a step boundary: swap in an asynchronous checkpoint once every rank has written its part."""
+        if self._pending is None:
+            return
+        done = _upload(self._pending[0]).done()
+        if _distributed():
+            flag = torch.tensor([int(done)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            done = bool(flag.item())
+        if done:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for an asynchronous checkpoint still being written, then swap it in."""
+        if self._pending is None:
+            return
+        future, finalize = self._pending
+        self._pending = None
+        _upload(future).result()
+        self._finalize(*finalize)
+
+    def _finalize(self, tmp: Path, meta: dict, sched_state: dict, t0: float) -> None:
         barrier()
         faults.reached("checkpoint.written")
         if self.dist.is_main:
             try:
                 (tmp / "dllm.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
-                (tmp / SCHEDULER).write_text(json.dumps(sched.state_dict()))
+                (tmp / SCHEDULER).write_text(json.dumps(sched_state))
                 files = sorted(p for p in tmp.rglob("*") if p.is_file())
                 digests = {str(p.relative_to(tmp)): sha256_file(p) for p in files}
                 (tmp / DIGESTS).write_text(json.dumps(digests, indent=2, sort_keys=True))

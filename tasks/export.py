@@ -40,10 +40,24 @@ from typing import Any
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
-from safetensors.torch import load_file, load_model, save_file
+from safetensors.torch import save_file
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from dllm_common.checkpoint import DIGESTS, CorruptCheckpointError, checkpoint_digest, read_meta, verify_checkpoint
+from dllm_common.checkpoint import (
+    DIGESTS,
+    MAX_SHARD_SIZE,
+    WEIGHTS,
+    WEIGHTS_INDEX,
+    CorruptCheckpointError,
+    checkpoint_digest,
+    dedupe_tensors,
+    load_weights_into,
+    read_meta,
+    read_weights,
+    verify_checkpoint,
+    weight_files,
+    write_weights,
+)
 from dllm_common.store import fsync_tree, refuse_published, sha256_file
 from strategies import strategy_class
 from strategies.dflash_draft import DFlashDraftModel
@@ -54,12 +68,9 @@ from tasks.model_card import CARD, DLLM_SUBDIR, Layout, model_card
 from tasks.prepare_data import load_tokenizer
 from tasks.provenance import Evaluation, Provenance, find_provenance
 
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 META = "dllm.json"
 GENERATION_CONFIG = "generation_config.json"
-MAX_SHARD_SIZE = "5GB"  # transformers' default shard size
 WRAPPER_PREFIX = "lm."  # HybridLM / BlockDiffusionLM hold the backbone as `.lm`
 # checkpoint files that are not the tokenizer's
 NOT_TOKENIZER = {CONFIG, WEIGHTS, META, DIGESTS, "trainer_state.pt", DFlashDraftModel.CONFIG, GENERATION_CONFIG, CARD}
@@ -174,36 +185,21 @@ class Source:
 def _checkpoint_tensors(ckpt: Path, config: dict) -> tuple[dict[str, torch.Tensor], bool, bool]:
     """(tensors, verbatim, lora merged): the file as stored, or, for a LoRA checkpoint that kept its
     adapters, the module with the adapters folded in, each tensor back in its stored dtype."""
-    weights = ckpt / WEIGHTS
     if not config.get("dllm_lora"):
-        return load_file(str(weights)), True, False
+        return read_weights(ckpt), True, False
     model = model_from_config_dir(ckpt)
-    load_model(model, str(weights), strict=True)  # digests verified by the caller
+    load_weights_into(model, ckpt)
     merge_lora(model)
-    with safe_open(str(weights), "pt") as f:
-        dtypes = {k.replace(".base_layer", ""): f.get_slice(k).get_dtype() for k in f.keys()}
+    dtypes = {}
+    for name in weight_files(ckpt):
+        with safe_open(str(ckpt / name), "pt") as f:
+            dtypes.update({k.replace(".base_layer", ""): f.get_slice(k).get_dtype() for k in f.keys()})
     stored = {name: getattr(torch, _TORCH_DTYPES.get(code, "float32")) for name, code in dtypes.items()}
     state = {k: v.detach().to(stored.get(k, v.dtype)) for k, v in model.state_dict().items()}
     return dedupe_tensors(state), False, True
 
 
 _TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64"}
-
-
-def dedupe_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Keep one name per tensor that several names alias (tied embeddings): safetensors stores no aliases.
-    The first name in sorted order stays, as `safetensors.torch.save_model` keeps it."""
-    seen: set[tuple] = set()
-    kept = {}
-    for name in sorted(tensors):
-        t = tensors[name]
-        if t.numel():
-            alias = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-            if alias in seen:
-                continue
-            seen.add(alias)
-        kept[name] = t
-    return kept
 
 
 def backbone_tensors(source: Source) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -213,23 +209,6 @@ def backbone_tensors(source: Source) -> tuple[dict[str, torch.Tensor], list[str]
     n = len(WRAPPER_PREFIX)
     backbone = {k[n:]: v for k, v in source.tensors.items() if k.startswith(WRAPPER_PREFIX)}
     return backbone, sorted(k for k in source.tensors if not k.startswith(WRAPPER_PREFIX))
-
-
-def write_weights(
-    dest: Path, tensors: dict[str, torch.Tensor], max_shard_size: int | str = MAX_SHARD_SIZE
-) -> list[str]:
-    """`tensors` as `model.safetensors`, or, above `max_shard_size`, as transformers' shards
-    `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`; returns the file names."""
-    tensors = {k: v.contiguous() for k, v in dedupe_tensors(tensors).items()}
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: tensors[n] for n in names}, str(dest / filename), metadata={"format": "pt"})
-    files = list(split.filename_to_tensors)
-    if split.is_sharded:
-        index = {"metadata": dict(split.metadata), "weight_map": dict(sorted(split.tensor_to_filename.items()))}
-        (dest / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        files.append(WEIGHTS_INDEX)
-    return files
 
 
 def _is_sharded(tensors: dict[str, torch.Tensor], max_shard_size: int | str) -> bool:
@@ -283,12 +262,18 @@ def write_dllm_checkpoint(dest: Path, source: Source, meta: dict) -> None:
         config_name = CONFIG
         _write_json(dest / CONFIG, dllm_config(source))
     if source.verbatim:
-        shutil.copyfile(source.path / WEIGHTS, dest / WEIGHTS)
+        weights = weight_files(source.path)
+        for name in weights:
+            shutil.copyfile(source.path / name, dest / name)
+        if len(weights) > 1:  # the shards' index
+            weights.append(WEIGHTS_INDEX)
+            shutil.copyfile(source.path / WEIGHTS_INDEX, dest / WEIGHTS_INDEX)
     else:
+        weights = [WEIGHTS]
         save_file({k: v.contiguous() for k, v in source.tensors.items()}, str(dest / WEIGHTS), {"format": "pt"})
     _copy_tokenizer(source, dest)
     _write_json(dest / META, meta)
-    names = sorted([config_name, WEIGHTS, META, *source.tokenizer_files])
+    names = sorted([config_name, *weights, META, *source.tokenizer_files])
     _write_json(dest / DIGESTS, {n: sha256_file(dest / n) for n in names})
 
 

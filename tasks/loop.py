@@ -213,8 +213,12 @@ def train_loop(run: LoopRun, settings: LoopSettings) -> float | None:
                 _tracking_lost(run, settings, step, log, exc)
             if interrupt.requested():
                 _stop(run, settings, step, log)
+            if run.checkpointer is not None:
+                run.checkpointer.poll()  # an asynchronous checkpoint, swapped in once written
     bar.close()
     log.flush()
+    if run.checkpointer is not None:
+        run.checkpointer.finish()
     return val_loss
 
 
@@ -260,6 +264,7 @@ def _tracking_lost(run: LoopRun, settings: LoopSettings, step: int, log: MetricL
     if ckpt is not None:
         meta = {**run.checkpoint_meta, "step": done, "pending_metrics": log.buffer}
         ckpt.save(run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, meta)
+        ckpt.finish()
         kept = f"checkpoint saved at step {done} with the {len(log.buffer)} steps of metrics not yet logged"
     raise RuntimeError(
         f"{settings.name}: the tracking server stopped answering at step {done} ({exc}); {kept}. Once it answers "
@@ -273,6 +278,8 @@ def _stop(run: LoopRun, settings: LoopSettings, step: int, log: MetricLog) -> No
     done, ckpt = step + 1, run.checkpointer
     if ckpt is not None and done < settings.steps and ckpt.fits_in(interrupt.seconds_left(), run.trainee.model):
         ckpt.save(run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, {**run.checkpoint_meta, "step": done})
+    if ckpt is not None:
+        ckpt.finish()  # an asynchronous write still under way is completed before stopping
     saved = ckpt.saved_step if ckpt is not None else None
     kept = f"checkpoint at step {saved}" if saved else "no checkpoint: the stage restarts from step 0"
     interrupt.stop(f"{settings.name} stopped after step {done} of {settings.steps}; {kept}")

@@ -22,7 +22,7 @@ from pathlib import Path
 from huggingface_hub import snapshot_download
 from transformers import AutoConfig
 
-from dllm_common.checkpoint import write_checkpoint
+from dllm_common.checkpoint import checkpoint_digest, write_checkpoint
 from dllm_common.config import PipelineSpec
 from dllm_common.store import atomic_write_text, sha256_file, stage_key
 from strategies.causal import CausalLMObjective
@@ -233,7 +233,8 @@ def _ref(entry, reused: bool) -> StageRef:
     if info.get("model_path", "<entry>/model") == "<entry>/model":  # lives inside the (relocatable) entry
         info["model_path"] = str(entry.path / "model")
     if "weights_digest" not in info:
-        info["weights_digest"] = entry.manifest["files"]["model/model.safetensors"]["sha256"]
+        single = entry.manifest["files"].get("model/model.safetensors")  # else shards: the digest table's hash
+        info["weights_digest"] = single["sha256"] if single else checkpoint_digest(entry.path / "model")
     return StageRef(
         entry.stage, entry.key, str(entry.path), reused=reused, mlflow_run_id=info.get("mlflow_run_id"), info=info
     )

@@ -57,6 +57,7 @@ LAYOUT_KEYS = (
     "micro_batch_size",
     "device",
     "threads",
+    "checkpoint_async",
 )
 
 
@@ -189,7 +190,7 @@ def setup_run(job: TrainJob, dist: distributed.DistInfo) -> LoopRun:
     trainee.strategy.validate_data(train_split.loss_mask, train_split.attention_mask)
     model = stepper = trainee.model
     sharded = dist.world > 1 and cfg.parallel == "fsdp2"
-    checkpointer = Checkpointer(job.work / "checkpoint", dist, sharded)
+    checkpointer = Checkpointer(job.work / "checkpoint", dist, sharded, cfg.checkpoint_async)
     resuming = checkpointer.exists
     if sharded:
         checkpointer.keep_skeleton(model)

@@ -14,7 +14,7 @@ from tasks.train import model_dir, train
 pytestmark = pytest.mark.slow
 
 
-def _spec(tiny_spec, nproc: int, parallel: str = "ddp", checkpoint_every: int = 100):
+def _spec(tiny_spec, nproc: int, parallel: str = "ddp", checkpoint_every: int = 100, checkpoint_async=False):
     return tiny_spec.model_copy(
         update={
             "train": tiny_spec.train.model_copy(
@@ -27,6 +27,7 @@ def _spec(tiny_spec, nproc: int, parallel: str = "ddp", checkpoint_every: int = 
                     "nproc_per_node": nproc,
                     "threads": 1,
                     "parallel": parallel,
+                    "checkpoint_async": checkpoint_async,
                 }
             )
         }
@@ -166,13 +167,16 @@ def test_a_checkpoint_resumes_at_another_world_size_and_layout(
     data, _ = prepared
     full = train(_spec(tiny_spec, 1, checkpoint_every=3), "mdlm", data, str(tmp_path / "full"))
     work = str(tmp_path / "resumed")
-    monkeypatch.setenv("DLLM_FLOW_FAULT", "train.step=kill@5")  # SIGKILL at the start of step 5
+    # SIGKILL at the start of step 5 (6 for the asynchronous checkpoint, swapped in once written, a step or two on)
+    monkeypatch.setenv("DLLM_FLOW_FAULT", "train.step=kill@6" if before[1] == "fsdp2" else "train.step=kill@5")
     if before[0] == 1:  # a kill would take pytest with it: run the one-process attempt in a child
         child = train_in_child(_spec(tiny_spec, *before, checkpoint_every=3), data, work)
         assert child.wait(timeout=600) == -9
     else:
         with pytest.raises(RuntimeError, match="torchrun for train\\[mdlm\\] exited"):
-            train(_spec(tiny_spec, *before, checkpoint_every=3), "mdlm", data, work)
+            # FSDP2 writes its checkpoint asynchronously (train.checkpoint_async): swapped in a step later
+            spec = _spec(tiny_spec, *before, checkpoint_every=3, checkpoint_async=before[1] == "fsdp2")
+            train(spec, "mdlm", data, work)
     monkeypatch.delenv("DLLM_FLOW_FAULT")
     checkpoint = next((tmp_path / "resumed" / "store" / "train").glob("*.work/checkpoint"))
     assert json.loads((checkpoint / "dllm.json").read_text())["step"] == 3

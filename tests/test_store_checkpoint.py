@@ -143,3 +143,26 @@ def test_rewrite_replaces_atomically(tmp_path):
     write_checkpoint(tmp_path / "ck", _model(), meta={"step": 2})
     assert json.loads((tmp_path / "ck" / "dllm.json").read_text())["step"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+
+
+def test_a_large_checkpoint_is_a_standard_sharded_hugging_face_folder(tmp_path):
+    """Above the shard size the weights are transformers' shards + index: verified, loaded back exactly,
+    read by `from_pretrained` (tied embeddings included) and exported like a single-file checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    model = _model()
+    write_checkpoint(tmp_path / "ck", model, meta={"step": 1}, max_shard_size="2KB")
+    index = json.loads((tmp_path / "ck" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and not (tmp_path / "ck" / "model.safetensors").exists()
+    digests = verify_checkpoint(tmp_path / "ck")
+    assert set(shards) | {"model.safetensors.index.json"} <= set(digests)
+    other = build_model(tiny_model_config("llama", 32, 8, 16, 1, 2, None, None, True), seed=1)
+    load_weights_into(other, tmp_path / "ck")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ck")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), hf.state_dict().values()))
+    shard = tmp_path / "ck" / shards[0]
+    shard.write_bytes(shard.read_bytes()[:-8] + bytes(8))
+    with pytest.raises(CorruptCheckpointError, match=f"{shards[0]} is corrupt"):
+        load_weights_into(other, tmp_path / "ck")
