@@ -80,6 +80,7 @@ class DataConfig(_Section):
     max_train_rows: int | None = Field(None, ge=1)
     max_val_rows: int | None = Field(256, ge=1)
     seed: int = 0
+    num_proc: int | None = Field(None, ge=1)  # tokenizing processes (None: every core, at most 8); not in the key
 
     @model_validator(mode="after")
     def _path_needed(self) -> DataConfig:

@@ -11,22 +11,27 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
+import multiprocessing
+import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pyarrow.parquet as pq
-import torch
-from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dllm_common.config import DataConfig, PipelineSpec, TokenizerConfig
 from dllm_common.store import stage_key
 from strategies.models import resolve_model_path
 from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.rows import RowWriter, load_split, open_split  # noqa: F401  (the stages read rows through here)
 
 STAGE = "prepare_data"
 SPECIAL = {
@@ -111,34 +116,48 @@ def shakespeare_documents(shape: str) -> list[Document]:
     return docs
 
 
-def _jsonl_rows(path: Path) -> list[tuple[str, object]]:
-    """(`file:line`, parsed row) per non-blank line; a line that is not UTF-8 or not JSON is one error naming both."""
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+    """(`file:line`, parsed row) per non-blank line, read line by line; a line that is not UTF-8 or not JSON is
+    one error naming both."""
     if not path.is_file():
         raise DataError(f"data.path {str(path)!r} is not a file (expected a .jsonl file)")
-    rows = []
-    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
-        where = f"{path}:{n}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{where} is not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})") from None
-        if line.strip():
+    with open(path, "rb") as handle:
+        for n, raw in enumerate(handle, 1):
+            where = f"{path}:{n}"
             try:
-                rows.append((where, json.loads(line)))
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where} is not valid JSON ({exc.msg})") from None
-    return rows
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{where} is not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
+                ) from None
+            if line.strip():
+                try:
+                    yield where, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{where} is not valid JSON ({exc.msg})") from None
 
 
-def _hf_rows(cfg: DataConfig, path: Path | None) -> list[dict]:
-    """A `save_to_disk` directory, or a dataset `datasets.load_dataset` can open (a hub name needs hub access)."""
+def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
+    """Row by row, a record batch at a time (a file, or a directory of them)."""
+    files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
+    for f in files:
+        i = 0
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                yield f"{f} row {i}", row
+                i += 1
+
+
+def _hf_rows(cfg: DataConfig, path: Path | None):
+    """A `save_to_disk` directory, or a dataset `datasets.load_dataset` can open (a hub name needs hub access);
+    both are Arrow files on disk, iterated row by row."""
     if path and path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             loaded = loaded[cfg.hf_split]
-        return list(loaded)
+        return loaded
     try:
-        return list(datasets.load_dataset(cfg.path, cfg.hf_config, split=cfg.hf_split))
+        return datasets.load_dataset(cfg.path, cfg.hf_config, split=cfg.hf_split)
     except Exception as exc:  # the datasets library raises many types here; the user needs one message
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(
@@ -148,8 +167,8 @@ def _hf_rows(cfg: DataConfig, path: Path | None) -> list[dict]:
         ) from None
 
 
-def _records(cfg: DataConfig) -> list[tuple[str, object]]:
-    """(where, row) for every row of `data.path`: `file:line` for jsonl, `file row i` otherwise."""
+def _records(cfg: DataConfig) -> Iterator[tuple[str, object]]:
+    """(where, row) for every row of `data.path`, streamed: `file:line` for jsonl, `file row i` otherwise."""
     path = Path(cfg.path) if cfg.path else None
     if cfg.source == "jsonl":
         if not path or not path.exists():
@@ -158,8 +177,8 @@ def _records(cfg: DataConfig) -> list[tuple[str, object]]:
     if cfg.source == "parquet":
         if not path or not path.exists():
             raise DataError(f"data.path {cfg.path!r} does not exist (expected a .parquet file or directory)")
-        return [(f"{path} row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
-    return [(f"{cfg.path} row {i}", r) for i, r in enumerate(_hf_rows(cfg, path))]
+        return _parquet_rows(path)
+    return ((f"{cfg.path} row {i}", r) for i, r in enumerate(_hf_rows(cfg, path)))
 
 
 def _checked_value(where: str, row: object, cfg: DataConfig):
@@ -183,30 +202,50 @@ def _checked_value(where: str, row: object, cfg: DataConfig):
     return value
 
 
-def record_documents(cfg: DataConfig) -> list[Document]:
-    grouped: dict[str, list] = {}
+def record_documents(cfg: DataConfig) -> Iterator[Document]:
+    """Rows grouped into documents: consecutive rows with the same `data.document_field` are one document
+    (rows of one id that are not consecutive stay separate documents, on the same side of the split)."""
+    doc_id, values = None, []
     for i, (where, row) in enumerate(_records(cfg)):
         value = _checked_value(where, row, cfg)
-        doc = str(row.get(cfg.document_field, i)) if cfg.document_field else str(i)
-        grouped.setdefault(doc, []).append(value)
+        this = str(row.get(cfg.document_field, i)) if cfg.document_field else str(i)
+        if values and this != doc_id:
+            yield _document(cfg, doc_id, values)
+            values = []
+        doc_id = this
+        values.append(value)
+    if values:
+        yield _document(cfg, doc_id, values)
+
+
+def _document(cfg: DataConfig, doc_id: str, values: list) -> Document:
     if cfg.shape == "pretrain":
-        return [Document(d, text="\n\n".join(v)) for d, v in grouped.items()]
-    return [Document(d, dialogues=tuple(tuple(m) for m in v)) for d, v in grouped.items()]
+        return Document(doc_id, text="\n\n".join(values))
+    return Document(doc_id, dialogues=tuple(tuple(m) for m in values))
+
+
+def iter_documents(cfg: DataConfig) -> Iterator[Document]:
+    """The configured documents in order (the first `data.max_documents`), streamed; a fresh pass per call."""
+    docs = iter(shakespeare_documents(cfg.shape)) if cfg.source == "shakespeare" else record_documents(cfg)
+    return itertools.islice(docs, cfg.max_documents) if cfg.max_documents else docs
 
 
 def load_documents(cfg: DataConfig) -> list[Document]:
-    docs = shakespeare_documents(cfg.shape) if cfg.source == "shakespeare" else record_documents(cfg)
-    if cfg.max_documents:
-        docs = docs[: cfg.max_documents]
-    if len(docs) < 2:
-        raise DataError(f"need at least 2 documents to split train/val by document, found {len(docs)} in data.path")
-    if cfg.shape == "pretrain" and not any(d.text and d.text.strip() for d in docs):
+    """Every document in memory (small corpora, tests); `prepare_data` streams them instead."""
+    docs = list(iter_documents(cfg))
+    check_documents(cfg, len(docs), any(d.text and d.text.strip() for d in docs))
+    return docs
+
+
+def check_documents(cfg: DataConfig, n_docs: int, any_text: bool) -> None:
+    if n_docs < 2:
+        raise DataError(f"need at least 2 documents to split train/val by document, found {n_docs} in data.path")
+    if cfg.shape == "pretrain" and not any_text:
         raise DataError(
             f"{_where(cfg)}: the text of every document is empty (data.text_field {cfg.text_field!r}, "
-            f"{len(docs)} documents), so there is nothing to train on; point data.path at documents with text, "
+            f"{n_docs} documents), so there is nothing to train on; point data.path at documents with text, "
             "or set data.text_field to the field that holds it"
         )
-    return docs
 
 
 def _where(cfg: DataConfig) -> str:
@@ -216,16 +255,22 @@ def _where(cfg: DataConfig) -> str:
     return f"data.path {cfg.path!r} (data.source {cfg.source})"
 
 
+def document_score(doc_id: str, seed: int) -> float:
+    return int(hashlib.sha256(f"{seed}:{doc_id}".encode()).hexdigest()[:8], 16) / 16**8
+
+
+def val_threshold(scores: np.ndarray, val_fraction: float) -> float:
+    """The score at or below which a document is held out: the `round(val_fraction · N)` lowest scores (at
+    least one document on each side)."""
+    n_val = min(max(1, round(val_fraction * len(scores))), len(scores) - 1)
+    return float(np.partition(scores, n_val - 1)[n_val - 1])
+
+
 def split_documents(docs: list[Document], val_fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
     """Deterministic split by document id hash; each side gets at least one document."""
-
-    def score(d: Document) -> float:
-        return int(hashlib.sha256(f"{seed}:{d.doc_id}".encode()).hexdigest()[:8], 16) / 16**8
-
-    ranked = sorted(docs, key=score)
-    n_val = min(max(1, round(val_fraction * len(docs))), len(docs) - 1)
-    val_ids = {d.doc_id for d in ranked[:n_val]}
-    return [d for d in docs if d.doc_id not in val_ids], [d for d in docs if d.doc_id in val_ids]
+    scores = np.array([document_score(d.doc_id, seed) for d in docs])
+    cut = val_threshold(scores, val_fraction)
+    return [d for d, x in zip(docs, scores) if x > cut], [d for d, x in zip(docs, scores) if x <= cut]
 
 
 # ------------------------------------------------------------------ tokenizer
@@ -260,23 +305,16 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, gguf_file: str | 
     return AutoTokenizer.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code, **extra)
 
 
-def _doc_texts(docs: list[Document]) -> list[str]:
-    return [d.text for d in docs if d.text] + [m["content"] for d in docs for dlg in d.dialogues for m in dlg]
+def _doc_texts(docs) -> Iterator[str]:
+    for d in docs:
+        if d.text:
+            yield d.text
+        for dlg in d.dialogues:
+            for m in dlg:
+                yield m["content"]
 
 
 # ------------------------------------------------------------------ rows
-
-
-def pack_documents(docs: list[Document], tokenizer, seq_len: int):
-    """Concatenate `doc + eos` token streams and cut them into full rows, all supervised."""
-    eos = tokenizer.eos_token_id
-    stream: list[int] = []
-    for ids in tokenizer([d.text for d in docs], add_special_tokens=False)["input_ids"]:
-        stream.extend(ids + [eos])
-    n_rows = len(stream) // seq_len
-    ids = torch.tensor(stream[: n_rows * seq_len], dtype=torch.int64).view(n_rows, seq_len)
-    ones = torch.ones_like(ids, dtype=torch.uint8)
-    return ids, ones, ones.clone()
 
 
 def dialogue_row(messages: list[dict], tokenizer, seq_len: int) -> tuple[list[int], list[int]]:
@@ -294,29 +332,82 @@ def dialogue_row(messages: list[dict], tokenizer, seq_len: int) -> tuple[list[in
     return ids, mask
 
 
-def dialogue_rows(docs: list[Document], tokenizer, seq_len: int):
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = [dialogue_row(list(dlg), tokenizer, seq_len) for d in docs for dlg in d.dialogues]
-    ids = torch.full((len(rows), seq_len), pad, dtype=torch.int64)
-    loss = torch.zeros((len(rows), seq_len), dtype=torch.uint8)
-    attn = torch.zeros_like(loss)
-    for r, (row_ids, row_mask) in enumerate(rows):
-        ids[r, : len(row_ids)] = torch.tensor(row_ids)
-        loss[r, : len(row_mask)] = torch.tensor(row_mask, dtype=torch.uint8)
-        attn[r, : len(row_ids)] = 1
-    return ids, loss, attn
+def tokenize_documents(docs: list[Document], tokenizer, seq_len: int, shape: str) -> list:
+    """One work unit: pretrain documents → one int32 token array each (eos appended); dialogue documents →
+    (ids, mask) per conversation. Runs in the tokenizing processes."""
+    if shape == "pretrain":
+        eos = tokenizer.eos_token_id
+        encoded = tokenizer([d.text or "" for d in docs], add_special_tokens=False)["input_ids"]
+        return [np.array([*ids, eos], dtype=np.int32) for ids in encoded]
+    return [dialogue_row(list(dlg), tokenizer, seq_len) for d in docs for dlg in d.dialogues]
 
 
-def build_rows(docs, tokenizer, cfg: DataConfig, limit: int | None):
-    ids, loss, attn = (pack_documents if cfg.shape == "pretrain" else dialogue_rows)(docs, tokenizer, cfg.seq_len)
-    return (ids[:limit], loss[:limit], attn[:limit]) if limit else (ids, loss, attn)
+class SplitRows:
+    """One split's rows as they are produced: packed pretraining streams cut into full rows, or one row per
+    conversation; written a block at a time, at most `limit` rows."""
+
+    def __init__(self, folder: Path, split: str, cfg: DataConfig, tokenizer, limit: int | None):
+        self.shape, self.seq_len, self.limit = cfg.shape, cfg.seq_len, limit
+        arrays = ("input_ids", "loss_mask", "attention_mask") + (("doc_starts",) if cfg.shape == "pretrain" else ())
+        self.writer = RowWriter(folder, split, cfg.seq_len, arrays)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.carry, self.carry_starts = np.zeros(0, np.int32), np.zeros(0, np.uint8)
+        self.documents, self.tokens = 0, 0
+
+    @property
+    def full(self) -> bool:
+        return self.limit is not None and self.writer.rows >= self.limit
+
+    def add(self, units: list) -> None:
+        self.documents += 1 if self.shape == "pretrain" else 0
+        if self.full:
+            return
+        if self.shape == "pretrain":
+            self._pack(units)
+        else:
+            self._rows(units)
+
+    def _room(self, n: int) -> int:
+        return n if self.limit is None else min(n, self.limit - self.writer.rows)
+
+    def _pack(self, streams: list[np.ndarray]) -> None:
+        self.tokens += sum(len(t) for t in streams)
+        starts = [np.eye(1, len(t), dtype=np.uint8)[0] for t in streams]
+        ids = np.concatenate([self.carry, *streams])
+        flags = np.concatenate([self.carry_starts, *starts])
+        n = self._room(len(ids) // self.seq_len)
+        cut = n * self.seq_len
+        if n:
+            block = ids[:cut].reshape(n, self.seq_len)
+            ones = np.ones_like(block, dtype=np.uint8)
+            self.writer.add(input_ids=block, loss_mask=ones, attention_mask=ones, doc_starts=flags[:cut].reshape(n, -1))
+        keep = len(ids) - (len(ids) // self.seq_len) * self.seq_len  # a row's worth or less carries over
+        self.carry, self.carry_starts = ids[len(ids) - keep :], flags[len(ids) - keep :]
+
+    def _rows(self, rows: list[tuple[list[int], list[int]]]) -> None:
+        rows = rows[: self._room(len(rows))]
+        if not rows:
+            return
+        ids = np.full((len(rows), self.seq_len), self.pad, dtype=np.int32)
+        loss = np.zeros((len(rows), self.seq_len), dtype=np.uint8)
+        attn = np.zeros_like(loss)
+        for r, (row_ids, row_mask) in enumerate(rows):
+            ids[r, : len(row_ids)] = row_ids
+            loss[r, : len(row_mask)] = row_mask
+            attn[r, : len(row_ids)] = 1
+        self.writer.add(input_ids=ids, loss_mask=loss, attention_mask=attn)
+
+    def close(self) -> dict:
+        return self.writer.close(documents=self.documents, tokens=self.tokens)
 
 
 # ------------------------------------------------------------------ stage
 
 
 def data_slice(spec: PipelineSpec) -> dict:
-    return {"data": spec.data.model_dump(mode="json"), "tokenizer": spec.tokenizer.model_dump(mode="json")}
+    """What the prepared rows depend on (how many processes tokenize them is not part of it)."""
+    data = spec.data.model_dump(mode="json", exclude={"num_proc"})
+    return {"data": data, "tokenizer": spec.tokenizer.model_dump(mode="json")}
 
 
 def stage_of(spec: PipelineSpec, workdir: str, **_) -> tuple[str, str]:
@@ -330,32 +421,111 @@ def prepare_data(spec: PipelineSpec, workdir: str) -> StageRef:
     return data_ref(entry, reused)
 
 
+DOCS_PER_UNIT = 64  # documents per tokenizing work unit
+PARALLEL_FROM = 4 * DOCS_PER_UNIT  # fewer documents than this are tokenized in this process
+
+
 def _build(spec: PipelineSpec, tmp: Path) -> dict:
-    """Tokenizer and both splits into `tmp`; the manifest fields."""
+    """Tokenizer and both splits into `tmp`, streaming the documents three times (split scores, tokenizer,
+    rows) so no pass holds the corpus; the manifest fields."""
     cfg = spec.data
-    train_docs, val_docs = split_documents(load_documents(cfg), cfg.val_fraction, cfg.seed)
+    scores, any_text = [], False
+    for d in iter_documents(cfg):  # pass 1: which documents are held out (8 bytes per document)
+        scores.append(document_score(d.doc_id, cfg.seed))
+        any_text = any_text or bool(d.text and d.text.strip())
+    check_documents(cfg, len(scores), any_text)
+    scores = np.array(scores)
+    cut = val_threshold(scores, cfg.val_fraction)
+    held_out = lambda i: scores[i] <= cut  # noqa: E731
     if spec.tokenizer.kind == "pretrained":
         tokenizer = load_tokenizer(spec.tokenizer.path, spec.tokenizer.trust_remote_code, spec.tokenizer.gguf_file)
-    else:
+    else:  # pass 2: the tokenizer, from the training documents' text
+        train_docs = (d for i, d in enumerate(iter_documents(cfg)) if not held_out(i))
         tokenizer = train_tokenizer(_doc_texts(train_docs), spec.tokenizer)
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no eos token; pick a tokenizer with one (tokenizer.path)")
-    train = build_rows(train_docs, tokenizer, cfg, cfg.max_train_rows)
-    val = build_rows(val_docs, tokenizer, cfg, cfg.max_val_rows)
-    info = _summarize(train, val, train_docs, val_docs, tokenizer, cfg)
     tokenizer.save_pretrained(tmp / "tokenizer")
-    for name, (ids, loss, attn) in (("train", train), ("val", val)):
-        save_file({"input_ids": ids, "loss_mask": loss, "attention_mask": attn}, str(tmp / f"{name}.safetensors"))
+    splits = {
+        "train": SplitRows(tmp, "train", cfg, tokenizer, cfg.max_train_rows),
+        "val": SplitRows(tmp, "val", cfg, tokenizer, cfg.max_val_rows),
+    }
+    val_ids = []
+    for i, doc, units in _tokenized(cfg, tokenizer, tmp / "tokenizer", len(scores)):  # pass 3: the rows
+        side = "val" if held_out(i) else "train"
+        if side == "val" and len(val_ids) < 1000:
+            val_ids.append(doc.doc_id)
+        splits[side].add(units)
+        if all(s.full for s in splits.values()):
+            break
+    train, val = (splits[k].close() for k in ("train", "val"))
+    info = _summarize(train, val, val_ids, tokenizer, cfg)
     (tmp / "stats.json").write_text(json.dumps(info, indent=2))
     return {"config": data_slice(spec), "info": info}
 
 
+def _tokenized(cfg: DataConfig, tokenizer, tokenizer_dir: Path, n_docs: int) -> Iterator[tuple[int, Document, list]]:
+    """(index, document, its tokenized units) in document order, with a progress bar. Large inputs are
+    tokenized by `data.num_proc` processes (default: every core, at most 8), a bounded window at a time."""
+    bar = tqdm(total=n_docs, desc="prepare_data", unit="doc", dynamic_ncols=True, mininterval=1.0)
+    procs = cfg.num_proc or min(8, os.cpu_count() or 1)
+    units = _units(iter_documents(cfg))
+    if procs == 1 or n_docs < PARALLEL_FROM:
+        results = ((unit, tokenize_documents(unit, tokenizer, cfg.seq_len, cfg.shape)) for unit in units)
+    else:
+        results = _parallel(units, procs, tokenizer_dir, cfg)
+    i = 0
+    for unit, tokenized in results:
+        per_doc = _per_document(unit, tokenized, cfg.shape)
+        for doc, doc_units in zip(unit, per_doc):
+            yield i, doc, doc_units
+            i += 1
+        bar.update(len(unit))
+    bar.close()
+
+
+def _units(docs: Iterator[Document]) -> Iterator[list[Document]]:
+    while unit := list(itertools.islice(docs, DOCS_PER_UNIT)):
+        yield unit
+
+
+def _per_document(unit: list[Document], tokenized: list, shape: str) -> list[list]:
+    """Split a unit's output back per document (one stream each; dialogue: one row per conversation)."""
+    if shape == "pretrain":
+        return [[t] for t in tokenized]
+    out, k = [], 0
+    for d in unit:
+        out.append(tokenized[k : k + len(d.dialogues)])
+        k += len(d.dialogues)
+    return out
+
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_dir: str) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _work(args) -> list:
+    unit, seq_len, shape = args
+    return tokenize_documents(unit, _worker_tokenizer, seq_len, shape)
+
+
+def _parallel(units: Iterator[list[Document]], procs: int, tokenizer_dir: Path, cfg: DataConfig):
+    """Units tokenized by a pool of fresh processes, in order, at most `4 × procs` units in flight."""
+    context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads (Prefect, MLflow)
+    with context.Pool(procs, initializer=_init_worker, initargs=(str(tokenizer_dir),)) as pool:
+        while window := list(itertools.islice(units, 4 * procs)):
+            yield from zip(window, pool.imap(_work, [(u, cfg.seq_len, cfg.shape) for u in window]))
+
+
 def data_digest(manifest: dict) -> str:
-    """One sha256 for a prepared dataset's content (both splits): what MLflow records as its digest."""
+    """One sha256 for a prepared dataset's rows (both splits): what MLflow records as its digest."""
     files = manifest["files"]
-    return hashlib.sha256(
-        (files["train.safetensors"]["sha256"] + files["val.safetensors"]["sha256"]).encode()
-    ).hexdigest()
+    rows = sorted(n for n in files if n.startswith(("train.", "val.")))
+    return hashlib.sha256("".join(files[n]["sha256"] for n in rows).encode()).hexdigest()
 
 
 def data_ref(entry, reused: bool) -> StageRef:
@@ -363,16 +533,13 @@ def data_ref(entry, reused: bool) -> StageRef:
     return StageRef.of(entry, reused, digest=data_digest(entry.manifest))
 
 
-def _summarize(train, val, train_docs, val_docs, tokenizer, cfg: DataConfig) -> dict:
-    n_sup = int(train[1].sum())
-    if n_sup == 0 and cfg.shape == "pretrain":  # packed rows are all supervised: too few tokens for one row
-        tokens = sum(
-            len(ids) + 1 for ids in tokenizer([d.text for d in train_docs], add_special_tokens=False)["input_ids"]
-        )
+def _summarize(train: dict, val: dict, val_ids: list[str], tokenizer, cfg: DataConfig) -> dict:
+    n_sup = train["supervised_tokens"]
+    if train["rows"] == 0 and cfg.shape == "pretrain":  # packed rows are all supervised: too few tokens for one row
         raise DataError(
-            f"{_where(cfg)}: the training documents hold {tokens} tokens (with an eos after each), fewer than "
-            f"one row of data.seq_len ({cfg.seq_len}) tokens, so the prepared training set has no rows; add text "
-            "or lower data.seq_len"
+            f"{_where(cfg)}: the training documents hold {train['tokens']} tokens (with an eos after each), fewer "
+            f"than one row of data.seq_len ({cfg.seq_len}) tokens, so the prepared training set has no rows; add "
+            "text or lower data.seq_len"
         )
     if n_sup == 0:
         raise DataError(
@@ -380,28 +547,22 @@ def _summarize(train, val, train_docs, val_docs, tokenizer, cfg: DataConfig) -> 
             "For chat data, each conversation needs an 'assistant' message that fits in data.seq_len; "
             "for plain text use data.shape: pretrain"
         )
-    if len(val[0]) == 0:
+    if val["rows"] == 0:
         raise DataError("the validation split produced no rows; raise data.val_fraction or lower data.seq_len")
     return {
-        "train_rows": len(train[0]),
-        "val_rows": len(val[0]),
-        "seq_len": int(train[0].shape[1]),
+        "train_rows": train["rows"],
+        "val_rows": val["rows"],
+        "seq_len": cfg.seq_len,
         "train_supervised_tokens": n_sup,
-        "val_supervised_tokens": int(val[1].sum()),
-        "train_documents": len(train_docs),
-        "val_documents": len(val_docs),
-        "val_document_ids": sorted(d.doc_id for d in val_docs),
+        "val_supervised_tokens": val["supervised_tokens"],
+        "train_documents": train["documents"],
+        "val_documents": val["documents"],
+        "val_document_ids": sorted(val_ids),  # the first 1,000
         "vocab_size": len(tokenizer),
         "mask_token_id": tokenizer.mask_token_id,
         "pad_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
     }
-
-
-def load_split(ref_path: str | Path, split: str):
-    """(input_ids, loss_mask, attention_mask) of a prepared split, as int64/float/int64 tensors."""
-    t = load_file(str(Path(ref_path) / f"{split}.safetensors"))
-    return t["input_ids"].long(), t["loss_mask"].float(), t["attention_mask"].long()
 
 
 prepare_data_task = prefect_task(prepare_data, name="prepare_data", stage_of=stage_of)

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dllm_common.config import PipelineSpec, RegenerateConfig
@@ -25,7 +24,8 @@ from dllm_common.store import stage_key
 from strategies.dflash_draft import sample_continuations
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.dflash_setup import load_spec_target
-from tasks.prepare_data import data_ref, load_split
+from tasks.prepare_data import data_ref
+from tasks.rows import load_split, write_split
 from tasks.runtime import stage_device
 
 STAGE = "regenerate"
@@ -71,15 +71,9 @@ def _build(spec: PipelineSpec, target: StageRef, data: StageRef, tmp: Path) -> d
         "regenerate_seconds": seconds,
     }
     shutil.copytree(Path(data.path) / "tokenizer", tmp / "tokenizer")
-    shutil.copy2(Path(data.path) / "val.safetensors", tmp / "val.safetensors")
-    save_file(
-        {
-            "input_ids": new_ids.contiguous(),
-            "loss_mask": new_loss.to(torch.uint8),
-            "attention_mask": torch.ones_like(new_ids),
-        },
-        str(tmp / "train.safetensors"),
-    )
+    for name in Path(data.path).glob("val.*"):  # the held-out rows stay the data entry's
+        shutil.copy2(name, tmp / name.name)
+    write_split(tmp, "train", new_ids, new_loss.to(torch.uint8), torch.ones_like(new_ids, dtype=torch.uint8))
     return {"upstream": {"data": data.key, "target": target.key}, "info": info}
 
 

@@ -116,9 +116,12 @@ class Split:
         return Split(self.ids[:n], self.loss_mask[:n], self.attention_mask[:n], self.name)
 
     def microbatches(self, rows, micro: int, device: str) -> list[Microbatch]:
-        """The rows, `micro` at a time, on `device`; each keeps its row ids (cached per-row features)."""
+        """The rows, `micro` at a time, on `device`; each keeps its row ids (cached per-row features). The split
+        may be memory-mapped (int32 ids, uint8 masks, tasks/rows.py): only these rows are read and converted."""
         return [
-            Microbatch(self.ids[c], self.loss_mask[c], self.attention_mask[c], c, self.name).to(device)
+            Microbatch(self.ids[c].long(), self.loss_mask[c].float(), self.attention_mask[c].long(), c, self.name).to(
+                device
+            )
             for c in rows.split(micro)
         ]
 

@@ -29,7 +29,8 @@ from strategies.causal import CausalLMObjective
 from strategies.models import build_model, resolve_model_path, tiny_model_config
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.loop import LoopRun, LoopSettings, train_loop
-from tasks.prepare_data import load_split, load_tokenizer
+from tasks.prepare_data import load_tokenizer
+from tasks.rows import open_split
 from tasks.runtime import OptimSettings, Split, Trainee, make_optimizer, stage_device, tracking_for
 from tasks.scoring import load_causal_lm, save_dequantized
 
@@ -176,8 +177,8 @@ def _pretrain(spec: PipelineSpec, data: StageRef, workdir: str, parent_run_id: s
         model,
         opt,
         sched,
-        Split(*load_split(data.path, "train"), "train"),
-        Split(*load_split(data.path, "val"), "val"),
+        Split(*open_split(data.path, "train"), "train"),
+        Split(*open_split(data.path, "val"), "val"),
         device,
         tracker=tracker,
     )

@@ -29,7 +29,7 @@ from tasks import distributed
 from tasks.checkpointing import Checkpointer, layout
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.loop import LoopRun, LoopSettings, train_loop
-from tasks.prepare_data import load_split
+from tasks.rows import open_split
 from tasks.runtime import OptimSettings, Split, make_optimizer, stage_device, tracking_for
 from tasks.trainee import build_trainee
 
@@ -156,6 +156,19 @@ def _open_tracker(job: TrainJob, resume_run_id: str | None):
     return tracking.start_run(job.strategy, tags, parent_run_id=job.parent_run_id)
 
 
+VALIDATE_ROWS = 8192  # rows a strategy checks at a time: a memory-mapped split is never read whole
+
+
+def validate_rows(strategy, split: Split) -> None:
+    """The strategy's check of the training rows (`validate_data`), a block of rows at a time."""
+    for start in range(0, len(split.ids), VALIDATE_ROWS):
+        end = min(start + VALIDATE_ROWS, len(split.ids))
+        try:
+            strategy.validate_data(split.loss_mask[start:end].float(), split.attention_mask[start:end].long())
+        except ValueError as exc:
+            raise ValueError(f"{exc} (row numbers count from training row {start})") if start else exc from None
+
+
 def checkpoint_meta(job: TrainJob, trainee, run_id: str | None) -> dict:
     """What every checkpoint of this training records: enough to rebuild the strategy from it alone."""
     meta = {
@@ -184,10 +197,10 @@ def setup_run(job: TrainJob, dist: distributed.DistInfo) -> LoopRun:
     """Model, optimizer, data, tracker and checkpointer of one training (resumed where a checkpoint exists)."""
     cfg = job.spec.train
     device = distributed.rank_device(stage_device(job.spec), dist)
-    train_split = Split(*load_split(job.data.path, "train"), "train")
-    val_split = Split(*load_split(job.data.path, "val"), "val")
+    train_split = Split(*open_split(job.data.path, "train"), "train")
+    val_split = Split(*open_split(job.data.path, "val"), "val")
     trainee = build_trainee(job.spec, job.strategy, job.data, device, job.inputs)
-    trainee.strategy.validate_data(train_split.loss_mask, train_split.attention_mask)
+    validate_rows(trainee.strategy, train_split)
     model = stepper = trainee.model
     sharded = dist.world > 1 and cfg.parallel == "fsdp2"
     checkpointer = Checkpointer(job.work / "checkpoint", dist, sharded, cfg.checkpoint_async)

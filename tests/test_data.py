@@ -1,6 +1,7 @@
 """prepare_data: embedded corpus parsing, document split, both row shapes, user data, bad data."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +178,44 @@ def test_hf_dataset_from_local_path(tmp_path):
     spec = _spec(tmp_path, source="hf", path=str(tmp_path / "ds"))
     ref = prepare_data(spec, str(tmp_path / "w"))
     assert ref.info["train_rows"] > 0 and torch.is_tensor(load_split(ref.path, "val")[0])
+
+
+def _reference_rows(docs, tokenizer, seq_len):
+    """What packing means, written the plain way: every `doc + eos` stream concatenated, cut into full rows."""
+    stream, starts = [], []
+    for d in docs:
+        ids = tokenizer(d.text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        stream += ids
+        starts += [1] + [0] * (len(ids) - 1)
+    n = len(stream) // seq_len
+    return torch.tensor(stream[: n * seq_len]).view(n, seq_len), torch.tensor(starts[: n * seq_len]).view(n, seq_len)
+
+
+def test_streamed_rows_are_packed_documents_in_parallel_or_not_and_read_memory_mapped(tmp_path):
+    """300 documents (enough to tokenize in 2 processes): the rows equal the plain packing of the training
+    documents, byte for byte whatever the number of processes; training reads them memory-mapped."""
+    import numpy as np
+
+    from tasks.prepare_data import PARALLEL_FROM, iter_documents, load_tokenizer
+    from tasks.rows import open_split
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": f"doc {i}: " + "word " * (i % 17 + 3)}) for i in range(300)))
+    assert 300 >= PARALLEL_FROM
+    refs = []
+    for procs in (1, 2):
+        spec = _spec(tmp_path, source="jsonl", path=str(path), val_fraction=0.1, max_val_rows=None, num_proc=procs)
+        refs.append(prepare_data(spec, str(tmp_path / f"w{procs}")))
+    assert refs[0].key == refs[1].key  # data.num_proc is not part of the key
+    one, two = (Path(r.path) for r in refs)
+    for f in ("train.input_ids.npy", "train.doc_starts.npy", "val.input_ids.npy"):
+        assert (one / f).read_bytes() == (two / f).read_bytes()
+    tokenizer = load_tokenizer(str(one / "tokenizer"))
+    val = set(refs[0].info["val_document_ids"])
+    train_docs = [d for d in iter_documents(spec.data) if d.doc_id not in val]
+    ids, starts = _reference_rows(train_docs, tokenizer, 16)
+    mapped_ids, loss, attn = open_split(one, "train")
+    assert torch.equal(mapped_ids.long(), ids) and bool(loss.all()) and bool(attn.all())
+    assert torch.equal(torch.from_numpy(np.load(one / "train.doc_starts.npy")).long(), starts)
+    assert isinstance(np.load(one / "train.input_ids.npy", mmap_mode="c"), np.memmap)
+    assert refs[0].info["train_documents"] == len(train_docs) and len(val) == 30
