@@ -52,6 +52,9 @@ class PipelineConfig(_Section):
     # "<flow>/<deployment>" that trains one strategy (e.g. "dllm-train/train-gpu" on the gpu work pool);
     # None trains in the pipeline's own process. The workdir must be on storage both can see.
     train_deployment: str | None = None
+    # strategies trained at once (each training, then its evaluation, as soon as its inputs are ready): locally
+    # in separate processes, with train_deployment as concurrent deployment runs (one GPU worker each)
+    max_parallel: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _strategies(self) -> PipelineConfig:

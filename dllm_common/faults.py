@@ -11,7 +11,8 @@ reaches `<point>` do `<action>`:
 Points: `publish.<stage>.written` (a stage's files written, its manifest not yet), `publish.<stage>.renaming`
 (the entry complete in its temp dir, not yet renamed into place), `checkpoint.written` (weights written,
 the rest of the checkpoint not), `checkpoint.swap` (the old checkpoint moved out, the new one not yet in),
-`train.step` (the start of each training step), `record.save` (a run record written, not yet replaced).
+`train.step` (the start of each training step; `step:train[<strategy>]` for one strategy's),
+`record.save` (a run record written, not yet replaced).
 With the variable unset (always, outside tests) `reached` is one dictionary lookup.
 """
 

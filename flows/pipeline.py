@@ -13,12 +13,14 @@ place where flows/ crosses into torch (a CPU pipeline worker and `prefect deploy
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import logging
 import re
 import subprocess
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -76,31 +78,37 @@ class StageRunner:
     record: RunRecord
     record_dir: Path
     storage: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(self, name: str, task, **kwargs) -> StageRef:
-        record, status, log = self.record, self.record.stage(name), run_logger()
-        status.status = "RUNNING"
-        record.save(self.record_dir)
+        record, log = self.record, run_logger()
+        with self.lock:  # strategies fanned out run stages from several threads
+            status = record.stage(name)
+            status.status = "RUNNING"
+            record.save(self.record_dir)
         log.info("%s: started", name)
         t0 = time.time()
         try:
             state = task.with_options(task_run_name=name, result_storage=self.storage)(**kwargs, return_state=True)
         except Interrupted as exc:
-            status.status, status.seconds, status.error = "INTERRUPTED", round(time.time() - t0, 2), str(exc)
-            record.save(self.record_dir)
+            with self.lock:
+                status.status, status.seconds, status.error = "INTERRUPTED", round(time.time() - t0, 2), str(exc)
+                record.save(self.record_dir)
             exc.stage = name
             raise
         status.seconds = round(time.time() - t0, 2)
         if not state.is_completed():
-            status.status, status.error = "FAILED", str(state.message)[:2000]
-            record.save(self.record_dir)
+            with self.lock:
+                status.status, status.error = "FAILED", str(state.message)[:2000]
+                record.save(self.record_dir)
             log.error("%s: FAILED after %.1fs: %s", name, status.seconds, status.error)
             state.result()  # re-raises the stage's exception
         ref: StageRef = state.result()
         reused = ref.reused or state.name == "Cached"
-        status.status = "REUSED" if reused else "COMPLETED"
-        status.key, status.mlflow_run_id = ref.key, ref.mlflow_run_id
-        record.save(self.record_dir)
+        with self.lock:
+            status.status = "REUSED" if reused else "COMPLETED"
+            status.key, status.mlflow_run_id = ref.key, ref.mlflow_run_id
+            record.save(self.record_dir)
         line = f"{name}: {'reused' if reused else 'ran'} ({status.seconds:.1f}s) key={ref.key}"
         print(f"[dllm-flow] {line}", flush=True)
         why = "a published store entry with this key" if ref.reused else "Prefect's cached result for this key"
@@ -198,6 +206,55 @@ def dllm_pipeline(
     return result
 
 
+class StrategiesFailed(RuntimeError):
+    """Some strategies of a fanned-out pipeline failed; the others finished (`dllm-flow resume` reruns these)."""
+
+
+def fan_out(chain, strategies, limit: int, terminate) -> dict:
+    """`chain(strategy)` for every strategy, at most `limit` at a time (in threads of this flow, each with the
+    flow's context, so the Prefect UI shows their task runs side by side; the heavy work of each runs in its
+    own process, tasks/distributed.py). One failing strategy does not stop the others: once all have ended,
+    `StrategiesFailed` names the ones that failed. A signal stops the children and raises `Interrupted`."""
+    if limit == 1 or len(strategies) == 1:
+        return {s: chain(s) for s in strategies}
+    slots, results, errors = threading.Semaphore(limit), {}, {}
+
+    def one(strategy: str) -> None:
+        with slots:
+            try:
+                results[strategy] = chain(strategy)
+            except BaseException as exc:  # kept for the summary; the other strategies go on
+                errors[strategy] = exc
+
+    threads = [
+        threading.Thread(target=contextvars.copy_context().run, args=(one, s), name=f"strategy-{s}", daemon=True)
+        for s in strategies
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(timeout=0.2)  # short waits: the main thread stays responsive to signals
+    except Interrupted:
+        terminate()  # the trainings checkpoint and stop; the threads waiting on them end with them
+        deadline = time.time() + 8
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.time()))
+        raise
+    if errors:
+        first = next(iter(errors.values()))
+        lines = "; ".join(
+            f"{s}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}" for s, e in errors.items()
+        )
+        done = [s for s in strategies if s in results]
+        raise StrategiesFailed(
+            f"{len(errors)} of {len(strategies)} strategies failed ({lines}); finished: {', '.join(done) or 'none'}. "
+            "`dllm-flow resume` reruns only what failed"
+        ) from first
+    return results
+
+
 def end_open_runs(parent, status: str) -> None:
     """End the parent MLflow run and every child run still open (the interrupted stage's) with `status`."""
     client = parent.client
@@ -244,6 +301,7 @@ def _stage_tasks() -> SimpleNamespace:
         publish_report=report.publish_report,
         ParentRun=report.ParentRun,
         node_rank=distributed.node_rank,
+        terminate_children=distributed.terminate_children,
     )
 
 
@@ -285,39 +343,41 @@ def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str)
     run = StageRunner(record, wd, store_result_storage(wd))
     data = run("prepare_data", t.prepare_data, spec=spec, workdir=workdir)
     upstream, regenerated = _upstream(spec, run, t, data, parent_run_id)
-    trained, evaluated = [], []
     trainer = t.train_remote if spec.pipeline.train_deployment else t.train
     # node k > 0 of a multi-node training only lends its ranks to the trainings: node 0 evaluates and reports
     follower = t.node_rank(spec.train) > 0
-    for strategy in spec.pipeline.strategies:
+
+    def chain(strategy: str) -> tuple[StageRef, StageRef | None]:
+        """One strategy: its training, then (as soon as that ends) its evaluation."""
         cls = t.strategy_class(strategy)
         own = {role: upstream[role] for role in cls.upstream_stages(spec)}
         train_data = regenerated if cls.training_data(spec) == "regenerated" else data
-        trained.append(
-            run(
-                f"train[{strategy}]",
-                trainer,
-                spec=spec,
-                strategy=strategy,
-                data=train_data,
-                workdir=workdir,
-                parent_run_id=parent_run_id,
-                inputs=own or None,
-            )
+        trained = run(
+            f"train[{strategy}]",
+            trainer,
+            spec=spec,
+            strategy=strategy,
+            data=train_data,
+            workdir=workdir,
+            parent_run_id=parent_run_id,
+            inputs=own or None,
         )
         if follower:
-            continue
-        evaluated.append(
-            run(
-                f"evaluate[{strategy}]",
-                t.evaluate,
-                spec=spec,
-                strategy=strategy,
-                trained=trained[-1],
-                data=data,
-                workdir=workdir,
-            )
+            return trained, None
+        evaluated = run(
+            f"evaluate[{strategy}]",
+            t.evaluate,
+            spec=spec,
+            strategy=strategy,
+            trained=trained,
+            data=data,
+            workdir=workdir,
         )
+        return trained, evaluated
+
+    results = fan_out(chain, spec.pipeline.strategies, spec.pipeline.max_parallel, t.terminate_children)
+    trained = [results[s][0] for s in spec.pipeline.strategies]
+    evaluated = [results[s][1] for s in spec.pipeline.strategies]
     if follower:
         print(f"[dllm-flow] node {t.node_rank(spec.train)} of {spec.train.nnodes}: trainings done; node 0 evaluates")
         return {"run_id": record.run_id, "report": None, "stages": {s.name: s.status for s in record.stages}}

@@ -132,7 +132,10 @@ def rendezvous(train) -> tuple[str, int]:
 
 def torchrun_command(train, args_file: Path) -> list[str]:
     """torchrun for one node: `--standalone` on one host; on N hosts a static rendezvous at node 0, so global
-    rank 0 (the one that writes the result) is always on node 0."""
+    rank 0 (the one that writes the result) is always on node 0. One process in all: a plain child process
+    (a training fanned out beside others, `pipeline.max_parallel`)."""
+    if train.world_size == 1:
+        return [sys.executable, "-m", "tasks.torchrun_entry", str(args_file)]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={train.nproc_per_node}"]
     if train.nnodes == 1:
         cmd.append("--standalone")
@@ -143,27 +146,48 @@ def torchrun_command(train, args_file: Path) -> list[str]:
     return cmd + ["-m", "tasks.torchrun_entry", str(args_file)]
 
 
+CHILD_ERROR = "child-error.txt"  # a lone training process's traceback, for the launching process to report
+_children: set[subprocess.Popen] = set()  # trainings running in child processes (several when fanned out)
+
+
+def terminate_children() -> None:
+    """SIGTERM every training child process: each checkpoints the step it is on and exits (a run stopping)."""
+    for proc in list(_children):
+        if proc.poll() is None:
+            proc.terminate()
+
+
 def launch(job, out: Path) -> None:
     """Run a training job (`tasks.train.TrainJob`) under torchrun: this node's `train.nproc_per_node`
     processes of `train.nnodes` × that, global rank 0 writing its result into `out`; raise if torchrun fails."""
     train, rank = job.spec.train, node_rank(job.spec.train)
     args_file = job.work / f"torchrun-args-node{rank}.json"
     args_file.write_text(json.dumps({"job": json.loads(job.to_json()), "out": str(out)}))
+    (job.work / CHILD_ERROR).unlink(missing_ok=True)
     cmd = torchrun_command(train, args_file)
     nproc = f"{train.nproc_per_node} processes" + (f" on node {rank} of {train.nnodes}" if train.nnodes > 1 else "")
+    if train.world_size == 1:
+        nproc = "1 process (a child process, beside the other strategies)"
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(job.spec.train.threads or 1))
-    print(f"[dllm-flow] train[{job.strategy}]: launching torchrun with {nproc}", flush=True)
+    what = "torchrun" if train.world_size > 1 else "training"
+    print(f"[dllm-flow] train[{job.strategy}]: launching {what} with {nproc}", flush=True)
     proc = subprocess.Popen(
         cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
+    _children.add(proc)
     pumps = [
         threading.Thread(target=_relay, args=pair, daemon=True)
         for pair in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
     ]
     for pump in pumps:
         pump.start()
-    interrupt.note("torchrun stopped; the ranks resume from their last periodic checkpoint")
+    where = (
+        "torchrun stopped; the ranks resume from their last periodic checkpoint"
+        if train.world_size > 1
+        else "each training process checkpoints the step it is on, then stops"
+    )
+    interrupt.note(where)
     try:
         code = proc.wait()
     except BaseException:  # interrupted (dllm_common/interrupt.py): torchrun stops its ranks, then itself
@@ -175,11 +199,21 @@ def launch(job, out: Path) -> None:
             proc.wait()
         raise
     finally:
-        interrupt.note("")
+        _children.discard(proc)
+        if interrupt.requested() is None:  # after a signal the note is the run's last word
+            interrupt.note("")
         for pump in pumps:
             pump.join(timeout=5)
+    if code != 0 and interrupt.requested():  # stopped with the run (fanned out: this is a worker thread)
+        raise interrupt.Interrupted(interrupt.requested(), f"train[{job.strategy}] checkpointed and stopped")
     if code != 0:
+        error = job.work / CHILD_ERROR
+        if train.world_size == 1 and error.is_file():  # the child's one line; its traceback into the log file
+            text = error.read_text()
+            logging.getLogger("dllm_flow.train").info("train[%s] failed in its process:\n%s", job.strategy, text)
+            raise RuntimeError(f"train[{job.strategy}]: {text.strip().splitlines()[-1]}")
+        who = "torchrun" if train.world_size > 1 else "the training process"
         raise RuntimeError(
-            f"torchrun for train[{job.strategy}] exited with status {code}; see the rank logs above. "
+            f"{who} for train[{job.strategy}] exited with status {code}; see the rank logs above. "
             "Rerun to resume from the last checkpoint."
         )

@@ -235,6 +235,7 @@ def _one_step(
 ):
     """One step of the loop: train, validate when due, log, checkpoint when due; returns the last validation loss."""
     faults.reached("train.step")
+    faults.reached(f"step:{settings.name}")  # one training's steps, e.g. step:train[scdd]
     t0 = time.perf_counter()
     ctx = step_context(run.trainee, step, settings.seed, run.stepper, run.dist, grad_acc)
     rows = order.rows(step, settings.global_batch_size)[run.dist.rank :: run.dist.world]

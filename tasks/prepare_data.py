@@ -466,7 +466,14 @@ def _build(spec: PipelineSpec, tmp: Path) -> dict:
 def _tokenized(cfg: DataConfig, tokenizer, tokenizer_dir: Path, n_docs: int) -> Iterator[tuple[int, Document, list]]:
     """(index, document, its tokenized units) in document order, with a progress bar. Large inputs are
     tokenized by `data.num_proc` processes (default: every core, at most 8), a bounded window at a time."""
-    bar = tqdm(total=n_docs, desc="prepare_data", unit="doc", dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(
+        total=n_docs,
+        desc="prepare_data",
+        unit="doc",
+        dynamic_ncols=True,
+        mininterval=1.0,
+        disable=n_docs < PARALLEL_FROM,
+    )
     procs = cfg.num_proc or min(8, os.cpu_count() or 1)
     units = _units(iter_documents(cfg))
     if procs == 1 or n_docs < PARALLEL_FROM:

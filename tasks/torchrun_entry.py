@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from pathlib import Path
 
+from dllm_common import interrupt
 from dllm_common.store import atomic_write_text
 from tasks import distributed
+from tasks.distributed import CHILD_ERROR
 from tasks.runtime import resolve_device
 from tasks.train import TrainJob, run_training
 
@@ -20,11 +23,22 @@ from tasks.train import TrainJob, run_training
 def main(args_path: str) -> None:
     raw = json.loads(Path(args_path).read_text())
     job = TrainJob.from_dict(raw["job"])
+    if not distributed.under_torchrun():  # a lone training child: a signal checkpoints the step, then it stops
+        interrupt.install()
     info = distributed.init_distributed(resolve_device(job.spec.train.device))
     try:
         fields = run_training(job, Path(raw["out"]), info)
         if fields is not None:
             atomic_write_text(job.manifest_file, json.dumps(fields, default=str))
+    except interrupt.Interrupted as exc:
+        print(f"[dllm-flow] train[{job.strategy}]: {exc}", file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
+    except Exception as exc:
+        if distributed.under_torchrun():  # torchrun reports each rank's failure itself
+            raise
+        # a lone child: the launching process reports it in one line; the traceback goes to its log file
+        (job.work / CHILD_ERROR).write_text("".join(traceback.format_exception(exc)))
+        sys.exit(1)
     finally:
         distributed.shutdown()
 

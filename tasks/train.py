@@ -309,8 +309,9 @@ def _write_adapter(dest: Path, model, peft) -> None:
 def _build(job: TrainJob, out: Path) -> dict:
     """Train into `out`: in this process, or under torchrun (rank 0 writes `out` and the manifest fields)."""
     recover_checkpoint(job.work / "checkpoint")  # a checkpoint write killed mid-swap
-    if job.spec.train.world_size == 1:
+    if job.spec.train.world_size == 1 and job.spec.pipeline.max_parallel == 1:
         return run_training(job, out, distributed.DistInfo())
+    # torchrun, or one child process per training when several train at once (global RNG, threads, memory)
     job.work.mkdir(parents=True, exist_ok=True)
     job.manifest_file.unlink(missing_ok=True)
     distributed.launch(job, out)

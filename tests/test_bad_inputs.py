@@ -203,7 +203,7 @@ def test_healthy_empty_or_missing_store_passes(tmp_path):
 def test_debug_raises_the_error_that_is_otherwise_one_line(tmp_path, capsys, monkeypatch):
     import contextlib
 
-    monkeypatch.delenv("DLLM_FLOW_DEBUG", raising=False)  # main sets it: undone after the test
+    monkeypatch.setenv("DLLM_FLOW_DEBUG", "")  # main sets it to 1: recorded here so that it is undone after the test
 
     from conftest import ROOT
 
