@@ -180,30 +180,35 @@ def dllm_pipeline(
     )
     try:
         result = _stages(spec, wd, record, parent.run_id)
-    except Interrupted as exc:
-        record.status, record.finished_at = "INTERRUPTED", time.time()
-        record.save(wd)
-        try:
-            end_open_runs(parent, "KILLED")
-        except Exception as tracking_error:
-            log.warning("could not mark the MLflow runs of %s KILLED: %s", record.run_id, tracking_error)
-        log.info("pipeline run %s %s", record.run_id, exc)
-        exc.run_id, exc.flow_run_id = record.run_id, record.prefect_flow_run_id
-        raise
     except BaseException as exc:
-        record.status, record.finished_at = "FAILED", time.time()
-        record.save(wd)
-        try:
-            parent.close("FAILED")
-        except Exception as tracking_error:  # the tracking server may be what failed: keep the stage's error
-            log.warning("could not mark MLflow run %s FAILED: %s", parent.run_id, tracking_error)
-        log.error("pipeline run %s failed: %s: %s", record.run_id, type(exc).__name__, str(exc)[:2000])
+        _record_end(exc, record, wd, parent)
         raise
     record.status, record.finished_at = "COMPLETED", time.time()
     record.save(wd)
     parent.set_tags({"dllm.reused_stages": ",".join(s.name for s in record.stages if s.status == "REUSED")})
     parent.close("FINISHED")
     return result
+
+
+def _record_end(exc: BaseException, record: RunRecord, wd: Path, parent) -> None:
+    """A run that did not complete: INTERRUPTED with its MLflow runs KILLED (a signal), else FAILED. The tracking
+    server may be what failed: a second error from it never hides the first."""
+    log = run_logger()
+    interrupted = isinstance(exc, Interrupted)
+    record.status, record.finished_at = ("INTERRUPTED" if interrupted else "FAILED"), time.time()
+    record.save(wd)
+    try:
+        if interrupted:
+            end_open_runs(parent, "KILLED")
+        else:
+            parent.close("FAILED")
+    except Exception as tracking_error:
+        log.warning("could not end the MLflow runs of %s: %s", record.run_id, tracking_error)
+    if interrupted:
+        log.info("pipeline run %s %s", record.run_id, exc)
+        exc.run_id, exc.flow_run_id = record.run_id, record.prefect_flow_run_id
+    else:
+        log.error("pipeline run %s failed: %s: %s", record.run_id, type(exc).__name__, str(exc)[:2000])
 
 
 class StrategiesFailed(RuntimeError):

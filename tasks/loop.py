@@ -190,9 +190,6 @@ def _due(step: int, every: int | None) -> bool:
 
 def train_loop(run: LoopRun, settings: LoopSettings) -> float | None:
     """Steps `run.start … settings.steps − 1`; returns the last validation loss."""
-    order = DataOrder(len(run.train.ids), settings.seed)
-    grad_acc = settings.global_batch_size // run.dist.world // settings.micro_batch_size
-    tokens_per_step = settings.global_batch_size * run.train.ids.shape[1]
     log = MetricLog(run.tracker, run.logged_upto, run.pending)
     run.trainee.model.train()
     bar = tqdm(
@@ -204,11 +201,17 @@ def train_loop(run: LoopRun, settings: LoopSettings) -> float | None:
         dynamic_ncols=True,
         disable=not run.dist.is_main,
     )
-    val_loss = None
+    state = _LoopState(
+        DataOrder(len(run.train.ids), settings.seed),
+        settings.global_batch_size // run.dist.world // settings.micro_batch_size,
+        settings.global_batch_size * run.train.ids.shape[1],
+        log,
+        bar,
+    )
     with interrupt.cooperative():  # a signal stops the loop at the end of a step (docs/operations.md)
         for step in bar:
             try:
-                val_loss = _one_step(run, settings, step, order, grad_acc, tokens_per_step, log, bar, val_loss)
+                _one_step(run, settings, step, state)
             except TrackingUnavailable as exc:
                 _tracking_lost(run, settings, step, log, exc)
             if interrupt.requested():
@@ -219,42 +222,45 @@ def train_loop(run: LoopRun, settings: LoopSettings) -> float | None:
     log.flush()
     if run.checkpointer is not None:
         run.checkpointer.finish()
-    return val_loss
+    return state.val_loss
 
 
-def _one_step(
-    run: LoopRun,
-    settings: LoopSettings,
-    step: int,
-    order: DataOrder,
-    grad_acc: int,
-    tokens_per_step: int,
-    log: MetricLog,
-    bar,
-    val_loss,
-):
-    """One step of the loop: train, validate when due, log, checkpoint when due; returns the last validation loss."""
+@dataclass
+class _LoopState:
+    """What the steps of one `train_loop` share."""
+
+    order: DataOrder
+    grad_acc: int
+    tokens_per_step: int
+    log: MetricLog
+    bar: object
+    val_loss: float | None = None
+
+
+def _one_step(run: LoopRun, settings: LoopSettings, step: int, state: _LoopState) -> None:
+    """One step of the loop: train, validate when due (the loss kept in `state`), log, checkpoint when due."""
     faults.reached("train.step")
     faults.reached(f"step:{settings.name}")  # one training's steps, e.g. step:train[scdd]
     t0 = time.perf_counter()
-    ctx = step_context(run.trainee, step, settings.seed, run.stepper, run.dist, grad_acc)
-    rows = order.rows(step, settings.global_batch_size)[run.dist.rank :: run.dist.world]
+    ctx = step_context(run.trainee, step, settings.seed, run.stepper, run.dist, state.grad_acc)
+    rows = state.order.rows(step, settings.global_batch_size)[run.dist.rank :: run.dist.world]
     metrics = train_step(run, settings, ctx, run.train.microbatches(rows, settings.micro_batch_size, run.device))
-    metrics["train/tokens_per_s"] = tps = tokens_per_step / (time.perf_counter() - t0)
+    metrics["train/tokens_per_s"] = tps = state.tokens_per_step / (time.perf_counter() - t0)
     if _due(step, settings.val_every) or step + 1 == settings.steps:
-        val_loss = metrics["val/loss"] = validation_loss(run, settings)
-    log.add(step, metrics)
-    bar.set_postfix(
-        loss=f"{metrics['train/loss']:.3f}", val="-" if val_loss is None else f"{val_loss:.3f}", tok_s=f"{tps:,.0f}"
+        state.val_loss = metrics["val/loss"] = validation_loss(run, settings)
+    state.log.add(step, metrics)
+    state.bar.set_postfix(
+        loss=f"{metrics['train/loss']:.3f}",
+        val="-" if state.val_loss is None else f"{state.val_loss:.3f}",
+        tok_s=f"{tps:,.0f}",
     )
     if _due(step, settings.log_every):
-        log.flush()
+        state.log.flush()
     if run.checkpointer is not None and _due(step, settings.checkpoint_every) and step + 1 < settings.steps:
-        log.flush()
+        state.log.flush()
         run.checkpointer.save(
             run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, {**run.checkpoint_meta, "step": step + 1}
         )
-    return val_loss
 
 
 def _tracking_lost(run: LoopRun, settings: LoopSettings, step: int, log: MetricLog, exc: Exception) -> None:
