@@ -353,6 +353,15 @@ class PipelineSpec(_Section):
     dllm: DLLMSection = DLLMSection()
     dflash: DFlashConfig = DFlashConfig()
 
+    @model_validator(mode="after")
+    def _one_rendezvous_per_node(self) -> PipelineSpec:
+        if self.train.nnodes > 1 and self.pipeline.max_parallel > 1:
+            raise ValueError(
+                "train.nnodes > 1 with pipeline.max_parallel > 1: concurrent multi-node trainings would share node "
+                "0's rendezvous port; train the strategies one after another (pipeline.max_parallel: 1)"
+            )
+        return self
+
 
 # ---------------------------------------------------------------- loading and errors
 
@@ -366,6 +375,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
             parent = _section_for(e["loc"][:-1])
             allowed = sorted(parent.model_fields) if parent else []
             lines.append(f"  {path}: unknown key (value {value!r}); allowed keys here: {allowed}")
+        elif not e["loc"]:  # a rule across sections: its message names the keys; the input is the whole config
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {path}: {e['msg']} (got {value!r})")
     return "\n".join(lines)

@@ -66,6 +66,22 @@ def _on_alarm(_signum, _frame) -> None:
         raise Interrupted(_state.signame, _state.where or "the current step did not end in time")
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def detach_and_die_with_parent() -> None:  # pragma: no cover - runs in a child between fork and exec
+    """`preexec_fn` of a child this run starts: its own session, so a signal to the run's process group reaches
+    only the run, which forwards it once; and Linux's parent-death signal, so it never outlives the run."""
+    import ctypes
+    import os
+
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the run's own shutdown still stops the child
+
+
 def install() -> None:
     """Route SIGINT and SIGTERM through this module (main thread only; a no-op elsewhere)."""
     if threading.current_thread() is not threading.main_thread():
@@ -118,6 +134,9 @@ def cooperative() -> Iterator[None]:
         if _state.signame is not None:
             signal.alarm(max(1, int(seconds_left())))
         yield
+    except BaseException:
+        signal.alarm(0)  # leaving on another error: the grace alarm must not fire later, in cleanup code
+        raise
     finally:
         _state.cooperative -= 1
     if _state.signame is not None:  # the section ended without polling after the signal came

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dllm_common.checkpoint import CorruptCheckpointError
 from dllm_common.config import ConfigError
+from dllm_common.interrupt import Interrupted
 from dllm_common.store import DiskFullError, refuse_published
 from dllm_common.tracking import quiet_environment
 from flows.environment import DEBUG_ENV, prefect_env
@@ -410,7 +411,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"dllm-flow: error: {type(exc).__name__}: {exc}{_log_hint(exc)}", file=sys.stderr)
-        return 1
+        causes = getattr(exc, "errors", {}).values()  # several strategies failed: user errors all?
+        return 2 if causes and all(isinstance(e, USER_ERRORS) for e in causes) else 1
+    except Interrupted as exc:  # a signal outside the pipeline (while its services start or stop)
+        print(f"dllm-flow: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 def _log_hint(exc: BaseException) -> str:
@@ -419,8 +424,11 @@ def _log_hint(exc: BaseException) -> str:
 
     if _session.log_file is None:
         return "" if isinstance(exc, USER_ERRORS) else " (rerun with --debug for the traceback)"
-    with open(_session.log_file, "a", encoding="utf-8") as log:
-        log.write("dllm-flow: error:\n" + "".join(traceback.format_exception(exc)))
+    try:
+        with open(_session.log_file, "a", encoding="utf-8") as log:
+            log.write("dllm-flow: error:\n" + "".join(traceback.format_exception(exc)))
+    except OSError:  # the disk that is full holds the log too
+        return " (rerun with --debug for the traceback)"
     return f" (details: {_session.log_file})"
 
 

@@ -10,23 +10,13 @@ never outlives the run, even after a SIGKILL. The run stops it when it ends. doc
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: the run's own shutdown still stops the server
+from dllm_common import interrupt
 
 
 def _server_class():
@@ -49,7 +39,7 @@ def _server_class():
             cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent)]
             cmd += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1"]
             cmd += ["--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
-            return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+            return subprocess.Popen(cmd, env=env, preexec_fn=interrupt.detach_and_die_with_parent)
 
     return DetachedServer
 

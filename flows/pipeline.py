@@ -30,6 +30,7 @@ from prefect.exceptions import MissingContextError
 
 from dllm_common.config import PipelineSpec, config_sha256, flatten
 from dllm_common.interrupt import Interrupted
+from dllm_common.interrupt import requested as interrupt_requested
 from dllm_common.runs import RunRecord
 from dllm_common.tracking import Tracking
 from tasks.common import StageRef, check_workdir
@@ -226,6 +227,8 @@ def fan_out(chain, strategies, limit: int, terminate) -> dict:
 
     def one(strategy: str) -> None:
         with slots:
+            if interrupt_requested():  # the run is stopping: start nothing more
+                return
             try:
                 results[strategy] = chain(strategy)
             except BaseException as exc:  # kept for the summary; the other strategies go on
@@ -253,10 +256,12 @@ def fan_out(chain, strategies, limit: int, terminate) -> dict:
             f"{s}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}" for s, e in errors.items()
         )
         done = [s for s in strategies if s in results]
-        raise StrategiesFailed(
+        failed = StrategiesFailed(
             f"{len(errors)} of {len(strategies)} strategies failed ({lines}); finished: {', '.join(done) or 'none'}. "
             "`dllm-flow resume` reruns only what failed"
-        ) from first
+        )
+        failed.errors = errors
+        raise failed from first
     return results
 
 

@@ -87,7 +87,8 @@ class Checkpointer:
         this rank's weights + two AdamW moments at a cautious 200 MB/s."""
         if self.save_seconds is not None:
             return 1.5 * self.save_seconds < seconds
-        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        local = (getattr(p, "to_local", lambda p=p: p)() for p in model.parameters())  # an FSDP2 shard is a DTensor
+        nbytes = sum(t.numel() * t.element_size() for t in local)
         return 3 * nbytes / 200e6 < seconds
 
     def keep_skeleton(self, model) -> None:
@@ -152,9 +153,9 @@ class Checkpointer:
         if self._pending is None:
             return
         done = _upload(self._pending[0]).done()
-        if _distributed():
+        if _distributed():  # over the checkpoint's own gloo group: a CPU tensor, whatever the training's backend
             flag = torch.tensor([int(done)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
             done = bool(flag.item())
         if done:
             self.finish()

@@ -172,8 +172,16 @@ def launch(job, out: Path) -> None:
     env.setdefault("OMP_NUM_THREADS", str(job.spec.train.threads or 1))
     what = "torchrun" if train.world_size > 1 else "training"
     print(f"[dllm-flow] train[{job.strategy}]: launching {what} with {nproc}", flush=True)
+    if interrupt.requested():  # a run being stopped starts no training
+        raise interrupt.Interrupted(interrupt.requested(), f"train[{job.strategy}] was not started")
+    # its own session: a Ctrl-C to the run's group reaches the run alone, which forwards one SIGTERM
     proc = subprocess.Popen(
-        cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        cmd,
+        env=env,
+        cwd=str(Path(__file__).resolve().parents[1]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=interrupt.detach_and_die_with_parent,
     )
     _children.add(proc)
     pumps = [
@@ -193,7 +201,7 @@ def launch(job, out: Path) -> None:
     except BaseException:  # interrupted (dllm_common/interrupt.py): torchrun stops its ranks, then itself
         proc.terminate()
         try:
-            proc.wait(timeout=5)
+            proc.wait(timeout=interrupt.GRACE_SECONDS + 3)  # the step, then its checkpoint
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

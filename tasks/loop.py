@@ -184,6 +184,18 @@ class MetricLog:
             self.buffer.pop(0)
 
 
+def flush_everywhere(log: MetricLog) -> None:
+    """Flush (rank 0 holds the tracker); whether it failed is agreed by every rank, so that all of them stop at
+    the same step and checkpoint together (`_tracking_lost`)."""
+    try:
+        log.flush()
+        failed = None
+    except TrackingUnavailable as exc:
+        failed = exc
+    if global_sum(0 if failed is None else 1) > 0:
+        raise failed or TrackingUnavailable("the tracking server stopped answering on rank 0")
+
+
 def _due(step: int, every: int | None) -> bool:
     return every is not None and (step + 1) % every == 0
 
@@ -255,9 +267,9 @@ def _one_step(run: LoopRun, settings: LoopSettings, step: int, state: _LoopState
         tok_s=f"{tps:,.0f}",
     )
     if _due(step, settings.log_every):
-        state.log.flush()
+        flush_everywhere(state.log)
     if run.checkpointer is not None and _due(step, settings.checkpoint_every) and step + 1 < settings.steps:
-        state.log.flush()
+        flush_everywhere(state.log)
         run.checkpointer.save(
             run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, {**run.checkpoint_meta, "step": step + 1}
         )

@@ -359,7 +359,7 @@ class SplitRows:
         return self.limit is not None and self.writer.rows >= self.limit
 
     def add(self, units: list) -> None:
-        self.documents += 1 if self.shape == "pretrain" else 0
+        self.documents += 1
         if self.full:
             return
         if self.shape == "pretrain":
@@ -450,7 +450,9 @@ def _build(spec: PipelineSpec, tmp: Path) -> dict:
         "val": SplitRows(tmp, "val", cfg, tokenizer, cfg.max_val_rows),
     }
     val_ids = []
-    for i, doc, units in _tokenized(cfg, tokenizer, tmp / "tokenizer", len(scores)):  # pass 3: the rows
+    for i, doc, units in _tokenized(
+        cfg, tokenizer, tmp / "tokenizer", len(scores), spec.tokenizer.trust_remote_code
+    ):  # pass 3: the rows
         side = "val" if held_out(i) else "train"
         if side == "val" and len(val_ids) < 1000:
             val_ids.append(doc.doc_id)
@@ -463,7 +465,9 @@ def _build(spec: PipelineSpec, tmp: Path) -> dict:
     return {"config": data_slice(spec), "info": info}
 
 
-def _tokenized(cfg: DataConfig, tokenizer, tokenizer_dir: Path, n_docs: int) -> Iterator[tuple[int, Document, list]]:
+def _tokenized(
+    cfg: DataConfig, tokenizer, tokenizer_dir: Path, n_docs: int, trust_remote_code: bool = False
+) -> Iterator[tuple[int, Document, list]]:
     """(index, document, its tokenized units) in document order, with a progress bar. Large inputs are
     tokenized by `data.num_proc` processes (default: every core, at most 8), a bounded window at a time."""
     bar = tqdm(
@@ -479,7 +483,7 @@ def _tokenized(cfg: DataConfig, tokenizer, tokenizer_dir: Path, n_docs: int) -> 
     if procs == 1 or n_docs < PARALLEL_FROM:
         results = ((unit, tokenize_documents(unit, tokenizer, cfg.seq_len, cfg.shape)) for unit in units)
     else:
-        results = _parallel(units, procs, tokenizer_dir, cfg)
+        results = _parallel(units, procs, tokenizer_dir, cfg, trust_remote_code)
     i = 0
     for unit, tokenized in results:
         per_doc = _per_document(unit, tokenized, cfg.shape)
@@ -509,21 +513,26 @@ def _per_document(unit: list[Document], tokenized: list, shape: str) -> list[lis
 _worker_tokenizer = None
 
 
-def _init_worker(tokenizer_dir: str) -> None:
+def _init_worker(tokenizer_dir: str, trust_remote_code: bool) -> None:
     global _worker_tokenizer
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    try:
+        _worker_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # raised by the first unit instead (a failing initializer makes the pool respawn forever)
+        _worker_tokenizer = exc
 
 
 def _work(args) -> list:
     unit, seq_len, shape = args
+    if isinstance(_worker_tokenizer, Exception):
+        raise DataError(f"a tokenizing process could not load the tokenizer: {_worker_tokenizer}")
     return tokenize_documents(unit, _worker_tokenizer, seq_len, shape)
 
 
-def _parallel(units: Iterator[list[Document]], procs: int, tokenizer_dir: Path, cfg: DataConfig):
+def _parallel(units: Iterator[list[Document]], procs: int, tokenizer_dir: Path, cfg: DataConfig, trust: bool):
     """Units tokenized by a pool of fresh processes, in order, at most `4 × procs` units in flight."""
     context = multiprocessing.get_context("spawn")  # no fork of a process that runs threads (Prefect, MLflow)
-    with context.Pool(procs, initializer=_init_worker, initargs=(str(tokenizer_dir),)) as pool:
+    with context.Pool(procs, initializer=_init_worker, initargs=(str(tokenizer_dir), trust)) as pool:
         while window := list(itertools.islice(units, 4 * procs)):
             yield from zip(window, pool.imap(_work, [(u, cfg.seq_len, cfg.shape) for u in window]))
 

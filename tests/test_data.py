@@ -109,6 +109,7 @@ def test_jsonl_text_and_chat_messages(tmp_path):
     ref = prepare_data(_spec(tmp_path, source="jsonl", path=str(chat), shape="dialogue"), str(tmp_path / "w2"))
     ids, loss, attn = load_split(ref.path, "train")
     assert 0 < loss.sum() < attn.sum()  # the prompt is not supervised
+    assert ref.info["train_documents"] + ref.info["val_documents"] == 6
 
 
 def test_parquet_source(tmp_path):

@@ -106,3 +106,10 @@ def test_the_slurm_example_is_valid_bash_reading_the_allocation():
     text = script.read_text()
     assert re.search(r"train\.nnodes=\"\$SLURM_NNODES\"", text) and 'train.rdzv_endpoint="$MASTER:29500"' in text
     assert "#SBATCH --ntasks-per-node=1" in text
+
+
+def test_multi_node_trainings_are_not_fanned_out():
+    raw = apply_overrides(read_yaml(ROOT / "configs/smoke.yaml"), ["train.nnodes=2", "pipeline.max_parallel=2"])
+    raw["train"]["global_batch_size"] = 16
+    with pytest.raises(ConfigError, match="would share node 0's rendezvous port"):
+        validate_config(raw)
