@@ -31,7 +31,7 @@ from dllm_common.config import DataConfig, PipelineSpec, TokenizerConfig
 from dllm_common.store import stage_key
 from strategies.models import resolve_model_path
 from tasks.common import StageRef, code_version, prefect_task, store_for
-from tasks.rows import RowWriter, load_split, open_split  # noqa: F401  (the stages read rows through here)
+from tasks.rows import RowWriter, load_split  # noqa: F401  (evaluation and DFlash's stages read rows through here)
 
 STAGE = "prepare_data"
 SPECIAL = {
@@ -228,13 +228,6 @@ def iter_documents(cfg: DataConfig) -> Iterator[Document]:
     """The configured documents in order (the first `data.max_documents`), streamed; a fresh pass per call."""
     docs = iter(shakespeare_documents(cfg.shape)) if cfg.source == "shakespeare" else record_documents(cfg)
     return itertools.islice(docs, cfg.max_documents) if cfg.max_documents else docs
-
-
-def load_documents(cfg: DataConfig) -> list[Document]:
-    """Every document in memory (small corpora, tests); `prepare_data` streams them instead."""
-    docs = list(iter_documents(cfg))
-    check_documents(cfg, len(docs), any(d.text and d.text.strip() for d in docs))
-    return docs
 
 
 def check_documents(cfg: DataConfig, n_docs: int, any_text: bool) -> None:

@@ -19,11 +19,6 @@ import torch
 ARRAYS = {"input_ids": np.int32, "loss_mask": np.uint8, "attention_mask": np.uint8, "doc_starts": np.uint8}
 
 
-def files_of(split: str, with_doc_starts: bool = True) -> list[str]:
-    names = [a for a in ARRAYS if with_doc_starts or a != "doc_starts"]
-    return [f"{split}.{a}.npy" for a in names] + [f"{split}.json"]
-
-
 class RowWriter:
     """Appends `[n, seq_len]` row blocks of each array to raw files; `close` turns them into `.npy` files
     (header + the raw bytes, copied in chunks) and writes the split's summary."""
@@ -84,8 +79,3 @@ def load_split(folder: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, to
     every row at once (evaluation's validation rows, DFlash's regeneration and feature cache)."""
     ids, loss, attn = open_split(folder, split)
     return ids.long(), loss.float(), attn.long()
-
-
-def split_digest(folder: Path, split: str, manifest_files: dict) -> list[str]:
-    """The sha256s of a split's files, as the store's manifest recorded them."""
-    return [manifest_files[name]["sha256"] for name in files_of(split, False)]
