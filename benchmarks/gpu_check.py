@@ -180,7 +180,6 @@ def throughput(report: Report, device: str, smoke: bool, work: Path, peak: float
     from tasks.distributed import DistInfo
     from tasks.loop import LoopRun, LoopSettings, step_context, train_step
     from tasks.prepare_data import prepare_data
-    from tasks.rows import open_split
     from tasks.runtime import OptimSettings, Split, make_optimizer
     from tasks.trainee import build_trainee
 
@@ -200,7 +199,7 @@ def throughput(report: Report, device: str, smoke: bool, work: Path, peak: float
         trainee = build_trainee(spec, name, data, device)
         params = sum(p.numel() for p in trainee.model.parameters())
         opt, sched = make_optimizer(trainee.model, OptimSettings.of(spec.train))
-        split = Split(*open_split(data.path, "train"), "train")
+        split = Split.open(data.path, "train")
         run = LoopRun(trainee, trainee.model, opt, sched, split, split, device)
         settings = LoopSettings.of(spec.train, name)
         times = []

@@ -42,14 +42,17 @@ class Microbatch:
     attention_mask: Tensor
     row_ids: Tensor | None = None  # the rows' indices in their split (cached per-row features, e.g. DFlash)
     split: str = "train"  # which prepared split the rows come from
+    document_ids: Tensor | None = None  # packed rows: `[b, L]` per-token document number within its row
 
     def to(self, device: torch.device | str) -> Microbatch:
+        docs = None if self.document_ids is None else self.document_ids.to(device)
         return Microbatch(
             self.input_ids.to(device),
             self.loss_mask.to(device),
             self.attention_mask.to(device),
             self.row_ids,
             self.split,
+            docs,
         )
 
 

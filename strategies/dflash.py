@@ -68,10 +68,13 @@ def sample_anchor_blocks(
     mask_token_id: int,
     overlap: bool = True,
     generators: list[torch.Generator] | None = None,
+    document_ids: Tensor | None = None,
 ) -> AnchorBlocks:
     """Spec §10.3. Overlapping (default): per row and block, A = clamp(1 + round(U·(maxA − 1)), 1, maxA)
     with U from that row's own generator. Non-overlapping: batch-shared distinct starts; when fewer
-    than N fit, only those that fit are kept (fix docs/reference-differences.md G3)."""
+    than N fit, only those that fit are kept (fix docs/reference-differences.md G3). With `document_ids`
+    (`[B, L]`, packed rows) a block predicts only tokens of its anchor's document: the next document's first
+    tokens cannot be drafted from a context the document mask hides."""
     bsz, length = input_ids.shape
     bs, n_blocks = block_size, max(1, num_blocks)
     device = input_ids.device
@@ -113,6 +116,9 @@ def sample_anchor_blocks(
     targets = input_ids.gather(1, clamped)
     inside = (pos < valid[:, None, None]).reshape(bsz, -1)
     block_mask = effective.gather(1, clamped) * inside * keep.repeat_interleave(bs - 1, dim=1)
+    if document_ids is not None:
+        anchor_doc = document_ids.gather(1, anchors).repeat_interleave(bs - 1, dim=1)
+        block_mask = block_mask * (document_ids.gather(1, clamped) == anchor_doc)
     return AnchorBlocks(anchors, keep, block_ids.reshape(bsz, -1), targets, block_mask.float())
 
 
@@ -128,10 +134,16 @@ def block_position_ids(anchors: Tensor, ctx_len: int, block_size: int) -> Tensor
 
 
 def dflash_visibility(
-    anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int, causal: bool = False
+    anchor_positions: Tensor,
+    block_keep_mask: Tensor,
+    ctx_len: int,
+    block_size: int,
+    causal: bool = False,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """Bool [B, N·bs, S + N·bs]: query q (block b = q // bs, offset o) sees context key k < min(A_b, S)
-    when block b is kept, and the noise keys of its own block (with `causal`, those at offsets ≤ o)."""
+    when block b is kept — with `document_ids` (`[B, S]`, packed rows) only keys of A_b's document — and the
+    noise keys of its own block (with `causal`, those at offsets ≤ o)."""
     bsz, n_blocks = anchor_positions.shape
     q_len, device = n_blocks * block_size, anchor_positions.device
     q = torch.arange(q_len, device=device)
@@ -140,6 +152,9 @@ def dflash_visibility(
     anchor = anchor_positions[:, qb]  # [B, Q]
     keep = block_keep_mask.bool()[:, qb]
     ctx = (k[None, None, :] < ctx_len) & (k[None, None, :] < anchor[:, :, None]) & keep[:, :, None]
+    if document_ids is not None:
+        docs = document_ids[:, k.clamp_max(ctx_len - 1)]  # [B, S + Q]; only the first S columns matter
+        ctx = ctx & (docs[:, None, :] == document_ids.gather(1, anchor)[:, :, None])
     kn = k - ctx_len
     noise = (k >= ctx_len)[None, :] & ((kn // block_size)[None, :] == qb[:, None])
     if causal:
@@ -155,15 +170,22 @@ def create_dflash_sdpa_mask(
     device=None,
     dtype: torch.dtype = torch.float32,
     causal: bool = False,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """Additive DFlash mask [B, 1, N·bs, S + N·bs]: 0 where visible, −inf elsewhere (docs/strategies.md §6.2)."""
     anchors = anchor_positions.to(device) if device is not None else anchor_positions
-    visible = dflash_visibility(anchors, block_keep_mask.to(anchors.device), ctx_len, block_size, causal)
+    docs = None if document_ids is None else document_ids.to(anchors.device)
+    visible = dflash_visibility(anchors, block_keep_mask.to(anchors.device), ctx_len, block_size, causal, docs)
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, -math.inf)[:, None]
 
 
 def build_dflash_mask_mod(
-    anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int, causal: bool = False
+    anchor_positions: Tensor,
+    block_keep_mask: Tensor,
+    ctx_len: int,
+    block_size: int,
+    causal: bool = False,
+    document_ids: Tensor | None = None,
 ):
     """The same predicate as a flex-attention `mask_mod(b, h, q_idx, kv_idx)`."""
     n_blocks = anchor_positions.shape[1]
@@ -173,6 +195,8 @@ def build_dflash_mask_mod(
         qb = torch.clamp(q_idx // block_size, max=n_blocks - 1)
         anchor = anchor_positions[b, qb]
         ctx = (kv_idx < ctx_len) & (kv_idx < anchor) & keep[b, qb]
+        if document_ids is not None:
+            ctx = ctx & (document_ids[b, torch.clamp(kv_idx, max=ctx_len - 1)] == document_ids[b, anchor])
         kn = kv_idx - ctx_len
         noise = (kv_idx >= ctx_len) & (kn // block_size == qb)
         if causal:
@@ -183,11 +207,16 @@ def build_dflash_mask_mod(
 
 
 def create_dflash_block_mask(
-    anchor_positions: Tensor, block_keep_mask: Tensor, ctx_len: int, block_size: int, causal: bool = False
+    anchor_positions: Tensor,
+    block_keep_mask: Tensor,
+    ctx_len: int,
+    block_size: int,
+    causal: bool = False,
+    document_ids: Tensor | None = None,
 ):
     """Flex-attention `BlockMask` for the DFlash layout (Q = N·bs, KV = S + N·bs, default 128 tiles)."""
     bsz, n_blocks = anchor_positions.shape
-    mod = build_dflash_mask_mod(anchor_positions, block_keep_mask, ctx_len, block_size, causal)
+    mod = build_dflash_mask_mod(anchor_positions, block_keep_mask, ctx_len, block_size, causal, document_ids)
     return create_block_mask(
         mod, bsz, None, n_blocks * block_size, ctx_len + n_blocks * block_size, device=anchor_positions.device
     )

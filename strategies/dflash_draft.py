@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
 from transformers import DynamicCache
 
-from strategies.dflash import block_position_ids, create_dflash_sdpa_mask
+from strategies.dflash import block_position_ids, create_dflash_block_mask, create_dflash_sdpa_mask
 
 # ---------------------------------------------------------------------------------------- draft
 
@@ -147,17 +147,43 @@ def _embed_and_head(target: nn.Module):
     return emb, head
 
 
-def draft_block_logits(
-    draft: DFlashDraftModel, target: nn.Module, ctx_features: Tensor, anchors: Tensor, keep: Tensor, block_ids: Tensor
+def draft_block_hidden(
+    draft: nn.Module,
+    block_size: int,
+    embed: nn.Module,
+    ctx_features: Tensor,
+    anchors: Tensor,
+    keep: Tensor,
+    block_ids: Tensor,
+    document_ids: Tensor | None = None,
+    backend: str = "sdpa",
 ) -> Tensor:
-    """Logits [B, N·bs, V] of the draft for N blocks under the (always applied) DFlash mask."""
+    """Hidden states [B, N·bs, H] of the draft (possibly DDP/FSDP-wrapped) for N blocks under the (always
+    applied) DFlash mask: dense, or a flex-attention BlockMask (`backend="flex_attention"`; its backward needs a
+    GPU in torch 2.13); confined to each anchor's document when `document_ids` (`[B, S]`, packed rows) is given."""
+    bs, s = block_size, ctx_features.shape[1]
+    noise = embed(block_ids).to(ctx_features.dtype)
+    positions = block_position_ids(anchors, s, bs)
+    if backend == "flex_attention":
+        mask = create_dflash_block_mask(anchors, keep, s, bs, document_ids=document_ids)
+    else:  # always masked (docs/reference-differences.md G1)
+        mask = create_dflash_sdpa_mask(anchors, keep, s, bs, dtype=noise.dtype, document_ids=document_ids)
+    return draft(ctx_features, noise, positions, mask)
+
+
+def draft_block_logits(
+    draft: DFlashDraftModel,
+    target: nn.Module,
+    ctx_features: Tensor,
+    anchors: Tensor,
+    keep: Tensor,
+    block_ids: Tensor,
+    document_ids: Tensor | None = None,
+) -> Tensor:
+    """Logits [B, N·bs, V] of the draft for N blocks (`draft_block_hidden` through the target's head)."""
     emb, head = _embed_and_head(target)
     bs = draft.config.block_size
-    s = ctx_features.shape[1]
-    noise = emb(block_ids).to(ctx_features.dtype)
-    positions = block_position_ids(anchors, s, bs)
-    mask = create_dflash_sdpa_mask(anchors, keep, s, bs, dtype=noise.dtype)
-    return head(draft(ctx_features, noise, positions, mask))
+    return head(draft_block_hidden(draft, bs, emb, ctx_features, anchors, keep, block_ids, document_ids))
 
 
 # ---------------------------------------------------------------------------------------- decoding

@@ -28,14 +28,11 @@ from strategies.dflash import (
     DPACE_ALPHA,
     DFlashDecayLoss,
     DFlashDPACELoss,
-    block_position_ids,
-    create_dflash_block_mask,
-    create_dflash_sdpa_mask,
     default_gamma,
     sample_anchor_blocks,
     scored_blocks,
 )
-from strategies.dflash_draft import _embed_and_head, target_features
+from strategies.dflash_draft import _embed_and_head, draft_block_hidden, target_features
 from strategies.losses import DLLMLossOutput
 from strategies.options import DFlashOptions, StrategyOptions
 from strategies.seeding import seeded_generator
@@ -98,6 +95,7 @@ class DFlashBlocks:
     targets: Tensor  # [B, N·(bs−1)] the tokens each block predicts
     block_mask: Tensor  # [B, N·(bs−1)] which predictions count
     features: Tensor  # [B, L, n·H] the target's hidden states at the draft's layers
+    documents: Tensor | None = None  # [B, L] per-token document ids (packed rows, `dflash.document_mask`)
 
 
 class DFlashStrategy(DLLMStrategy):
@@ -216,6 +214,7 @@ class DFlashStrategy(DLLMStrategy):
         out, total = [], 0
         for i, mb in enumerate(microbatches):
             gens = [seeded_generator(seed, "cpu") for seed in self.row_seeds(ctx, mb, i)]
+            docs = mb.document_ids if self.options.document_mask else None
             blocks = sample_anchor_blocks(
                 mb.input_ids,
                 mb.attention_mask,
@@ -225,9 +224,16 @@ class DFlashStrategy(DLLMStrategy):
                 mask_token_id=ctx.mask_token_id,
                 overlap=self.overlap,
                 generators=gens,
+                document_ids=docs,
             )
             extras = DFlashBlocks(
-                blocks.anchors, blocks.keep, blocks.block_ids, blocks.targets, blocks.block_mask, self.features(mb)
+                blocks.anchors,
+                blocks.keep,
+                blocks.block_ids,
+                blocks.targets,
+                blocks.block_mask,
+                self.features(mb),
+                docs,
             )
             out.append(
                 CorruptedBatch(
@@ -249,15 +255,7 @@ class DFlashStrategy(DLLMStrategy):
         e, bs = batch.extras, self.block_size
         emb, head = _embed_and_head(self.target)
         feats = e.features.to(next(ctx.model.parameters()).dtype)  # a bf16/fp16 cache feeds an fp32 draft
-        noise = emb(e.block_ids).to(feats.dtype)
-        positions = block_position_ids(e.anchors, feats.shape[1], bs)
-        if self.backend == "flex_attention":  # sparse BlockMask (needs a GPU for backward in torch 2.13)
-            mask = create_dflash_block_mask(e.anchors, e.keep, feats.shape[1], bs)
-        else:
-            mask = create_dflash_sdpa_mask(
-                e.anchors, e.keep, feats.shape[1], bs, dtype=noise.dtype
-            )  # always (docs/reference-differences.md G1)
-        h = ctx.model(feats, noise, positions, mask)
+        h = draft_block_hidden(ctx.model, bs, emb, feats, e.anchors, e.keep, e.block_ids, e.documents, self.backend)
         b, n = e.anchors.shape
         pred = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
         if self.options.use_fused_linear_ce:

@@ -140,6 +140,9 @@ class DFlashOptions(StrategyOptions):
     num_blocks_per_sample: int = Field(1, ge=1)
     attention_backend: Literal["sdpa", "flex_attention"] = "sdpa"
     overlap_anchors: bool = True
+    # packed pretraining rows: a block sees only its anchor's document and predicts only its tokens
+    # (docs/strategies.md); false: context crosses document boundaries, as the reference's dLLM recipe does
+    document_mask: bool = True
     use_fused_linear_ce: bool = True
     ce_chunk_size: int = Field(1024, ge=1)
 

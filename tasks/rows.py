@@ -3,8 +3,8 @@ read back memory-mapped, so neither `prepare_data` nor training holds a corpus i
 
 A split `<name>` is `<name>.input_ids.npy` (int32, `[rows, seq_len]`), `<name>.loss_mask.npy` and
 `<name>.attention_mask.npy` (uint8), and, for packed pretraining rows, `<name>.doc_starts.npy` (uint8: 1
-where a document begins). The boundaries are kept for attention masks that take per-token document ids;
-no strategy reads them yet. `<name>.json` holds the row count and the sums the manifest reports.
+where a document begins). The boundaries feed attention masks that take per-token document ids (DFlash's
+`dflash.document_mask`, docs/strategies.md). `<name>.json` holds the row count and the sums the manifest reports.
 """
 
 from __future__ import annotations
@@ -72,6 +72,13 @@ def open_split(folder: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, to
         array = np.load(Path(folder) / f"{split}.{name}.npy", mmap_mode="c")
         out.append(torch.from_numpy(array))
     return tuple(out)
+
+
+def open_doc_starts(folder: Path, split: str) -> torch.Tensor | None:
+    """The split's document starts (uint8 `[N, L]`, memory-mapped like `open_split`), or None where the rows are
+    not packed (chat rows, regenerated rows)."""
+    path = Path(folder) / f"{split}.doc_starts.npy"
+    return torch.from_numpy(np.load(path, mmap_mode="c")) if path.is_file() else None
 
 
 def load_split(folder: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

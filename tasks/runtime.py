@@ -14,6 +14,7 @@ from dllm_common.config import PipelineSpec
 from dllm_common.tracking import Tracking
 from strategies import Microbatch
 from strategies.head import deferred_logits
+from tasks.rows import open_doc_starts, open_split
 
 
 def resolve_device(name: str) -> str:
@@ -111,17 +112,29 @@ class Split:
     loss_mask: torch.Tensor
     attention_mask: torch.Tensor
     name: str = "train"
+    doc_starts: torch.Tensor | None = None  # packed rows: 1 where a document begins (tasks/rows.py)
+
+    @classmethod
+    def open(cls, folder, name: str) -> Split:
+        """A prepared split, memory-mapped (tasks/rows.py), with its document starts where the rows are packed."""
+        return cls(*open_split(folder, name), name, open_doc_starts(folder, name))
 
     def head(self, n: int) -> Split:
-        return Split(self.ids[:n], self.loss_mask[:n], self.attention_mask[:n], self.name)
+        starts = None if self.doc_starts is None else self.doc_starts[:n]
+        return Split(self.ids[:n], self.loss_mask[:n], self.attention_mask[:n], self.name, starts)
 
     def microbatches(self, rows, micro: int, device: str) -> list[Microbatch]:
         """The rows, `micro` at a time, on `device`; each keeps its row ids (cached per-row features). The split
         may be memory-mapped (int32 ids, uint8 masks, tasks/rows.py): only these rows are read and converted."""
         return [
-            Microbatch(self.ids[c].long(), self.loss_mask[c].float(), self.attention_mask[c].long(), c, self.name).to(
-                device
-            )
+            Microbatch(
+                self.ids[c].long(),
+                self.loss_mask[c].float(),
+                self.attention_mask[c].long(),
+                c,
+                self.name,
+                None if self.doc_starts is None else self.doc_starts[c].long().cumsum(dim=1),
+            ).to(device)
             for c in rows.split(micro)
         ]
 

@@ -30,7 +30,6 @@ from strategies.models import build_model, resolve_model_path, tiny_model_config
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.loop import LoopRun, LoopSettings, train_loop
 from tasks.prepare_data import load_tokenizer
-from tasks.rows import open_split
 from tasks.runtime import OptimSettings, Split, Trainee, make_optimizer, stage_device, tracking_for
 from tasks.scoring import load_causal_lm, save_dequantized
 
@@ -177,8 +176,8 @@ def _pretrain(spec: PipelineSpec, data: StageRef, workdir: str, parent_run_id: s
         model,
         opt,
         sched,
-        Split(*open_split(data.path, "train"), "train"),
-        Split(*open_split(data.path, "val"), "val"),
+        Split.open(data.path, "train"),
+        Split.open(data.path, "val"),
         device,
         tracker=tracker,
     )

@@ -29,7 +29,6 @@ from tasks import distributed
 from tasks.checkpointing import Checkpointer, layout
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.loop import LoopRun, LoopSettings, train_loop
-from tasks.rows import open_split
 from tasks.runtime import OptimSettings, Split, make_optimizer, stage_device, tracking_for
 from tasks.trainee import build_trainee
 
@@ -197,8 +196,8 @@ def setup_run(job: TrainJob, dist: distributed.DistInfo) -> LoopRun:
     """Model, optimizer, data, tracker and checkpointer of one training (resumed where a checkpoint exists)."""
     cfg = job.spec.train
     device = distributed.rank_device(stage_device(job.spec), dist)
-    train_split = Split(*open_split(job.data.path, "train"), "train")
-    val_split = Split(*open_split(job.data.path, "val"), "val")
+    train_split = Split.open(job.data.path, "train")
+    val_split = Split.open(job.data.path, "val")
     trainee = build_trainee(job.spec, job.strategy, job.data, device, job.inputs)
     validate_rows(trainee.strategy, train_split)
     model = stepper = trainee.model

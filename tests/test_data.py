@@ -110,6 +110,9 @@ def test_jsonl_text_and_chat_messages(tmp_path):
     ids, loss, attn = load_split(ref.path, "train")
     assert 0 < loss.sum() < attn.sum()  # the prompt is not supervised
     assert ref.info["train_documents"] + ref.info["val_documents"] == 6
+    from tasks.runtime import Split
+
+    assert Split.open(ref.path, "train").doc_starts is None  # a dialogue row is one conversation: no packing
 
 
 def test_parquet_source(tmp_path):
@@ -199,6 +202,7 @@ def test_streamed_rows_are_packed_documents_in_parallel_or_not_and_read_memory_m
 
     from tasks.prepare_data import PARALLEL_FROM, iter_documents, load_tokenizer
     from tasks.rows import open_split
+    from tasks.runtime import Split
 
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(json.dumps({"text": f"doc {i}: " + "word " * (i % 17 + 3)}) for i in range(300)))
@@ -218,5 +222,6 @@ def test_streamed_rows_are_packed_documents_in_parallel_or_not_and_read_memory_m
     mapped_ids, loss, attn = open_split(one, "train")
     assert torch.equal(mapped_ids.long(), ids) and bool(loss.all()) and bool(attn.all())
     assert torch.equal(torch.from_numpy(np.load(one / "train.doc_starts.npy")).long(), starts)
+    assert torch.equal(Split.open(one, "train").doc_starts.long(), starts)  # what training reads (DFlash's mask)
     assert isinstance(np.load(one / "train.input_ids.npy", mmap_mode="c"), np.memmap)
     assert refs[0].info["train_documents"] == len(train_docs) and len(val) == 30

@@ -54,7 +54,7 @@ def test_target_layer_ids_examples_and_errors():
             _build_target_layer_ids(target, draft)
 
 
-def reference_visible(anchors, keep, s, bs, causal):
+def reference_visible(anchors, keep, s, bs, causal, docs=None):
     bsz, n = anchors.shape
     out = torch.zeros(bsz, n * bs, s + n * bs, dtype=torch.bool)
     for b in range(bsz):
@@ -62,25 +62,35 @@ def reference_visible(anchors, keep, s, bs, causal):
             blk, off = divmod(q, bs)
             for k in range(s + n * bs):
                 if k < s:
-                    out[b, q, k] = k < int(anchors[b, blk]) and bool(keep[b, blk])
+                    a = int(anchors[b, blk])
+                    same_doc = docs is None or int(docs[b, k]) == int(docs[b, a])
+                    out[b, q, k] = k < a and bool(keep[b, blk]) and same_doc
                 else:
                     kb, ko = divmod(k - s, bs)
                     out[b, q, k] = kb == blk and (not causal or ko <= off)
     return out
 
 
+# packed rows: row 0 holds documents 0 | 1 | 2 starting at 0, 5 and 10; row 1 is one document
+PACKED_DOCS = torch.tensor([[0] * 5 + [1] * 5 + [2] * 4, [0] * 14])
+
+
+@pytest.mark.parametrize("docs", [None, PACKED_DOCS], ids=["one-document", "packed"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_mask_matches_the_elementwise_reference_dense_and_flex(causal):
+def test_mask_matches_the_elementwise_reference_dense_and_flex(causal, docs):
     anchors = torch.tensor([[3, 9, 1], [12, 2, 7]])
     keep = torch.tensor([[True, True, False], [True, False, True]])
     s, bs = 14, 4
-    ref = reference_visible(anchors, keep, s, bs, causal)
-    dense = create_dflash_sdpa_mask(anchors, keep, s, bs, dtype=torch.float32, causal=causal)
+    ref = reference_visible(anchors, keep, s, bs, causal, docs)
+    dense = create_dflash_sdpa_mask(anchors, keep, s, bs, dtype=torch.float32, causal=causal, document_ids=docs)
     assert dense.shape == (2, 1, 12, s + 12)
     assert torch.equal(dense[:, 0] == 0, ref) and torch.isinf(dense[:, 0][~ref]).all()
-    flex = create_mask(build_dflash_mask_mod(anchors, keep, s, bs, causal), 2, 1, 12, s + 12, device="cpu")
+    mod = build_dflash_mask_mod(anchors, keep, s, bs, causal, docs)
+    flex = create_mask(mod, 2, 1, 12, s + 12, device="cpu")
     assert torch.equal(flex[:, 0], ref)
-    block_mask = create_dflash_block_mask(anchors, keep, s, bs, causal)  # the BlockMask builds on CPU too
+    if docs is not None:  # block 1 of row 0 (anchor 9, document 1) sees keys 5–8 only
+        assert ref[0, 4:8, :s].nonzero()[:, 1].unique().tolist() == [5, 6, 7, 8]
+    block_mask = create_dflash_block_mask(anchors, keep, s, bs, causal, docs)  # the BlockMask builds on CPU too
     assert block_mask.shape[-2:] == (12, s + 12)
     assert (dense[:, 0] == 0).any(dim=-1).all()  # no all −inf row, dropped blocks included
 
@@ -303,6 +313,71 @@ def test_no_leakage_from_context_at_or_after_the_anchor(pair, n_blocks):
                 ],
                 base[0, n * 4 : (n + 1) * 4],
             )  # the context before it is read
+
+
+def test_packed_rows_confine_each_block_to_its_document(pair):
+    """Packed pretraining rows (`doc_starts`): a block predicts only tokens of its anchor's document, and its
+    logits do not move when the previous document's context does; without document ids they do (the reference's
+    dLLM recipe)."""
+    target, draft = pair
+    x = torch.randint(0, 60, (1, 24), generator=torch.Generator().manual_seed(2))
+    docs = torch.tensor([[0] * 10 + [1] * 14])
+    feats, _, _ = target_features(target, x, draft.config.target_layer_ids)
+
+    def blocks_for(document_ids):
+        gens = [torch.Generator().manual_seed(11)]
+        return sample_anchor_blocks(
+            x, torch.ones_like(x), None, block_size=4, num_blocks=6, mask_token_id=MASK, generators=gens,
+            document_ids=document_ids,
+        )  # fmt: skip
+
+    blocks, plain = blocks_for(docs), blocks_for(None)
+    assert torch.equal(blocks.anchors, plain.anchors) and bool(blocks.keep.all())
+    anchors = blocks.anchors[0].tolist()
+    assert min(anchors) < 7 < 10 <= max(anchors)  # blocks in both documents, some crossing the boundary
+    for n, a in enumerate(anchors):
+        for k in range(1, 4):
+            expected = float(a + k < 24 and int(docs[0, min(a + k, 23)]) == int(docs[0, a]))
+            assert float(blocks.block_mask[0, n * 3 + k - 1]) == expected
+            assert float(plain.block_mask[0, n * 3 + k - 1]) == float(a + k < 24)
+    poked = feats.clone()
+    poked[:, :10] += 5.0  # the first document's context
+    with torch.no_grad():
+        for document_ids, leaks in ((docs, False), (None, True)):
+            args = (blocks.anchors, blocks.keep, blocks.block_ids, document_ids)
+            base = draft_block_logits(draft, target, feats, *args)
+            moved = draft_block_logits(draft, target, poked, *args)
+            for n, a in enumerate(anchors):
+                rows = slice(n * 4, (n + 1) * 4)
+                if a >= 10:  # anchored in the second document
+                    assert torch.allclose(moved[0, rows], base[0, rows], atol=1e-5) != leaks
+                else:
+                    assert not torch.allclose(moved[0, rows], base[0, rows])  # its own document's context
+
+
+def test_packed_splits_reach_the_dflash_step_as_document_ids(pair):
+    """`doc_starts` of a packed split become per-row document numbers on each micro-batch, which DFlash uses
+    unless `dflash.document_mask` is off."""
+    from tasks.runtime import Split
+
+    target, draft = pair
+    ids = torch.randint(0, 60, (4, 24), generator=torch.Generator().manual_seed(3))
+    starts = torch.zeros_like(ids, dtype=torch.uint8)
+    starts[:, 0], starts[0, 9], starts[2, 15] = 1, 1, 1
+    split = Split(
+        ids, torch.ones_like(ids, dtype=torch.uint8), torch.ones_like(ids, dtype=torch.uint8), "train", starts
+    )
+    (mb,) = split.microbatches(torch.arange(4), 4, "cpu")
+    assert torch.equal(mb.document_ids, starts.long().cumsum(dim=1))
+    assert split.head(2).microbatches(torch.arange(2), 2, "cpu")[0].document_ids[0, 9] == 2
+    on, off = _strategy(target, draft), _strategy(target, draft, document_mask=False)
+    extras = on.strategy.pre_step(_ctx(on, draft), [mb])[0][0].extras
+    assert torch.equal(extras.documents, mb.document_ids)
+    assert off.strategy.pre_step(_ctx(off, draft), [mb])[0][0].extras.documents is None
+    plain = off.strategy.pre_step(_ctx(off, draft), [mb])[0][0].extras
+    assert torch.equal(extras.anchors, plain.anchors)
+    assert extras.block_mask.sum() <= plain.block_mask.sum()
+    assert _loss(on, draft, mb)[0].total_loss.item() != _loss(off, draft, mb)[0].total_loss.item()
 
 
 def test_speculative_decoding_equals_target_greedy(pair):
@@ -596,10 +671,15 @@ def test_dpace_under_two_gloo_processes_matches_one_process(tmp_path, loss_type)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention has no CPU backward in torch 2.13; GPU check")
 def test_flex_block_mask_trains_like_the_dense_mask_on_gpu(pair):
-    """On CUDA the draft trains through the flex BlockMask: same loss and gradients as the dense mask."""
+    """On CUDA the draft trains through the flex BlockMask: same loss and gradients as the dense mask, on packed
+    rows (three documents in row 0) as on plain ones."""
     target, draft = (m.cuda() for m in copy.deepcopy(pair))
     ids = torch.randint(0, 60, (2, 256), generator=torch.Generator().manual_seed(4)).cuda()
-    mb = Microbatch(ids, torch.ones_like(ids, dtype=torch.float32), torch.ones_like(ids), torch.arange(2))
+    docs = torch.zeros_like(ids)
+    docs[0, 90:], docs[0, 170:] = 1, 2
+    mb = Microbatch(
+        ids, torch.ones_like(ids, dtype=torch.float32), torch.ones_like(ids), torch.arange(2), "train", docs
+    )
     grads, losses = [], []
     for backend in ("sdpa", "flex_attention"):
         d = copy.deepcopy(draft).train()
