@@ -62,18 +62,23 @@ test: install  # formatter and linter first (ruff, see pyproject.toml), then the
 server: install  # Prefect server (:4200) and MLflow server (:5000) on 127.0.0.1, until Ctrl-C
 	deployments/serve.sh
 
-deploy: install  # work pools cpu + gpu (process; gpu runs one training at a time), then every deployment
+# each gpu worker runs GPU_SLOTS trainings at a time (1: one per worker); the pool runs as many as it has
+# workers, or at most GPU_POOL_LIMIT when that is set
+GPU_SLOTS ?= 1
+GPU_POOL_LIMIT ?=
+
+deploy: install  # work pools cpu + gpu (process), then every deployment
 	$(PREFECT) --no-prompt work-pool create cpu --type process --overwrite
 	$(PREFECT) --no-prompt work-pool create gpu --type process --overwrite
-	$(PREFECT) --no-prompt work-pool set-concurrency-limit gpu 1
+	$(if $(GPU_POOL_LIMIT),$(PREFECT) --no-prompt work-pool set-concurrency-limit gpu $(GPU_POOL_LIMIT),$(PREFECT) --no-prompt work-pool clear-concurrency-limit gpu)
 	$(PREFECT) --no-prompt deploy --all --prefect-file deployments/prefect.yaml
 	PREFECT_API_URL=$(DLLM_PREFECT_API) $(PY) deployments/zombie_automation.py
 
 worker-cpu: install  # runs pipelines
 	$(PREFECT) worker start --pool cpu --type process
 
-worker-gpu: install  # runs per-strategy trainings; start one per GPU host
-	$(PREFECT) worker start --pool gpu --type process
+worker-gpu: install  # runs per-strategy trainings: one worker per GPU host (or per GPU, with CUDA_VISIBLE_DEVICES)
+	$(PREFECT) worker start --pool gpu --type process --limit $(GPU_SLOTS) $(if $(WORKER_NAME),--name $(WORKER_NAME))
 
 clean:
 	rm -rf work .pytest_cache

@@ -1,7 +1,7 @@
 """Create (once) the automation that marks deployment flow runs left "Running" by a dead worker as
 Crashed: flow runs emit a heartbeat every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (180 by default
 since Prefect 3.6.22); when no flow-run event follows a heartbeat within three periods, the run is
-set to CRASHED, which also frees the gpu pool's concurrency slot. Run by `make deploy`."""
+set to CRASHED, which also frees its concurrency slot. Run by `make deploy`."""
 
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 `make server` (Prefect server + MLflow server, databases migrated first), `make deploy` (work pools
 cpu and gpu, every deployment of deployments/prefect.yaml, the dead-worker automation), `make worker-cpu`
 and `make worker-gpu`;
-then the `smoke-gpu-training` deployment is triggered: the pipeline runs on the cpu worker and
-submits its training to the `train-gpu` deployment, which the gpu worker runs. Then a deployment
+then the `smoke-gpu-training` deployment is triggered for two strategies with `pipeline.max_parallel: 2`:
+the pipeline runs on the cpu worker and submits both trainings at once to the `train-gpu` deployment, which
+two gpu workers (one training each) run side by side. Then a deployment
 run left Running with a silent worker is marked Crashed by the automation and `prefect flow-run
 retry` reruns it. Everything is stopped by process group at the end."""
 
@@ -59,15 +60,28 @@ def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path):
             assert name in deploy.stdout, name
         assert "created automation 'dllm-flow: crash flow runs whose worker died'" in deploy.stdout
         start([*make, "worker-cpu"], "worker-cpu")
-        gpu_worker, gpu_log = start([*make, "worker-gpu"], "worker-gpu")
+        for name in ("gpu-a", "gpu-b"):
+            start([*make, "worker-gpu", f"WORKER_NAME={name}"], f"worker-{name}")
         workdir = tmp_path / "work"
+        overrides = [
+            "pipeline.train_deployment=dllm-train/train-gpu",
+            f"tracking.uri={mlflow_url}",
+            "pipeline.strategies=[mdlm,scdd]",
+            "pipeline.max_parallel=2",
+        ]
         trigger = f"""
-import json
+import asyncio, json
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 from prefect.deployments import run_deployment
 run = run_deployment("dllm-pipeline/smoke-gpu-training", timeout=900, parameters={{
-    "workdir": {str(workdir)!r},
-    "overrides": ["pipeline.train_deployment=dllm-train/train-gpu", "tracking.uri={mlflow_url}"]}})
-print(json.dumps({{"state": run.state.type.value, "id": str(run.id)}}))
+    "workdir": {str(workdir)!r}, "overrides": {overrides!r}}})
+async def trainings():
+    async with get_client() as c:
+        runs = await c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["dllm-train"])))
+        return [{{"id": str(r.id), "name": r.name, "start": r.start_time.timestamp(),
+                 "end": r.end_time.timestamp(), "state": r.state.type.value}} for r in runs]
+print(json.dumps({{"state": run.state.type.value, "id": str(run.id), "trainings": asyncio.run(trainings())}}))
 """
         out = subprocess.run(
             [sys.executable, "-c", trigger],
@@ -79,7 +93,8 @@ print(json.dumps({{"state": run.state.type.value, "id": str(run.id)}}))
         )
         assert out.returncode == 0, out.stderr[-4000:]
         result = json.loads(out.stdout.strip().splitlines()[-1])
-        logs = "".join((tmp_path / f"{n}.log").read_text()[-3000:] for n in ("worker-cpu", "worker-gpu"))
+        worker_logs = {n: tmp_path / f"worker-{n}.log" for n in ("cpu", "gpu-a", "gpu-b")}
+        logs = "".join(log.read_text()[-3000:] for log in worker_logs.values())
         assert result["state"] == "COMPLETED", logs
         record = json.loads(next((workdir / "runs").glob("*.json")).read_text())
         assert record["status"] == "COMPLETED"
@@ -87,16 +102,26 @@ print(json.dumps({{"state": run.state.type.value, "id": str(run.id)}}))
             "prepare_data": "COMPLETED",
             "train[mdlm]": "COMPLETED",
             "evaluate[mdlm]": "COMPLETED",
+            "train[scdd]": "COMPLETED",
+            "evaluate[scdd]": "COMPLETED",
             "report": "COMPLETED",
         }
-        assert "dllm-train" in gpu_log.read_text()  # the training flow ran on the gpu pool's worker
+        # the two trainings ran as concurrent deployment runs, one on each gpu worker
+        first, second = sorted(result["trainings"], key=lambda r: r["start"])
+        assert first["state"] == second["state"] == "COMPLETED"
+        assert second["start"] < first["end"], result["trainings"]  # they overlap in time
+        ran_on = {n: [r["id"] for r in (first, second) if r["id"] in worker_logs[n].read_text()] for n in worker_logs}
+        assert sorted(ran_on["gpu-a"] + ran_on["gpu-b"]) == sorted([first["id"], second["id"]]), ran_on
+        assert len(ran_on["gpu-a"]) == len(ran_on["gpu-b"]) == 1 and not ran_on["cpu"], ran_on
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(mlflow_url)
-        child = client.get_run(next(s["mlflow_run_id"] for s in record["stages"] if s["name"] == "train[mdlm]"))
-        assert child.data.tags["mlflow.parentRunId"] == record["parent_mlflow_run_id"]
-        assert len(client.get_metric_history(child.info.run_id, "train/loss")) == 30
-        assert "eval/nelbo" in child.data.metrics
+        for strategy in ("mdlm", "scdd"):
+            stage = next(s for s in record["stages"] if s["name"] == f"train[{strategy}]")
+            child = client.get_run(stage["mlflow_run_id"])
+            assert child.data.tags["mlflow.parentRunId"] == record["parent_mlflow_run_id"]
+            assert len(client.get_metric_history(child.info.run_id, "train/loss")) == 30
+            assert "eval/nelbo" in child.data.metrics
 
         # A deployment run left Running by a dead worker: after a heartbeat, silence. The automation
         # `make deploy` installs (here with a 10 s window instead of 3 heartbeat periods) marks it
@@ -115,8 +140,7 @@ async def create():
     async with get_client() as c:
         dep = await c.read_deployment_by_name("dllm-pipeline/smoke-gpu-training")
         run = await c.create_flow_run_from_deployment(dep.id, state=Running(), parameters={{
-            "workdir": {str(workdir)!r},
-            "overrides": ["pipeline.train_deployment=dllm-train/train-gpu", "tracking.uri={mlflow_url}"]}})
+            "workdir": {str(workdir)!r}, "overrides": {overrides!r}}})
         return run.id
 async def state(rid):
     async with get_client() as c:
