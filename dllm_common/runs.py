@@ -9,12 +9,17 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dllm_common.store import atomic_write_text
+
+# fanned-out strategies save the record from several threads: each save serializes and replaces the file
+# whole, one at a time, so the last save on disk holds the latest state (never an older snapshot written late)
+_SAVING = threading.Lock()
 
 
 @dataclass
@@ -61,7 +66,8 @@ class RunRecord:
         return s
 
     def save(self, workdir: Path) -> None:
-        atomic_write_text(self.path(workdir), json.dumps(asdict(self), indent=2, default=str))
+        with _SAVING:
+            atomic_write_text(self.path(workdir), json.dumps(asdict(self), indent=2, default=str))
 
 
 class UnreadableRecord(ValueError):

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dllm_common import faults
 from dllm_common.checkpoint import DIGESTS, read_meta, swap_into, verify_checkpoint
 from dllm_common.store import fsync_tree, sha256_file
+from strategies.base import global_sum
 from tasks.distributed import DistInfo, barrier
 
 SHARDS = "shards"  # the DCP folder inside a checkpoint
@@ -172,6 +173,7 @@ class Checkpointer:
     def _finalize(self, tmp: Path, meta: dict, sched_state: dict, t0: float) -> None:
         barrier()
         faults.reached("checkpoint.written")
+        failed: BaseException | None = None
         if self.dist.is_main:
             try:
                 (tmp / "dllm.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
@@ -181,10 +183,16 @@ class Checkpointer:
                 (tmp / DIGESTS).write_text(json.dumps(digests, indent=2, sort_keys=True))
                 fsync_tree(tmp)
                 swap_into(tmp, self.directory)
-            except BaseException:
+            except Exception as exc:  # a full disk, say: every rank must learn it, none may wait at a barrier
+                shutil.rmtree(tmp, ignore_errors=True)
+                failed = exc
+            except BaseException:  # a signal or SIGKILL ends the other ranks too (torchrun, the run's handler)
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-        barrier()
+        if global_sum(0 if failed is None else 1) > 0:  # agreed by every rank, in place of a barrier
+            if failed is not None:
+                raise failed
+            raise RuntimeError(f"rank 0 could not finish the checkpoint of step {meta['step']} (its error is above)")
         self.saved_step, self.save_seconds = meta["step"], time.monotonic() - t0
 
     def full_model(self, model):

@@ -443,16 +443,21 @@ def _build(spec: PipelineSpec, tmp: Path) -> dict:
         "val": SplitRows(tmp, "val", cfg, tokenizer, cfg.max_val_rows),
     }
     val_ids = []
-    for i, doc, units in _tokenized(
-        cfg, tokenizer, tmp / "tokenizer", len(scores), spec.tokenizer.trust_remote_code
-    ):  # pass 3: the rows
-        side = "val" if held_out(i) else "train"
-        if side == "val" and len(val_ids) < 1000:
-            val_ids.append(doc.doc_id)
-        splits[side].add(units)
-        if all(s.full for s in splits.values()):
-            break
-    train, val = (splits[k].close() for k in ("train", "val"))
+    try:
+        for i, doc, units in _tokenized(
+            cfg, tokenizer, tmp / "tokenizer", len(scores), spec.tokenizer.trust_remote_code
+        ):  # pass 3: the rows
+            side = "val" if held_out(i) else "train"
+            if side == "val" and len(val_ids) < 1000:
+                val_ids.append(doc.doc_id)
+            splits[side].add(units)
+            if all(s.full for s in splits.values()):
+                break
+        train, val = (splits[k].close() for k in ("train", "val"))
+    except BaseException:
+        for rows in splits.values():
+            rows.writer.discard()
+        raise
     info = _summarize(train, val, val_ids, tokenizer, cfg)
     (tmp / "stats.json").write_text(json.dumps(info, indent=2))
     return {"config": data_slice(spec), "info": info}

@@ -38,6 +38,12 @@ class RowWriter:
         self.rows += n
         self.supervised += int(blocks["loss_mask"].sum())
 
+    def discard(self) -> None:
+        """A failed preparation: close the raw files and remove them (no open handle outlives the stage)."""
+        for name, handle in self.raw.items():
+            handle.close()
+            (self.folder / f".{self.split}.{name}.raw").unlink(missing_ok=True)
+
     def close(self, **summary) -> dict:
         for name, handle in self.raw.items():
             handle.close()

@@ -225,3 +225,32 @@ def test_streamed_rows_are_packed_documents_in_parallel_or_not_and_read_memory_m
     assert torch.equal(Split.open(one, "train").doc_starts.long(), starts)  # what training reads (DFlash's mask)
     assert isinstance(np.load(one / "train.input_ids.npy", mmap_mode="c"), np.memmap)
     assert refs[0].info["train_documents"] == len(train_docs) and len(val) == 30
+
+
+def test_a_preparation_failing_mid_stream_leaves_no_open_row_file(tmp_path, monkeypatch):
+    """A failure while rows are being written (here: the 3rd document) closes and removes the raw row files;
+    nothing is published and no file handle outlives the stage."""
+    import contextlib
+    import os
+
+    from tasks import prepare_data as prep
+
+    text = tmp_path / "t.jsonl"
+    text.write_text("\n".join(json.dumps({"text": f"line {i} " * 20}) for i in range(6)))
+    calls, add = [], prep.SplitRows.add
+
+    def failing(self, units):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        add(self, units)
+
+    monkeypatch.setattr(prep.SplitRows, "add", failing)
+    with pytest.raises(Exception, match="No space left") as failure:  # held, as a run's failed state holds it
+        prepare_data(_spec(tmp_path, source="jsonl", path=str(text)), str(tmp_path / "w"))
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the descriptor listdir itself used is gone
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+    assert not [f for f in fds if str(tmp_path) in f], (fds, failure.value)
+    assert not list((tmp_path / "w").rglob("*.raw")) and not list((tmp_path / "w").rglob("*.npy"))

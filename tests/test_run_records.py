@@ -30,3 +30,34 @@ def test_a_truncated_record_is_named_and_the_others_still_list(tmp_path, capsys)
     assert out.err.count("[dllm-flow] skipped: run record") == 1 and "Traceback" not in out.err
     with pytest.raises(UnreadableRecord, match="20261201-000001-bbbbbb.json is unreadable"):
         find_record(tmp_path, "20261201-000001-bbbbbb")
+
+
+def test_a_late_save_from_another_thread_never_overwrites_a_newer_state(tmp_path, monkeypatch):
+    """A fanned-out strategy's thread saving the record (serialized while the run was RUNNING, its write still
+    under way) and the main thread ending the run FAILED: the file ends FAILED, whatever the timing."""
+    import json
+    import threading
+
+    import dllm_common.runs as runs
+
+    record = RunRecord("r1", "smoke", "configs/smoke.yaml", [], {}, "0" * 64, status="RUNNING", pid=None)
+    first, release, write = threading.Event(), threading.Event(), runs.atomic_write_text
+
+    def slow_first_write(path, text):
+        if not first.is_set():
+            first.set()
+            release.wait(10)  # the strategy thread's write is slow
+        write(path, text)
+
+    monkeypatch.setattr(runs, "atomic_write_text", slow_first_write)
+    late = threading.Thread(target=record.save, args=(tmp_path,))
+    late.start()
+    first.wait(10)
+    record.status = "FAILED"
+    ending = threading.Thread(target=record.save, args=(tmp_path,))
+    ending.start()
+    ending.join(0.5)  # without the save lock the main thread's write lands first
+    release.set()
+    late.join(10)
+    ending.join(10)
+    assert json.loads(record.path(tmp_path).read_text())["status"] == "FAILED"
