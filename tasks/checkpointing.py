@@ -74,7 +74,8 @@ class Checkpointer:
     def __init__(self, directory: Path, dist_info: DistInfo, sharded: bool, asynchronous: bool = False):
         self.directory, self.dist, self.sharded, self.asynchronous = Path(directory), dist_info, sharded, asynchronous
         self._pending = None  # an asynchronous save being written: (its future, what finalizing it needs)
-        self._group = None  # the gloo group asynchronous writes use
+        self._group = None  # the gloo group asynchronous writes use (from their background thread)
+        self._poll_group = None  # the gloo group the main thread asks "is every rank's write done?" over
         self._skeleton = None  # FSDP2, rank 0: the meta-device module the final weights are gathered into
         self.saved_step: int | None = None  # the step of the checkpoint on disk (written or restored)
         self.save_seconds: float | None = None  # how long the last save took
@@ -142,11 +143,14 @@ class Checkpointer:
         self._finalize(*finalize)
 
     def _async_group(self) -> dict:
-        """Background writes talk over their own gloo group, never the training's (no collective interleaving)."""
+        """Background writes talk over their own gloo group, never the training's; the polls that ask whether
+        they are done use a third one. Collectives of two threads on one group could pair up differently on
+        each rank and deadlock (seen: a poll's all-reduce against the write's all-gather)."""
         if not _distributed():
             return {"no_dist": True}
-        if self._group is None:
+        if self._group is None:  # every rank reaches its first asynchronous save together: same creation order
             self._group = dist.new_group(backend="gloo")
+            self._poll_group = dist.new_group(backend="gloo")
         return {"process_group": self._group}
 
     def poll(self) -> None:
@@ -156,7 +160,7 @@ class Checkpointer:
         done = _upload(self._pending[0]).done()
         if _distributed():  # over the checkpoint's own gloo group: a CPU tensor, whatever the training's backend
             flag = torch.tensor([int(done)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._poll_group)
             done = bool(flag.item())
         if done:
             self.finish()
