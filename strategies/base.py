@@ -86,6 +86,7 @@ class StepContext:
     dp_size: int = 1
     grad_acc_steps: int = 1
     loss_scale: float = 1.0
+    training: bool = True  # False: validation's fixed-noise pass (no training-time curriculum applies)
 
 
 @dataclass(frozen=True)
@@ -256,9 +257,13 @@ class DLLMStrategy:
             for offset in range(local_bs)
         ]
 
+    def corruption_kwargs(self, ctx: StepContext) -> dict:
+        """The forward kernel's keyword arguments at this step (`apply_corruption`)."""
+        return {"eps": ctx.eps, "block_size": ctx.block_size, "half_life_ratio": ctx.half_life_ratio}
+
     def corrupt_microbatch(self, ctx: StepContext, mb: Microbatch, microbatch_idx: int) -> CorruptedBatch:
         """Corrupt row by row, each with its own generator seeded from (seed, step, global index)."""
-        rows = []
+        rows, kwargs = [], self.corruption_kwargs(ctx)
         for offset, seed in enumerate(self.row_seeds(ctx, mb, microbatch_idx)):
             gen = seeded_generator(seed, mb.input_ids.device)
             rows.append(
@@ -266,9 +271,7 @@ class DLLMStrategy:
                     mb.input_ids[offset : offset + 1],
                     mb.loss_mask[offset : offset + 1],
                     ctx.mask_token_id,
-                    eps=ctx.eps,
-                    block_size=ctx.block_size,
-                    half_life_ratio=ctx.half_life_ratio,
+                    **kwargs,
                     generator=gen,
                 )
             )

@@ -97,6 +97,9 @@ class SCDDOptions(StrategyOptions):
     schedule_peak: float = Field(0.5, gt=0, lt=1)
     chunk_size: int | None = Field(1024, ge=1)  # None: the loss over the whole vocabulary at once
     time_conditioning: bool = False  # the backbone reads the noise level t (as the SCDD reference's does)
+    # training steps over which the uniform channel's share of the *input* noise ramps from 0 to uniform_ratio;
+    # the loss keeps its coefficients, so from then on it is the exact bound (docs/strategies.md §8.2)
+    uniform_warmup_steps: int = Field(0, ge=0)
     # "flat": each row's bound term rescaled to cross-entropy scale (≈ ×t), as MDLM's flat (§5.8)
     loss_weighting: Literal["elbo", "flat"] = "elbo"
     # the sampler's final pass and where its temperature acts; the reference: "argmax", "weights" (§11.5)

@@ -69,14 +69,35 @@ class SCDDStrategy(MDLMStrategy):
         # a uniform draw lands on the clean token with prob 1/K: only (K−1)/K goes to "a different token"
         return sched.absorbed_mass, sched.uniform_mass * (k - 1) / k
 
+    def uniform_scale(self, ctx: StepContext) -> float:
+        """The share of the uniform channel in a training step's input noise: ramps linearly from 0 to 1 over
+        `uniform_warmup_steps` (docs/strategies.md §8.2); 1 in validation and once the warm-up is over."""
+        warmup = self.options.uniform_warmup_steps
+        return 1.0 if not ctx.training or warmup == 0 else min(1.0, ctx.step / warmup)
+
+    def corruption_kwargs(self, ctx: StepContext) -> dict:
+        return {**super().corruption_kwargs(ctx), "uniform_scale": self.uniform_scale(ctx)}
+
     def apply_corruption(
-        self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio, generator=None
+        self,
+        input_ids,
+        loss_mask,
+        mask_token_id,
+        *,
+        eps,
+        block_size,
+        half_life_ratio,
+        generator=None,
+        uniform_scale: float = 1.0,
     ):
+        """Grid time t, then `corrupt_mix` with the schedule's channel masses at t; `uniform_scale` < 1 (the
+        warm-up) moves that part of the uniform channel's mass to the clean token."""
         if self.loss_fn is None:
             raise ValueError("SCDDStrategy needs dllm.vocab_size before corruption (set it, or assemble the strategy)")
         batch, length = input_ids.shape
         t = scdd_grid_times(batch, self.loss_fn.num_timesteps, eps, generator, input_ids.device)
         mask_prob, uniform_prob = self._channel_probs(t)
+        uniform_prob = uniform_prob * uniform_scale
         noisy, noise = corrupt_mix(
             input_ids,
             loss_mask,

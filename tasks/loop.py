@@ -14,7 +14,7 @@ rows r, r + N, … of the global batch, token counts are all-reduced and backwar
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -134,6 +134,7 @@ def validation_loss(run: LoopRun, settings: LoopSettings) -> float:
     val = run.val.head(settings.val_rows)
     rows = torch.arange(len(val.ids))[run.dist.rank :: run.dist.world]
     ctx = step_context(run.trainee, 0, settings.seed + VAL_SEED_OFFSET, run.trainee.model, run.dist, 1)
+    ctx = replace(ctx, training=False)  # the full noise process, whatever the step's curriculum
     run.trainee.model.eval()
     with torch.no_grad():
         value, _, _ = run_step(run.trainee, ctx, val.microbatches(rows, settings.micro_batch_size, run.device), False)

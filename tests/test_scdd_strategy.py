@@ -106,6 +106,31 @@ def test_corruption_contract_and_both_channels():
     assert torch.equal(torch.get_rng_state(), state) and torch.equal(again[0], noisy)
 
 
+def test_uniform_warmup_ramps_the_input_noise_in_training_only():
+    """`uniform_warmup_steps: 100`: a training step at step k uses uniform_ratio × k/100 of the uniform channel
+    (none at step 0, the rest of that mass left clean; [MASK]s unchanged), the full channel from step 100 on and
+    in validation, whatever the step; the loss module is the same at every step."""
+    ids = torch.randint(0, M, (256, 32), generator=gen(2))
+    mb = Microbatch(ids, torch.ones(256, 32), torch.ones(256, 32))
+    plain, warm = _strategy(uniform_ratio=0.4), _strategy(uniform_ratio=0.4, uniform_warmup_steps=100)
+
+    def noisy(strategy, step, training=True):
+        ctx = StepContext(model=None, loss_fn=None, mask_token_id=M, step=step, base_seed=0, training=training)
+        return strategy.corrupt_microbatch(ctx, mb, 0).noisy_ids
+
+    def replaced(z):
+        return float(((z != M) & (z != ids)).float().mean())
+
+    assert torch.equal(noisy(warm, 100), noisy(plain, 100)) and torch.equal(noisy(warm, 250), noisy(plain, 250))
+    assert torch.equal(noisy(warm, 3, training=False), noisy(plain, 3, training=False))
+    start, half, full = noisy(warm, 0), noisy(warm, 50), noisy(plain, 50)
+    assert replaced(start) == 0 and torch.equal(start == M, noisy(plain, 0) == M)
+    assert torch.equal(half == M, full == M)
+    assert replaced(half) == pytest.approx(replaced(full) / 2, rel=0.15) and replaced(full) > 0.05
+    assert plain.uniform_scale(StepContext(None, None, M, 7, 0)) == 1.0
+    assert warm.uniform_scale(StepContext(None, None, M, 25, 0)) == 0.25
+
+
 def test_prepare_batch_feeds_noisy_ids_without_attention_mask():
     out = _strategy().prepare_batch(
         {"attention_mask": torch.ones(1, 3)}, torch.tensor([[1, M, 3]]), None, torch.tensor([[1, 2, 3]])
