@@ -40,6 +40,7 @@ from tasks.evaluation import (
     supervised_bytes,
 )
 from tasks.prepare_data import load_split, load_tokenizer
+from tasks.rows import open_doc_starts
 from tasks.runtime import resolve_device, tracking_for
 from tasks.scoring import gen_ppl_with_interval, load_scorer, mean_entropy, prompt_nll
 from tasks.speculative_eval import dflash_evaluation
@@ -264,6 +265,12 @@ def _log_to_training_run(spec: PipelineSpec, trained: StageRef, entry, workdir: 
     tracker.close()
 
 
+def val_documents(data: StageRef, rows: int, device: str):
+    """Per-token document ids of the first `rows` validation rows where they are packed, else None."""
+    starts = open_doc_starts(data.path, "val")
+    return None if starts is None else starts[:rows].long().cumsum(dim=1).to(device)
+
+
 def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str) -> StageRef:
     """Evaluate the trained model (or reuse the published evaluation) and log it to the model's run."""
     stage, key = stage_of(spec, strategy, trained, data, workdir)
@@ -283,6 +290,7 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
             val,
             device,
             scorer,
+            val_documents(data, spec.eval.val_rows, device),
         )
         run = dflash_evaluation if strategy_class(strategy).evaluation == "speculative" else _dllm_evaluation
         result = run(ev)

@@ -34,6 +34,7 @@ class Evaluation:
     val: tuple  # (ids, loss_mask, attention_mask) of the first `eval.val_rows` validation rows
     device: str
     scorer: tuple | None
+    val_documents: torch.Tensor | None = None  # packed rows: per-token document ids (DFlash's document mask)
 
     @property
     def options(self):

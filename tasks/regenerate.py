@@ -72,7 +72,8 @@ def _build(spec: PipelineSpec, target: StageRef, data: StageRef, tmp: Path) -> d
     }
     shutil.copytree(Path(data.path) / "tokenizer", tmp / "tokenizer")
     for name in Path(data.path).glob("val.*"):  # the held-out rows stay the data entry's
-        shutil.copy2(name, tmp / name.name)
+        if not name.name.startswith("val.doc_starts."):  # regenerated training rows have no documents: nor does val
+            shutil.copy2(name, tmp / name.name)
     write_split(tmp, "train", new_ids, new_loss.to(torch.uint8), torch.ones_like(new_ids, dtype=torch.uint8))
     return {"upstream": {"data": data.key, "target": target.key}, "info": info}
 

@@ -9,6 +9,7 @@ where a document begins). The boundaries feed attention masks that take per-toke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -41,8 +42,11 @@ class RowWriter:
     def discard(self) -> None:
         """A failed preparation: close the raw files and remove them (no open handle outlives the stage)."""
         for name, handle in self.raw.items():
-            handle.close()
-            (self.folder / f".{self.split}.{name}.raw").unlink(missing_ok=True)
+            try:
+                with contextlib.suppress(OSError):  # a full disk fails the flush: the file goes anyway
+                    handle.close()
+            finally:
+                (self.folder / f".{self.split}.{name}.raw").unlink(missing_ok=True)
 
     def close(self, **summary) -> dict:
         for name, handle in self.raw.items():

@@ -23,9 +23,12 @@ from tasks.evaluation import CausalLM, EvalResult, Evaluation, ar_nll_metrics, e
 from tasks.scoring import generative_perplexity, mean_entropy
 
 
-def teacher_forced_acceptance(strat, draft, val, mask_id: int, settings: EvalConfig) -> tuple[float, list[float], int]:
+def teacher_forced_acceptance(
+    strat, draft, val, mask_id: int, settings: EvalConfig, documents=None
+) -> tuple[float, list[float], int]:
     """τ_sim and acc_k over validation rows `val` = (ids, loss_mask, attention_mask): anchors drawn with the
-    eval seed, the target's features computed online, the draft's argmax compared with the true continuation."""
+    eval seed, the target's features computed online, the draft's argmax compared with the true continuation;
+    on packed rows (`documents`: per-token document ids) each block stays inside its document, as in training."""
     (ids, loss_mask, attn), batch_size, seed = val, settings.batch_size, settings.seed
     bs = strat.block_size
     ctx = StepContext(model=draft, loss_fn=None, mask_token_id=mask_id, step=0, base_seed=seed)
@@ -33,10 +36,11 @@ def teacher_forced_acceptance(strat, draft, val, mask_id: int, settings: EvalCon
     with torch.no_grad():
         for start in range(0, len(ids), batch_size):
             sl = slice(start, start + batch_size)
-            mb = Microbatch(ids[sl], loss_mask[sl], attn[sl], torch.arange(start, start + len(ids[sl])), "val")
-            (batch,), _, _ = strat.pre_step(ctx, [mb])
+            rows = torch.arange(start, start + len(ids[sl]))
+            docs = None if documents is None else documents[sl]
+            (batch,), _, _ = strat.pre_step(ctx, [Microbatch(ids[sl], loss_mask[sl], attn[sl], rows, "val", docs)])
             e = batch.extras
-            logits = draft_block_logits(draft, strat.target, e.features, e.anchors, e.keep, e.block_ids)
+            logits = draft_block_logits(draft, strat.target, e.features, e.anchors, e.keep, e.block_ids, e.documents)
             b, n = e.anchors.shape
             pred = logits.view(b, n, bs, -1)[:, :, 1:].argmax(-1).reshape(b, -1)
             corrects.append(pred == e.targets)
@@ -96,7 +100,7 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     built = draft_strategy(ev.strategy, ev.options, draft, target, mask_token_id=ev.mask_id)
     strat, mask_id = built.strategy, built.mask_token_id
     draft.eval()
-    tau_sim, acc, blocks = teacher_forced_acceptance(strat, draft, ev.val, mask_id, spec.eval)
+    tau_sim, acc, blocks = teacher_forced_acceptance(strat, draft, ev.val, mask_id, spec.eval, ev.val_documents)
     nll, se, n_tokens = exact_ar_nll(CausalLM(), target, ids, loss_mask, attn, spec.eval.batch_size)
     bench = speculative_benchmark(
         target,

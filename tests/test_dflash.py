@@ -380,6 +380,24 @@ def test_packed_splits_reach_the_dflash_step_as_document_ids(pair):
     assert _loss(on, draft, mb)[0].total_loss.item() != _loss(off, draft, mb)[0].total_loss.item()
 
 
+def test_teacher_forced_acceptance_keeps_blocks_inside_documents(pair):
+    """Evaluation's τ_sim on packed validation rows scores each block inside its document, as training does:
+    with a boundary every 3 tokens, a block whose first target lies in the next document is not scored."""
+    from dllm_common.config import EvalConfig
+    from tasks.speculative_eval import teacher_forced_acceptance
+
+    target, draft = pair
+    built = _strategy(target, draft)
+    ids = torch.randint(0, 60, (16, 24), generator=torch.Generator().manual_seed(3))
+    val = (ids, torch.ones(16, 24), torch.ones_like(ids))
+    docs = (torch.arange(24) // 3).expand(16, -1)
+    settings = EvalConfig(batch_size=8)
+    plain = teacher_forced_acceptance(built.strategy, draft, val, MASK, settings)
+    packed = teacher_forced_acceptance(built.strategy, draft, val, MASK, settings, docs)
+    assert plain[2] == 16 * 3  # every block scored without documents
+    assert 0 < packed[2] < plain[2]
+
+
 def test_speculative_decoding_equals_target_greedy(pair):
     target, draft = pair
     for prompt in ([1, 2, 3], [5, 9, 9, 4, 2, 7]):
