@@ -19,7 +19,6 @@ span). Both modes must publish the same weights and evaluation numbers: the scri
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -32,14 +31,11 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
+from dllm_common.tracking import TELEMETRY_OFF
+from tasks.common import published_results
+
 ROOT = Path(__file__).resolve().parents[1]
-QUIET = {
-    "HF_HUB_OFFLINE": "1",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "DO_NOT_TRACK": "true",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+QUIET = {**TELEMETRY_OFF, "HF_HUB_OFFLINE": "1"}  # no telemetry, no hub
 MODES = {"sequential": 1, "concurrent": 2}  # mode: pipeline.max_parallel
 # a stage's start and end lines in the run's log file (flows/pipeline.py StageRunner, flows/environment.py format)
 STAGE_LINE = re.compile(r"^(\S+ \S+) INFO prefect\.flow_runs: (train\[[^\]]+\]): (started|ran )")
@@ -91,18 +87,6 @@ def train_windows(workdir: Path) -> dict[str, tuple[datetime, datetime]]:
     return {name: (starts[name], ends[name]) for name in starts}
 
 
-def outcomes(workdir: Path) -> dict:
-    """Per strategy: the published weights' sha256 and the evaluation's metrics (throughputs aside)."""
-    out = {}
-    for manifest in (workdir / "store" / "train").glob("*/manifest.json"):
-        m = json.loads(manifest.read_text())
-        out[m["strategy"]] = {"weights": m["files"]["model/model.safetensors"]["sha256"]}
-    for manifest in (workdir / "store" / "evaluate").glob("*/manifest.json"):
-        m = json.loads(manifest.read_text())
-        out[m["strategy"]]["eval"] = {k: v for k, v in m["info"]["metrics"].items() if not k.endswith("per_s")}
-    return out
-
-
 def measure(workdir: Path, api: str, strategies: str, steps: int, max_parallel: int) -> dict:
     """One `dllm-flow run` in `workdir`: its wall time, its trainings' windows and what it published."""
     overrides = [f"pipeline.strategies=[{strategies}]", f"pipeline.max_parallel={max_parallel}"]
@@ -119,7 +103,7 @@ def measure(workdir: Path, api: str, strategies: str, steps: int, max_parallel: 
     windows = train_windows(workdir)
     span = max(end for _, end in windows.values()) - min(start for start, _ in windows.values())
     trains = {name: (end - start).total_seconds() for name, (start, end) in windows.items()}
-    return {"wall": wall, "span": span.total_seconds(), "trains": trains, "outcomes": outcomes(workdir)}
+    return {"wall": wall, "span": span.total_seconds(), "trains": trains, "outcomes": published_results(workdir)}
 
 
 def main() -> None:

@@ -23,15 +23,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from dllm_common.tracking import TELEMETRY_OFF
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(sys.executable).parent.parent
-QUIET = {
-    "HF_HUB_OFFLINE": "1",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "DO_NOT_TRACK": "true",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+QUIET = {**TELEMETRY_OFF, "HF_HUB_OFFLINE": "1"}  # no telemetry, no hub
 
 PLAIN = """
 import sys

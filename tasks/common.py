@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import math
 import os
 from collections.abc import Callable
@@ -58,6 +59,21 @@ def code_version(*modules: str) -> str:
 
 def store_for(workdir: str | Path) -> Store:
     return Store(Path(workdir) / "store")
+
+
+def published_results(workdir: str | Path) -> dict:
+    """What a workdir's store published, per strategy: the trained weights' sha256 and the evaluation's metrics
+    (throughputs left out: they are timings). Two runs that computed the same thing give equal dicts."""
+    out: dict = {}
+    root = Path(workdir) / "store"
+    for manifest in (root / "train").glob("*/manifest.json"):
+        m = json.loads(manifest.read_text())
+        out.setdefault(m["strategy"], {})["weights"] = m["files"]["model/model.safetensors"]["sha256"]
+    for manifest in (root / "evaluate").glob("*/manifest.json"):
+        m = json.loads(manifest.read_text())
+        metrics = {k: v for k, v in m["info"]["metrics"].items() if not k.endswith("per_s")}
+        out.setdefault(m["strategy"], {})["eval"] = metrics
+    return out
 
 
 def check_workdir(workdir: str | Path) -> Path:

@@ -13,6 +13,8 @@ import pytest
 from conftest import ROOT
 from runkit import environ, unverified_entries
 
+from tasks.common import published_results
+
 pytestmark = pytest.mark.slow
 
 TWO = ["--set", "pipeline.strategies=[mdlm,scdd]", "--set", "train.steps=40", "--set", "dllm.loss_weighting=flat"]
@@ -26,19 +28,6 @@ def cli(workdir, *args, api, fault=None):
 
 def record(workdir) -> dict:
     return json.loads(sorted((workdir / "runs").glob("*.json"))[-1].read_text())
-
-
-def outcomes(workdir) -> dict:
-    """Per strategy: the published weights' sha256 and the evaluation's numbers (timings aside)."""
-    out = {}
-    for manifest in (workdir / "store" / "train").glob("*/manifest.json"):
-        m = json.loads(manifest.read_text())
-        out[m["strategy"]] = {"weights": m["files"]["model/model.safetensors"]["sha256"]}
-    for manifest in (workdir / "store" / "evaluate").glob("*/manifest.json"):
-        m = json.loads(manifest.read_text())
-        metrics = {k: v for k, v in m["info"]["metrics"].items() if not k.endswith("per_s")}
-        out[m["strategy"]]["eval"] = metrics
-    return out
 
 
 def task_runs(api: str, flow_run_id: str) -> dict:
@@ -86,5 +75,6 @@ def test_fanned_out_strategies_train_at_once_like_the_sequential_pipeline(tmp_pa
     stages = {s["name"]: s["status"] for s in record(parallel)["stages"]}
     assert stages["train[mdlm]"] == stages["evaluate[mdlm]"] == "REUSED"
     assert stages["train[scdd]"] == stages["evaluate[scdd]"] == stages["report"] == "COMPLETED"
-    assert outcomes(parallel) == outcomes(sequential) and len(outcomes(sequential)) == 2
+    results = published_results(sequential)
+    assert published_results(parallel) == results and len(results) == 2
     assert unverified_entries(parallel) == [] and Path(parallel / "report.md").is_file()
