@@ -40,7 +40,7 @@ from tasks.evaluation import (
     supervised_bytes,
 )
 from tasks.prepare_data import load_split, load_tokenizer
-from tasks.rows import open_doc_starts
+from tasks.rows import document_ids, open_doc_starts
 from tasks.runtime import resolve_device, tracking_for
 from tasks.scoring import gen_ppl_with_interval, load_scorer, mean_entropy, prompt_nll
 from tasks.speculative_eval import dflash_evaluation
@@ -268,7 +268,7 @@ def _log_to_training_run(spec: PipelineSpec, trained: StageRef, entry, workdir: 
 def val_documents(data: StageRef, rows: int, device: str):
     """Per-token document ids of the first `rows` validation rows where they are packed, else None."""
     starts = open_doc_starts(data.path, "val")
-    return None if starts is None else starts[:rows].long().cumsum(dim=1).to(device)
+    return None if starts is None else document_ids(starts[:rows]).to(device)
 
 
 def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str) -> StageRef:

@@ -91,6 +91,11 @@ def open_doc_starts(folder: Path, split: str) -> torch.Tensor | None:
     return torch.from_numpy(np.load(path, mmap_mode="c")) if path.is_file() else None
 
 
+def document_ids(doc_starts: torch.Tensor) -> torch.Tensor:
+    """Per-token document numbers `[n, L]` (int64) of packed rows: the running count of document starts."""
+    return doc_starts.long().cumsum(dim=1)
+
+
 def load_split(folder: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split in memory as (int64 ids, float loss mask, int64 attention mask), for the stages that use
     every row at once (evaluation's validation rows, DFlash's regeneration and feature cache)."""

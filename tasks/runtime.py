@@ -14,7 +14,7 @@ from dllm_common.config import PipelineSpec
 from dllm_common.tracking import Tracking
 from strategies import Microbatch
 from strategies.head import deferred_logits
-from tasks.rows import open_doc_starts, open_split
+from tasks.rows import document_ids, open_doc_starts, open_split
 
 
 def resolve_device(name: str) -> str:
@@ -133,7 +133,7 @@ class Split:
                 self.attention_mask[c].long(),
                 c,
                 self.name,
-                None if self.doc_starts is None else self.doc_starts[c].long().cumsum(dim=1),
+                None if self.doc_starts is None else document_ids(self.doc_starts[c]),
             ).to(device)
             for c in rows.split(micro)
         ]
