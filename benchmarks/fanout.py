@@ -21,17 +21,15 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 
 from dllm_common.tracking import TELEMETRY_OFF
+from flows.local_api import local_prefect_api
 from tasks.common import published_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,40 +37,6 @@ QUIET = {**TELEMETRY_OFF, "HF_HUB_OFFLINE": "1"}  # no telemetry, no hub
 MODES = {"sequential": 1, "concurrent": 2}  # mode: pipeline.max_parallel
 # a stage's start and end lines in the run's log file (flows/pipeline.py StageRunner, flows/environment.py format)
 STAGE_LINE = re.compile(r"^(\S+ \S+) INFO prefect\.flow_runs: (train\[[^\]]+\]): (started|ran )")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_prefect_server(home: Path) -> tuple[subprocess.Popen, str]:
-    """A Prefect API on a free local port, in its own session (so it can be stopped with what it spawned);
-    both modes talk to it, so neither pays for booting a temporary API inside its timed run."""
-    port = free_port()
-    env = {**os.environ, **QUIET, "PREFECT_HOME": str(home)}
-    env.pop("PREFECT_API_URL", None)
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    api = f"http://127.0.0.1:{port}/api"
-    deadline = time.time() + 300
-    while True:
-        if proc.poll() is not None:
-            sys.exit(f"the Prefect server exited with status {proc.returncode}")
-        try:
-            if urllib.request.urlopen(f"{api}/health", timeout=2).status == 200:
-                return proc, api
-        except OSError:
-            pass
-        if time.time() > deadline:
-            sys.exit(f"the Prefect server did not answer at {api} in 300 s")
-        time.sleep(1)
 
 
 def train_windows(workdir: Path) -> dict[str, tuple[datetime, datetime]]:
@@ -114,8 +78,11 @@ def main() -> None:
     args = ap.parse_args()
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="fanout-bench-") as tmp:
-        server, api = start_prefect_server(Path(tmp) / "prefect")
-        try:
+        os.environ.setdefault("PREFECT_HOME", str(Path(tmp) / "prefect"))
+        # one detached local API both modes talk to (the one `dllm-flow run` boots for itself), so neither
+        # pays for booting a temporary API inside its timed run; a configured PREFECT_API_URL is used as is
+        with local_prefect_api() as local:
+            api = local or os.environ["PREFECT_API_URL"]
             for r in range(args.repeats):
                 # alternate which mode goes first, so neither always meets the colder caches
                 order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
@@ -123,13 +90,6 @@ def main() -> None:
                     workdir = Path(tmp) / f"{mode}{r}"
                     runs[mode].append(measure(workdir, api, args.strategies, args.steps, MODES[mode]))
                     print(f"{mode} run {r + 1}: {runs[mode][-1]['wall']:.1f} s", flush=True)
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
     best = {mode: {key: min(run[key] for run in done) for key in ("wall", "span")} for mode, done in runs.items()}
     seq, conc = best["sequential"], best["concurrent"]
     # each mode's trainings as its best run timed them: how much a training slows beside another
