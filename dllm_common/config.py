@@ -226,6 +226,17 @@ OPEN_ENDED_TEMPERATURE = 1.0
 OPEN_ENDED_TOP_P = 0.95
 
 
+class SamplerSettings(_Section):
+    """One strategy's own sampling settings for the report's samples (`eval.overrides.<strategy>`): the keys
+    set here replace `eval:`'s for that strategy alone; the rest are `eval:`'s."""
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    remasking: Literal["low_confidence", "random"] | None = None
+    threshold: float | None = Field(None, gt=0, le=1)
+
+
 class EvalConfig(_Section):
     val_rows: int = Field(128, ge=1)  # validation rows scored by the NELBO
     t_samples: int = Field(8, ge=1)  # stratified diffusion times per row
@@ -249,6 +260,17 @@ class EvalConfig(_Section):
     nfe_budgets: tuple[Annotated[int, Field(ge=1)], ...] = ()
     scorer: ScorerConfig | None = None  # None → no eval/gen_ppl (eval/entropy is always reported)
     lm_eval: LMEvalConfig | None = None  # None → no lm-evaluation-harness tasks
+    # per-strategy sampling settings, e.g. `{scdd: {temperature: 1.3}}` (docs/strategies.md §11.7): a sampler
+    # whose open-ended settings differ from the shared ones; the report names every strategy's settings
+    overrides: dict[str, SamplerSettings] = Field(default_factory=dict)
+
+    def for_strategy(self, name: str) -> EvalConfig:
+        """These settings as `name` is evaluated: its `overrides` entry applied (and kept, alone, as the record of
+        what it set), the other strategies' entries dropped."""
+        own = self.overrides.get(name)
+        if own is None:
+            return self.model_copy(update={"overrides": {}})
+        return self.model_copy(update={**own.model_dump(include=own.model_fields_set), "overrides": {name: own}})
 
     def budgets(self) -> list[int]:
         raw = self.nfe_budgets or (self.sample_steps, self.sample_steps // 2, self.sample_steps // 4)
@@ -352,6 +374,16 @@ class PipelineSpec(_Section):
     tracking: TrackingConfig = TrackingConfig()
     dllm: DLLMSection = DLLMSection()
     dflash: DFlashConfig = DFlashConfig()
+
+    @model_validator(mode="after")
+    def _eval_overrides_name_strategies(self) -> PipelineSpec:
+        unknown = sorted(set(self.eval.overrides) - set(self.pipeline.strategies))
+        if unknown:
+            raise ValueError(
+                f"eval.overrides names {unknown}, which this pipeline does not train; use one of "
+                f"{list(self.pipeline.strategies)} (pipeline.strategies)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_rendezvous_per_node(self) -> PipelineSpec:

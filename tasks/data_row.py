@@ -48,9 +48,9 @@ def _ratio(value, reference) -> str:
     return f"{value / reference:.2f}"
 
 
-def _sampling_settings(rows: list[dict]) -> str:
-    """How the main table's samples were drawn, read from the first row's reproducibility card."""
-    sampler = rows[0].get("card", {}).get("sampler", {})
+def _sampling_settings(row: dict) -> str:
+    """How a row's samples were drawn, read from its reproducibility card."""
+    sampler = row.get("card", {}).get("sampler", {})
     if not sampler:
         return "the eval settings"
     cut = [f"top-p {sampler['top_p']}"] if sampler.get("top_p", 1) < 1 else []
@@ -58,15 +58,24 @@ def _sampling_settings(rows: list[dict]) -> str:
     return ", ".join([f"temperature {sampler.get('temperature')}", *cut, f"{sampler.get('remasking')} remasking"])
 
 
-def _sample_lines(rows: list[dict], prefix: str, data_ppl, data_ent) -> list[str]:
+def _shared_settings(rows: list[dict]) -> str:
+    """The settings most rows' samples were drawn with (the table's heading; others are named on their row)."""
+    settings = [_sampling_settings(r) for r in rows]
+    return max(settings, key=settings.count)
+
+
+def _sample_lines(rows: list[dict], prefix: str, data_ppl, data_ent, shared: str | None = None) -> list[str]:
     lines = []
     for r in rows:
         m = r["metrics"]
         if f"{prefix}entropy" not in m:
             continue
         revised = m.get(f"{prefix}revised_tokens")
+        name = r["strategy"]
+        if shared is not None and _sampling_settings(r) != shared:  # drawn with its own `eval.overrides` entry
+            name += f" ({_sampling_settings(r)})"
         lines.append(
-            f"| {r['strategy']} | {_ppl_ci(m, prefix)} | {_ratio(m.get(f'{prefix}gen_ppl'), data_ppl)} | "
+            f"| {name} | {_ppl_ci(m, prefix)} | {_ratio(m.get(f'{prefix}gen_ppl'), data_ppl)} | "
             f"{_fmt(m.get(f'{prefix}entropy'), 3)} | {_ratio(m.get(f'{prefix}entropy'), data_ent)} | "
             f"{_fmt(revised, 1) if revised is not None else '–'} |"
         )
@@ -87,8 +96,9 @@ def data_row_table(rows: list[dict]) -> list[str]:
         f"| **data** ({int(d['eval/data_rows'])} held-out rows, real continuations) | "
         f"{_ppl_ci(d, 'eval/data_')} | 1.00 | {_fmt(data_ent, 3)} | 1.00 | – |",
     ]
-    lines = [f"## Samples against real text ({_sampling_settings(rows)})", "", *head]
-    lines += _sample_lines(rows, "eval/", data_ppl, data_ent)
+    shared = _shared_settings([r for r in rows if "eval/entropy" in r["metrics"]])
+    lines = [f"## Samples against real text ({shared})", "", *head]
+    lines += _sample_lines(rows, "eval/", data_ppl, data_ent, shared)
     greedy = _sample_lines(rows, "eval/greedy_", data_ppl, data_ent)
     if greedy:
         lines += ["", "### Greedy decoding (temperature 0, same prompts and step budget)", "", *head, *greedy]

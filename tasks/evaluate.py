@@ -55,6 +55,7 @@ LMEVAL_MISSING = "eval.lm_eval needs the lmeval extra: pip install 'dllm-flow[lm
 def stage_of(
     spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str, **_
 ) -> tuple[str, str]:
+    spec = for_strategy(spec, strategy)
     harness = spec.eval.lm_eval
     config = {
         "strategy": strategy,
@@ -69,6 +70,11 @@ def stage_of(
         modules.append("tasks.lm_eval_model")
     key = stage_key(STAGE, config, {"train": trained.key, "data": data.key}, code_version(*modules))
     return STAGE, key
+
+
+def for_strategy(spec: PipelineSpec, strategy: str) -> PipelineSpec:
+    """The spec as `strategy` is evaluated: `eval.overrides.<strategy>` applied to `eval:`."""
+    return spec.model_copy(update={"eval": spec.eval.for_strategy(strategy)})
 
 
 def harness_versions(include_path: str | None) -> dict:
@@ -234,6 +240,8 @@ def repro_card(ev: Evaluation, strategy, data_key: str) -> dict:
         },
         "checkpoint_digest": sha256_file(ckpt / DIGESTS) if (ckpt / DIGESTS).is_file() else None,
     }
+    if strategy_name in e.overrides:  # the sampler settings this strategy sets itself: deliberate, not a mismatch
+        card["sampler_overrides"] = sorted(e.overrides[strategy_name].model_fields_set)
     if e.lm_eval is not None:  # only then: cards of evaluations without harness tasks are unchanged
         card["lm_eval"] = {**e.lm_eval.model_dump(mode="json"), **harness_versions(e.lm_eval.include_path)}
     return card
@@ -273,6 +281,7 @@ def val_documents(data: StageRef, rows: int, device: str):
 
 def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str) -> StageRef:
     """Evaluate the trained model (or reuse the published evaluation) and log it to the model's run."""
+    spec = for_strategy(spec, strategy)
     stage, key = stage_of(spec, strategy, trained, data, workdir)
 
     def build(out: Path) -> dict:

@@ -90,14 +90,16 @@ def _flat(card: dict, prefix: str = "") -> dict:
 def card_mismatches(rows: list[dict]) -> dict[str, list[tuple[str, str, str]]]:
     """strategy → [(field, its value, the majority value)] for every result-changing field that differs.
 
-    The majority over the rows' cards is the reference; a row without a card is flagged as such."""
+    The majority over the rows' cards is the reference; a row without a card is flagged as such. Sampler settings
+    a strategy sets itself (`eval.overrides`, its card's `sampler_overrides`) differ by design and are not flagged."""
     flats = {r["strategy"]: _flat(r["card"]) for r in rows}
+    own = {r["strategy"]: {f"sampler.{k}" for k in r["card"].get("sampler_overrides", [])} for r in rows}
     flags: dict[str, list[tuple[str, str, str]]] = {}
     for field in RESULT_FIELDS:
         values = {s: f.get(field, "missing") for s, f in flats.items()}
         majority = Counter(values.values()).most_common(1)[0][0]
         for strategy, value in values.items():
-            if value != majority:
+            if value != majority and field not in own[strategy]:
                 flags.setdefault(strategy, []).append((field, value, majority))
     return flags
 

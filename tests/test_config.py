@@ -123,6 +123,31 @@ def test_per_strategy_dllm_overrides_merge_and_validate():
             validate_config({"pipeline": {"strategies": ["hybrid"]}, "dllm": {"overrides": bad}})
 
 
+def test_per_strategy_eval_sampler_overrides_apply_to_that_strategy_alone():
+    spec = validate_config(
+        {
+            "pipeline": {"strategies": ["mdlm", "scdd"]},
+            "eval": {"temperature": 0.9, "top_p": 0.8, "overrides": {"scdd": {"temperature": 1.3}}},
+        }
+    )
+    scdd, mdlm = spec.eval.for_strategy("scdd"), spec.eval.for_strategy("mdlm")
+    assert (scdd.temperature, scdd.top_p, scdd.remasking) == (1.3, 0.8, "low_confidence")  # unset keys: eval's
+    assert (mdlm.temperature, mdlm.top_p) == (0.9, 0.8)
+    assert set(scdd.overrides) == {"scdd"} and mdlm.overrides == {}  # only its own entry is kept (its record)
+    assert scdd.for_strategy("scdd") == scdd  # applying twice changes nothing
+    off = validate_config(
+        {"pipeline": {"strategies": ["mdlm"]}, "eval": {"threshold": 0.9, "overrides": {"mdlm": {"threshold": None}}}}
+    )
+    assert off.eval.for_strategy("mdlm").threshold is None  # an explicit null turns a shared setting off
+    for bad, message in [
+        ({"idlm": {"temperature": 1.0}}, r"eval.overrides names \['idlm'\], which this pipeline does not train"),
+        ({"scdd": {"temperature": -1}}, r"eval.overrides.scdd.temperature: Input should be greater than or equal"),
+        ({"scdd": {"steps": 8}}, r"eval.overrides.scdd.steps: unknown key"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate_config({"pipeline": {"strategies": ["mdlm", "scdd"]}, "eval": {"overrides": bad}})
+
+
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_each_strategy_owns_frozen_options_that_refuse_unknown_keys(name):
     options_cls = REGISTRY[name].options

@@ -202,6 +202,25 @@ def test_report_reads_samples_at_the_eval_settings_first_and_greedy_second():
     assert "| scdd |" not in greedy.split("\n\n")[1]  # no greedy run for scdd: no greedy row
 
 
+def test_a_strategys_own_sampler_settings_are_named_on_its_row_and_not_flagged():
+    data = {"eval/data_entropy": 4.0, "eval/data_rows": 32, "eval/data_gen_ppl": 200.0}
+    shared = card(sampler__temperature=1.0, sampler__top_p=0.95)
+    own = {**card(strategy="scdd", sampler__temperature=1.3, sampler__top_p=0.95), "sampler_overrides": ["temperature"]}
+    stray = card(strategy="hybrid", sampler__temperature=0.7, sampler__top_p=0.95)  # no override: a real mismatch
+    rows = [
+        row("mdlm", shared, **data, **{"eval/gen_ppl": 300.0, "eval/entropy": 3.6}),
+        row("idlm", shared, **data, **{"eval/gen_ppl": 250.0, "eval/entropy": 3.0}),
+        row("scdd", own, **data, **{"eval/gen_ppl": 120.0, "eval/entropy": 3.2}),
+        row("hybrid", stray, **data, **{"eval/gen_ppl": 150.0, "eval/entropy": 3.4}),
+    ]
+    flags = card_mismatches(rows)
+    assert set(flags) == {"hybrid"} and flags["hybrid"][0][0] == "sampler.temperature"
+    md = render_markdown("demo", rows, flags, [])
+    assert "## Samples against real text (temperature 1.0, top-p 0.95, low_confidence remasking)" in md
+    assert "| scdd (temperature 1.3, top-p 0.95, low_confidence remasking) | 120.00 | 0.60 | 3.200 | 0.80 | – |" in md
+    assert "| mdlm | 300.00 | 1.50 |" in md and "| idlm | 250.00 | 1.25 |" in md
+
+
 def test_dflash_table_flags_a_gap_between_tau_sim_and_real_tau():
     rows = [
         row(

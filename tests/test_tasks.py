@@ -59,3 +59,26 @@ def test_checkpoints_written_before_typed_options_still_rebuild_their_strategy()
         "dflash": {"block_size": 8, "target_features": "cached"},
     }
     assert checkpoint_options(draft, DFlashOptions.model_fields) == {"eps": 0.01, "block_size": 8}
+
+
+def test_an_eval_override_rekeys_only_the_strategy_it_names(tiny_spec, tmp_path):
+    from strategies.options import validate_config
+    from tasks.common import StageRef
+    from tasks.evaluate import stage_of as eval_stage_of
+
+    def keys(overrides):
+        raw = tiny_spec.model_dump(mode="json")
+        raw["pipeline"]["strategies"] = ["mdlm", "scdd"]
+        raw["eval"]["overrides"] = overrides
+        spec = validate_config(raw)
+        data = StageRef("prepare_data", "d" * 24, str(tmp_path))
+        return {
+            s: eval_stage_of(spec, s, StageRef(f"train[{s}]", s * 3, str(tmp_path)), data, str(tmp_path))[1]
+            for s in ("mdlm", "scdd")
+        }
+
+    plain, hot, hotter = keys({}), keys({"scdd": {"temperature": 1.3}}), keys({"scdd": {"temperature": 1.5}})
+    assert plain["mdlm"] == hot["mdlm"] == hotter["mdlm"]  # mdlm's evaluation is reused
+    assert len({plain["scdd"], hot["scdd"], hotter["scdd"]}) == 3
+    same = keys({"scdd": {"temperature": tiny_spec.eval.temperature}})  # set to the shared value: same samples,
+    assert same["scdd"] != plain["scdd"]  # but recorded as its own setting (card, report), so keyed apart
