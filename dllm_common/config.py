@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -236,6 +245,20 @@ class SamplerSettings(_Section):
     remasking: Literal["low_confidence", "random"] | None = None
     threshold: float | None = Field(None, gt=0, le=1)
 
+    @model_validator(mode="after")
+    def _null_only_turns_threshold_off(self) -> SamplerSettings:
+        nulls = sorted(k for k in self.model_fields_set if k != "threshold" and getattr(self, k) is None)
+        if nulls:
+            raise ValueError(
+                f"{', '.join(nulls)}: null is not a setting (only threshold: null, which turns the shared one off); "
+                f"remove the key to keep eval.{nulls[0]}"
+            )
+        return self
+
+    def values(self) -> dict[str, Any]:
+        """The keys this entry sets (unset ones stay `eval:`'s, also after a save and reload)."""
+        return self.model_dump(mode="json", include=self.model_fields_set)
+
 
 class EvalConfig(_Section):
     val_rows: int = Field(128, ge=1)  # validation rows scored by the NELBO
@@ -264,13 +287,17 @@ class EvalConfig(_Section):
     # whose open-ended settings differ from the shared ones; the report names every strategy's settings
     overrides: dict[str, SamplerSettings] = Field(default_factory=dict)
 
+    @field_serializer("overrides")
+    def _only_what_each_entry_sets(self, overrides: dict[str, SamplerSettings]) -> dict[str, dict[str, Any]]:
+        # a saved config (run record, MLflow params, stage keys) reloads to the same entries, not to explicit nulls
+        return {name: own.values() for name, own in overrides.items()}
+
     def for_strategy(self, name: str) -> EvalConfig:
         """These settings as `name` is evaluated: its `overrides` entry applied (and kept, alone, as the record of
-        what it set), the other strategies' entries dropped."""
+        what it set), the other strategies' entries dropped. Validated again as a whole."""
         own = self.overrides.get(name)
-        if own is None:
-            return self.model_copy(update={"overrides": {}})
-        return self.model_copy(update={**own.model_dump(include=own.model_fields_set), "overrides": {name: own}})
+        merged = {**self.model_dump(exclude={"overrides"}), **(own.values() if own is not None else {})}
+        return EvalConfig.model_validate({**merged, "overrides": {name: own.values()} if own is not None else {}})
 
     def budgets(self) -> list[int]:
         raw = self.nfe_budgets or (self.sample_steps, self.sample_steps // 2, self.sample_steps // 4)
@@ -376,16 +403,6 @@ class PipelineSpec(_Section):
     dflash: DFlashConfig = DFlashConfig()
 
     @model_validator(mode="after")
-    def _eval_overrides_name_strategies(self) -> PipelineSpec:
-        unknown = sorted(set(self.eval.overrides) - set(self.pipeline.strategies))
-        if unknown:
-            raise ValueError(
-                f"eval.overrides names {unknown}, which this pipeline does not train; use one of "
-                f"{list(self.pipeline.strategies)} (pipeline.strategies)"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _one_rendezvous_per_node(self) -> PipelineSpec:
         if self.train.nnodes > 1 and self.pipeline.max_parallel > 1:
             raise ValueError(
@@ -416,11 +433,17 @@ def _format_errors(err: ValidationError, source: str) -> str:
 
 def _section_for(loc: tuple) -> type[BaseModel] | None:
     model: type[BaseModel] = PipelineSpec
-    for part in loc:
+    parts = iter(loc)
+    for part in parts:
         field = model.model_fields.get(str(part))
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+        annotation = field.annotation if field is not None else None
+        if get_origin(annotation) is dict:  # `dict[str, Section]` (eval.overrides): skip the key, enter the section
+            annotation = get_args(annotation)[1]
+            if next(parts, None) is None:
+                return None
+        if not isinstance(annotation, type) or not issubclass(annotation, BaseModel):
             return None
-        model = field.annotation
+        model = annotation
     return model
 
 

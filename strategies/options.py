@@ -204,11 +204,14 @@ class BlockDiffusionOptions(StrategyOptions):
 @dataclass(frozen=True)
 class Registration:
     """One registered strategy: its options and where its class lives (imported on first use, so
-    reading options never needs torch). `section`: a config section that holds its options too."""
+    reading options never needs torch). `section`: a config section that holds its options too. `samples`:
+    its evaluation draws samples with `eval:`'s sampler settings (a speculative draft's does not: the class's
+    `evaluation`, which a test keeps in step)."""
 
     options: type[StrategyOptions]
     implementation: str  # "module:Class"
     section: str | None = None
+    samples: bool = True
 
     def load(self) -> type:
         module, _, name = self.implementation.partition(":")
@@ -221,7 +224,7 @@ REGISTRY: dict[str, Registration] = {
     "scdd": Registration(SCDDOptions, "strategies.scdd_strategy:SCDDStrategy"),
     "hybrid": Registration(HybridOptions, "strategies.hybrid_strategy:HybridStrategy"),
     "idlm": Registration(IDLMOptions, "strategies.idlm_strategy:IDLMStrategy"),
-    "dflash": Registration(DFlashOptions, "strategies.dflash_strategy:DFlashStrategy", section="dflash"),
+    "dflash": Registration(DFlashOptions, "strategies.dflash_strategy:DFlashStrategy", section="dflash", samples=False),
     "block_diffusion": Registration(
         BlockDiffusionOptions, "strategies.block_diffusion_strategy:BlockDiffusionStrategy"
     ),
@@ -284,6 +287,17 @@ def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
     for name in spec.dllm.overrides:
         if name not in REGISTRY:
             raise ConfigError(f"dllm.overrides: unknown strategy {name!r}; allowed: {sorted(REGISTRY)}")
+    for name in spec.eval.overrides:
+        if name not in spec.pipeline.strategies:
+            raise ConfigError(
+                f"eval.overrides.{name}: {name!r} is not in pipeline.strategies {list(spec.pipeline.strategies)}; "
+                f"remove the entry (--set eval.overrides={{}} drops them all) or add the strategy"
+            )
+        if not REGISTRY[name].samples:
+            raise ConfigError(
+                f"eval.overrides.{name}: {name} is judged by speculative decoding against its target, which reads "
+                "no sampler settings; remove the entry"
+            )
     known = sorted({k for r in REGISTRY.values() for k in r.options.model_fields})
     unknown = sorted(set(spec.dllm.shared()) - set(known))
     if unknown:  # no strategy at all reads it: a typo or a key of another tool, not a missing strategy

@@ -55,29 +55,39 @@ def _sampling_settings(row: dict) -> str:
         return "the eval settings"
     cut = [f"top-p {sampler['top_p']}"] if sampler.get("top_p", 1) < 1 else []
     cut += [f"top-k {sampler['top_k']}"] if sampler.get("top_k", 0) > 0 else []
+    cut += [f"threshold {sampler['threshold']}"] if sampler.get("threshold") is not None else []
     return ", ".join([f"temperature {sampler.get('temperature')}", *cut, f"{sampler.get('remasking')} remasking"])
 
 
 def _shared_settings(rows: list[dict]) -> str:
-    """The settings most rows' samples were drawn with (the table's heading; others are named on their row)."""
-    settings = [_sampling_settings(r) for r in rows]
+    """The table's heading: the settings of the rows that set none of their own (`eval.overrides`)."""
+    plain = [r for r in rows if not r.get("card", {}).get("sampler_overrides")] or rows
+    settings = [_sampling_settings(r) for r in plain]
     return max(settings, key=settings.count)
 
 
-def _sample_lines(rows: list[dict], prefix: str, data_ppl, data_ent, shared: str | None = None) -> list[str]:
+def _label(row: dict, greedy: bool) -> str:
+    """The strategy, with the sampler settings it set itself (`eval.overrides`; at temperature 0 the greedy table's
+    temperature is everyone's)."""
+    card = row.get("card", {})
+    own = [k for k in card.get("sampler_overrides", []) if not (greedy and k == "temperature")]
+    if not own:
+        return row["strategy"]
+    sampler = card.get("sampler", {})
+    return f"{row['strategy']} ({', '.join(f'{k} {sampler.get(k)}' for k in own)})"
+
+
+def _sample_lines(rows: list[dict], prefix: str, data_ppl, data_ent) -> list[str]:
     lines = []
     for r in rows:
         m = r["metrics"]
         if f"{prefix}entropy" not in m:
             continue
         revised = m.get(f"{prefix}revised_tokens")
-        name = r["strategy"]
-        if shared is not None and _sampling_settings(r) != shared:  # drawn with its own `eval.overrides` entry
-            name += f" ({_sampling_settings(r)})"
         lines.append(
-            f"| {name} | {_ppl_ci(m, prefix)} | {_ratio(m.get(f'{prefix}gen_ppl'), data_ppl)} | "
-            f"{_fmt(m.get(f'{prefix}entropy'), 3)} | {_ratio(m.get(f'{prefix}entropy'), data_ent)} | "
-            f"{_fmt(revised, 1) if revised is not None else '–'} |"
+            f"| {_label(r, greedy=prefix != 'eval/')} | {_ppl_ci(m, prefix)} | "
+            f"{_ratio(m.get(f'{prefix}gen_ppl'), data_ppl)} | {_fmt(m.get(f'{prefix}entropy'), 3)} | "
+            f"{_ratio(m.get(f'{prefix}entropy'), data_ent)} | {_fmt(revised, 1) if revised is not None else '–'} |"
         )
     return lines
 
@@ -96,9 +106,9 @@ def data_row_table(rows: list[dict]) -> list[str]:
         f"| **data** ({int(d['eval/data_rows'])} held-out rows, real continuations) | "
         f"{_ppl_ci(d, 'eval/data_')} | 1.00 | {_fmt(data_ent, 3)} | 1.00 | – |",
     ]
-    shared = _shared_settings([r for r in rows if "eval/entropy" in r["metrics"]])
-    lines = [f"## Samples against real text ({shared})", "", *head]
-    lines += _sample_lines(rows, "eval/", data_ppl, data_ent, shared)
+    sampled = [r for r in rows if "eval/entropy" in r["metrics"]]
+    lines = [f"## Samples against real text ({_shared_settings(sampled)})", "", *head]
+    lines += _sample_lines(rows, "eval/", data_ppl, data_ent)
     greedy = _sample_lines(rows, "eval/greedy_", data_ppl, data_ent)
     if greedy:
         lines += ["", "### Greedy decoding (temperature 0, same prompts and step budget)", "", *head, *greedy]

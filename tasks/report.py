@@ -96,10 +96,12 @@ def card_mismatches(rows: list[dict]) -> dict[str, list[tuple[str, str, str]]]:
     own = {r["strategy"]: {f"sampler.{k}" for k in r["card"].get("sampler_overrides", [])} for r in rows}
     flags: dict[str, list[tuple[str, str, str]]] = {}
     for field in RESULT_FIELDS:
-        values = {s: f.get(field, "missing") for s, f in flats.items()}
+        values = {s: f.get(field, "missing") for s, f in flats.items() if field not in own[s]}
+        if not values:
+            continue
         majority = Counter(values.values()).most_common(1)[0][0]
         for strategy, value in values.items():
-            if value != majority and field not in own[strategy]:
+            if value != majority:
                 flags.setdefault(strategy, []).append((field, value, majority))
     return flags
 

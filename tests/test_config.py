@@ -139,13 +139,35 @@ def test_per_strategy_eval_sampler_overrides_apply_to_that_strategy_alone():
         {"pipeline": {"strategies": ["mdlm"]}, "eval": {"threshold": 0.9, "overrides": {"mdlm": {"threshold": None}}}}
     )
     assert off.eval.for_strategy("mdlm").threshold is None  # an explicit null turns a shared setting off
+    # a saved config (run record, resume, MLflow params) reloads to the same entries, not to explicit nulls
+    compare = load_config(ROOT / "configs" / "compare.yaml")
+    reloaded = validate_config(compare.model_dump(mode="json"))
+    assert reloaded.eval.overrides["scdd"].model_fields_set == {"temperature"}
+    assert reloaded.eval.for_strategy("scdd") == compare.eval.for_strategy("scdd")
+    assert (reloaded.eval.for_strategy("scdd").top_p, reloaded.eval.for_strategy("scdd").temperature) == (0.95, 1.3)
     for bad, message in [
-        ({"idlm": {"temperature": 1.0}}, r"eval.overrides names \['idlm'\], which this pipeline does not train"),
+        (
+            {"idlm": {"temperature": 1.0}},
+            r"eval.overrides.idlm: 'idlm' is not in pipeline.strategies \['mdlm', 'scdd'\]",
+        ),
         ({"scdd": {"temperature": -1}}, r"eval.overrides.scdd.temperature: Input should be greater than or equal"),
-        ({"scdd": {"steps": 8}}, r"eval.overrides.scdd.steps: unknown key"),
+        (
+            {"scdd": {"steps": 8}},
+            r"eval.overrides.scdd.steps: unknown key \(value 8\); allowed keys here: \['remasking'",
+        ),
+        ({"scdd": {"top_p": None}}, r"top_p: null is not a setting .*remove the key to keep eval.top_p"),
     ]:
         with pytest.raises(ConfigError, match=message):
             validate_config({"pipeline": {"strategies": ["mdlm", "scdd"]}, "eval": {"overrides": bad}})
+    with pytest.raises(ConfigError, match="eval.overrides.dflash: dflash is judged by speculative decoding"):
+        validate_config({"pipeline": {"strategies": ["dflash"]}, "eval": {"overrides": {"dflash": {"top_k": 5}}}})
+
+
+def test_registrations_know_which_strategies_sample_with_the_eval_settings():
+    from strategies.registry import strategy_class
+
+    for name, reg in REGISTRY.items():
+        assert reg.samples == (strategy_class(name).evaluation != "speculative"), name
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))

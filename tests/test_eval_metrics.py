@@ -217,8 +217,18 @@ def test_a_strategys_own_sampler_settings_are_named_on_its_row_and_not_flagged()
     assert set(flags) == {"hybrid"} and flags["hybrid"][0][0] == "sampler.temperature"
     md = render_markdown("demo", rows, flags, [])
     assert "## Samples against real text (temperature 1.0, top-p 0.95, low_confidence remasking)" in md
-    assert "| scdd (temperature 1.3, top-p 0.95, low_confidence remasking) | 120.00 | 0.60 | 3.200 | 0.80 | – |" in md
+    assert "| scdd (temperature 1.3) | 120.00 | 0.60 | 3.200 | 0.80 | – |" in md
     assert "| mdlm | 300.00 | 1.50 |" in md and "| idlm | 250.00 | 1.25 |" in md
+    # the override listed first, one other strategy: still the other's settings are the reference and the heading
+    pair = [rows[2], rows[0]]
+    assert card_mismatches(pair) == {}
+    assert "## Samples against real text (temperature 1.0, top-p 0.95," in render_markdown("demo", pair, {}, [])
+    # a threshold set by an override is named too; in the greedy table, everything it set but the temperature
+    gated = {**own, "sampler": {**own["sampler"], "threshold": 0.9}, "sampler_overrides": ["temperature", "threshold"]}
+    greedy = {"eval/greedy_gen_ppl": 20.0, "eval/greedy_entropy": 2.0}
+    md = render_markdown("demo", [rows[0], row("scdd", gated, **data, **greedy, **{"eval/entropy": 3.2})], {}, [])
+    main, _, greedy_table = md.partition("### Greedy decoding")
+    assert "| scdd (temperature 1.3, threshold 0.9) |" in main and "| scdd (threshold 0.9) | 20.00 |" in greedy_table
 
 
 def test_dflash_table_flags_a_gap_between_tau_sim_and_real_tau():
