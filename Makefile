@@ -50,7 +50,7 @@ install: $(STAMP)
 quickstart: install
 	$(VENV)/bin/dllm-flow run configs/quickstart.yaml --workdir $(WORKDIR)
 
-compare: install  # mdlm, scdd, hybrid, idlm, block_diffusion on one prepared dataset (~30 min on 2 CPU cores)
+compare: install  # mdlm, scdd, hybrid, idlm, block_diffusion on one prepared dataset (~16–21 min on 2 CPU cores)
 	$(VENV)/bin/dllm-flow run configs/compare.yaml --workdir work/compare
 
 test: install  # formatter and linter first (ruff, see pyproject.toml), then the suite
