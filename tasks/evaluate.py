@@ -241,7 +241,7 @@ def repro_card(ev: Evaluation, strategy, data_key: str) -> dict:
         "checkpoint_digest": sha256_file(ckpt / DIGESTS) if (ckpt / DIGESTS).is_file() else None,
     }
     if strategy_name in e.overrides:  # the sampler settings this strategy sets itself: deliberate, not a mismatch
-        card["sampler_overrides"] = sorted(e.overrides[strategy_name].model_fields_set)
+        card["sampler_overrides"] = sorted(e.overrides[strategy_name].values())
     if e.lm_eval is not None:  # only then: cards of evaluations without harness tasks are unchanged
         card["lm_eval"] = {**e.lm_eval.model_dump(mode="json"), **harness_versions(e.lm_eval.include_path)}
     return card
