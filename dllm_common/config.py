@@ -381,6 +381,9 @@ class DFlashConfig(_Section):
     eval_prompts: int = Field(16, ge=1)
     eval_prompt_len: int = Field(16, ge=1)
     eval_max_new_tokens: int = Field(48, ge=1)
+    # speculative decoding: when the last n…4 tokens recur in the prompt or output, the tokens that followed
+    # them there are proposed before the draft's (0: the draft alone); docs/strategies.md §10.8
+    lookup_ngram: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _target(self) -> DFlashConfig:

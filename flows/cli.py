@@ -207,6 +207,7 @@ def cmd_generate(args) -> int:
         remasking=args.remasking,
         threshold=args.threshold,
         sampler=sampler,
+        lookup_ngram=args.lookup_ngram,
         **({"cache": args.cache} if args.cache else {}),
     )
     chat = (loaded.meta.get("chat", False) or args.chat) and not args.raw
@@ -339,6 +340,12 @@ def _add_generate(sub) -> None:
         default=None,
         choices=["none", "exact", "prefix", "dual"],
         help="K/V reuse across steps (docs/decoding.md); default: the sampler's (exact)",
+    )
+    gen.add_argument(
+        "--lookup-ngram",
+        type=int,
+        default=0,
+        help="speculative sampler: when the last N..4 tokens recur in the context, propose what followed them (0: off)",
     )
     gen.add_argument("--seed", type=int, default=42)
     gen.add_argument("--infill", action="store_true", help="fill each [MASK] in the prompt with 20 tokens")

@@ -257,9 +257,13 @@ class DFlashDecayLoss(nn.Module):
         """Weight of every predicted position, `[1 or B, T]`, before the block mask: the fixed decay."""
         return self.weights(nll.shape[1], block_size, nll.device)[None]
 
-    def _reduce(self, nll: Tensor, correct: Tensor, block_mask: Tensor, num_tokens, block_size) -> DLLMLossOutput:
+    def _reduce(
+        self, nll: Tensor, correct: Tensor, block_mask: Tensor, num_tokens, block_size, ce: Tensor | None = None
+    ) -> DLLMLossOutput:
+        """`nll`: −log q(true token) per prediction (it sets D-PACE's weights); `ce`: the term summed (the soft-label
+        cross-entropy when the target's distribution is the label, else `nll` itself)."""
         w = self.position_weights(nll, block_mask, block_size) * block_mask.float()
-        total = (nll.float() * w).sum()
+        total = ((nll if ce is None else ce).float() * w).sum()
         if self.normalize == "mean":
             total = total / (w.sum() + 1e-6)
         elif num_tokens is not None:
@@ -273,11 +277,16 @@ class DFlashDecayLoss(nn.Module):
         return DLLMLossOutput(total, total.detach(), per_correct, per_count)
 
     def forward(
-        self, logits: Tensor, target_ids: Tensor, block_mask: Tensor, num_tokens=None, block_size: int | None = None
+        self,
+        logits: Tensor,
+        target_ids: Tensor,
+        block_mask: Tensor,
+        num_tokens=None,
+        block_size: int | None = None,
+        soft: SoftLabels | None = None,
     ) -> DLLMLossOutput:
-        nll = F.cross_entropy(logits.float().flatten(0, 1), target_ids.flatten(), reduction="none").view_as(target_ids)
-        correct = logits.argmax(dim=-1) == target_ids
-        return self._reduce(nll, correct, block_mask, num_tokens, block_size)
+        nll, ce, correct = _token_losses(logits, target_ids, soft)
+        return self._reduce(nll, correct, block_mask, num_tokens, block_size, ce)
 
     def forward_fused(
         self,
@@ -288,23 +297,59 @@ class DFlashDecayLoss(nn.Module):
         num_tokens=None,
         block_size: int | None = None,
         lm_head_bias: Tensor | None = None,
+        soft: SoftLabels | None = None,
     ) -> DLLMLossOutput:
         """Chunks of `chunk_size` rows through linear + CE under activation checkpointing: the
         [B·T, V] logits never stay alive for backward."""
         flat, tgt = hidden.flatten(0, 1), target_ids.flatten()
+        flat_soft = None if soft is None else SoftLabels(soft.ids.flatten(0, 1), soft.probs.flatten(0, 1))
 
-        def chunk(h, t):
-            logits = F.linear(h, lm_head_weight, lm_head_bias).float()
-            return F.cross_entropy(logits, t, reduction="none"), (logits.argmax(-1) == t)
+        def chunk(h, t, *labels):
+            logits = F.linear(h, lm_head_weight, lm_head_bias)
+            return _token_losses(logits, t, SoftLabels(*labels) if labels else None)
 
-        nlls, corrects = [], []
+        parts = []
         for start in range(0, flat.shape[0], self.chunk_size):
-            h, t = flat[start : start + self.chunk_size], tgt[start : start + self.chunk_size]
-            nll, corr = checkpoint(chunk, h, t, use_reentrant=False)
-            nlls.append(nll)
-            corrects.append(corr)
-        nll = torch.cat(nlls).view_as(target_ids)
-        return self._reduce(nll, torch.cat(corrects).view_as(target_ids), block_mask, num_tokens, block_size)
+            rows = slice(start, start + self.chunk_size)
+            labels = () if flat_soft is None else (flat_soft.ids[rows], flat_soft.probs[rows])
+            parts.append(checkpoint(chunk, flat[rows], tgt[rows], *labels, use_reentrant=False))
+        nll, ce, correct = (torch.cat(p).view_as(target_ids) for p in zip(*parts))
+        return self._reduce(nll, correct, block_mask, num_tokens, block_size, ce)
+
+
+class SoftLabels(NamedTuple):
+    """The target's next-token distribution as a label (EAGLE's and DistillSpec's distillation target): its
+    `k` most probable tokens `ids` `[..., k]` and their probabilities `probs` (renormalized over the k)."""
+
+    ids: Tensor
+    probs: Tensor
+
+
+def _token_losses(logits: Tensor, target_ids: Tensor, soft: SoftLabels | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per prediction: −log q(true token), the term the loss sums (the same, or the cross-entropy to the soft
+    label, −Σ_j p_j log q(id_j)), and whether the draft's argmax is the true token."""
+    logp = logits.float().log_softmax(dim=-1)
+    nll = -logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+    ce = nll if soft is None else -(soft.probs * logp.gather(-1, soft.ids.long())).sum(dim=-1)
+    return nll, ce, logp.argmax(dim=-1) == target_ids
+
+
+def top_k_labels(logits: Tensor, k: int) -> SoftLabels:
+    """The `k` most probable next tokens under `logits` `[..., V]` and their (full-softmax) probabilities."""
+    probs, ids = logits.float().softmax(dim=-1).topk(k, dim=-1)
+    return SoftLabels(ids.to(torch.int32), probs)
+
+
+def block_soft_labels(top: SoftLabels, anchors: Tensor, block_size: int, k: int) -> SoftLabels:
+    """The soft labels of every block prediction, `[B, N·(bs − 1), k]`: prediction k of an anchor at A is the
+    token at A + k, whose distribution the target gave at position A + k − 1 (clamped to the row, like the
+    targets; masked there). The first `k` of the stored ones, renormalized to sum to 1."""
+    bsz, length = top.ids.shape[:2]
+    pos = (anchors[:, :, None] + torch.arange(block_size - 1, device=anchors.device)).clamp_max(length - 1)
+    flat = pos.reshape(bsz, -1, 1).expand(-1, -1, k)
+    ids = top.ids[..., :k].gather(1, flat)
+    probs = top.probs[..., :k].float().gather(1, flat)
+    return SoftLabels(ids, probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-12))
 
 
 DPACE_ALPHA = 0.5  # D-PACE's confidence smoothing α (Wu et al. 2026, arXiv 2605.18810, Eq. 7), the paper's default

@@ -194,6 +194,7 @@ class SpeculativeResult:
     tokens: list[int]  # generated tokens (prompt excluded)
     acceptance: list[int]  # a_c + 1 per cycle
     target_forwards: int
+    lookups: int = 0  # cycles whose first proposals came from the context lookup (`lookup_ngram`)
 
     @property
     def tau(self) -> float:
@@ -246,6 +247,35 @@ def _verify(
     return speculative_accept(p, q, proposal, generator)
 
 
+LOOKUP_MAX_NGRAM = 4  # the longest suffix the context lookup tries to match
+
+
+def context_lookup(history: list[int], min_ngram: int, count: int) -> list[int]:
+    """Up to `count` tokens that followed the latest earlier occurrence of the longest suffix of `history`
+    (from `LOOKUP_MAX_NGRAM` down to `min_ngram` tokens) inside `history`; [] when no suffix recurs.
+    Prompt lookup (Saxena 2023) / n-gram speculation: text that repeats itself is proposed from itself."""
+    for n in range(min(LOOKUP_MAX_NGRAM, len(history) - 1), min_ngram - 1, -1):
+        suffix = history[-n:]
+        for end in range(len(history) - 2, n - 2, -1):  # `end`: last index of an earlier occurrence
+            if history[end - n + 1 : end + 1] == suffix:
+                return history[end + 1 : end + 1 + count]
+    return []
+
+
+def _with_lookup(history: list[int], min_ngram: int, d_logits: Tensor, proposal: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """Proposals (and the distributions they were drawn from) with the context lookup's tokens in front: a
+    looked-up token is a draw from a point mass, so the rejection step stays exact (docs/strategies.md §10.8)."""
+    found = context_lookup(history, min_ngram, len(proposal)) if min_ngram else []
+    if not found:
+        return d_logits, proposal, False
+    n = len(found)
+    proposal, d_logits = proposal.clone(), d_logits.clone()
+    proposal[:n] = torch.tensor(found, device=proposal.device)
+    d_logits[:n] = float("-inf")
+    d_logits[torch.arange(n), proposal[:n]] = 0.0
+    return d_logits, proposal, True
+
+
 @torch.no_grad()
 def speculative_generate(
     target: nn.Module,
@@ -256,13 +286,16 @@ def speculative_generate(
     *,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    lookup_ngram: int = 0,
 ) -> SpeculativeResult:
     """DFlash decoding: the draft proposes bs − 1 tokens after the anchor in one forward, the target
     verifies them in one forward, the proposals that stand plus the target's next token are committed,
     and the target cache is cropped to what was committed. At temperature 0 the output is target-only
     greedy; above it, proposals are drawn from the draft at `temperature` and verified by the rejection
     step of speculative sampling (`speculative_accept`), so the output is distributed as the target's
-    own samples at that temperature (docs/strategies.md §10.8)."""
+    own samples at that temperature (docs/strategies.md §10.8). With `lookup_ngram` n > 0, when the last
+    n…4 tokens (prompt and output) occurred earlier, the tokens that followed them there replace the
+    draft's first proposals (`context_lookup`); the output is unchanged, only the acceptance moves."""
     cfg = draft.config
     bs, device = cfg.block_size, next(draft.parameters()).device
     ids = torch.tensor([prompt], device=device)
@@ -270,7 +303,7 @@ def speculative_generate(
     out: list[int] = [int(_draw(logits[:, -1], temperature, generator))]  # the prefill's token: the first anchor
     committed = len(prompt)  # tokens the target has processed (and whose features we hold)
     ctx = feats
-    acceptance, forwards = [], 1
+    acceptance, forwards, lookups = [], 1, 0
     while len(out) < max_new_tokens and not (eos_token_id is not None and out[-1] == eos_token_id):
         anchor = torch.tensor([[committed]], device=device)
         block = torch.full((1, bs), cfg.mask_token_id, device=device)
@@ -278,6 +311,8 @@ def speculative_generate(
         keep = torch.ones_like(anchor, dtype=torch.bool)
         d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block)[0, 1:]
         proposal = _draw(d_logits, temperature, generator)
+        d_logits, proposal, looked_up = _with_lookup(list(prompt) + out, lookup_ngram, d_logits, proposal)
+        lookups += looked_up
         verify_in = torch.cat([block[:, :1], proposal[None]], dim=1)  # anchor + bs − 1 proposals
         v_feats, v_logits, cache = target_features(target, verify_in, cfg.target_layer_ids, past_key_values=cache)
         forwards += 1
@@ -296,7 +331,7 @@ def speculative_generate(
     tokens = out[:max_new_tokens]
     if eos_token_id is not None and eos_token_id in tokens:
         tokens = tokens[: tokens.index(eos_token_id) + 1]
-    return SpeculativeResult(tokens, acceptance, forwards)
+    return SpeculativeResult(tokens, acceptance, forwards, lookups)
 
 
 def _new_cache(target: nn.Module):

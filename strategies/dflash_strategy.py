@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -28,9 +28,12 @@ from strategies.dflash import (
     DPACE_ALPHA,
     DFlashDecayLoss,
     DFlashDPACELoss,
+    SoftLabels,
+    block_soft_labels,
     default_gamma,
     sample_anchor_blocks,
     scored_blocks,
+    top_k_labels,
 )
 from strategies.dflash_draft import _embed_and_head, draft_block_hidden, target_features
 from strategies.losses import DLLMLossOutput
@@ -38,19 +41,29 @@ from strategies.options import DFlashOptions, StrategyOptions
 from strategies.seeding import seeded_generator
 
 
+class TargetOutputs(NamedTuple):
+    """What a feature source gives for a micro-batch: the features `[B, L, n·H]` and, with `top_k` > 0, the
+    target's top-k next-token distribution at every position (`SoftLabels` of `[B, L, k]`)."""
+
+    features: Tensor
+    top: SoftLabels | None = None
+
+
 class OnlineFeatures:
     """Target forward over the micro-batch's rows every step."""
 
-    def __init__(self, target: nn.Module, layer_ids: list[int]):
-        self.target, self.layer_ids = target, list(layer_ids)
+    def __init__(self, target: nn.Module, layer_ids: list[int], top_k: int = 0):
+        self.target, self.layer_ids, self.top_k = target, list(layer_ids), int(top_k)
 
     @torch.no_grad()
-    def __call__(self, mb: Microbatch) -> Tensor:
-        return target_features(self.target, mb.input_ids, self.layer_ids)[0]
+    def __call__(self, mb: Microbatch) -> TargetOutputs:
+        feats, logits, _ = target_features(self.target, mb.input_ids, self.layer_ids)
+        return TargetOutputs(feats, top_k_labels(logits, self.top_k) if self.top_k else None)
 
 
 class CachedFeatures:
-    """Per-row features `[L, n·H]` from safetensors shards, opened lazily (memory-mapped)."""
+    """Per-row features `[L, n·H]` (and, when the cache holds them, the target's top-k next-token
+    distributions `[L, k]`) from safetensors shards, opened lazily (memory-mapped)."""
 
     INDEX = "index.json"
 
@@ -63,6 +76,7 @@ class CachedFeatures:
             )
         self.index = json.loads(index.read_text())
         self.layer_ids = self.index["layer_ids"]
+        self.top_k = int(self.index.get("top_k", 0))
         self._handles: dict[str, Any] = {}
 
     def _rows(self, split: str):
@@ -70,19 +84,23 @@ class CachedFeatures:
             raise KeyError(f"the target-feature cache has no {split!r} split")
         return self.index["splits"][split]
 
-    def __call__(self, mb: Microbatch) -> Tensor:
-
+    def __call__(self, mb: Microbatch) -> TargetOutputs:
         if mb.row_ids is None:
             raise ValueError("cached DFlash features need each micro-batch's row ids (Microbatch.row_ids)")
         shards = self._rows(mb.split)
-        out = []
+        names = ("features", "top_ids", "top_probs") if self.top_k else ("features",)
+        out: dict[str, list[Tensor]] = {name: [] for name in names}
         for row in mb.row_ids.tolist():
             shard = next(s for s in shards if s["start"] <= row < s["start"] + s["rows"])
             handle = self._handles.get(shard["file"])
             if handle is None:
                 handle = self._handles[shard["file"]] = safe_open(str(self.root / shard["file"]), framework="pt")
-            out.append(handle.get_slice("features")[row - shard["start"]])
-        return torch.stack(out).to(mb.input_ids.device)
+            for name in names:
+                out[name].append(handle.get_slice(name)[row - shard["start"]])
+        device = mb.input_ids.device
+        stacked = {name: torch.stack(rows).to(device) for name, rows in out.items()}
+        top = SoftLabels(stacked["top_ids"], stacked["top_probs"]) if self.top_k else None
+        return TargetOutputs(stacked["features"], top)
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,7 @@ class DFlashBlocks:
     block_mask: Tensor  # [B, N·(bs−1)] which predictions count
     features: Tensor  # [B, L, n·H] the target's hidden states at the draft's layers
     documents: Tensor | None = None  # [B, L] per-token document ids (packed rows, `dflash.document_mask`)
+    soft: SoftLabels | None = None  # [B, N·(bs−1), k] the target's distribution per prediction (`distill_top_k`)
 
 
 class DFlashStrategy(DLLMStrategy):
@@ -137,7 +156,8 @@ class DFlashStrategy(DLLMStrategy):
     @classmethod
     def eval_settings(cls, spec) -> dict:
         return spec.dflash.model_dump(
-            mode="json", include={"eval_prompts", "eval_prompt_len", "eval_max_new_tokens", "target_torch_dtype"}
+            mode="json",
+            include={"eval_prompts", "eval_prompt_len", "eval_max_new_tokens", "target_torch_dtype", "lookup_ngram"},
         )
 
     @classmethod
@@ -195,6 +215,12 @@ class DFlashStrategy(DLLMStrategy):
                 f"the target-feature cache holds layers {list(self.features.layer_ids)} but the draft reads "
                 f"{layer_ids}; rebuild the cache (cache_target) for this draft or use dflash.target_features: online"
             )
+        k, held = self.options.distill_top_k, getattr(self.features, "top_k", 0)
+        if k and held < k:
+            raise ValueError(
+                f"dflash.distill_top_k is {k} but the target-feature source holds the target's top {held} tokens; "
+                "rebuild the cache (cache_target) with this dflash.distill_top_k, or set it to 0 (hard labels)"
+            )
         return setup.mask_token_id
 
     # ------------------------------------------------------------------ interface-only hooks (docs/strategies.md §8.5)
@@ -226,14 +252,18 @@ class DFlashStrategy(DLLMStrategy):
                 generators=gens,
                 document_ids=docs,
             )
+            target = self.features(mb)
+            k = self.options.distill_top_k
+            soft = block_soft_labels(target.top, blocks.anchors, self.block_size, k) if k else None
             extras = DFlashBlocks(
                 blocks.anchors,
                 blocks.keep,
                 blocks.block_ids,
                 blocks.targets,
                 blocks.block_mask,
-                self.features(mb),
+                target.features,
                 docs,
+                soft,
             )
             out.append(
                 CorruptedBatch(
@@ -267,9 +297,12 @@ class DFlashStrategy(DLLMStrategy):
                 num_tokens=num_diffusion_tokens,
                 block_size=bs,
                 lm_head_bias=getattr(head, "bias", None),
+                soft=e.soft,
             )
         else:
-            out = ctx.loss_fn(head(pred), e.targets, e.block_mask, num_tokens=num_diffusion_tokens, block_size=bs)
+            out = ctx.loss_fn(
+                head(pred), e.targets, e.block_mask, num_tokens=num_diffusion_tokens, block_size=bs, soft=e.soft
+            )
         if is_train:
             (out.total_loss * ctx.loss_scale).backward()
         return out

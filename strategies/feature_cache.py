@@ -1,5 +1,6 @@
 """Write a DFlash target-feature cache: the frozen target run once over every row of a split, the
-selected layers' hidden states (`[L, n·H]` per row, bf16/fp16/fp32) stored as safetensors shards
+selected layers' hidden states (`[L, n·H]` per row, bf16/fp16/fp32) and, on request, its top-k next-token
+distribution per position, stored as safetensors shards
 plus an `index.json` (layer ids, dtype, rows per shard, bytes, seconds). `CachedFeatures` reads it.
 
 Pure of Prefect/MLflow: the `cache_target` stage adds the content key and the cross-process lock.
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from strategies.dflash import top_k_labels
 from strategies.dflash_draft import target_features
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -29,18 +31,21 @@ def write_feature_cache(
     dest: str | Path,
     *,
     dtype: str = "bf16",
+    top_k: int = 0,
     batch_size: int = 16,
     shard_rows: int = 1024,
     progress: bool = False,
 ) -> dict:
-    """Features of `splits` ({name: ids [R, L]}) into `dest`; returns the index it wrote."""
+    """Features of `splits` ({name: ids [R, L]}) into `dest`; returns the index it wrote. With `top_k` > 0 each
+    shard also holds the target's `top_k` most probable next tokens at every position (`top_ids`, int32) and
+    their probabilities (`top_probs`, fp32): the soft labels of `dflash.distill_top_k`."""
     if dtype not in DTYPES:
         raise ValueError(f"dflash.cache_dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     device = next(target.parameters()).device
     t0 = time.perf_counter()
-    index: dict = {"layer_ids": list(layer_ids), "dtype": dtype, "splits": {}, "bytes": 0}
+    index: dict = {"layer_ids": list(layer_ids), "dtype": dtype, "top_k": int(top_k), "splits": {}, "bytes": 0}
     bar = tqdm(
         total=sum(len(ids) for ids in splits.values()),
         desc="cache_target",
@@ -52,14 +57,17 @@ def write_feature_cache(
         shards = []
         for start in range(0, len(ids), shard_rows):
             rows = ids[start : start + shard_rows]
-            parts = []
+            parts: dict[str, list[Tensor]] = {"features": [], "top_ids": [], "top_probs": []}
             for b in range(0, len(rows), batch_size):
-                parts.append(
-                    target_features(target, rows[b : b + batch_size].to(device), layer_ids)[0].to(DTYPES[dtype]).cpu()
-                )
-                bar.update(len(parts[-1]))
+                feats, logits, _ = target_features(target, rows[b : b + batch_size].to(device), layer_ids)
+                parts["features"].append(feats.to(DTYPES[dtype]).cpu())
+                if top_k:
+                    top = top_k_labels(logits, top_k)
+                    parts["top_ids"].append(top.ids.cpu())
+                    parts["top_probs"].append(top.probs.cpu())
+                bar.update(len(feats))
             file = f"{name}-{len(shards):05d}.safetensors"
-            save_file({"features": torch.cat(parts).contiguous()}, str(dest / file))
+            save_file({k: torch.cat(v).contiguous() for k, v in parts.items() if v}, str(dest / file))
             index["bytes"] += (dest / file).stat().st_size
             shards.append({"file": file, "start": start, "rows": len(rows)})
         index["splits"][name] = shards

@@ -140,6 +140,9 @@ class DFlashOptions(StrategyOptions):
     loss_decay_gamma: float = 0.0
     loss_type: Literal["decay", "dpace"] = "decay"  # position weights: fixed exp decay, or D-PACE (§5.7)
     dpace_alpha: float = Field(0.5, ge=0, le=1)  # D-PACE's confidence floor α (§5.7)
+    # 0: each prediction's label is the row's token; k > 0: the target's top-k next-token distribution there
+    # (renormalized), EAGLE's distillation target; the cache_target stage stores it (docs/strategies.md §10.7)
+    distill_top_k: int = Field(0, ge=0)
     num_blocks_per_sample: int = Field(1, ge=1)
     attention_backend: Literal["sdpa", "flex_attention"] = "sdpa"
     overlap_anchors: bool = True

@@ -63,6 +63,8 @@ class SamplerConfig:
     cache: str = "exact"
     # which of the strategy's samplers `DLLMStrategy.sample` runs ("auto": its first, see `samplers`)
     sampler: str = "auto"
+    # speculative decoding only: propose from the context when its last n…4 tokens recur (0: off; §10.8)
+    lookup_ngram: int = 0
 
     def __post_init__(self) -> None:
         # each message names the field and its `dllm-flow generate` flag, so it reads right from either
@@ -75,6 +77,8 @@ class SamplerConfig:
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{name} ({flag}) must be at least 1; got {getattr(self, name)}")
+        if self.lookup_ngram < 0:
+            raise ValueError(f"lookup_ngram (--lookup-ngram) must be ≥ 0 (0: off); got {self.lookup_ngram}")
         if self.temperature < 0:
             raise ValueError(f"temperature (--temperature) must be ≥ 0 (0: greedy); got {self.temperature}")
         if self.threshold is not None and not 0 < self.threshold <= 1:

@@ -1,8 +1,9 @@
 """Stage `cache_target`: the frozen DFlash target run once over the prepared dataset.
 
-The selected layers' hidden states (`[L, n·H]` per row, bf16/fp16/fp32) go to safetensors shards
+The selected layers' hidden states (`[L, n·H]` per row, bf16/fp16/fp32), and with `dflash.distill_top_k`
+the target's top-k next-token distribution at every position, go to safetensors shards
 in `store/cache_target/<key>/features/`, key = (target weights digest, data key, layer ids, dtype,
-code). Draft trainings with `dflash.target_features: cached` read them memory-mapped
+top k, code). Draft trainings with `dflash.target_features: cached` read them memory-mapped
 (`strategies.dflash_strategy.CachedFeatures`) instead of running the target every step; any run
 or worker with the same key reuses the entry, and the store's one protocol (`Store.reuse_or_build`)
 keeps two workers from computing it twice. The manifest records rows, bytes and build seconds.
@@ -15,6 +16,7 @@ from pathlib import Path
 from dllm_common.config import PipelineSpec
 from dllm_common.store import stage_key
 from strategies.feature_cache import write_feature_cache
+from strategies.options import resolve_options
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.dflash_setup import features_dir, layer_ids_for, load_spec_target
 from tasks.prepare_data import load_split
@@ -24,8 +26,15 @@ STAGE = "cache_target"
 __all__ = ["cache_target", "cache_target_task", "features_dir", "stage_of"]
 
 
+def _top_k(spec: PipelineSpec) -> int:
+    """How many of the target's most probable next tokens to store per position (`dflash.distill_top_k`)."""
+    return resolve_options(spec, "dflash").distill_top_k
+
+
 def stage_of(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str, **_) -> tuple[str, str]:
     config = {"layer_ids": layer_ids_for(spec, target), "dtype": spec.dflash.cache_dtype}
+    if _top_k(spec):  # keyed only when set: a features-only cache keeps its key
+        config["top_k"] = _top_k(spec)
     upstream = {"target_weights": target.info["weights_digest"], "data": data.key}
     return STAGE, stage_key(STAGE, config, upstream, code_version("strategies.feature_cache", "tasks.cache_target"))
 
@@ -35,7 +44,7 @@ def _build(spec: PipelineSpec, target: StageRef, data: StageRef, out: Path) -> d
     splits = {name: load_split(data.path, name)[0] for name in ("train", "val")}
     layer_ids = layer_ids_for(spec, target)
     index = write_feature_cache(
-        model, splits, layer_ids, out / "features", dtype=spec.dflash.cache_dtype, progress=True
+        model, splits, layer_ids, out / "features", dtype=spec.dflash.cache_dtype, top_k=_top_k(spec), progress=True
     )
     info = {
         "target": target.key,
@@ -43,6 +52,7 @@ def _build(spec: PipelineSpec, target: StageRef, data: StageRef, out: Path) -> d
         "data": data.key,
         "layer_ids": layer_ids,
         "dtype": spec.dflash.cache_dtype,
+        "top_k": index["top_k"],
         "rows": {name: len(ids) for name, ids in splits.items()},
         "bytes": index["bytes"],
         "build_seconds": index["seconds"],

@@ -128,6 +128,11 @@ def check_request(loaded: Loaded, request: Request) -> list[int]:
         new = request.config.max_new_tokens
     if not ids:
         raise ValueError("--prompt is empty after tokenization; give some text")
+    if request.config.lookup_ngram and request.sampler != SPECULATIVE:
+        raise ValueError(
+            f"--lookup-ngram applies to the speculative sampler (a DFlash draft); this checkpoint decodes with "
+            f"{request.sampler!r}: drop the flag"
+        )
     context = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
     if not isinstance(context, int) or isinstance(context, bool):
         return ids
@@ -206,6 +211,7 @@ def _speculative(loaded: Loaded, prompt_ids: list[int], config: SamplerConfig, s
         loaded.tokenizer.eos_token_id,
         temperature=config.temperature,
         generator=torch.Generator().manual_seed(seed),  # the rejection step draws on the CPU
+        lookup_ngram=config.lookup_ngram,
     )
     seconds = time.perf_counter() - t0
     text = loaded.tokenizer.decode(res.tokens)

@@ -175,24 +175,29 @@ def _dflash_table(spec_rows: list[dict]) -> list[str]:
     if not spec_rows:
         return []
     ks = sorted({int(k.rsplit("k", 1)[1]) for r in spec_rows for k in r["metrics"] if k.startswith("dflash/acc_k")})
+    lookup = any("dflash/tau_draft" in r["metrics"] for r in spec_rows)  # some row decoded with the context lookup
+    extra = " dflash/tau_draft | dflash/lookup_share |" if lookup else ""
     lines = [
         "## Speculative decoding (DFlash)",
         "",
-        "| strategy | dflash/tau_sim | dflash/tau | τ_sim ÷ τ | dflash/speedup | dflash/exact_match | "
+        f"| strategy | dflash/tau_sim | dflash/tau |{extra} τ_sim ÷ τ | dflash/speedup | dflash/exact_match | "
         + " | ".join(f"acc_k{k}" for k in ks)
         + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(ks),
+        "|---|---|---|---|---|---|" + "---|---|" * lookup + "---|" * len(ks),
     ]
     gaps = []
     for r in spec_rows:
         m = r["metrics"]
-        sim, real = m.get("dflash/tau_sim"), m.get("dflash/tau")
-        gap = sim / real if isinstance(sim, float) and isinstance(real, float) and real > 0 else None
+        # τ_sim is the draft's alone: it is set against the draft's own real τ when a lookup helped decode
+        sim, real, alone = m.get("dflash/tau_sim"), m.get("dflash/tau"), m.get("dflash/tau_draft")
+        own = alone if isinstance(alone, float) else real
+        gap = sim / own if isinstance(sim, float) and isinstance(own, float) and own > 0 else None
         flag = " ⚠" if gap is not None and abs(gap - 1) > TAU_GAP else ""
         if flag:
-            gaps.append(f"- **{r['strategy']}**: τ_sim {sim:.2f} vs real τ {real:.2f}")
+            gaps.append(f"- **{r['strategy']}**: τ_sim {sim:.2f} vs real τ {own:.2f}")
+        cells = f" {_fmt(alone, 3)} | {_fmt(m.get('dflash/lookup_share'), 2)} |" if lookup else ""
         lines.append(
-            f"| {r['strategy']} | {_fmt(sim, 3)} | {_fmt(real, 3)} | {_fmt(gap, 2)}{flag} | "
+            f"| {r['strategy']} | {_fmt(sim, 3)} | {_fmt(real, 3)} |{cells} {_fmt(gap, 2)}{flag} | "
             f"{_fmt(m.get('dflash/speedup'), 2)} | {_fmt(m.get('dflash/exact_match'), 2)} | "
             + " | ".join(_fmt(m.get(f"dflash/acc_k{k}"), 3) for k in ks)
             + " |"
@@ -213,7 +218,15 @@ def _dflash_table(spec_rows: list[dict]) -> list[str]:
         "prompts (accepted draft prefix + the target's bonus token); `dflash/tau_sim` and `acc_k` are its "
         "teacher-forced proxy and per-offset accuracy; `dflash/speedup` = target-only greedy wall time ÷ "
         "speculative wall time on the same prompts, same run; `dflash/exact_match` = share of prompts whose "
-        "speculative output equals target-only greedy decoding (must be 1).",
+        "speculative output equals target-only greedy decoding (must be 1)."
+        + (
+            " With `dflash.lookup_ngram`, `dflash/tau` decodes with the context lookup (proposals copied from "
+            "where the last tokens recurred, docs/strategies.md §10.8), `dflash/tau_draft` with the draft alone on "
+            "the same prompts, `dflash/lookup_share` = share of cycles whose proposals came from the lookup; "
+            "τ_sim ÷ τ uses the draft's own τ."
+            if lookup
+            else ""
+        ),
         "",
     ]
 

@@ -60,24 +60,36 @@ def speculative_prompts(ids, attn, count: int, length: int) -> list[list[int]]:
 
 
 def speculative_benchmark(
-    target, draft, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None
+    target, draft, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None, lookup_ngram: int = 0
 ) -> dict:
     """Real τ, output equality with target-only greedy decoding, and the decode-time ratio, same prompts,
     same run: one warm-up call each, then the two decoders alternate prompt by prompt so machine drift
-    hits both alike."""
+    hits both alike. With `lookup_ngram` the speculative decoder uses the context lookup, and the draft
+    alone decodes the same prompts once more for `tau_draft` (untimed)."""
+
+    def decode(p, n, lookup=lookup_ngram):
+        return speculative_generate(target, draft, p, n, eos_token_id, lookup_ngram=lookup)
 
     greedy_generate(target, prompts[0], 4, eos_token_id)
-    speculative_generate(target, draft, prompts[0], 4, eos_token_id)
+    decode(prompts[0], 4)
     greedy, spec, t_greedy, t_spec = [], [], 0.0, 0.0
     for p in prompts:
         t0 = time.perf_counter()
         greedy.append(greedy_generate(target, p, max_new_tokens, eos_token_id))
         t1 = time.perf_counter()
-        spec.append(speculative_generate(target, draft, p, max_new_tokens, eos_token_id))
+        spec.append(decode(p, max_new_tokens))
         t_greedy, t_spec = t_greedy + t1 - t0, t_spec + time.perf_counter() - t1
     acceptance = [a for r in spec for a in r.acceptance]
     tokens = sum(len(r.tokens) for r in spec)
+    extra = {}
+    if lookup_ngram:
+        alone = [a for p in prompts for a in decode(p, max_new_tokens, 0).acceptance]
+        extra = {
+            "tau_draft": sum(alone) / max(len(alone), 1),
+            "lookup_share": sum(r.lookups for r in spec) / max(len(acceptance), 1),
+        }
     return {
+        **extra,
         "tau": sum(acceptance) / max(len(acceptance), 1),
         "speedup": t_greedy / t_spec,
         "exact_match": sum(r.tokens == g for r, g in zip(spec, greedy)) / len(prompts),
@@ -108,12 +120,15 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
         speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len),
         d.eval_max_new_tokens,
         tokenizer.eos_token_id,
+        d.lookup_ngram,
     )
     # the report's shared columns, from speculative decoding of the report's text prompts (no timing
     # or greedy check needed here: the benchmark above did both)
     texts = list(spec.eval.prompts[: spec.eval.num_samples]) or ["O"]
     shown = [
-        speculative_generate(target, draft, p, spec.eval.sample_length, tokenizer.eos_token_id).tokens
+        speculative_generate(
+            target, draft, p, spec.eval.sample_length, tokenizer.eos_token_id, lookup_ngram=d.lookup_ngram
+        ).tokens
         for p in encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")
     ]
     decoded = [tokenizer.decode(t) for t in shown]
@@ -124,6 +139,7 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
         "dflash/tau": bench["tau"],
         "dflash/speedup": bench["speedup"],
         "dflash/exact_match": bench["exact_match"],
+        **{f"dflash/{k}": bench[k] for k in ("tau_draft", "lookup_share") if k in bench},
         **ar_nll_metrics(nll, se, n_tokens),
         "eval/nfe": bench["target_forwards"] / len(bench["outputs"]),
         "eval/tokens_per_forward": bench["tokens"] / max(bench["target_forwards"], 1),

@@ -194,6 +194,12 @@ def test_prompt_plus_new_tokens_beyond_the_context_is_refused():
     infill = Request("w " * 50 + "[MASK] end", "llada", SamplerConfig(), infill=True)
     _refused(lambda: check_request(_loaded(), infill), "--prompt is 71 tokens with its [MASK] spans (20 tokens each)")
     assert len(check_request(_loaded(), Request("w " * 34, "llada", SamplerConfig(max_new_tokens=30)))) == 34
+    lookup = Request("w " * 4, "llada", SamplerConfig(max_new_tokens=8, lookup_ngram=2))
+    _refused(lambda: check_request(_loaded(), lookup), "--lookup-ngram applies to the speculative sampler", "'llada'")
+    assert (
+        len(check_request(_loaded(), Request("w " * 4, "speculative", SamplerConfig(max_new_tokens=8, lookup_ngram=2))))
+        == 4
+    )
 
 
 def test_missing_checkpoint_path_says_it_does_not_exist(tmp_path):

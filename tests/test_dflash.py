@@ -17,18 +17,22 @@ from strategies.base import global_sum
 from strategies.dflash import (
     DFlashDecayLoss,
     DFlashDPACELoss,
+    SoftLabels,
     _build_target_layer_ids,
     acceptance_from_correct,
+    block_soft_labels,
     build_dflash_mask_mod,
     create_dflash_block_mask,
     create_dflash_sdpa_mask,
     dpace_weights,
     sample_anchor_blocks,
     scored_blocks,
+    top_k_labels,
 )
 from strategies.dflash_draft import (
     DFlashDraftConfig,
     DFlashDraftModel,
+    context_lookup,
     draft_block_logits,
     greedy_generate,
     speculative_generate,
@@ -125,6 +129,64 @@ def test_decay_loss_by_hand():
     assert monotone_weights(DFlashDecayLoss(loss_gamma=7.0), 5)
     with pytest.raises(ValueError, match="normalize must be 'tokens' or 'mean', got 'sum'"):
         DFlashDecayLoss(normalize="sum")
+
+
+def test_soft_label_loss_is_the_cross_entropy_to_the_targets_distribution():
+    """With `soft` labels each prediction's term is −Σ_j p_j log q(id_j), hand-computed; a one-hot label on the
+    true token gives the hard loss; D-PACE's weights and the accuracy still read the true token."""
+    logits = torch.tensor([[[0.0, 1.0, 2.0], [1.0, 0.0, 0.0]]])
+    targets = torch.tensor([[2, 0]])
+    mask = torch.ones(1, 2)
+    soft = SoftLabels(torch.tensor([[[2, 1], [0, 2]]], dtype=torch.int32), torch.tensor([[[0.75, 0.25], [0.5, 0.5]]]))
+    lse0, lse1 = math.log(1 + math.e + math.e**2), math.log(math.e + 2)
+    ce = [0.75 * (lse0 - 2) + 0.25 * (lse0 - 1), 0.5 * (lse1 - 1) + 0.5 * lse1]
+    w = [1.0, math.exp(-1 / 2)]  # γ = 2, one block of 3
+    loss = DFlashDecayLoss(loss_gamma=2.0)
+    out = loss(logits, targets, mask, num_tokens=2, block_size=3, soft=soft)
+    assert math.isclose(out.total_loss.item(), (ce[0] * w[0] + ce[1] * w[1]) / 2, rel_tol=1e-6)
+    assert out.draft_correct_per_pos.tolist() == [1.0, 1.0]  # argmax 2, 0 = the true tokens
+    one_hot = SoftLabels(targets[..., None].int(), torch.ones(1, 2, 1))
+    hard = loss(logits, targets, mask, num_tokens=2, block_size=3)
+    assert torch.allclose(
+        loss(logits, targets, mask, num_tokens=2, block_size=3, soft=one_hot).total_loss, hard.total_loss
+    )
+    # D-PACE: the weights come from q(true token), the summed term from the soft label
+    nll = torch.tensor([[lse0 - 2, lse1 - 1]])
+    dp = DFlashDPACELoss(0.5)(logits, targets, mask, num_tokens=1, block_size=3, soft=soft)
+    expected = (dpace_weights(nll, mask, 3, 0.5)[0] * torch.tensor(ce)).sum()
+    assert math.isclose(dp.total_loss.item(), expected.item(), rel_tol=1e-5)
+    # the fused, chunked head path: same value and gradients with soft labels
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 6, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
+    tgt, bmask = torch.randint(0, 50, (2, 6)), (torch.rand(2, 6) > 0.3).float()
+    top = top_k_labels(torch.randn(2, 6, 50), 4)
+    lbl = SoftLabels(top.ids, top.probs / top.probs.sum(-1, keepdim=True))
+    plain = DFlashDecayLoss(4.0, chunk_size=5)(hidden @ weight.T, tgt, bmask, 7, 4, soft=lbl)
+    fused = DFlashDecayLoss(4.0, chunk_size=5).forward_fused(hidden, weight, tgt, bmask, 7, 4, soft=lbl)
+    assert torch.allclose(plain.total_loss, fused.total_loss, atol=1e-5)
+    g_plain = torch.autograd.grad(plain.total_loss, (hidden, weight))
+    g_fused = torch.autograd.grad(fused.total_loss, (hidden, weight))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_plain, g_fused))
+
+
+def test_block_soft_labels_are_the_targets_distribution_one_position_back():
+    """Prediction k of the anchor at A labels the token at A + k, whose distribution the target gave at
+    A + k − 1: checked element by element, the first k of the stored ones, renormalized."""
+    logits = torch.randn(2, 10, 30, generator=torch.Generator().manual_seed(1))
+    top = top_k_labels(logits, 5)
+    probs = logits.softmax(-1)
+    assert torch.equal(top.ids[..., 0].long(), logits.argmax(-1))
+    assert torch.allclose(top.probs, probs.gather(-1, top.ids.long()))
+    anchors, bs, k = torch.tensor([[1, 4], [2, 7]]), 4, 3
+    got = block_soft_labels(top, anchors, bs, k)
+    for b in range(2):
+        for n in range(2):
+            for j in range(bs - 1):
+                pos = min(int(anchors[b, n]) + j, 9)  # prediction j + 1 → position A + j, clamped to the row
+                i = n * (bs - 1) + j
+                assert torch.equal(got.ids[b, i], top.ids[b, pos, :k])
+                assert torch.allclose(got.probs[b, i], top.probs[b, pos, :k] / top.probs[b, pos, :k].sum())
+    assert torch.allclose(got.probs.sum(-1), torch.ones(2, 6))
 
 
 def monotone_weights(loss, n):
@@ -406,6 +468,51 @@ def test_speculative_decoding_equals_target_greedy(pair):
         assert 1 <= spec.tau <= draft.config.block_size and len(spec.acceptance) == spec.target_forwards - 1
 
 
+def test_context_lookup_proposes_what_followed_the_longest_recurring_suffix():
+    """The longest suffix (4 tokens down to `min_ngram`) that occurred before, its latest occurrence, and at
+    most `count` tokens after it; nothing when no suffix of the allowed lengths recurs."""
+    h = [7, 1, 2, 3, 9, 8, 5, 1, 2, 3, 4, 6, 0, 2, 3]
+    # suffix [2, 3] recurs at indices 2-3 and 8-9; [0, 2, 3] does not: the latest 2-gram match wins
+    assert context_lookup(h, 2, 3) == [4, 6, 0]
+    assert context_lookup(h, 3, 3) == []  # no 3-gram suffix recurs
+    assert context_lookup([5, 1, 2, 3, 4, 1, 2, 3], 1, 2) == [4, 1]  # the 3-gram [1, 2, 3] beats shorter ones
+    assert context_lookup([1, 2, 3, 2], 1, 5) == [3, 2]  # a 1-gram, cut at the end of the history
+    assert context_lookup([4, 4], 1, 3) == [4]
+    assert context_lookup([4], 1, 3) == [] and context_lookup([1, 2, 3], 1, 3) == []
+
+
+def test_speculative_decoding_with_the_context_lookup_keeps_the_targets_output(pair):
+    """Greedy: the output is target-only greedy token for token, and on text that repeats itself the lookup
+    is used and commits more per cycle than the draft alone. Sampling: the first two tokens still follow the
+    target's distribution (a point-mass proposal through the same rejection step)."""
+    from scipy.stats import chisquare
+
+    target, draft = pair
+    for prompt in ([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [5, 9, 9, 4, 2, 7]):
+        spec = speculative_generate(target, draft, prompt, max_new_tokens=20, lookup_ngram=1)
+        assert spec.tokens == greedy_generate(target, prompt, 20)
+    # this untrained target falls into a loop (… 29 57 29 57 …): text that repeats itself, as small LMs write
+    looping = [3, 1, 4] + greedy_generate(target, [3, 1, 4], 12)
+    spec = speculative_generate(target, draft, looping, max_new_tokens=12, lookup_ngram=2)
+    alone = speculative_generate(target, draft, looping, max_new_tokens=12)
+    assert spec.tokens == alone.tokens == greedy_generate(target, looping, 12)
+    assert spec.lookups > 0 and spec.tau > alone.tau
+    prompt = [1, 2, 1, 2, 1]  # the 1-gram [1] recurs: the first cycle proposes [2, 1, ...] from the context
+    with torch.no_grad():
+        p1 = torch.softmax(target(input_ids=torch.tensor([prompt])).logits[0, -1], -1)
+        rows = torch.cat([torch.tensor([prompt]).expand(64, -1), torch.arange(64)[:, None]], dim=1)
+        p2 = (p1[:, None] * torch.softmax(target(input_ids=rows).logits[:, -1], -1)).sum(0)
+    g, n, counts, used = torch.Generator().manual_seed(0), 1500, torch.zeros(2, 64), 0
+    for _ in range(n):
+        out = speculative_generate(target, draft, prompt, 3, temperature=1.0, generator=g, lookup_ngram=1)
+        counts[0, out.tokens[0]] += 1
+        counts[1, out.tokens[1]] += 1
+        used += out.lookups
+    assert used > 0
+    for seen, probs in ((counts[0], p1), (counts[1], p2)):
+        assert chisquare(seen.numpy(), (probs.double() / probs.double().sum() * n).numpy()).pvalue > 1e-4
+
+
 def test_perfect_proposals_are_all_accepted(pair, monkeypatch):
     """A draft that proposes exactly the target's greedy tokens gets τ = block size (the last cycle may cut)."""
     target, draft = pair
@@ -498,6 +605,31 @@ def test_cached_and_online_features_give_the_same_loss(pair, tmp_path):
     assert abs(float(half.total_loss) - float(online.total_loss)) < 0.02 * float(online.total_loss)
     with pytest.raises(FileNotFoundError, match="no target-feature cache"):
         CachedFeatures(tmp_path)
+
+
+def test_soft_labels_from_the_cache_equal_the_online_ones_and_are_refused_when_missing(pair, tmp_path):
+    """`distill_top_k`: the cache stores the target's top-k per position, the loss is the same as with the
+    target run online, it differs from the hard-label loss, and a cache without them is refused at setup."""
+    target, draft = pair
+    ids, mb = _batch()
+    online, batches = _loss(
+        _strategy(target, draft, OnlineFeatures(target, draft.config.target_layer_ids, 8), distill_top_k=4), draft, mb
+    )
+    soft = batches[0].extras.soft
+    assert soft.ids.shape == (4, 9, 4) and torch.allclose(soft.probs.sum(-1), torch.ones(4, 9))
+    index = write_feature_cache(
+        target, {"train": ids}, draft.config.target_layer_ids, tmp_path / "k8", dtype="fp32", top_k=8
+    )
+    assert index["top_k"] == 8
+    cached, _ = _loss(_strategy(target, draft, CachedFeatures(tmp_path / "k8"), distill_top_k=4), draft, mb)
+    assert torch.allclose(online.total_loss, cached.total_loss, atol=1e-6)
+    hard, _ = _loss(_strategy(target, draft), draft, mb)
+    assert not torch.allclose(hard.total_loss, online.total_loss)
+    write_feature_cache(target, {"train": ids}, draft.config.target_layer_ids, tmp_path / "k0", dtype="fp32")
+    with pytest.raises(
+        ValueError, match="dflash.distill_top_k is 4 but the target-feature source holds the target's top 0"
+    ):
+        _strategy(target, draft, CachedFeatures(tmp_path / "k0"), distill_top_k=4)
 
 
 def test_anchors_are_a_function_of_seed_step_and_row(pair):

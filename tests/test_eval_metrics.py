@@ -245,6 +245,19 @@ def test_dflash_table_flags_a_gap_between_tau_sim_and_real_tau():
     assert "| dflash (dflash.loss_type=dpace) | 3.000 | 1.500 | 2.00 ⚠ |" in md
     assert "- **dflash (dflash.loss_type=dpace)**: τ_sim 3.00 vs real τ 1.50" in md
     assert "decay)**: τ_sim" not in md
+    assert "lookup_share" not in md  # no row decoded with the context lookup: no such columns
+    # with the context lookup, τ_sim is set against the draft's own τ, and both τ are shown
+    rows.append(
+        row(
+            "dflash (dflash.lookup_ngram=2)",
+            card(),
+            **{"dflash/tau_sim": 1.2, "dflash/tau": 2.1, "dflash/tau_draft": 1.25, "dflash/lookup_share": 0.2},
+        )
+    )
+    md = render_markdown("demo", rows, {}, [])
+    assert "| dflash (dflash.lookup_ngram=2) | 1.200 | 2.100 | 1.250 | 0.20 | 0.96 |" in md
+    assert "| dflash (dflash.loss_type=decay) | 2.000 | 1.900 | – | – | 1.05 |" in md
+    assert "`dflash/tau_draft` with the draft alone" in md
 
 
 def test_runs_of_one_strategy_from_several_pipeline_runs_are_labelled_by_what_differs():
