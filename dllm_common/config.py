@@ -383,7 +383,7 @@ class DFlashConfig(_Section):
     eval_max_new_tokens: int = Field(48, ge=1)
     # speculative decoding: when the last n…4 tokens recur in the prompt or output, the tokens that followed
     # them there are proposed before the draft's (0: the draft alone); docs/strategies.md §10.8
-    lookup_ngram: int = Field(0, ge=0)
+    lookup_ngram: int = Field(0, ge=0, le=4)  # ≤ strategies.dflash_draft.LOOKUP_MAX_NGRAM
 
     @model_validator(mode="after")
     def _target(self) -> DFlashConfig:

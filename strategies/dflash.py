@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from strategies.corruption import check_args
 from strategies.losses import DLLMLossOutput
 
+LOOKUP_MAX_NGRAM = 4  # the longest suffix speculative decoding's context lookup matches (`lookup_ngram` ≤ it)
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper App. A.1 decay γ by block size
 
 

@@ -16,7 +16,12 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
 from transformers import DynamicCache
 
-from strategies.dflash import block_position_ids, create_dflash_block_mask, create_dflash_sdpa_mask
+from strategies.dflash import (
+    LOOKUP_MAX_NGRAM,
+    block_position_ids,
+    create_dflash_block_mask,
+    create_dflash_sdpa_mask,
+)
 
 # ---------------------------------------------------------------------------------------- draft
 
@@ -247,9 +252,6 @@ def _verify(
     return speculative_accept(p, q, proposal, generator)
 
 
-LOOKUP_MAX_NGRAM = 4  # the longest suffix the context lookup tries to match
-
-
 def context_lookup(history: list[int], min_ngram: int, count: int) -> list[int]:
     """Up to `count` tokens that followed the latest earlier occurrence of the longest suffix of `history`
     (from `LOOKUP_MAX_NGRAM` down to `min_ngram` tokens) inside `history`; [] when no suffix recurs.
@@ -272,7 +274,7 @@ def _with_lookup(history: list[int], min_ngram: int, d_logits: Tensor, proposal:
     proposal, d_logits = proposal.clone(), d_logits.clone()
     proposal[:n] = torch.tensor(found, device=proposal.device)
     d_logits[:n] = float("-inf")
-    d_logits[torch.arange(n), proposal[:n]] = 0.0
+    d_logits[torch.arange(n, device=d_logits.device), proposal[:n]] = 0.0
     return d_logits, proposal, True
 
 

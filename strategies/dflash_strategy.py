@@ -56,9 +56,9 @@ class OnlineFeatures:
         self.target, self.layer_ids, self.top_k = target, list(layer_ids), int(top_k)
 
     @torch.no_grad()
-    def __call__(self, mb: Microbatch) -> TargetOutputs:
+    def __call__(self, mb: Microbatch, labels: bool = False) -> TargetOutputs:
         feats, logits, _ = target_features(self.target, mb.input_ids, self.layer_ids)
-        return TargetOutputs(feats, top_k_labels(logits, self.top_k) if self.top_k else None)
+        return TargetOutputs(feats, top_k_labels(logits, self.top_k) if labels and self.top_k else None)
 
 
 class CachedFeatures:
@@ -84,11 +84,13 @@ class CachedFeatures:
             raise KeyError(f"the target-feature cache has no {split!r} split")
         return self.index["splits"][split]
 
-    def __call__(self, mb: Microbatch) -> TargetOutputs:
+    def __call__(self, mb: Microbatch, labels: bool = False) -> TargetOutputs:
+        """The rows' features, and their top-k labels when `labels` is asked for (and the cache holds them)."""
         if mb.row_ids is None:
             raise ValueError("cached DFlash features need each micro-batch's row ids (Microbatch.row_ids)")
         shards = self._rows(mb.split)
-        names = ("features", "top_ids", "top_probs") if self.top_k else ("features",)
+        with_labels = labels and self.top_k > 0
+        names = ("features", "top_ids", "top_probs") if with_labels else ("features",)
         out: dict[str, list[Tensor]] = {name: [] for name in names}
         for row in mb.row_ids.tolist():
             shard = next(s for s in shards if s["start"] <= row < s["start"] + s["rows"])
@@ -99,7 +101,7 @@ class CachedFeatures:
                 out[name].append(handle.get_slice(name)[row - shard["start"]])
         device = mb.input_ids.device
         stacked = {name: torch.stack(rows).to(device) for name, rows in out.items()}
-        top = SoftLabels(stacked["top_ids"], stacked["top_probs"]) if self.top_k else None
+        top = SoftLabels(stacked["top_ids"], stacked["top_probs"]) if with_labels else None
         return TargetOutputs(stacked["features"], top)
 
 
@@ -252,8 +254,8 @@ class DFlashStrategy(DLLMStrategy):
                 generators=gens,
                 document_ids=docs,
             )
-            target = self.features(mb)
             k = self.options.distill_top_k
+            target = self.features(mb, labels=k > 0)
             soft = block_soft_labels(target.top, blocks.anchors, self.block_size, k) if k else None
             extras = DFlashBlocks(
                 blocks.anchors,

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from strategies.decoding_cache import CausalPrefix, bidirectional_denoiser, cacheable, check_cache_mode, open_decoder
+from strategies.dflash import LOOKUP_MAX_NGRAM
 
 Denoiser = Callable[[Tensor, Tensor], Tensor]
 
@@ -77,8 +78,11 @@ class SamplerConfig:
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{name} ({flag}) must be at least 1; got {getattr(self, name)}")
-        if self.lookup_ngram < 0:
-            raise ValueError(f"lookup_ngram (--lookup-ngram) must be ≥ 0 (0: off); got {self.lookup_ngram}")
+        if not 0 <= self.lookup_ngram <= LOOKUP_MAX_NGRAM:
+            raise ValueError(
+                f"lookup_ngram (--lookup-ngram) must be in 0..{LOOKUP_MAX_NGRAM} (0: off; the lookup matches "
+                f"suffixes of at most {LOOKUP_MAX_NGRAM} tokens); got {self.lookup_ngram}"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature (--temperature) must be ≥ 0 (0: greedy); got {self.temperature}")
         if self.threshold is not None and not 0 < self.threshold <= 1:

@@ -36,7 +36,12 @@ def stage_of(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str,
     if _top_k(spec):  # keyed only when set: a features-only cache keeps its key
         config["top_k"] = _top_k(spec)
     upstream = {"target_weights": target.info["weights_digest"], "data": data.key}
-    return STAGE, stage_key(STAGE, config, upstream, code_version("strategies.feature_cache", "tasks.cache_target"))
+    return STAGE, stage_key(
+        STAGE,
+        config,
+        upstream,
+        code_version("strategies.feature_cache", "strategies.dflash", "strategies.dflash_draft", "tasks.cache_target"),
+    )
 
 
 def _build(spec: PipelineSpec, target: StageRef, data: StageRef, out: Path) -> dict:

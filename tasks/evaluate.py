@@ -112,6 +112,8 @@ def sampler_config(spec: PipelineSpec, strategy, steps: int, eos_token_id: int |
         threshold=e.threshold,
         eos_token_id=eos_token_id,
         logit_shift=strategy.logit_shift,
+        # speculative decoding's context lookup (docs/strategies.md §10.8): recorded on the card, compared
+        lookup_ngram=spec.dflash.lookup_ngram if strategy.evaluation == "speculative" else 0,
     )
 
 
@@ -196,6 +198,7 @@ RESULT_FIELDS = (
     "sampler.top_p",
     "sampler.remasking",
     "sampler.threshold",
+    "sampler.lookup_ngram",
     "eval.nfe_budgets",
     "eval.prompts",
     "eval.data_rows",

@@ -196,8 +196,8 @@ def _mlflow_evaluation(client, run) -> Evaluation | None:
                 chosen, files = folder, got
     if not metrics and chosen is None:
         return None
-    if chosen is not None and "metrics.json" in files:
-        metrics = {**metrics, **json.loads(files["metrics.json"])}
+    if chosen is not None and "metrics.json" in files:  # that evaluation's own set: no key of another one
+        metrics = json.loads(files["metrics.json"])
     key = chosen.rsplit("/", 1)[-1] if chosen else None
     where = f"MLflow run {run_id}" + (f", artifacts {chosen}/" if chosen else "")
     card = json.loads(files["repro_card.json"]) if "repro_card.json" in files else None

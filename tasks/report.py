@@ -29,6 +29,7 @@ from tasks.evaluate import RESULT_FIELDS, eval_artifact_path
 
 STAGE = "report"
 RUNS_TAG = "dllm.report_runs"
+EVALUATION_PREFIXES = ("eval", "dflash/", "idlm/")  # metrics an evaluation logs into the trained model's run
 PLOTS = ("training_curves.png", "nelbo.png", "genppl_vs_entropy.png", "quality_vs_nfe.png")
 
 
@@ -55,7 +56,9 @@ def collect_rows(client, runs: list[dict]) -> list[dict]:
                 name: (local / name).read_text() if (local / name).is_file() else None
                 for name in ("metrics.json", "curve.json", "repro_card.json", "samples.txt")
             }
-        m = {k: v for k, v in run.data.metrics.items() if not k.startswith("eval")}  # training side
+        # the training side: an evaluation's own keys come from its metrics.json alone, so a key an earlier
+        # evaluation of the same run logged (e.g. dflash/tau_draft, with the context lookup) never leaks in
+        m = {k: v for k, v in run.data.metrics.items() if not k.startswith(EVALUATION_PREFIXES)}
         if artifacts["metrics.json"]:
             m.update(json.loads(artifacts["metrics.json"]))
         else:  # an evaluation logged before per-evaluation folders: the run's latest values

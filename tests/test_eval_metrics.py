@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,6 +259,42 @@ def test_dflash_table_flags_a_gap_between_tau_sim_and_real_tau():
     assert "| dflash (dflash.lookup_ngram=2) | 1.200 | 2.100 | 1.250 | 0.20 | 0.96 |" in md
     assert "| dflash (dflash.loss_type=decay) | 2.000 | 1.900 | – | – | 1.05 |" in md
     assert "`dflash/tau_draft` with the draft alone" in md
+    # a row decoded with the lookup is flagged against rows without it: its τ is not the same measurement
+    plain, looked = card(strategy="dflash"), card(strategy="dflash", sampler__lookup_ngram=2)
+    flags = card_mismatches([row("a", plain), row("b", plain), row("c", looked)])
+    assert flags == {"c": [("sampler.lookup_ngram", "2", "missing")]}  # values as the flattened card holds them
+
+
+def test_report_and_model_card_take_an_evaluations_metrics_from_its_own_record_only(tmp_path):
+    """A run evaluated twice (with the context lookup, then without) keeps the first evaluation's
+    `dflash/tau_draft` among its latest MLflow metrics: neither the report nor the model card shows it beside
+    the second evaluation's numbers; training-side metrics still come from the run."""
+    from types import SimpleNamespace
+
+    from tasks.provenance import _mlflow_evaluation
+    from tasks.report import collect_rows
+
+    latest = {"dflash/tau": 1.8, "dflash/tau_draft": 1.7, "eval/ar_nll": 5.0, "train/loss": 2.0}
+    second = {"dflash/tau": 1.8, "eval/ar_nll": 5.0}
+
+    def download(run_id, path, dst):  # MLflow's: the folder or file `path` of the run's artifacts, under dst
+        folder = Path(dst, "eval", "abc")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "metrics.json").write_text(json.dumps(second))
+        return str(Path(dst, path))
+
+    client = SimpleNamespace(
+        get_run=lambda run_id: SimpleNamespace(
+            data=SimpleNamespace(metrics=latest, params={}), info=SimpleNamespace(run_id=run_id)
+        ),
+        get_metric_history=lambda run_id, key: [],
+        download_artifacts=download,
+        list_artifacts=lambda run_id, path: [SimpleNamespace(path="eval/abc", is_dir=True)],
+    )
+    (r,) = collect_rows(client, [{"strategy": "dflash", "run_id": "r1", "eval_artifacts": "eval/abc"}])
+    assert r["metrics"] == {**second, "train/loss": 2.0}
+    found = _mlflow_evaluation(client, client.get_run("r1"))
+    assert found.metrics == second
 
 
 def test_runs_of_one_strategy_from_several_pipeline_runs_are_labelled_by_what_differs():

@@ -65,7 +65,8 @@ def test_bad_truncation_settings_are_refused():
         ({"temperature": -1.0}, "temperature \\(--temperature\\) must be ≥ 0"),
         ({"threshold": 1.5}, "threshold \\(--threshold\\) must be in"),
         ({"threshold": 0.0}, "threshold \\(--threshold\\) must be in"),
-        ({"lookup_ngram": -1}, "lookup_ngram \\(--lookup-ngram\\) must be ≥ 0 \\(0: off\\); got -1"),
+        ({"lookup_ngram": -1}, "lookup_ngram \\(--lookup-ngram\\) must be in 0..4 \\(0: off; .*\\); got -1"),
+        ({"lookup_ngram": 5}, "lookup_ngram \\(--lookup-ngram\\) must be in 0..4 .* at most 4 tokens\\); got 5"),
     ],
 )
 def test_bad_sampler_settings_are_refused_by_name(kw, message):
