@@ -123,6 +123,46 @@ def sample_anchor_blocks(
     return AnchorBlocks(anchors, keep, block_ids.reshape(bsz, -1), targets, block_mask.float())
 
 
+class CopyHints(NamedTuple):
+    """The draft's copy hint per block position (docs/strategies.md §10.9)."""
+
+    ids: Tensor  # [B, N·bs] the token the context lookup proposes there (`pad_id` where none)
+    lengths: Tensor  # [B, N·bs] the length of the suffix that matched (0: no hint; always 0 at the anchor)
+
+
+def copy_hints(
+    input_ids: Tensor, anchors: Tensor, block_size: int, pad_id: int, document_ids: Tensor | None = None
+) -> CopyHints:
+    """For each anchor A, what the context lookup (`strategies.dflash_draft.context_lookup` with n = 1) proposes
+    from the history x[..A]: find the longest suffix of x[..A] (at most `LOOKUP_MAX_NGRAM` tokens) that also ends
+    at an earlier position e < A, taking the latest e on ties, and hint x[e + j] at block offset j = 1..bs−1
+    while e + j ≤ A. Vectorized over rows and anchors ([B, N, L] comparisons); with `document_ids` only the
+    anchor's document is searched, as its context is."""
+    bsz, length = input_ids.shape
+    device = input_ids.device
+    end = torch.arange(length, device=device)  # candidate end positions e
+    a = anchors[:, :, None]  # [B, N, 1]
+    alive = (end[None, None] < a).expand(bsz, -1, -1)  # [B, N, L]
+    run = torch.zeros(alive.shape, dtype=torch.long, device=device)
+    for i in range(LOOKUP_MAX_NGRAM):  # compare x[e − i] with x[A − i]; the run of matches is the suffix length
+        e_i, a_i = (end - i).clamp_min(0), (anchors - i).clamp_min(0)
+        x_e = input_ids[:, e_i][:, None, :]  # [B, 1, L]
+        x_a = input_ids.gather(1, a_i)[:, :, None]  # [B, N, 1]
+        alive = alive & (end >= i)[None, None] & (x_e == x_a)
+        if document_ids is not None:
+            doc_a = document_ids.gather(1, anchors)[:, :, None]
+            alive = alive & (document_ids[:, e_i][:, None, :] == doc_a)
+            alive = alive & (document_ids.gather(1, a_i)[:, :, None] == doc_a)
+        run = run + alive
+    best = (run * length + end).argmax(dim=-1)  # the longest suffix, then the latest end
+    matched = run.gather(2, best[:, :, None])[:, :, 0]  # [B, N]; 0: nothing recurs
+    offsets = torch.arange(block_size, device=device)
+    follow = best[:, :, None] + offsets  # [B, N, bs]
+    has = (matched[:, :, None] > 0) & (offsets > 0) & (follow <= a)
+    ids = torch.where(has, input_ids.gather(1, follow.clamp_max(length - 1).reshape(bsz, -1)).view_as(follow), pad_id)
+    return CopyHints(ids.reshape(bsz, -1), (matched[:, :, None] * has).reshape(bsz, -1))
+
+
 def block_position_ids(anchors: Tensor, ctx_len: int, block_size: int) -> Tensor:
     """[0..S−1 | A_0 + 0..bs−1 | … | A_{N−1} + 0..bs−1] per row: RoPE sees each block at its true place."""
     bsz = anchors.shape[0]

@@ -18,7 +18,9 @@ from transformers import DynamicCache
 
 from strategies.dflash import (
     LOOKUP_MAX_NGRAM,
+    CopyHints,
     block_position_ids,
+    copy_hints,
     create_dflash_block_mask,
     create_dflash_sdpa_mask,
 )
@@ -39,6 +41,7 @@ class DFlashDraftConfig:
     intermediate_size: int | None = None
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
+    copy_hint: bool = False  # the draft also reads the context lookup's proposal (docs/strategies.md §10.9)
 
     @property
     def head_dim(self) -> int:
@@ -112,12 +115,30 @@ class DFlashDraftModel(nn.Module):
         self.ctx_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
         self.layers = nn.ModuleList(_DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
+        if cfg.copy_hint:  # zero at initialization: training starts from the plain draft and learns when to copy
+            self.hint_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+            self.hint_length = nn.Embedding(LOOKUP_MAX_NGRAM + 1, cfg.hidden_size)
+            nn.init.zeros_(self.hint_proj.weight)
+            nn.init.zeros_(self.hint_length.weight)
 
     def forward(
-        self, target_hidden: Tensor, noise_embedding: Tensor, position_ids: Tensor, attention_mask=None
+        self,
+        target_hidden: Tensor,
+        noise_embedding: Tensor,
+        position_ids: Tensor,
+        attention_mask=None,
+        hint_embedding: Tensor | None = None,
+        hint_lengths: Tensor | None = None,
     ) -> Tensor:
+        """With `copy_hint`, block position j's input also carries the hinted token's embedding (through
+        `hint_proj`, where a hint exists) and the length of the suffix that matched (`hint_length`)."""
         ctx = self.ctx_norm(self.fc(target_hidden))
         x = noise_embedding
+        if self.config.copy_hint:
+            if hint_embedding is None or hint_lengths is None:
+                raise ValueError("this DFlash draft reads copy hints (copy_hint): pass hint_embedding and hint_lengths")
+            present = (hint_lengths > 0).unsqueeze(-1).to(x.dtype)
+            x = x + self.hint_proj(hint_embedding) * present + self.hint_length(hint_lengths)
         for layer in self.layers:
             x = layer(x, ctx, position_ids, attention_mask)
         return self.norm(x)
@@ -162,10 +183,12 @@ def draft_block_hidden(
     block_ids: Tensor,
     document_ids: Tensor | None = None,
     backend: str = "sdpa",
+    hints: CopyHints | None = None,
 ) -> Tensor:
     """Hidden states [B, N·bs, H] of the draft (possibly DDP/FSDP-wrapped) for N blocks under the (always
     applied) DFlash mask: dense, or a flex-attention BlockMask (`backend="flex_attention"`; its backward needs a
-    GPU in torch 2.13); confined to each anchor's document when `document_ids` (`[B, S]`, packed rows) is given."""
+    GPU in torch 2.13); confined to each anchor's document when `document_ids` (`[B, S]`, packed rows) is given.
+    `hints`: the copy hints of a `copy_hint` draft (`strategies.dflash.copy_hints`)."""
     bs, s = block_size, ctx_features.shape[1]
     noise = embed(block_ids).to(ctx_features.dtype)
     positions = block_position_ids(anchors, s, bs)
@@ -173,7 +196,9 @@ def draft_block_hidden(
         mask = create_dflash_block_mask(anchors, keep, s, bs, document_ids=document_ids)
     else:  # always masked (docs/reference-differences.md G1)
         mask = create_dflash_sdpa_mask(anchors, keep, s, bs, dtype=noise.dtype, document_ids=document_ids)
-    return draft(ctx_features, noise, positions, mask)
+    if hints is None:
+        return draft(ctx_features, noise, positions, mask)
+    return draft(ctx_features, noise, positions, mask, embed(hints.ids).to(noise.dtype), hints.lengths)
 
 
 def draft_block_logits(
@@ -184,11 +209,12 @@ def draft_block_logits(
     keep: Tensor,
     block_ids: Tensor,
     document_ids: Tensor | None = None,
+    hints: CopyHints | None = None,
 ) -> Tensor:
     """Logits [B, N·bs, V] of the draft for N blocks (`draft_block_hidden` through the target's head)."""
     emb, head = _embed_and_head(target)
     bs = draft.config.block_size
-    return head(draft_block_hidden(draft, bs, emb, ctx_features, anchors, keep, block_ids, document_ids))
+    return head(draft_block_hidden(draft, bs, emb, ctx_features, anchors, keep, block_ids, document_ids, hints=hints))
 
 
 # ---------------------------------------------------------------------------------------- decoding
@@ -297,7 +323,8 @@ def speculative_generate(
     step of speculative sampling (`speculative_accept`), so the output is distributed as the target's
     own samples at that temperature (docs/strategies.md §10.8). With `lookup_ngram` n > 0, when the last
     n…4 tokens (prompt and output) occurred earlier, the tokens that followed them there replace the
-    draft's first proposals (`context_lookup`); the output is unchanged, only the acceptance moves."""
+    draft's first proposals (`context_lookup`); the output is unchanged, only the acceptance moves. A
+    `copy_hint` draft reads the lookup's proposal (n = 1) as an input each cycle instead (`copy_hints`)."""
     cfg = draft.config
     bs, device = cfg.block_size, next(draft.parameters()).device
     ids = torch.tensor([prompt], device=device)
@@ -311,7 +338,11 @@ def speculative_generate(
         block = torch.full((1, bs), cfg.mask_token_id, device=device)
         block[0, 0] = out[-1]
         keep = torch.ones_like(anchor, dtype=torch.bool)
-        d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block)[0, 1:]
+        hints = None
+        if cfg.copy_hint:  # the history's last token is the anchor
+            history = torch.tensor([list(prompt) + out], device=device)
+            hints = copy_hints(history, torch.tensor([[history.shape[1] - 1]], device=device), bs, cfg.mask_token_id)
+        d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints)[0, 1:]
         proposal = _draw(d_logits, temperature, generator)
         d_logits, proposal, looked_up = _with_lookup(list(prompt) + out, lookup_ngram, d_logits, proposal)
         lookups += looked_up

@@ -26,10 +26,12 @@ from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupConte
 from strategies.corruption import corrupt_uniform
 from strategies.dflash import (
     DPACE_ALPHA,
+    CopyHints,
     DFlashDecayLoss,
     DFlashDPACELoss,
     SoftLabels,
     block_soft_labels,
+    copy_hints,
     default_gamma,
     sample_anchor_blocks,
     scored_blocks,
@@ -42,8 +44,9 @@ from strategies.seeding import seeded_generator
 
 
 class TargetOutputs(NamedTuple):
-    """What a feature source gives for a micro-batch: the features `[B, L, n·H]` and, with `top_k` > 0, the
-    target's top-k next-token distribution at every position (`SoftLabels` of `[B, L, k]`)."""
+    """What a feature source gives for a micro-batch: the features `[B, L, n·H]` and, when the strategy asks for
+    labels (`dflash.distill_top_k` > 0), the target's top-k next-token distribution at every position
+    (`SoftLabels` of `[B, L, k]`)."""
 
     features: Tensor
     top: SoftLabels | None = None
@@ -117,6 +120,7 @@ class DFlashBlocks:
     features: Tensor  # [B, L, n·H] the target's hidden states at the draft's layers
     documents: Tensor | None = None  # [B, L] per-token document ids (packed rows, `dflash.document_mask`)
     soft: SoftLabels | None = None  # [B, N·(bs−1), k] the target's distribution per prediction (`distill_top_k`)
+    hints: CopyHints | None = None  # [B, N·bs] the context lookup's proposals, for a `copy_hint` draft
 
 
 class DFlashStrategy(DLLMStrategy):
@@ -257,6 +261,9 @@ class DFlashStrategy(DLLMStrategy):
             k = self.options.distill_top_k
             target = self.features(mb, labels=k > 0)
             soft = block_soft_labels(target.top, blocks.anchors, self.block_size, k) if k else None
+            hints = None
+            if getattr(getattr(ctx.model, "module", ctx.model).config, "copy_hint", False):  # DDP holds `.module`
+                hints = copy_hints(mb.input_ids, blocks.anchors, self.block_size, ctx.mask_token_id, docs)
             extras = DFlashBlocks(
                 blocks.anchors,
                 blocks.keep,
@@ -266,6 +273,7 @@ class DFlashStrategy(DLLMStrategy):
                 target.features,
                 docs,
                 soft,
+                hints,
             )
             out.append(
                 CorruptedBatch(
@@ -287,7 +295,9 @@ class DFlashStrategy(DLLMStrategy):
         e, bs = batch.extras, self.block_size
         emb, head = _embed_and_head(self.target)
         feats = e.features.to(next(ctx.model.parameters()).dtype)  # a bf16/fp16 cache feeds an fp32 draft
-        h = draft_block_hidden(ctx.model, bs, emb, feats, e.anchors, e.keep, e.block_ids, e.documents, self.backend)
+        h = draft_block_hidden(
+            ctx.model, bs, emb, feats, e.anchors, e.keep, e.block_ids, e.documents, self.backend, e.hints
+        )
         b, n = e.anchors.shape
         pred = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
         if self.options.use_fused_linear_ce:

@@ -143,6 +143,9 @@ class DFlashOptions(StrategyOptions):
     # 0: each prediction's label is the row's token; k > 0: the target's top-k next-token distribution there
     # (renormalized), EAGLE's distillation target; the cache_target stage stores it (docs/strategies.md §10.7)
     distill_top_k: int = Field(0, ge=0)
+    # a new draft also reads, per block position, the token the context lookup proposes there and the matched
+    # suffix's length, and learns when to copy it (docs/strategies.md §10.9); false: the draft of the paper
+    copy_hint: bool = False
     num_blocks_per_sample: int = Field(1, ge=1)
     attention_backend: Literal["sdpa", "flex_attention"] = "sdpa"
     overlap_anchors: bool = True

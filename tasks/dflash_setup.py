@@ -87,7 +87,9 @@ def _check_mask_row(mask_id: int | None, target) -> None:
         )
 
 
-def _new_draft(spec: PipelineSpec, target, target_ref: StageRef, block_size: int, mask_id: int) -> DFlashDraftModel:
+def _new_draft(
+    spec: PipelineSpec, target, target_ref: StageRef, block_size: int, mask_id: int, copy_hint: bool = False
+) -> DFlashDraftModel:
     """A draft shaped by `model:` (its width is the target's), initialized from `train.seed`."""
     m, hidden = spec.model, target.config.hidden_size
     if m.hidden_size != hidden:
@@ -109,6 +111,7 @@ def _new_draft(spec: PipelineSpec, target, target_ref: StageRef, block_size: int
         mask_token_id=int(mask_id),
         intermediate_size=m.intermediate_size,
         rope_theta=float(getattr(target.config, "rope_theta", None) or 10000.0),
+        copy_hint=copy_hint,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.train.seed)
@@ -134,8 +137,14 @@ def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, in
     _check_mask_row(mask_id, target)
     if spec.model.kind == "pretrained":
         draft = DFlashDraftModel.load(resolve_model_path(spec.model.path))
+        if draft.config.copy_hint != options.copy_hint:
+            raise ValueError(
+                f"dflash.copy_hint is {str(options.copy_hint).lower()} but the draft checkpoint at model.path "
+                f"({spec.model.path}) was built with copy_hint {str(draft.config.copy_hint).lower()}: set "
+                f"dflash.copy_hint: {str(draft.config.copy_hint).lower()} to continue training it"
+            )
     else:
-        draft = _new_draft(spec, target, inputs["target"], options.block_size, mask_id)
+        draft = _new_draft(spec, target, inputs["target"], options.block_size, mask_id, options.copy_hint)
     cache = CachedFeatures(features_dir(inputs["features"])) if "features" in inputs else None
     built = draft_strategy(name, options, draft, target, mask_token_id=mask_id, cache=cache)
     return Trainee(

@@ -40,7 +40,9 @@ def teacher_forced_acceptance(
             docs = None if documents is None else documents[sl]
             (batch,), _, _ = strat.pre_step(ctx, [Microbatch(ids[sl], loss_mask[sl], attn[sl], rows, "val", docs)])
             e = batch.extras
-            logits = draft_block_logits(draft, strat.target, e.features, e.anchors, e.keep, e.block_ids, e.documents)
+            logits = draft_block_logits(
+                draft, strat.target, e.features, e.anchors, e.keep, e.block_ids, e.documents, e.hints
+            )
             b, n = e.anchors.shape
             pred = logits.view(b, n, bs, -1)[:, :, 1:].argmax(-1).reshape(b, -1)
             corrects.append(pred == e.targets)

@@ -143,6 +143,22 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     )
 
 
+def test_a_copy_hint_draft_trains_evaluates_and_keeps_its_setting(dflash_run):
+    """`dflash.copy_hint`: the draft is built with the hint input, trains, records it in its checkpoint and
+    decodes to the target's greedy text; continuing that checkpoint without the hint is refused by name."""
+    spec, data, workdir, tgt, feats, _ = dflash_run
+    hinted = _dflash_spec_from(spec, copy_hint=True)
+    trained = train(hinted, "dflash", data, workdir, inputs={"target": tgt, "features": feats})
+    config = json.loads((model_dir(trained) / "dflash_draft.json").read_text())
+    assert config["copy_hint"] is True
+    m = evaluate(hinted, "dflash", trained, data, workdir).info["metrics"]
+    assert m["dflash/exact_match"] == 1.0 and 1.0 <= m["dflash/tau"] <= 4.0
+    raw = spec.model_dump(mode="json")
+    raw["model"] = {**raw["model"], "kind": "pretrained", "path": str(model_dir(trained))}
+    with pytest.raises(ValueError, match="dflash.copy_hint is false but the draft checkpoint"):
+        train(validate_config(raw), "dflash", data, workdir, inputs={"target": tgt, "features": feats})
+
+
 def test_cached_and_online_features_train_the_same_draft(prepared, tiny_spec, tmp_path):
     """fp32 cache vs a target forward every step: the same loss curve and the same weights."""
     data, _ = prepared
