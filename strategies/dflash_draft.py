@@ -324,7 +324,8 @@ def speculative_generate(
     own samples at that temperature (docs/strategies.md §10.8). With `lookup_ngram` n > 0, when the last
     n…4 tokens (prompt and output) occurred earlier, the tokens that followed them there replace the
     draft's first proposals (`context_lookup`); the output is unchanged, only the acceptance moves. A
-    `copy_hint` draft reads the lookup's proposal (n = 1) as an input each cycle instead (`copy_hints`)."""
+    `copy_hint` draft also reads the lookup's proposal (n = 1) as an input each cycle (`copy_hints`); with
+    `lookup_ngram` > 0 the lookup still goes in front of it."""
     cfg = draft.config
     bs, device = cfg.block_size, next(draft.parameters()).device
     ids = torch.tensor([prompt], device=device)

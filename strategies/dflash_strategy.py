@@ -262,7 +262,8 @@ class DFlashStrategy(DLLMStrategy):
             target = self.features(mb, labels=k > 0)
             soft = block_soft_labels(target.top, blocks.anchors, self.block_size, k) if k else None
             hints = None
-            if getattr(getattr(ctx.model, "module", ctx.model).config, "copy_hint", False):  # DDP holds `.module`
+            draft_config = getattr(getattr(ctx.model, "module", ctx.model), "config", None)  # DDP holds `.module`
+            if getattr(draft_config, "copy_hint", self.options.copy_hint):
                 hints = copy_hints(mb.input_ids, blocks.anchors, self.block_size, ctx.mask_token_id, docs)
             extras = DFlashBlocks(
                 blocks.anchors,

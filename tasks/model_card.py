@@ -95,6 +95,9 @@ def _backbone_rows(source: CardSource, layout: Layout) -> list[tuple[str, Any]]:
     if source.is_draft:
         rows = [("model", "DFlash draft (no embedding or LM head of its own)")]
         rows += [(k, c.get(k)) for k in ("hidden_size", "num_layers", "num_heads", "block_size", "target_layer_ids")]
+        rows.append(
+            ("copy_hint (reads the context lookup's proposal; docs/strategies.md §10.9)", c.get("copy_hint", False))
+        )
         return [*rows, ("parameters", f"{layout.parameters:,}"), ("dtype", ", ".join(dtypes))]
     keys = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads")
     keys += ("num_key_value_heads", "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")

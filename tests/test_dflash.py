@@ -518,22 +518,26 @@ def test_speculative_decoding_with_the_context_lookup_keeps_the_targets_output(p
 
 def test_copy_hints_are_the_context_lookups_proposals_at_every_anchor():
     """`copy_hints` (vectorized, for training) against `context_lookup` (the decoder's loop) element by element:
-    at every anchor of random rows over 3 tokens the hinted tokens are the lookup's proposals (n = 1) and the
-    length is the longest recurring suffix's; nothing at the anchor itself. With document ids only the
-    anchor's document is searched, as only it is visible to the block."""
-    g, bs = torch.Generator().manual_seed(0), 4
-    for length in (2, 5, 17, 30):
+    at every anchor of random rows over 3 tokens, for several block sizes, the hinted tokens are the lookup's
+    proposals (n = 1) and the length is the longest recurring suffix's; nothing at the anchor itself. With
+    document ids (random contiguous documents) the history is the anchor's document up to the anchor, as only
+    it is visible to the block."""
+    g = torch.Generator().manual_seed(0)
+    for length, bs in ((2, 2), (5, 4), (17, 3), (30, 4), (30, 6)):
         x = torch.randint(0, 3, (3, length), generator=g)
-        hints = copy_hints(x, torch.arange(length)[None].repeat(3, 1), bs, pad_id=-1)
-        for b in range(3):
-            for a in range(length):
-                history = x[b, : a + 1].tolist()
-                found = context_lookup(history, 1, bs - 1)
-                n = max((k for k in range(1, LOOKUP_MAX_NGRAM + 1) if context_lookup(history, k, 1)), default=0)
-                pad = bs - 1 - len(found)
-                assert hints.ids[b, a * bs : (a + 1) * bs].tolist() == [-1, *found] + [-1] * pad
-                assert hints.lengths[b, a * bs : (a + 1) * bs].tolist() == [0] + [n] * len(found) + [0] * pad
-    x, anchor = torch.tensor([[1, 2, 3, 1, 2, 3]]), torch.tensor([[5]])
+        docs = (torch.rand(3, length, generator=g) < 0.2).long().cumsum(1)
+        for documents in (None, docs):
+            hints = copy_hints(x, torch.arange(length)[None].repeat(3, 1), bs, -1, documents)
+            for b in range(3):
+                for a in range(length):
+                    start = 0 if documents is None else int((docs[b] == docs[b, a]).nonzero()[0])
+                    history = x[b, start : a + 1].tolist()
+                    found = context_lookup(history, 1, bs - 1)
+                    n = max((k for k in range(1, LOOKUP_MAX_NGRAM + 1) if context_lookup(history, k, 1)), default=0)
+                    pad = bs - 1 - len(found)
+                    assert hints.ids[b, a * bs : (a + 1) * bs].tolist() == [-1, *found] + [-1] * pad
+                    assert hints.lengths[b, a * bs : (a + 1) * bs].tolist() == [0] + [n] * len(found) + [0] * pad
+    bs, x, anchor = 4, torch.tensor([[1, 2, 3, 1, 2, 3]]), torch.tensor([[5]])
     assert copy_hints(x, anchor, bs, -1).ids.tolist() == [[-1, 1, 2, 3]]  # "1 2 3" recurs: copy what followed
     assert copy_hints(x, anchor, bs, -1, torch.tensor([[0, 0, 0, 1, 1, 1]])).lengths.tolist() == [[0, 0, 0, 0]]
     x, docs = torch.tensor([[8, 7, 7, 8, 7]]), torch.tensor([[0, 0, 1, 1, 1]])
@@ -564,6 +568,43 @@ def test_a_copy_hint_draft_starts_as_the_plain_draft_and_requires_its_hints(pair
         )
         with pytest.raises(ValueError, match="copy hints"):
             draft_block_logits(hinted, target, *args)
+
+
+def test_decoding_gives_a_copy_hint_draft_the_hints_and_logits_training_computes(pair, monkeypatch):
+    """Every decoding cycle of a copy-hint draft (non-zero hint weights) against the training path on the
+    finished text: the same anchor token, the hints `copy_hints` computes at that anchor over the whole row,
+    and the same logits from full-sequence target features. Greedy equality alone would not see a hint
+    taken one position off."""
+    target, draft = pair
+    hinted = DFlashDraftModel(replace(draft.config, copy_hint=True))
+    hinted.load_state_dict(draft.state_dict(), strict=False)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        hinted.hint_proj.weight.normal_(0, 0.3, generator=g)
+        hinted.hint_length.weight.normal_(0, 0.3, generator=g)
+    cycles, plain = [], dflash_draft.draft_block_logits
+
+    def recording(draft_, target_, ctx, anchors, keep, block_ids, hints=None):
+        logits = plain(draft_, target_, ctx, anchors, keep, block_ids, hints=hints)
+        cycles.append((int(anchors[0, 0]), int(block_ids[0, 0]), hints, logits))
+        return logits
+
+    monkeypatch.setattr(dflash_draft, "draft_block_logits", recording)
+    prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5, 3, 1]
+    out = speculative_generate(target, hinted.eval(), prompt, 30)
+    row = torch.tensor([prompt + out.tokens])
+    feats, _, _ = target_features(target, row, list(draft.config.target_layer_ids))
+    assert len(cycles) > 5 and sum(int(h.lengths.count_nonzero() > 0) for _, _, h, _ in cycles) > 5
+    for anchor, token, hints, logits in cycles:
+        assert int(row[0, anchor]) == token
+        again = copy_hints(row, torch.tensor([[anchor]]), 4, MASK)
+        assert torch.equal(again.ids, hints.ids) and torch.equal(again.lengths, hints.lengths)
+        block = torch.tensor([[token, MASK, MASK, MASK]])
+        with torch.no_grad():
+            trained = plain(
+                hinted, target, feats, torch.tensor([[anchor]]), torch.ones(1, 1, dtype=torch.bool), block, hints=again
+            )
+        torch.testing.assert_close(trained, logits, rtol=1e-5, atol=1e-5)
 
 
 def test_a_copy_hint_draft_learns_to_copy_faster_than_the_plain_draft(pair):

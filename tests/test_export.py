@@ -316,6 +316,7 @@ def test_a_dflash_draft_exports_as_a_dllm_flow_checkpoint_only(prepared, tmp_pat
     assert "config.json" not in listing and {"dflash_draft.json", "dllm.json", "README.md"} <= set(listing)
     card = (out / "README.md").read_text()
     assert "**not a transformers model**" in card and str(target_dir) in card and "abc123" in card
+    assert "| copy_hint (reads the context lookup's proposal; docs/strategies.md §10.9) | False |" in card
     assert GenerationConfig.from_pretrained(out).dllm_sampler == "speculative"
     text, nfe = _generate(resolve_checkpoint(str(out), tmp_path))
     assert nfe >= 1 and (text, nfe) == _generate(ckpt)
