@@ -79,22 +79,31 @@ _REBUILD = (
 def verify_checkpoint(path: Path) -> dict[str, str]:
     """Check every recorded digest; raise `CorruptCheckpointError` naming the first bad file."""
     path = Path(path)
+    problem, digests = checkpoint_problem(path)
+    if problem is not None and not (path / DIGESTS).is_file():
+        raise CorruptCheckpointError(problem)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{problem}; {_REBUILD.format(path=path)}")
+    return digests
+
+
+def checkpoint_problem(path: Path) -> tuple[str | None, dict[str, str] | None]:
+    """(what is wrong with checkpoint `path`, or None; its digest table where it could be read)."""
+    path = Path(path)
     digest_file = path / DIGESTS
     if not digest_file.is_file():
-        raise CorruptCheckpointError(f"{path} is not a dllm-flow checkpoint (no {DIGESTS}); it may be incomplete")
+        return f"{path} is not a dllm-flow checkpoint (no {DIGESTS}); it may be incomplete", None
     try:
         digests = json.loads(digest_file.read_text())
     except json.JSONDecodeError:
-        raise CorruptCheckpointError(f"{digest_file} is unreadable; {_REBUILD.format(path=path)}") from None
+        return f"{digest_file} is unreadable", None
     for name, expected in digests.items():
         f = path / name
         if not f.is_file():
-            raise CorruptCheckpointError(f"checkpoint file {f} is missing; {_REBUILD.format(path=path)}")
+            return f"checkpoint file {f} is missing", digests
         if sha256_file(f) != expected:
-            raise CorruptCheckpointError(
-                f"checkpoint file {f} is corrupt (sha256 mismatch, not loaded); {_REBUILD.format(path=path)}"
-            )
-    return digests
+            return f"checkpoint file {f} is corrupt (sha256 mismatch, not loaded)", digests
+    return None, digests
 
 
 def swap_into(tmp: Path, dest: Path) -> None:
@@ -183,6 +192,15 @@ def read_meta(path: Path) -> dict:
     return json.loads((Path(path) / "dllm.json").read_text())
 
 
+def tied_groups(model) -> list[list[str]]:
+    """The names under which one parameter is registered more than once (tied embeddings: the input
+    embedding and the LM head), one list per shared parameter."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def load_weights_into(model, path: Path) -> None:
     """Verify `path`, then load its safetensors weights into `model` (strict)."""
     # lazy: dllm_common stays torch-free at import (flows imports this module with torch blocked);
@@ -196,10 +214,7 @@ def load_weights_into(model, path: Path) -> None:
     state = read_weights(path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     # a name left out of the files because it aliases a stored one (tied embeddings) is loaded through it
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    aliased = {n for names in groups.values() if any(m in state for m in names) for n in names}
+    aliased = {n for names in tied_groups(model) if any(m in state for m in names) for n in names}
     missing = [n for n in missing if n not in aliased]
     if missing or unexpected:
         raise CorruptCheckpointError(
@@ -216,6 +231,17 @@ def load_trainer_state(path: Path) -> dict[str, Any] | None:
     return torch.load(f, weights_only=True, map_location="cpu")
 
 
+# what says which run wrote a checkpoint and how it was laid out, not what it holds (docs/architecture.md)
+RUN_FIELDS = ("mlflow_run_id", "layout")
+
+
 def checkpoint_digest(path: Path) -> str:
-    """One sha256 over the checkpoint's digest table: a stable id for its content."""
-    return hashlib.sha256((Path(path) / DIGESTS).read_bytes()).hexdigest()
+    """One sha256 for a checkpoint's content: every file's digest but dllm.json's, and dllm.json without the
+    fields that only say which run wrote it (`RUN_FIELDS`). Lineage is about content: a bit-identical rebuild
+    (a damaged entry set aside and trained again, which opens a new MLflow run) keeps the digest that its
+    evaluations and exports refer to."""
+    path = Path(path)
+    files = {k: v for k, v in json.loads((path / DIGESTS).read_text()).items() if k != "dllm.json"}
+    meta = {k: v for k, v in read_meta(path).items() if k not in RUN_FIELDS}
+    content = json.dumps({"files": files, "meta": meta}, sort_keys=True, default=str)
+    return hashlib.sha256(content.encode()).hexdigest()

@@ -29,6 +29,11 @@ class ConfigError(ValueError):
     """A config problem a person can fix; the message lists every offending key."""
 
 
+class TrainingDiverged(ConfigError):
+    """A NaN or infinite loss, gradient norm or weight: the training stopped at that step and nothing was
+    published. A user error: a setting (most often the learning rate) is what to change (docs/operations.md)."""
+
+
 def _numeric(annotation) -> bool:
     """A field that takes a number (int or float, optionally None) and never a boolean."""
     args = [a for a in (get_args(annotation) or (annotation,)) if a is not type(None)]
@@ -47,7 +52,8 @@ def refuse_boolean_number(model: type[BaseModel], value: Any, info: ValidationIn
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # no config value is infinite or NaN: `train.lr: .inf` would train on NaN weights from the second step
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -164,6 +170,10 @@ class TrainConfig(_Section):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.98)
     grad_clip: float = Field(1.0, gt=0)
+    # a step whose loss or gradient norm is NaN or infinite stops the training (nothing is published); up to this
+    # many such steps are skipped instead (no update; counted in train/skipped_steps). Not part of the stage key:
+    # it only decides whether a training that meets such a step fails or goes on (docs/operations.md)
+    skip_nonfinite_steps: int = Field(0, ge=0)
     seed: int = 0  # model init, data order and corruption noise
     log_every: int = Field(10, ge=1)
     val_every: int = Field(50, ge=1)

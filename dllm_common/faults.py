@@ -6,13 +6,16 @@ reaches `<point>` do `<action>`:
 
 - `kill`: SIGKILL this process (no handler, no cleanup: a power cut, an OOM kill);
 - `term`: SIGTERM this process (the clean-shutdown path, dllm_common/interrupt.py);
-- `enospc`: raise `OSError(ENOSPC)` (the disk is full).
+- `enospc`: raise `OSError(ENOSPC)` (the disk is full);
+- `nan`: `reached` returns True, and the caller makes its value NaN (`train.loss`: a step's loss diverges).
 
 Points: `publish.<stage>.written` (a stage's files written, its manifest not yet), `publish.<stage>.renaming`
 (the entry complete in its temp dir, not yet renamed into place), `checkpoint.written` (weights written,
 the rest of the checkpoint not), `checkpoint.swap` (the old checkpoint moved out, the new one not yet in),
-`train.step` (the start of each training step; `step:train[<strategy>]` for one strategy's),
-`record.save` (a run record written, not yet replaced).
+`checkpoint.shards` (a rank about to write its shards of a sharded checkpoint), `train.step` (the start of
+each training step; `step:train[<strategy>]` for one strategy's), `train.loss` (a step's loss, all-reduced:
+`nan` only), `train.update` (the weights just updated: `nan` spoils one), `record.save` (a run record
+written, not yet replaced).
 With the variable unset (always, outside tests) `reached` is one dictionary lookup.
 """
 
@@ -23,7 +26,7 @@ import os
 import signal
 
 ENV = "DLLM_FLOW_FAULT"
-ACTIONS = ("kill", "term", "enospc")
+ACTIONS = ("kill", "term", "enospc", "nan")
 
 _seen: dict[str, int] = {}
 
@@ -40,21 +43,25 @@ def plan(spec: str) -> dict[str, tuple[str, int]]:
     return out
 
 
-def reached(point: str) -> None:
-    """Mark `point`; inject its fault if the plan says this is the time."""
+def reached(point: str) -> bool:
+    """Mark `point`; inject its fault if the plan says this is the time. True when the fault is a value the
+    caller must spoil (`nan`)."""
     spec = os.environ.get(ENV)
     if not spec:
-        return
+        return False
     action_at = plan(spec).get(point)
     if action_at is None:
-        return
+        return False
     _seen[point] = _seen.get(point, 0) + 1
     action, nth = action_at
     if _seen[point] != nth:
-        return
+        return False
+    if action == "nan":
+        return True
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "term":
         os.kill(os.getpid(), signal.SIGTERM)
     else:
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected at {point})")
+    return False

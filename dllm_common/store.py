@@ -216,7 +216,7 @@ class Store:
                 os.rename(tmp, final)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            if exc.errno == errno.ENOSPC:
+            if exc.errno == errno.ENOSPC and not isinstance(exc, DiskFullError):  # one says what it was writing
                 raise DiskFullError(
                     errno.ENOSPC,
                     f"no space left on the device while writing {stage}/{key} under {self.root} ({exc}); nothing "

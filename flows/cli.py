@@ -124,14 +124,20 @@ def cmd_resume(args) -> int:
     done = [s.name for s in record.stages if s.status in ("COMPLETED", "REUSED")]
     todo = [s.name for s in record.stages if s.status not in ("COMPLETED", "REUSED")]
     _verification(args)
-    print(f"[dllm-flow] resuming pipeline run {record.run_id} ({record.status}) with its recorded config")
+    config, overrides = record.config, list(record.overrides)
+    if args.set:  # e.g. another layout, or train.skip_nonfinite_steps after a diverged step
+        from dllm_common.config import apply_overrides
+
+        config, overrides = apply_overrides(record.config, args.set), overrides + list(args.set)
+    changed = f" and {' '.join('--set ' + s for s in args.set)}" if args.set else ""
+    print(f"[dllm-flow] resuming pipeline run {record.run_id} ({record.status}) with its recorded config{changed}")
     print(f"[dllm-flow] completed before, will be reused: {', '.join(done) or 'none'}")
     print(f"[dllm-flow] to run again: {', '.join(todo) or 'none recorded'} (and every stage after them)")
     result = _run_pipeline(
         args,
         config_path=record.config_path,
-        overrides=record.overrides,
-        config=record.config,
+        overrides=overrides,
+        config=config,
         resumed_from=record.run_id,
     )
     if isinstance(result, int):
@@ -303,6 +309,13 @@ def _pipeline_commands(sub) -> None:
     run.set_defaults(func=cmd_run)
     res = sub.add_parser("resume", help="rerun a failed/crashed pipeline run with its recorded config")
     res.add_argument("run_id")
+    res.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="dotted.key=value",
+        help="change a key of the recorded config (a key of a stage's identity reruns that stage from scratch)",
+    )
     res.add_argument("--workdir", default=DEFAULT_WORKDIR)
     res.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     res.set_defaults(func=cmd_resume)
@@ -412,17 +425,27 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         if args.debug:
             raise
-        print(f"dllm-flow: error: {exc}{_log_hint(exc)}", file=sys.stderr)
+        print(f"dllm-flow: error: {exc}{_log_hint(exc)}{_resume_hint(exc, args)}", file=sys.stderr)
         return 2
     except Exception as exc:
         if args.debug:
             raise
-        print(f"dllm-flow: error: {type(exc).__name__}: {exc}{_log_hint(exc)}", file=sys.stderr)
+        print(
+            f"dllm-flow: error: {type(exc).__name__}: {exc}{_log_hint(exc)}{_resume_hint(exc, args)}", file=sys.stderr
+        )
         causes = getattr(exc, "errors", {}).values()  # several strategies failed: user errors all?
         return 2 if causes and all(isinstance(e, USER_ERRORS) for e in causes) else 1
     except Interrupted as exc:  # a signal outside the pipeline (while its services start or stop)
         print(f"dllm-flow: {exc}", file=sys.stderr)
         return exc.exit_code
+
+
+def _resume_hint(exc: BaseException, args) -> str:
+    """A pipeline run that failed: the command that resumes it (what completed is reused)."""
+    run_id = getattr(exc, "run_id", None)
+    if not run_id:
+        return ""
+    return f"\n  resume with: dllm-flow resume {run_id} --workdir {args.workdir}"
 
 
 def _log_hint(exc: BaseException) -> str:

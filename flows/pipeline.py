@@ -13,6 +13,7 @@ place where flows/ crosses into torch (a CPU pipeline worker and `prefect deploy
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import logging
@@ -210,6 +211,8 @@ def _record_end(exc: BaseException, record: RunRecord, wd: Path, parent) -> None
         exc.run_id, exc.flow_run_id = record.run_id, record.prefect_flow_run_id
     else:
         log.error("pipeline run %s failed: %s: %s", record.run_id, type(exc).__name__, str(exc)[:2000])
+        with contextlib.suppress(AttributeError, TypeError):  # the command names the run to resume
+            exc.run_id = record.run_id
 
 
 class StrategiesFailed(RuntimeError):

@@ -29,7 +29,7 @@ from dllm_common.config import ConfigError, PipelineSpec
 class StrategyOptions(BaseModel):
     """What every strategy reads: the [MASK] id (None: the tokenizer's) and the minimum noise level."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import json
 import shutil
 import time
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,8 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dllm_common import faults
-from dllm_common.checkpoint import DIGESTS, read_meta, swap_into, verify_checkpoint
-from dllm_common.store import fsync_tree, sha256_file
+from dllm_common.checkpoint import DIGESTS, read_meta, swap_into, tied_groups
+from dllm_common.store import DiskFullError, fsync_tree, sha256_file
 from strategies.base import global_sum
 from tasks.distributed import DistInfo, barrier
 
@@ -70,6 +73,33 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Register every name of each group as the group's first parameter again. Loading a state dict with
+    `assign=True` gives each name its own tensor, which silently unties them: the model would then publish two
+    copies that `from_pretrained` and a strict load of the tied architecture refuse."""
+    for first, *others in groups:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, param)
+
+
+class _ShardWriter(FileSystemWriter):
+    """DCP's file writer, with the fault point where a rank writes its shards (the fault suite fills the disk
+    there: the error then comes back wrapped in DCP's `CheckpointException`, as a real full disk's does)."""
+
+    def write_data(self, plan, planner):
+        faults.reached("checkpoint.shards")
+        return super().write_data(plan, planner)
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """The per-rank errors inside a DCP `CheckpointException` (a BaseException), or the error itself."""
+    if isinstance(exc, CheckpointException):
+        return [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
+    return [exc]
+
+
 class Checkpointer:
     def __init__(self, directory: Path, dist_info: DistInfo, sharded: bool, asynchronous: bool = False):
         self.directory, self.dist, self.sharded, self.asynchronous = Path(directory), dist_info, sharded, asynchronous
@@ -77,6 +107,7 @@ class Checkpointer:
         self._group = None  # the gloo group asynchronous writes use (from their background thread)
         self._poll_group = None  # the gloo group the main thread asks "is every rank's write done?" over
         self._skeleton = None  # FSDP2, rank 0: the meta-device module the final weights are gathered into
+        self._tied: list[list[str]] = []  # its tied parameters' names, tied again once the weights are in
         self.saved_step: int | None = None  # the step of the checkpoint on disk (written or restored)
         self.save_seconds: float | None = None  # how long the last save took
 
@@ -97,16 +128,15 @@ class Checkpointer:
         """Before sharding (FSDP2): rank 0 keeps the model's structure, without its memory."""
         if self.sharded and self.dist.is_main:
             self._skeleton = meta_skeleton(model)
+            self._tied = tied_groups(self._skeleton)
 
     def _state(self, model, opt) -> dict:
         return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
 
     def restore(self, model, opt, sched) -> tuple[int, str | None]:
         """Every rank loads its part of the model and optimizer state (after sharding or wrapping, at any
-        world size); returns (step, MLflow run id)."""
-        if self.dist.is_main:
-            verify_checkpoint(self.directory)  # a corrupt file is named, never deserialized
-        barrier()
+        world size); returns (step, MLflow run id). The launching process verified the files first
+        (`tasks.train.set_aside_damaged`)."""
         state = self._state(model, opt)
         with _single_process_is_intended():
             dcp.load(state, checkpoint_id=str(self.directory / SHARDS), no_dist=not _distributed())
@@ -133,14 +163,41 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        state, where = self._state(model, opt), str(tmp / SHARDS)
+        state, writer = self._state(model, opt), _ShardWriter(tmp / SHARDS)
         finalize = (tmp, dict(meta), json.loads(json.dumps(sched.state_dict())), t0)
-        with _single_process_is_intended():
+        with _single_process_is_intended(), self._failing_write(tmp, meta["step"]):
             if self.asynchronous:
-                self._pending = (dcp.async_save(state, checkpoint_id=where, **self._async_group()), finalize)
+                self._pending = (dcp.async_save(state, storage_writer=writer, **self._async_group()), finalize)
                 return
-            dcp.save(state, checkpoint_id=where, no_dist=not _distributed())
+            dcp.save(state, storage_writer=writer, no_dist=not _distributed())
         self._finalize(*finalize)
+
+    @contextlib.contextmanager
+    def _failing_write(self, tmp: Path, step: int):
+        """A checkpoint write that fails (on every rank: DCP agrees on failures, `_finalize` too) leaves no temp
+        folder and keeps the previous checkpoint; a full disk is the one-line `DiskFullError`, DCP's wrapped
+        error (a `BaseException` carrying every rank's traceback) a one-line RuntimeError."""
+        try:
+            yield
+        except (Exception, CheckpointException) as exc:
+            if self.dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            kept = f"the step-{self.saved_step} checkpoint is kept" if self.saved_step else "no earlier checkpoint"
+            causes = _causes(exc)
+            if any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes):
+                raise DiskFullError(
+                    errno.ENOSPC,
+                    f"no space left on the device while writing the step-{step} checkpoint in {self.directory} "
+                    f"({kept}; the partial write is removed): free space (or point --workdir at a larger disk), "
+                    "then `dllm-flow resume` continues from the kept checkpoint",
+                ) from None
+            if isinstance(exc, CheckpointException):
+                first = causes[0]
+                raise RuntimeError(
+                    f"the step-{step} checkpoint could not be written in {self.directory} ({kept}): "
+                    f"{type(first).__name__}: {first}"
+                ) from first
+            raise
 
     def _async_group(self) -> dict:
         """Background writes talk over their own gloo group, never the training's; the polls that ask whether
@@ -171,7 +228,8 @@ class Checkpointer:
             return
         future, finalize = self._pending
         self._pending = None
-        _upload(future).result()
+        with self._failing_write(finalize[0], finalize[1]["step"]):
+            _upload(future).result()
         self._finalize(*finalize)
 
     def _finalize(self, tmp: Path, meta: dict, sched_state: dict, t0: float) -> None:
@@ -194,9 +252,12 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
         if global_sum(0 if failed is None else 1) > 0:  # agreed by every rank, in place of a barrier
-            if failed is not None:
-                raise failed
-            raise RuntimeError(f"rank 0 could not finish the checkpoint of step {meta['step']} (its error is above)")
+            with self._failing_write(tmp, meta["step"]):
+                if failed is not None:
+                    raise failed
+                raise RuntimeError(
+                    f"rank 0 could not finish the checkpoint of step {meta['step']} (its error is above)"
+                )
         self.saved_step, self.save_seconds = meta["step"], time.monotonic() - t0
 
     def full_model(self, model):
@@ -208,6 +269,7 @@ class Checkpointer:
         if not self.dist.is_main:
             return None
         self._skeleton.load_state_dict(weights, assign=True)
+        retie(self._skeleton, self._tied)
         return self._skeleton
 
 

@@ -13,6 +13,7 @@ tracks, checkpoints and writes the result; the launching process publishes it.
 from __future__ import annotations
 
 import codecs
+import errno
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from dllm_common import interrupt
-from dllm_common.config import ConfigError
+from dllm_common.config import ConfigError, TrainingDiverged
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,33 @@ def terminate_children() -> None:
             proc.terminate()
 
 
+def child_error(strategy: str, record: dict) -> Exception:
+    """The exception rank 0 of a training process recorded (`tasks.torchrun_entry`), raised again here: the errors a
+    user can act on keep their type, so the command reports them as such (exit 2, one line); others become a
+    RuntimeError with the child's message."""
+    from dllm_common.checkpoint import CorruptCheckpointError
+    from dllm_common.store import DiskFullError
+
+    logging.getLogger("dllm_flow.train").info(
+        "train[%s] failed in its process:\n%s", strategy, "".join(record.get("traceback", []))
+    )
+    message = record["message"]
+    if not message.startswith(f"train[{strategy}]"):
+        message = f"train[{strategy}]: {message}"
+    kinds = {
+        "TrainingDiverged": TrainingDiverged,
+        "ConfigError": ConfigError,
+        "CorruptCheckpointError": CorruptCheckpointError,
+        "ValueError": ValueError,
+        "FileNotFoundError": FileNotFoundError,
+    }
+    if record["type"] == "DiskFullError":
+        return DiskFullError(errno.ENOSPC, message)
+    if record["type"] in kinds:
+        return kinds[record["type"]](message)
+    return RuntimeError(f"{message} ({record['type']})")
+
+
 def launch(job, out: Path) -> None:
     """Run a training job (`tasks.train.TrainJob`) under torchrun: this node's `train.nproc_per_node`
     processes of `train.nnodes` × that, global rank 0 writing its result into `out`; raise if torchrun fails."""
@@ -216,10 +244,8 @@ def launch(job, out: Path) -> None:
         raise interrupt.Interrupted(interrupt.requested(), f"train[{job.strategy}] checkpointed and stopped")
     if code != 0:
         error = job.work / CHILD_ERROR
-        if train.world_size == 1 and error.is_file():  # the child's one line; its traceback into the log file
-            text = error.read_text()
-            logging.getLogger("dllm_flow.train").info("train[%s] failed in its process:\n%s", job.strategy, text)
-            raise RuntimeError(f"train[{job.strategy}]: {text.strip().splitlines()[-1]}")
+        if error.is_file():  # rank 0's error as one line of its own type; its traceback into the log file
+            raise child_error(job.strategy, json.loads(error.read_text()))
         who = "torchrun" if train.world_size > 1 else "the training process"
         raise RuntimeError(
             f"{who} for train[{job.strategy}] exited with status {code}; see the rank logs above. "

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from dllm_common.checkpoint import DIGESTS, read_meta
+from dllm_common.checkpoint import DIGESTS, checkpoint_digest, read_meta
 from dllm_common.config import PipelineSpec
-from dllm_common.store import sha256_file, stage_key
+from dllm_common.store import stage_key
 from strategies import assemble_strategy, strategy_class
 from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.checkpoints import load_trained_model
@@ -68,8 +68,10 @@ def stage_of(
     if harness is not None:
         config["lm_eval"] = harness_versions(harness.include_path)
         modules.append("tasks.lm_eval_model")
-    key = stage_key(STAGE, config, {"train": trained.key, "data": data.key}, code_version(*modules))
-    return STAGE, key
+    # the checkpoint's content digest: a training rebuilt bit for bit (a damaged entry) keeps its evaluations,
+    # one rebuilt with other weights (another machine's numerics) is evaluated again
+    upstream = {"train": trained.key, "checkpoint": checkpoint_digest(model_dir(trained)), "data": data.key}
+    return STAGE, stage_key(STAGE, config, upstream, code_version(*modules))
 
 
 def for_strategy(spec: PipelineSpec, strategy: str) -> PipelineSpec:
@@ -241,7 +243,7 @@ def repro_card(ev: Evaluation, strategy, data_key: str) -> dict:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },
-        "checkpoint_digest": sha256_file(ckpt / DIGESTS) if (ckpt / DIGESTS).is_file() else None,
+        "checkpoint_digest": checkpoint_digest(ckpt) if (ckpt / DIGESTS).is_file() else None,
     }
     if strategy_name in e.overrides:  # the sampler settings this strategy sets itself: deliberate, not a mismatch
         card["sampler_overrides"] = sorted(e.overrides[strategy_name].values())
@@ -313,9 +315,18 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
         return {"strategy": strategy, "upstream": {"train": trained.key}, "info": info}
 
     entry, reused = store_for(workdir).reuse_or_build(stage, key, build)
-    if not reused and trained.mlflow_run_id:
+    if trained.mlflow_run_id and (not reused or _missing_from_run(spec, trained, entry, workdir)):
         _log_to_training_run(spec, trained, entry, workdir)
     return _ref(entry, strategy, reused)
+
+
+def _missing_from_run(spec: PipelineSpec, trained: StageRef, entry, workdir: str) -> bool:
+    """A reused evaluation of a training whose MLflow run is not the one it was logged to (the training was
+    rebuilt bit for bit after its entry was damaged, in a new run) and that run lacks its metrics."""
+    if entry.manifest.get("info", {}).get("train_run_id") == trained.mlflow_run_id:
+        return False
+    logged = tracking_for(spec, workdir).client.get_run(trained.mlflow_run_id).data.metrics
+    return any(k not in logged for k in json.loads((entry.path / "metrics.json").read_text()))
 
 
 def _dllm_evaluation(ev: Evaluation) -> EvalResult:

@@ -13,6 +13,7 @@ rows r, r + N, … of the global batch, token counts are all-reduced and backwar
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -20,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from dllm_common import faults, interrupt
+from dllm_common.config import TrainingDiverged
 from strategies import StepContext
 from strategies.base import global_sum
 from tasks.checkpointing import Checkpointer
@@ -41,6 +43,9 @@ class LoopSettings:
     val_rows: int
     checkpoint_every: int | None = None  # None: no checkpoints
     name: str = "train"  # the progress bar's label
+    skip_nonfinite_steps: int = 0  # steps with a NaN/infinite loss or gradient norm skipped before stopping
+    lr: float | None = None  # the configured peak LR and warm-up, named when a training diverges
+    warmup_steps: int | None = None
 
     @classmethod
     def of(cls, train, name: str) -> LoopSettings:
@@ -56,6 +61,9 @@ class LoopSettings:
             train.val_rows,
             train.checkpoint_every,
             name,
+            train.skip_nonfinite_steps,
+            train.lr,
+            train.warmup_steps,
         )
 
 
@@ -77,6 +85,7 @@ class LoopRun:
     start: int = 0
     logged_upto: int = -1  # steps an earlier, crashed attempt already logged
     pending: list = field(default_factory=list)  # (step, metrics) an earlier attempt could not log (tracking down)
+    skipped: int = 0  # steps skipped for a non-finite loss or gradient norm so far (`train.skip_nonfinite_steps`)
 
 
 def step_context(trainee: Trainee, step: int, base_seed: int, model, dist: DistInfo, grad_acc: int) -> StepContext:
@@ -143,21 +152,93 @@ def validation_loss(run: LoopRun, settings: LoopSettings) -> float:
 
 
 def train_step(run: LoopRun, settings: LoopSettings, ctx: StepContext, mbs) -> dict:
-    """One optimizer step: corrupt + forward/backward every micro-batch, clip, step, schedule."""
+    """One optimizer step: corrupt + forward/backward every micro-batch, clip, step, schedule.
+
+    A NaN or infinite loss or gradient norm (the same value on every rank: the loss is all-reduced, the norm
+    is taken over the all-reduced or sharded gradients) never reaches the weights: the step is skipped while
+    `run.skipped` is below `settings.skip_nonfinite_steps` (`train/skipped_steps` counts them), else the
+    training stops with `TrainingDiverged`."""
     loss, n_sup, draft = run_step(run.trainee, ctx, mbs, True)
+    if faults.reached("train.loss"):  # the fault suite's diverging step
+        loss = float("nan")
     # grads are already all-reduced by DDP
     grad_norm = float(torch.nn.utils.clip_grad_norm_(run.trainee.model.parameters(), settings.grad_clip))
     lr = run.sched.get_last_lr()[0]
-    run.opt.step()
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if not finite:
+        what = f"the loss is {loss:g}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm:g}"
+        if run.skipped >= settings.skip_nonfinite_steps:
+            raise TrainingDiverged(diverged_message(run, settings, ctx.step, what))
+        run.skipped += 1
+        if run.dist.is_main:
+            print(
+                f"[dllm-flow] {settings.name}: {what} at step {ctx.step + 1}; step skipped, no update "
+                f"({run.skipped} of at most {settings.skip_nonfinite_steps}: train.skip_nonfinite_steps)",
+                flush=True,
+            )
+    else:
+        run.opt.step()
+        if faults.reached("train.update"):  # the fault suite's update that spoils the weights
+            _spoil(run.trainee.model)
     run.opt.zero_grad(set_to_none=True)
-    run.sched.step()
-    return {
+    run.sched.step()  # a skipped step keeps its place in the schedule: the LR stays a function of the step
+    out = {
         "train/loss": loss,
         "train/lr": lr,
         "train/grad_norm": grad_norm,
         "train/supervised_tokens": n_sup,
         **{f"train/{k}": v for k, v in draft.items()},
     }
+    if run.skipped:
+        out["train/skipped_steps"] = run.skipped
+    return out
+
+
+def _spoil(model) -> None:
+    with torch.no_grad():
+        param = next(model.parameters())
+        getattr(param, "to_local", lambda: param)().view(-1)[0] = float("nan")
+
+
+def diverged_message(run: LoopRun, settings: LoopSettings, step: int, what: str, updated: bool = False) -> str:
+    """One line: which step, which value, the setting most likely behind it, what was kept and how to go on.
+    `updated`: the value comes after the step's own update (the weights), not before it (its loss)."""
+    where = f"{settings.name}: {what} at step {step + 1} of {settings.steps}"
+    if step == 0 and not updated:  # before any update: the weights are as initialized
+        cause = (
+            "before any weight update, so not the learning rate: the model's initial weights or the data give it "
+            "(a pretrained checkpoint in a dtype that overflows, or rows with nothing supervised)"
+        )
+    else:
+        lr = f"train.lr ({settings.lr:g})" if settings.lr is not None else "train.lr"
+        warm = f" or raise train.warmup_steps ({settings.warmup_steps})" if settings.warmup_steps is not None else ""
+        cause = f"the weights diverged: most likely {lr} is too high for this model; lower it{warm}"
+    ckpt = run.checkpointer
+    kept = (
+        f"the step-{ckpt.saved_step} checkpoint is kept: `dllm-flow resume` continues from it (with "
+        "`--set train.skip_nonfinite_steps=N` it skips up to N such steps instead of stopping)"
+        if ckpt is not None and ckpt.saved_step
+        else "no checkpoint was written before it, so a rerun starts over"
+    )
+    return f"{where}: {cause}. Nothing was published; {kept}"
+
+
+def check_finite_weights(run: LoopRun, settings: LoopSettings, step: int) -> None:
+    """Every rank's weights (its shards under FSDP2) are finite, agreed by every rank: nothing non-finite is ever
+    checkpointed or published (the update of a step can turn the weights to NaN after the last loss that would
+    have shown it)."""
+    if not weights_finite(run.trainee.model):
+        what = "the weights hold NaN or infinite values"
+        raise TrainingDiverged(diverged_message(run, settings, step, what, updated=True))
+
+
+def weights_finite(model) -> bool:
+    """Whether every weight is finite, on every rank (a collective: each rank checks its own part)."""
+    bad = 0
+    for param in model.parameters():
+        local = getattr(param, "to_local", lambda p=param: p)()  # an FSDP2 shard is a DTensor
+        bad += int(not bool(torch.isfinite(local.detach()).all()))
+    return global_sum(bad) == 0
 
 
 class TrackingUnavailable(RuntimeError):
@@ -235,6 +316,7 @@ def train_loop(run: LoopRun, settings: LoopSettings) -> float | None:
     log.flush()
     if run.checkpointer is not None:
         run.checkpointer.finish()
+    check_finite_weights(run, settings, settings.steps - 1)  # what is published is finite too
     return state.val_loss
 
 
@@ -271,9 +353,13 @@ def _one_step(run: LoopRun, settings: LoopSettings, step: int, state: _LoopState
         flush_everywhere(state.log)
     if run.checkpointer is not None and _due(step, settings.checkpoint_every) and step + 1 < settings.steps:
         flush_everywhere(state.log)
-        run.checkpointer.save(
-            run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, {**run.checkpoint_meta, "step": step + 1}
-        )
+        check_finite_weights(run, settings, step)  # a checkpoint is always one a training can go on from
+        run.checkpointer.save(run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, checkpoint_meta(run, step))
+
+
+def checkpoint_meta(run: LoopRun, step: int) -> dict:
+    """What the checkpoint after `step` records besides the model and optimizer state."""
+    return {**run.checkpoint_meta, "step": step + 1, "skipped_steps": run.skipped}
 
 
 def _tracking_lost(run: LoopRun, settings: LoopSettings, step: int, log: MetricLog, exc: Exception) -> None:
@@ -281,8 +367,10 @@ def _tracking_lost(run: LoopRun, settings: LoopSettings, step: int, log: MetricL
     them first), then fail the stage with one message saying how to go on."""
     done, ckpt = step + 1, run.checkpointer
     kept = "no checkpoint (train.checkpoint_every is not set): the stage restarts from step 0"
-    if ckpt is not None:
-        meta = {**run.checkpoint_meta, "step": done, "pending_metrics": log.buffer}
+    if ckpt is not None and not weights_finite(run.trainee.model):
+        kept = "no checkpoint of this step (its weights are not finite)"
+    elif ckpt is not None:
+        meta = {**checkpoint_meta(run, step), "pending_metrics": log.buffer}
         ckpt.save(run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, meta)
         ckpt.finish()
         kept = f"checkpoint saved at step {done} with the {len(log.buffer)} steps of metrics not yet logged"
@@ -296,8 +384,9 @@ def _stop(run: LoopRun, settings: LoopSettings, step: int, log: MetricLog) -> No
     """A signal came: flush the metrics, checkpoint this step if that fits in the time left, raise."""
     log.flush()
     done, ckpt = step + 1, run.checkpointer
-    if ckpt is not None and done < settings.steps and ckpt.fits_in(interrupt.seconds_left(), run.trainee.model):
-        ckpt.save(run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, {**run.checkpoint_meta, "step": done})
+    fits = ckpt is not None and done < settings.steps and ckpt.fits_in(interrupt.seconds_left(), run.trainee.model)
+    if fits and weights_finite(run.trainee.model):
+        ckpt.save(run.trainee.model, run.opt, run.sched, run.trainee.tokenizer, checkpoint_meta(run, step))
     if ckpt is not None:
         ckpt.finish()  # an asynchronous write still under way is completed before stopping
     saved = ckpt.saved_step if ckpt is not None else None

@@ -37,7 +37,9 @@ def stage_of(
     pipeline_name: str, trained: list[StageRef], evaluated: list[StageRef], workdir: str, **_
 ) -> tuple[str, str]:
     upstream = {r.stage: r.key for r in [*trained, *evaluated]}
-    return STAGE, stage_key(STAGE, {"pipeline": pipeline_name}, upstream, code_version("tasks.report"))
+    # the report renders from the trainings' MLflow runs: a training rebuilt in a new run is reported again
+    config = {"pipeline": pipeline_name, "runs": [t.mlflow_run_id for t in trained]}
+    return STAGE, stage_key(STAGE, config, upstream, code_version("tasks.report"))
 
 
 # ---------------------------------------------------------------------------------------- collect

@@ -34,10 +34,13 @@ def main(args_path: str) -> None:
         print(f"[dllm-flow] train[{job.strategy}]: {exc}", file=sys.stderr, flush=True)
         sys.exit(exc.exit_code)
     except Exception as exc:
+        # the launching process reports rank 0's error in one line, as its type (a user error stays one); the
+        # traceback goes to its log file
+        if info.is_main:
+            record = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exception(exc)}
+            atomic_write_text(job.work / CHILD_ERROR, json.dumps(record))
         if distributed.under_torchrun():  # torchrun reports each rank's failure itself
             raise
-        # a lone child: the launching process reports it in one line; the traceback goes to its log file
-        (job.work / CHILD_ERROR).write_text("".join(traceback.format_exception(exc)))
         sys.exit(1)
     finally:
         distributed.shutdown()

@@ -10,6 +10,7 @@ go to `store/train/<key>.work/checkpoint` (`tasks.checkpointing`). The finished 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -19,7 +20,7 @@ from prefect.deployments import run_deployment
 from safetensors.torch import save_file
 from torch.nn.parallel import DistributedDataParallel
 
-from dllm_common.checkpoint import recover_checkpoint, write_checkpoint
+from dllm_common.checkpoint import checkpoint_problem, read_meta, recover_checkpoint, write_checkpoint
 from dllm_common.config import PipelineSpec, flatten
 from dllm_common.store import stage_key
 from strategies import strategy_class
@@ -58,12 +59,15 @@ LAYOUT_KEYS = (
     "threads",
     "checkpoint_async",
 )
+# nor is what only decides whether a training that meets a non-finite step fails or skips it (the count of skipped
+# steps is recorded with the result)
+NOT_IN_KEY = (*LAYOUT_KEYS, "skip_nonfinite_steps")
 
 
 def train_slice(spec: PipelineSpec, strategy: str) -> dict:
     """The config that shapes training (the stage key's config part): model, train without its layout
-    (`LAYOUT_KEYS`), the strategy's options."""
-    train = {k: v for k, v in spec.train.model_dump(mode="json").items() if k not in LAYOUT_KEYS}
+    (`NOT_IN_KEY`), the strategy's options."""
+    train = {k: v for k, v in spec.train.model_dump(mode="json").items() if k not in NOT_IN_KEY}
     out = {
         "strategy": strategy,
         "model": spec.model.model_dump(mode="json"),
@@ -212,6 +216,7 @@ def setup_run(job: TrainJob, dist: distributed.DistInfo) -> LoopRun:
     opt, sched = make_optimizer(model, OptimSettings.of(cfg))
     # each rank loads its part of the checkpoint, whatever world size and layout wrote it (DCP reshards)
     start, run_id = checkpointer.restore(model, opt, sched) if resuming else (0, None)
+    skipped = read_meta(checkpointer.directory).get("skipped_steps", 0) if resuming else 0
     if resuming and dist.is_main:
         print(
             f"[dllm-flow] train[{job.strategy}]: resuming from the step-{start} checkpoint in {checkpointer.directory}",
@@ -245,6 +250,7 @@ def setup_run(job: TrainJob, dist: distributed.DistInfo) -> LoopRun:
         start,
         tracker.last_step("train/loss") if (start and tracker) else -1,
         checkpointer.pending_metrics() if resuming else [],
+        skipped,
     )
 
 
@@ -263,6 +269,8 @@ def _write_result(job: TrainJob, run: LoopRun, model, val_loss: float | None, ou
     """The final model (and LoRA adapter) into `out`, logged to the strategy's MLflow run; the manifest fields."""
     spec, tracker = job.spec, run.tracker
     meta = {**run.checkpoint_meta, "step": spec.train.steps, "final_val_loss": val_loss, "data_key": job.data.key}
+    if run.skipped:
+        meta["skipped_steps"] = run.skipped
     meta["layout"] = {
         **layout(run.dist.world, spec.train.parallel, run.device, spec.train.nnodes),
         "micro_batch_size": spec.train.micro_batch_size,
@@ -305,9 +313,33 @@ def _write_adapter(dest: Path, model, peft) -> None:
 # ------------------------------------------------------------------ the stage
 
 
+def set_aside_damaged(job: TrainJob) -> None:
+    """A resumable checkpoint whose files fail their digests is never loaded: it is moved aside (kept for
+    inspection, as a damaged store entry is) and the training starts over, with one line saying so."""
+    ckpt = job.work / "checkpoint"
+    if not ckpt.is_dir():
+        return
+    problem, _ = checkpoint_problem(ckpt)
+    if problem is None:
+        return
+    try:
+        step = f"step-{read_meta(ckpt)['step']} "
+    except (OSError, ValueError, KeyError):
+        step = ""
+    # beside the work dir, which goes once the training publishes
+    aside = job.work.with_name(f"{job.key}.checkpoint.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    os.rename(ckpt, aside)
+    print(
+        f"[dllm-flow] train[{job.strategy}]: its {step}checkpoint is damaged ({problem}); moved aside to {aside}; "
+        "the training starts over from step 0",
+        flush=True,
+    )
+
+
 def _build(job: TrainJob, out: Path) -> dict:
     """Train into `out`: in this process, or under torchrun (rank 0 writes `out` and the manifest fields)."""
     recover_checkpoint(job.work / "checkpoint")  # a checkpoint write killed mid-swap
+    set_aside_damaged(job)
     if job.spec.train.world_size == 1 and job.spec.pipeline.max_parallel == 1:
         return run_training(job, out, distributed.DistInfo())
     # torchrun, or one child process per training when several train at once (global RNG, threads, memory)

@@ -2,8 +2,10 @@
 
 The same global batch (8 rows) is trained as 1 process × 2 micro-batches of 4 and as 2 processes ×
 1 micro-batch of 4: same rows, same per-sample noise, counts all-reduced, backward × N under DDP.
-Per-step training losses, validation losses and final weights must agree to float tolerance."""
+Per-step training losses, validation losses and final weights must agree to float tolerance, and what each
+layout publishes goes through the rest of the pipeline (evaluate, report)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,17 @@ from tasks.train import model_dir, train
 pytestmark = pytest.mark.slow
 
 
-def _spec(tiny_spec, nproc: int, parallel: str = "ddp", checkpoint_every: int = 100, checkpoint_async=False):
+def _spec(
+    tiny_spec,
+    nproc: int,
+    parallel: str = "ddp",
+    checkpoint_every: int = 100,
+    checkpoint_async=False,
+    tie_embeddings: bool = True,
+):
     return tiny_spec.model_copy(
         update={
+            "model": tiny_spec.model.model_copy(update={"tie_embeddings": tie_embeddings}),
             "train": tiny_spec.train.model_copy(
                 update={
                     "steps": 6,
@@ -29,35 +39,95 @@ def _spec(tiny_spec, nproc: int, parallel: str = "ddp", checkpoint_every: int = 
                     "parallel": parallel,
                     "checkpoint_async": checkpoint_async,
                 }
-            )
+            ),
         }
     )
 
 
-@pytest.mark.parametrize("strategy,parallel", [("block_diffusion", "ddp"), ("hybrid", "fsdp2")])
-def test_two_gloo_processes_match_one_process(prepared, tiny_spec, tmp_path, strategy, parallel):
-    from safetensors.torch import load_file
+def _weights(ref) -> dict:
+    from dllm_common.checkpoint import read_weights
 
+    return read_weights(model_dir(ref))
+
+
+def through_the_pipeline(spec, strategy, data, workdir, trained) -> dict:
+    """What follows training in a pipeline: evaluate the published model (a strict load of the architecture) and
+    render the report from MLflow; the evaluation's metrics."""
+    from tasks.evaluate import evaluate
+    from tasks.report import report
+
+    evaluated = evaluate(spec, strategy, trained, data, str(workdir))
+    rendered = report(spec.pipeline.name, [trained], [evaluated], str(workdir))
+    assert f"| {strategy} |" in (Path(rendered.path) / "report.md").read_text()
+    return json.loads((Path(evaluated.path) / "metrics.json").read_text())
+
+
+def compare_published(one, two) -> float:
+    """The same tensors under the same names (tied embeddings stored once, as the one-process run stores them);
+    the largest difference."""
+    wa, wb = _weights(one), _weights(two)
+    assert sorted(wa) == sorted(wb)
+    return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def one_process(prepared, tiny_spec, tmp_path_factory):
+    """Each (strategy, tied) of the layout matrix trained, evaluated and reported by one process."""
     data, _ = prepared
-    one = train(_spec(tiny_spec, 1), strategy, data, str(tmp_path / "one"))
-    # FSDP2 also writes a mid-run checkpoint (gathered full weights + optimizer state)
-    two = train(
-        _spec(tiny_spec, 2, parallel, checkpoint_every=3 if parallel == "fsdp2" else 100),
-        strategy,
-        data,
-        str(tmp_path / "two"),
-    )
+    workdir = tmp_path_factory.mktemp("one-process")
+    runs = {}
+    for strategy, tied in {(c[0], c[1]) for c in LAYOUTS}:
+        spec = _spec(tiny_spec, 1, checkpoint_every=3, tie_embeddings=tied)
+        ref = train(spec, strategy, data, str(workdir))
+        runs[strategy, tied] = (ref, through_the_pipeline(spec, strategy, data, workdir, ref))
+    return runs, workdir
+
+
+# (strategy, tied embeddings, processes, parallel, asynchronous checkpoints): every publishing path a training can
+# take — FSDP2 gathers the weights into a meta-device copy and must tie them again, DDP publishes its replica
+LAYOUTS = [
+    ("mdlm", True, 2, "fsdp2", False),
+    ("mdlm", True, 2, "ddp", True),
+    ("hybrid", False, 2, "fsdp2", False),
+    ("block_diffusion", False, 2, "ddp", True),
+    ("mdlm", False, 1, "ddp", True),
+]
+
+
+@pytest.mark.parametrize(
+    "strategy,tied,nproc,parallel,asynchronous",
+    LAYOUTS,
+    ids=[
+        f"{s}-{'tied' if t else 'untied'}-{n}x{p if n > 1 else 'single'}-{'async' if a else 'sync'}"
+        for s, t, n, p, a in LAYOUTS
+    ],
+)
+def test_every_layout_publishes_what_evaluation_loads(
+    prepared, tiny_spec, tmp_path, one_process, strategy, tied, nproc, parallel, asynchronous
+):
+    """Trained under the layout (a checkpoint every 3 steps), then evaluated and reported: the pipeline completes,
+    per-step losses and validation losses equal the one-process run's, and so do the published weights."""
+    data, _ = prepared
+    runs, one_dir = one_process
+    one, one_metrics = runs[strategy, tied]
+    spec = _spec(tiny_spec, nproc, parallel, checkpoint_every=3, checkpoint_async=asynchronous, tie_embeddings=tied)
+    two = train(spec, strategy, data, str(tmp_path))
     assert not two.reused and two.mlflow_run_id
+    label = f"{strategy}/{'tied' if tied else 'untied'}/{nproc}x{parallel}/{'async' if asynchronous else 'sync'}"
     for key in ("train/loss", "val/loss"):
-        a = _metric_history(tmp_path / "one", one.mlflow_run_id, key)
-        b = _metric_history(tmp_path / "two", two.mlflow_run_id, key)
+        a = _metric_history(one_dir, one.mlflow_run_id, key)
+        b = _metric_history(tmp_path, two.mlflow_run_id, key)
         assert [s for s, _ in a] == [s for s, _ in b] and len(a) >= 2
         diff = max(abs(x - y) for (_, x), (_, y) in zip(a, b))
-        print(f"{strategy}/{parallel} {key}: max |1 proc − 2 procs| = {diff:.2e} over {len(a)} steps")
+        print(f"[measured] {label} {key}: max |1 proc − layout| = {diff:.2e} over {len(a)} steps")
         assert diff < 1e-5
-    wa = load_file(str(model_dir(one) / "model.safetensors"))
-    wb = load_file(str(model_dir(two) / "model.safetensors"))
-    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+    weights = compare_published(one, two)
+    print(f"[measured] {label} published weights: max |1 proc − layout| = {weights:.2e}")
+    assert weights < 1e-4
+    metrics = through_the_pipeline(spec, strategy, data, tmp_path, two)
+    for name in ("eval/nelbo", "eval/ar_nll"):
+        if name in one_metrics:
+            assert abs(metrics[name] - one_metrics[name]) < 1e-3, (name, metrics[name], one_metrics[name])
 
 
 def test_dflash_draft_under_two_gloo_processes_matches_one_process(prepared, tiny_spec, tmp_path):
@@ -111,7 +181,6 @@ print(json.dumps(asdict(ref)))
 
 def train_in_child(spec, data, workdir, **env):
     """`train` in a fresh interpreter (one that may be SIGKILLed, or one node of several); stdout: its StageRef."""
-    import json
     import os
     import subprocess
     import sys
@@ -125,25 +194,24 @@ def train_in_child(spec, data, workdir, **env):
     )
 
 
-def test_two_nodes_of_one_process_train_like_one_process(prepared, tiny_spec, tmp_path):
+def test_two_nodes_of_one_process_train_like_one_process(prepared, tiny_spec, tmp_path, one_process):
     """Two nodes × one process on 127.0.0.1 (static rendezvous at node 0, node rank from $NODE_RANK): the same
     global batch, so the per-step losses equal the one-process run's; node 0 publishes, node 1 waits for it."""
-    import json
-
     from conftest import free_port
 
     from tasks.common import StageRef
 
     data, _ = prepared
-    one = train(_spec(tiny_spec, 1), "mdlm", data, str(tmp_path / "one"))
-    base = _spec(tiny_spec, 1)
+    runs, one_dir = one_process
+    one = runs["mdlm", True][0]
+    base = _spec(tiny_spec, 1, checkpoint_every=3)
     two_nodes = base.model_copy(
         update={"train": base.train.model_copy(update={"nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}"})}
     )
     nodes = [train_in_child(two_nodes, data, tmp_path / "two", NODE_RANK=str(r)) for r in (0, 1)]
     refs = [StageRef(**json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0] and refs[0].path == refs[1].path and refs[0].key == one.key
-    a, b = _losses(tmp_path / "one", one), _losses(tmp_path / "two", refs[0])
+    a, b = _losses(one_dir, one), _losses(tmp_path / "two", refs[0])
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(6))
     diff = max(abs(x - y) for (_, x), (_, y) in zip(a, b))
     print(f"[measured] 2 nodes x 1 process vs 1 process: max per-step loss difference {diff:.1e}")
@@ -160,14 +228,13 @@ def _losses(workdir, ref):
     "before,after", [((2, "fsdp2"), (1, "ddp")), ((1, "ddp"), (2, "ddp")), ((2, "ddp"), (2, "fsdp2"))]
 )
 def test_a_checkpoint_resumes_at_another_world_size_and_layout(
-    prepared, tiny_spec, tmp_path, monkeypatch, capfd, before, after
+    prepared, tiny_spec, tmp_path, one_process, monkeypatch, capfd, before, after
 ):
     """Killed after the step-3 checkpoint under one layout, resumed under another: the loss curve continues
     the uninterrupted one-process run's (same global batch, data order and noise; DCP reshards the state)."""
-    import json
-
     data, _ = prepared
-    full = train(_spec(tiny_spec, 1, checkpoint_every=3), "mdlm", data, str(tmp_path / "full"))
+    runs, one_dir = one_process
+    full = runs["mdlm", True][0]  # trained with checkpoints every 3 steps too
     work = str(tmp_path / "resumed")
     # SIGKILL at the start of step 5 (6 for the asynchronous checkpoint, swapped in once written, a step or two on)
     monkeypatch.setenv("DLLM_FLOW_FAULT", "train.step=kill@6" if before[1] == "fsdp2" else "train.step=kill@5")
@@ -185,7 +252,7 @@ def test_a_checkpoint_resumes_at_another_world_size_and_layout(
     capfd.readouterr()
     resumed = train(_spec(tiny_spec, *after, checkpoint_every=3), "mdlm", data, work)
     assert "train[mdlm]: resuming from the step-3 checkpoint" in capfd.readouterr().out
-    a, b = _losses(tmp_path / "full", full), _losses(tmp_path / "resumed", resumed)
+    a, b = _losses(one_dir, full), _losses(tmp_path / "resumed", resumed)
     assert [s for s, _ in b] == list(range(6)) and [s for s, _ in a] == list(range(6))
     diff = max(abs(x - y) for (_, x), (_, y) in zip(a, b))
     with capfd.disabled():
@@ -193,3 +260,24 @@ def test_a_checkpoint_resumes_at_another_world_size_and_layout(
     assert diff < 1e-5
     layout = json.loads((Path(resumed.path) / "model" / "dllm.json").read_text())["layout"]
     assert layout["processes"] == after[0] and layout["parallel"] == (after[1] if after[0] > 1 else "single")
+    assert compare_published(full, resumed) < 1e-4  # tied embeddings stored once, as one process stores them
+    through_the_pipeline(_spec(tiny_spec, *after, checkpoint_every=3), "mdlm", data, tmp_path / "resumed", resumed)
+
+
+def test_a_full_disk_during_a_sharded_checkpoint_is_one_line(prepared, tiny_spec, tmp_path, monkeypatch):
+    """FSDP2 over 2 processes, the disk full while the ranks write their shards of the step-4 checkpoint: DCP's
+    wrapped failure (a BaseException holding every rank's traceback) reaches the command as the one-line disk-full
+    error, and the step-2 checkpoint is kept."""
+    from dllm_common.store import DiskFullError
+
+    data, _ = prepared
+    monkeypatch.setenv("DLLM_FLOW_FAULT", "checkpoint.shards=enospc@2")  # each rank's second checkpoint write
+    with pytest.raises(DiskFullError) as err:
+        train(_spec(tiny_spec, 2, "fsdp2", checkpoint_every=2), "mdlm", data, str(tmp_path))
+    checkpoint = next((tmp_path / "store" / "train").glob("*.work/checkpoint"))
+    assert str(err.value) == (
+        f"train[mdlm]: no space left on the device while writing the step-4 checkpoint in {checkpoint} (the step-2 "
+        "checkpoint is kept; the partial write is removed): free space (or point --workdir at a larger disk), then "
+        "`dllm-flow resume` continues from the kept checkpoint"
+    )
+    assert json.loads((checkpoint / "dllm.json").read_text())["step"] == 2

@@ -216,7 +216,11 @@ def test_a_checkpoint_that_fails_on_rank_0_fails_on_every_rank(tmp_path):
             for proc in ctx.processes:
                 proc.kill()
             pytest.fail("a rank is still waiting after rank 0's checkpoint failed")
-    assert (tmp_path / "rank0.txt").read_text().startswith("OSError: [Errno 28] No space left on device")
+    assert (
+        (tmp_path / "rank0.txt")
+        .read_text()
+        .startswith("DiskFullError: no space left on the device while writing the step-3 checkpoint")
+    )
     assert (tmp_path / "rank1.txt").read_text() == (
         "RuntimeError: rank 0 could not finish the checkpoint of step 3 (its error is above)"
     )

@@ -66,6 +66,10 @@ def test_an_eval_override_rekeys_only_the_strategy_it_names(tiny_spec, tmp_path)
     from tasks.common import StageRef
     from tasks.evaluate import stage_of as eval_stage_of
 
+    (tmp_path / "model").mkdir()  # the trained checkpoint's records its evaluation is keyed on
+    (tmp_path / "model" / "digests.json").write_text("{}")
+    (tmp_path / "model" / "dllm.json").write_text("{}")
+
     def keys(overrides):
         raw = tiny_spec.model_dump(mode="json")
         raw["pipeline"]["strategies"] = ["mdlm", "scdd"]
