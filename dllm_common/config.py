@@ -6,6 +6,7 @@ allowed (see `ConfigError`). `load_config(path, overrides)` is the single entry 
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import re
@@ -450,6 +451,54 @@ def _section_for(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+class DuplicateKeyError(ValueError):
+    """A key written twice in one YAML mapping: YAML itself would keep the last and drop the first, silently."""
+
+    def __init__(self, key: str, first: int, second: int):
+        self.key, self.first, self.second = key, first, second
+        lines = f"on line {first}" if first == second else f"on line {first} and on line {second}"
+        super().__init__(
+            f"{key} appears twice ({lines}); YAML would silently keep only the second, so merge the two or delete one"
+        )
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's SafeLoader, refusing a mapping that holds a key twice (`DuplicateKeyError` names its dotted path and
+    both lines) before anything is built from the document."""
+
+    def construct_document(self, node):
+        _refuse_duplicate_keys(node)
+        return super().construct_document(node)
+
+
+def _refuse_duplicate_keys(root: yaml.Node) -> None:
+    queue, seen = collections.deque([(root, "")]), set()
+    while queue:  # breadth first: the outermost duplicate is the one named
+        node, path = queue.popleft()
+        if id(node) in seen:  # an anchor used again (or a recursive structure): checked once
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[tuple[str, str], int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: overriding is what it is for
+                    continue
+                name = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node.start_mark)
+                where = f"{path}.{name}" if path else name
+                line = key_node.start_mark.line + 1
+                if (key_node.tag, name) in lines:
+                    raise DuplicateKeyError(where, lines[(key_node.tag, name)], line)
+                lines[(key_node.tag, name)] = line
+                queue.append((value_node, where))
+        elif isinstance(node, yaml.SequenceNode):
+            queue.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text as Python data, refusing a key written twice (`UniqueKeyLoader`)."""
+    return yaml.load(text, Loader=UniqueKeyLoader)
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """`a.b.c=value` → (['a','b','c'], value parsed as YAML)."""
     if "=" not in item:
@@ -460,7 +509,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if raw == "":
         return key.strip().split("."), ""
     try:
-        return key.strip().split("."), yaml.safe_load(raw)
+        return key.strip().split("."), load_yaml(raw)
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"override {item!r}: {exc}") from None
     except yaml.YAMLError as exc:
         where = f" ({exc.problem})" if getattr(exc, "problem", None) else ""
         raise ConfigError(
@@ -489,7 +540,9 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p} (pass the path of a YAML file, e.g. configs/quickstart.yaml)")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        raw = load_yaml(p.read_text(encoding="utf-8"))
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"config file {p}: {exc}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"config file {p} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "

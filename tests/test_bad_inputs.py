@@ -227,3 +227,51 @@ def test_a_config_path_that_is_a_directory_or_not_text_is_named(tmp_path):
     binary.write_bytes(b"\x00\xff")
     with pytest.raises(ConfigError, match=rf"config file {binary} is not UTF-8 text \(byte 0xff at offset 1\)"):
         read_yaml(binary)
+
+
+# ---------------------------------------------------------------- 4. values the config alone shows are wrong (issue 28)
+
+
+def _validate(capsys, *sets: str, config: str = "configs/smoke.yaml"):
+    """`dllm-flow validate CONFIG --set ...` in this process: (exit status, stderr)."""
+    from conftest import ROOT
+
+    from flows.cli import main
+
+    capsys.readouterr()
+    args = [arg for item in sets for arg in ("--set", item)]
+    code = main(["validate", str(ROOT / config), *args])
+    return code, capsys.readouterr().err
+
+
+def test_a_key_written_twice_is_refused_naming_it_and_both_lines(tmp_path, capsys):
+    from dllm_common.config import apply_overrides, read_yaml
+
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(
+        "pipeline:\n  name: t\ntrain:\n  global_batch_size: 16\neval:\n  sample_length: 8\n"
+        "train:\n  global_batch_size: 32\n"
+    )
+    expected = (
+        f"config file {twice}: train appears twice (on line 3 and on line 7); YAML would silently keep only the "
+        "second, so merge the two or delete one"
+    )
+    with pytest.raises(ConfigError) as err:
+        read_yaml(twice)
+    assert str(err.value) == expected
+    code, err = _validate(capsys, config=str(twice))
+    assert code == 2 and err == f"dllm-flow: error: {expected}\n"
+    inside = tmp_path / "inside.yaml"
+    inside.write_text(
+        "train:\n  steps: 30\n  lr: 0.01\n  steps: 40\neval:\n  overrides: {scdd: {top_k: 1, top_k: 2}}\n"
+    )
+    with pytest.raises(ConfigError, match=r"inside.yaml: train\.steps appears twice \(on line 2 and on line 4\)"):
+        read_yaml(inside)
+    with pytest.raises(
+        ConfigError, match=r"^override 'train=\{steps: 3, steps: 4\}': steps appears twice \(on line 1\)"
+    ):
+        apply_overrides({}, ["train={steps: 3, steps: 4}"])
+    # the same key in two sections, anchors and merge keys (`<<:` overrides on purpose) stay as YAML has them
+    fine = tmp_path / "fine.yaml"
+    fine.write_text("a: &base {k: 1, j: 2}\nb:\n  <<: *base\n  k: 3\nc: {k: 4}\nd: *base\n")
+    assert read_yaml(fine) == {"a": {"k": 1, "j": 2}, "b": {"k": 3, "j": 2}, "c": {"k": 4}, "d": {"k": 1, "j": 2}}
