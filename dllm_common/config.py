@@ -123,8 +123,8 @@ class ModelConfig(_Section):
     hidden_size: int = Field(128, ge=8)
     num_layers: int = Field(4, ge=1)
     num_heads: int = Field(4, ge=1)
-    num_kv_heads: int | None = None
-    intermediate_size: int | None = None
+    num_kv_heads: int | None = Field(None, ge=1)  # None: num_heads (no grouped-query attention)
+    intermediate_size: int | None = Field(None, ge=1)  # None: 3 × hidden_size
     tie_embeddings: bool = True
     path: str | None = None  # local dir or hub id for kind=pretrained
     gguf_file: str | None = None
@@ -139,6 +139,18 @@ class ModelConfig(_Section):
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})"
+            )
+        if (self.hidden_size // self.num_heads) % 2:  # both families use rotary position embeddings
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) ÷ model.num_heads ({self.num_heads}) = "
+                f"{self.hidden_size // self.num_heads} dimensions per head, which must be even (rotary position "
+                "embeddings rotate pairs of dimensions); change model.hidden_size or model.num_heads"
+            )
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            fits = [k for k in range(1, self.num_heads + 1) if self.num_heads % k == 0]
+            raise ValueError(
+                f"model.num_kv_heads ({self.num_kv_heads}) must divide model.num_heads ({self.num_heads}): each "
+                f"key/value head serves the same number of query heads; use one of {fits}"
             )
         return self
 
@@ -160,10 +172,10 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(32, ge=1)  # sequences per forward on one rank
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: int = Field(20, ge=0)  # at most `steps` (equal: train.lr is reached at the last step, no decay)
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.98)
+    betas: tuple[float, float] = (0.9, 0.98)  # AdamW's moment decay rates, each in [0, 1)
     grad_clip: float = Field(1.0, gt=0)
     seed: int = 0  # model init, data order and corruption noise
     log_every: int = Field(10, ge=1)
@@ -193,6 +205,21 @@ class TrainConfig(_Section):
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):  # NaN fails too
+            raise ValueError(
+                f"train.betas must be two numbers in [0, 1) (AdamW's decay rates of its gradient moments, e.g. "
+                f"[0.9, 0.98]), got {list(betas)}"
+            )
+        return betas
+
+    @model_validator(mode="after")
+    def _warmup_within_steps(self) -> TrainConfig:
+        refuse_long_warmup("train", self.warmup_steps, self.steps)
+        return self
+
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainConfig:
         per_rank = self.global_batch_size // self.world_size
@@ -209,6 +236,17 @@ class TrainConfig(_Section):
                 f"train.rdzv_endpoint ({self.rdzv_endpoint!r}) must be HOST:PORT, e.g. trainer-0.trainer:29500"
             )
         return self
+
+
+def refuse_long_warmup(section: str, warmup_steps: int, steps: int) -> None:
+    """The LR schedule ramps up over `warmup_steps`: longer than the training, it never reaches the learning rate.
+    Equal is allowed: the last step trains at the full rate (and nothing is left to decay)."""
+    if warmup_steps > steps:
+        raise ValueError(
+            f"{section}.warmup_steps ({warmup_steps}) is larger than {section}.steps ({steps}): the learning rate "
+            f"would still be ramping up when training ends and never reach {section}.lr; set {section}.warmup_steps "
+            f"to at most {steps}"
+        )
 
 
 class ScorerConfig(_Section):
@@ -337,7 +375,7 @@ class PretrainTargetConfig(_Section):
     family: Literal["llama", "qwen3"] = "llama"
     num_layers: int = Field(6, ge=1)
     num_heads: int = Field(4, ge=1)
-    intermediate_size: int | None = None
+    intermediate_size: int | None = Field(None, ge=1)  # None: 3 × model.hidden_size
     steps: int = Field(600, ge=1)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0)
@@ -346,6 +384,11 @@ class PretrainTargetConfig(_Section):
     val_every: int = Field(100, ge=1)
     val_rows: int = Field(128, ge=1)
     log_every: int = Field(10, ge=1)
+
+    @model_validator(mode="after")
+    def _warmup_within_steps(self) -> PretrainTargetConfig:
+        refuse_long_warmup("dflash.pretrain", self.warmup_steps, self.steps)
+        return self
 
 
 class RegenerateConfig(_Section):
@@ -428,7 +471,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
             parent = _section_for(e["loc"][:-1])
             allowed = sorted(parent.model_fields) if parent else []
             lines.append(f"  {path}: unknown key (value {value!r}); allowed keys here: {allowed}")
-        elif not e["loc"]:  # a rule across sections: its message names the keys; the input is the whole config
+        elif not e["loc"] or (e["type"] == "value_error" and f"{path}" in e["msg"]):
+            # a rule that names its keys itself (across sections, or across one section's keys): its message alone,
+            # not the whole section or config it was given
             lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {path}: {e['msg']} (got {value!r})")

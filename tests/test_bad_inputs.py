@@ -275,3 +275,60 @@ def test_a_key_written_twice_is_refused_naming_it_and_both_lines(tmp_path, capsy
     fine = tmp_path / "fine.yaml"
     fine.write_text("a: &base {k: 1, j: 2}\nb:\n  <<: *base\n  k: 3\nc: {k: 4}\nd: *base\n")
     assert read_yaml(fine) == {"a": {"k": 1, "j": 2}, "b": {"k": 3, "j": 2}, "c": {"k": 4}, "d": {"k": 1, "j": 2}}
+
+
+def test_a_warmup_longer_than_the_training_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError) as err:
+        validate_config(_spec(["mdlm"], train={"steps": 10, "warmup_steps": 11}))
+    assert str(err.value).splitlines()[1:] == [
+        "  train.warmup_steps (11) is larger than train.steps (10): the learning rate would still be ramping up when "
+        "training ends and never reach train.lr; set train.warmup_steps to at most 10"
+    ]
+    with pytest.raises(
+        ConfigError, match=r"dflash\.pretrain\.warmup_steps \(30\) is larger than dflash\.pretrain\.steps"
+    ):
+        validate_config(_spec(["dflash"], dflash={"pretrain": {"steps": 20}}))
+    # equal is allowed: the last step trains at train.lr (the schedule reaches 1 there; nothing is left to decay)
+    from dllm_common.config import TrainConfig
+    from tasks.runtime import OptimSettings, lr_lambda
+
+    assert validate_config(_spec(["mdlm"], train={"steps": 10, "warmup_steps": 10})).train.warmup_steps == 10
+    assert lr_lambda(9, OptimSettings.of(TrainConfig(steps=10, warmup_steps=10))) == 1.0
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["train.betas=[1.5, 0.9]"], "train.betas must be two numbers in [0, 1) (AdamW's decay rates of its gradient"),
+        (["train.betas=[0.9, 1.0]"], "got [0.9, 1.0]"),
+        (["train.betas=[-0.1, 0.9]"], "train.betas must be two numbers in [0, 1)"),
+        (["train.betas=[0.9, .nan]"], "got [0.9, nan]"),
+        (["train.weight_decay=-0.1"], "train.weight_decay: Input should be greater than or equal to 0"),
+        (
+            ["model.num_kv_heads=3"],
+            "model.num_kv_heads (3) must divide model.num_heads (4): each key/value head serves the same number of "
+            "query heads; use one of [1, 2, 4]",
+        ),
+        (["model.num_kv_heads=0"], "model.num_kv_heads: Input should be greater than or equal to 1 (got 0)"),
+        (["model.intermediate_size=-5"], "model.intermediate_size: Input should be greater than or equal to 1"),
+        (["model.intermediate_size=0"], "model.intermediate_size: Input should be greater than or equal to 1"),
+        (["model.hidden_size=66"], "model.hidden_size (66) must be divisible by model.num_heads (4)"),
+        (
+            ["model.hidden_size=96", "model.num_heads=32"],
+            "model.hidden_size (96) ÷ model.num_heads (32) = 3 dimensions per head, which must be even (rotary "
+            "position embeddings rotate pairs of dimensions); change model.hidden_size or model.num_heads",
+        ),
+        (["dflash.pretrain.intermediate_size=0"], "dflash.pretrain.intermediate_size: Input should be greater than"),
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else None,
+)
+def test_optimizer_and_model_shape_values_torch_would_fail_on_are_refused_by_validate(capsys, sets, message):
+    code, err = _validate(capsys, *sets)
+    assert code == 2 and err.startswith("dllm-flow: error: invalid config ") and message in err, err
+    assert "(got {" not in err  # a rule that names its keys is not followed by the whole section
+
+
+def test_optimizer_and_model_shapes_that_fit_are_kept(capsys):
+    for sets in (["train.betas=[0.0, 0.999]"], ["model.num_kv_heads=2"], ["model.num_kv_heads=4"]):
+        assert _validate(capsys, *sets)[0] == 0, sets
+    assert _validate(capsys, "model.hidden_size=72", "model.num_heads=4")[0] == 0  # 18 per head
