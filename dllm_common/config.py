@@ -450,6 +450,23 @@ class PipelineSpec(_Section):
     dflash: DFlashConfig = DFlashConfig()
 
     @model_validator(mode="after")
+    def _samples_fit_the_context(self) -> PipelineSpec:
+        # a tiny model's context (max_position_embeddings) is data.seq_len, and so is the embedded DFlash target's;
+        # a pretrained model's is checked once its config is read, before training (tasks/evaluate.py)
+        if self.model.kind == "tiny" and self.dflash.target_model_id is None:
+            problem = context_overflow(
+                1,
+                self.eval.sample_length,
+                self.data.seq_len,
+                prompt="the shortest eval.prompts entry",
+                new="eval.sample_length",
+                context_of="the model's context (data.seq_len, a tiny model's max_position_embeddings)",
+            )
+            if problem:
+                raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _one_rendezvous_per_node(self) -> PipelineSpec:
         if self.train.nnodes > 1 and self.pipeline.max_parallel > 1:
             raise ValueError(
@@ -457,6 +474,32 @@ class PipelineSpec(_Section):
                 "0's rendezvous port; train the strategies one after another (pipeline.max_parallel: 1)"
             )
         return self
+
+
+def context_overflow(
+    prompt_tokens: int,
+    new_tokens: int,
+    context: int,
+    *,
+    prompt: str = "--prompt",
+    new: str = "--max-new-tokens",
+    context_of: str = "the model's context",
+    spans: str = "",
+) -> str | None:
+    """What is wrong when a prompt of `prompt_tokens` and `new_tokens` generated after it do not fit a model's
+    `context` of positions (None: they fit), naming the settings to change: `dllm-flow generate`'s flags, or
+    `eval.prompts` and `eval.sample_length` for the evaluation's samples (one rule, one wording for both)."""
+    if prompt_tokens > context:
+        return f"{prompt} is {prompt_tokens} tokens{spans}, longer than {context_of} of {context} positions; shorten it"
+    if prompt_tokens + new_tokens <= context:
+        return None
+    room = context - prompt_tokens
+    fix = f"lower {new} to at most {room}" if room >= 1 else f"shorten {prompt} to leave room"
+    tokens = f"{prompt_tokens} token{'s' if prompt_tokens != 1 else ''}"
+    return (
+        f"{prompt} ({tokens}) + {new} ({new_tokens}) = {prompt_tokens + new_tokens} positions, more than {context_of} "
+        f"of {context}; {fix}"
+    )
 
 
 # ---------------------------------------------------------------- loading and errors

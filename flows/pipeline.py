@@ -307,6 +307,7 @@ def _stage_tasks() -> SimpleNamespace:
         train=train.train_task,
         train_remote=train.train_remote_task,
         evaluate=evaluate.evaluate_task,
+        check_samples_fit=evaluate.check_samples_fit,
         report=report.report_task,
         publish_report=report.publish_report,
         ParentRun=report.ParentRun,
@@ -352,10 +353,12 @@ def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str)
     workdir, t = str(wd), _stage_tasks()
     run = StageRunner(record, wd, store_result_storage(wd))
     data = run("prepare_data", t.prepare_data, spec=spec, workdir=workdir)
-    upstream, regenerated = _upstream(spec, run, t, data, parent_run_id)
-    trainer = t.train_remote if spec.pipeline.train_deployment else t.train
     # node k > 0 of a multi-node training only lends its ranks to the trainings: node 0 evaluates and reports
     follower = t.node_rank(spec.train) > 0
+    if not follower:  # what only the data's tokenizer shows, refused before any training
+        t.check_samples_fit(spec, data)
+    upstream, regenerated = _upstream(spec, run, t, data, parent_run_id)
+    trainer = t.train_remote if spec.pipeline.train_deployment else t.train
 
     def chain(strategy: str) -> tuple[StageRef, StageRef | None]:
         """One strategy: its training, then (as soon as that ends) its evaluation."""

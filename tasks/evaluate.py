@@ -8,6 +8,7 @@ acceptance instead (`evaluation == "speculative"`, DFlash) goes through `tasks.s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -22,9 +23,10 @@ import torch
 import transformers
 
 from dllm_common.checkpoint import DIGESTS, read_meta
-from dllm_common.config import PipelineSpec
+from dllm_common.config import ConfigError, PipelineSpec, context_overflow
 from dllm_common.store import sha256_file, stage_key
 from strategies import assemble_strategy, strategy_class
+from strategies.models import resolve_model_path
 from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.checkpoints import load_trained_model
 from tasks.common import StageRef, code_version, prefect_task, store_for
@@ -90,6 +92,67 @@ def harness_versions(include_path: str | None) -> dict:
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
         versions["include_path_sha256"] = h.hexdigest()
     return versions
+
+
+# ---------------------------------------------------------------- checked before any training
+
+
+def check_samples_fit(spec: PipelineSpec, data: StageRef) -> None:
+    """Each eval prompt, tokenized as evaluation will, plus `eval.sample_length` fits the context of the model that
+    samples it (the rule and wording of `dllm-flow generate`'s own check). Run once the data's tokenizer exists and
+    before any training: a sample beyond the context decodes for minutes and means nothing. Config load has
+    already refused what the config alone shows (dllm_common/config.py: PipelineSpec)."""
+    tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
+    e = spec.eval
+    texts = list(e.prompts[: e.num_samples]) or ["O"]
+    prompts = encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")
+    labels = [f"eval.prompts[{i}] {t!r}" if e.num_samples else f"the default prompt {t!r}" for i, t in enumerate(texts)]
+    for strategy in spec.pipeline.strategies:
+        context, context_of = sampling_context(spec, strategy)
+        if context is None:
+            continue
+        for label, ids in zip(labels, prompts):
+            problem = context_overflow(
+                len(ids), e.sample_length, context, prompt=label, new="eval.sample_length", context_of=context_of
+            )
+            if problem:
+                raise ConfigError(f"{problem} (evaluate[{strategy}]'s samples)")
+
+
+def sampling_context(spec: PipelineSpec, strategy: str) -> tuple[int | None, str]:
+    """(positions, what they are) of the model that draws `strategy`'s evaluation samples: the trained model, or
+    the frozen target a speculative strategy decodes with. None where the config of a pretrained model cannot be
+    read here (its own stage then says why)."""
+    m, d = spec.model, spec.dflash
+    if strategy_class(strategy).evaluation == "speculative":
+        if d.target_model_id is None:
+            return spec.data.seq_len, "the embedded target's context (data.seq_len)"
+        path, gguf, remote, what = (
+            d.target_model_id,
+            d.target_gguf_file,
+            d.target_trust_remote_code,
+            "dflash.target_model_id",
+        )
+    elif m.kind == "tiny":
+        return spec.data.seq_len, "the model's context (data.seq_len, a tiny model's max_position_embeddings)"
+    else:
+        path, gguf, remote, what = m.path, m.gguf_file, m.trust_remote_code, "model.path"
+    context = _max_positions(path, gguf, remote)
+    return context, f"the context of {what} {path!r} (max_position_embeddings)" if context else ""
+
+
+@functools.lru_cache(maxsize=8)
+def _max_positions(path: str, gguf: str | None, trust_remote_code: bool) -> int | None:
+    """A pretrained model's `max_position_embeddings`, from its config alone (a GGUF's header: seconds, once)."""
+    try:
+        kwargs = {"gguf_file": gguf} if gguf else {}
+        config = transformers.AutoConfig.from_pretrained(
+            resolve_model_path(path), trust_remote_code=trust_remote_code, **kwargs
+        )
+    except Exception:  # not readable here (no hub access, a typo): the stage that loads it names the problem
+        return None
+    context = getattr(config, "max_position_embeddings", None)
+    return context if isinstance(context, int) and not isinstance(context, bool) else None
 
 
 def eval_artifact_path(key: str) -> str:

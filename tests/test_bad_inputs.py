@@ -296,6 +296,19 @@ def test_a_warmup_longer_than_the_training_is_refused_naming_both_keys():
     assert lr_lambda(9, OptimSettings.of(TrainConfig(steps=10, warmup_steps=10))) == 1.0
 
 
+def test_samples_longer_than_a_tiny_models_context_are_refused_at_load(capsys):
+    code, err = _validate(capsys, "eval.sample_length=64")
+    assert code == 2, err
+    assert err.splitlines()[1] == (
+        "  the shortest eval.prompts entry (1 token) + eval.sample_length (64) = 65 positions, more than the model's "
+        "context (data.seq_len, a tiny model's max_position_embeddings) of 64; lower eval.sample_length to at most 63"
+    )
+    assert _validate(capsys, "eval.sample_length=63")[0] == 0  # the tokenized prompts are checked before training
+    pretrained = {"kind": "pretrained", "path": "some/model"}  # its context is in its config: read before training
+    validate_config(_spec(["mdlm"], model=pretrained, eval={"sample_length": 500}))
+    validate_config(_spec(["dflash"], dflash={"target_model_id": "some/model"}, eval={"sample_length": 500}))
+
+
 @pytest.mark.parametrize(
     "sets, message",
     [

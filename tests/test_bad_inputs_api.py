@@ -202,6 +202,55 @@ def test_prompt_plus_new_tokens_beyond_the_context_is_refused():
     )
 
 
+def test_eval_samples_beyond_the_context_are_refused_before_training_with_generates_wording(
+    prepared, tiny_spec, tmp_path
+):
+    """The same rule and wording as `generate`'s, on the prompts tokenized as evaluation will (config load already
+    refused what the config alone shows); run by the pipeline between prepare_data and the first training."""
+    from transformers import LlamaConfig
+
+    from dllm_common.config import ConfigError
+    from tasks.evaluate import check_samples_fit
+    from tasks.prepare_data import load_tokenizer
+
+    data, _ = prepared
+    tokenizer = load_tokenizer(f"{data.path}/tokenizer")
+    prompt = tiny_spec.eval.prompts[0]
+    n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert 1 < n < 20 and tiny_spec.data.seq_len == 32
+
+    def spec_with(**changes):
+        raw = tiny_spec.model_dump(mode="json")
+        for key, value in changes.items():
+            section, name = key.split("__")
+            raw[section][name] = value
+        return validate_config(raw)
+
+    with pytest.raises(ConfigError) as err:
+        check_samples_fit(spec_with(eval__sample_length=31), data)  # 1 + 31 fits the config's bound, n + 31 does not
+    assert str(err.value) == (
+        f"eval.prompts[0] {prompt!r} ({n} tokens) + eval.sample_length (31) = {n + 31} positions, more than the "
+        f"model's context (data.seq_len, a tiny model's max_position_embeddings) of 32; lower eval.sample_length to "
+        f"at most {32 - n} (evaluate[mdlm]'s samples)"
+    )
+    check_samples_fit(spec_with(eval__sample_length=32 - n), data)
+    # a pretrained model: its own max_position_embeddings, read from its config before any weights
+    model_dir = tmp_path / "pretrained"
+    LlamaConfig(
+        vocab_size=len(tokenizer), max_position_embeddings=24, hidden_size=32, num_attention_heads=2
+    ).save_pretrained(model_dir)
+    pretrained = spec_with(model__kind="pretrained", model__path=str(model_dir), eval__sample_length=31)
+    context_of = rf"more than the context of model\.path '{model_dir}' \(max_position_embeddings\) of 24"
+    with pytest.raises(ConfigError, match=rf"{context_of}; lower eval\.sample_length to at most {24 - n}"):
+        check_samples_fit(pretrained, data)
+    # DFlash decodes its samples with the target: the embedded one is as long as the rows
+    dflash = spec_with(pipeline__strategies=["dflash"], eval__sample_length=31)
+    with pytest.raises(
+        ConfigError, match=r"more than the embedded target's context \(data\.seq_len\) of 32.*evaluate\[dflash\]"
+    ):
+        check_samples_fit(dflash, data)
+
+
 def test_missing_checkpoint_path_says_it_does_not_exist(tmp_path):
     from tasks.generate import resolve_checkpoint
 
@@ -279,7 +328,11 @@ def _data_spec(path: Path, **data):
     from dllm_common.config import validate_config as validate_pipeline
 
     return validate_pipeline(
-        {"data": {"seq_len": 32, "source": "jsonl", "path": str(path), **data}, "tokenizer": {"vocab_size": 300}}
+        {
+            "data": {"seq_len": 32, "source": "jsonl", "path": str(path), **data},
+            "tokenizer": {"vocab_size": 300},
+            "eval": {"sample_length": 8},
+        }
     )
 
 
