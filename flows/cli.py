@@ -59,13 +59,21 @@ def _check_device(spec) -> None:
             )
 
 
+def _check_tracking(uri: str | None, workdir: Path) -> None:
+    """The tracking store a run will write to, checked before any service starts: the workdir's sqlite store is
+    readable, or the tracking server `tracking.uri` names answers."""
+    from dllm_common.tracking import check_local_store, check_tracking_server
+
+    if uri is None:
+        check_local_store(workdir / "mlflow.db", workdir)
+    else:
+        check_tracking_server(uri)
+
+
 def cmd_run(args) -> int:
     spec = load_config(args.config, args.set)
     _check_device(spec)  # fail fast, before any service starts
-    if spec.tracking.uri is None:
-        from dllm_common.tracking import check_local_store
-
-        check_local_store(Path(args.workdir) / "mlflow.db", Path(args.workdir))
+    _check_tracking(spec.tracking.uri, Path(args.workdir))
     _verification(args)
     result = _run_pipeline(args, config_path=str(args.config), overrides=args.set)
     if isinstance(result, int):
@@ -121,6 +129,7 @@ def cmd_resume(args) -> int:
             f"pipeline run {record.run_id} is still running (pid {record.pid} on {record.host}); "
             "wait for it or stop it before resuming"
         )
+    _check_tracking((record.config.get("tracking") or {}).get("uri"), Path(args.workdir))
     done = [s.name for s in record.stages if s.status in ("COMPLETED", "REUSED")]
     todo = [s.name for s in record.stages if s.status not in ("COMPLETED", "REUSED")]
     _verification(args)
@@ -244,12 +253,13 @@ def cmd_report(args) -> int:
     """Re-render a pipeline run's comparison report from MLflow alone."""
     from mlflow.tracking import MlflowClient
 
-    from dllm_common.tracking import default_tracking_uri
+    from dllm_common.tracking import check_tracking_server, default_tracking_uri
     from tasks.report import render_from_mlflow
 
     out = Path(args.out) if args.out else Path(args.workdir) / "reports" / "+".join(args.run_id)
     refuse_published(out, Path(args.workdir))
     quiet_environment()
+    check_tracking_server(args.tracking_uri, "--tracking-uri")
     uri = args.tracking_uri or default_tracking_uri(Path(args.workdir))
     client = MlflowClient(uri)
     parent_ids = [_parent_run(client, run_id) for run_id in args.run_id]

@@ -32,7 +32,7 @@ from dllm_common.config import PipelineSpec, config_sha256, flatten
 from dllm_common.interrupt import Interrupted
 from dllm_common.interrupt import requested as interrupt_requested
 from dllm_common.runs import RunRecord
-from dllm_common.tracking import Tracking
+from dllm_common.tracking import Tracking, check_tracking_server
 from tasks.common import StageRef, check_workdir
 
 
@@ -118,6 +118,7 @@ class StageRunner:
 
 
 def _open_parent(spec: PipelineSpec, workdir: Path, record: RunRecord):
+    check_tracking_server(spec.tracking.uri)  # seconds, not MLflow's minutes of retries, before any stage
     tracking = Tracking(workdir, spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
     tags = {
         "dllm.pipeline": spec.pipeline.name,

@@ -17,7 +17,7 @@ import mlflow
 import torch
 
 from dllm_common.config import EvalConfig, context_overflow
-from dllm_common.tracking import default_tracking_uri, quiet_environment
+from dllm_common.tracking import check_tracking_server, default_tracking_uri, quiet_environment
 from strategies import strategy_class
 from strategies.dflash_draft import speculative_generate
 from strategies.sampling import (
@@ -48,6 +48,7 @@ def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None,
     MLflow model URI (`models:/NAME@ALIAS`, `models:/NAME/VERSION`, `runs:/ID/model`)."""
     if ref.startswith(("models:/", "runs:/")):
         quiet_environment()
+        check_tracking_server(tracking_uri, "--tracking-uri")
         uri = tracking_uri or default_tracking_uri(workdir)
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(uri)

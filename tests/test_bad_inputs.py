@@ -345,3 +345,81 @@ def test_optimizer_and_model_shapes_that_fit_are_kept(capsys):
     for sets in (["train.betas=[0.0, 0.999]"], ["model.num_kv_heads=2"], ["model.num_kv_heads=4"]):
         assert _validate(capsys, *sets)[0] == 0, sets
     assert _validate(capsys, "model.hidden_size=72", "model.num_heads=4")[0] == 0  # 18 per head
+
+
+# ---------------------------------------------------------------- 5. a tracking server nobody answers at
+
+
+def test_an_unreachable_tracking_server_is_refused_in_seconds_before_anything_starts(tmp_path, capsys):
+    import time
+
+    from conftest import ROOT, free_port
+
+    from flows.cli import main
+
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    capsys.readouterr()
+    code = main(
+        ["run", str(ROOT / "configs/smoke.yaml"), "--set", f"tracking.uri={uri}", "--workdir", str(tmp_path / "w")]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and time.monotonic() - started < 10, err
+    assert err == (
+        f"dllm-flow: error: tracking.uri {uri}: no MLflow tracking server answers there (Connection refused); start "
+        "it (`make server` serves one at http://127.0.0.1:5000) or remove tracking.uri to track into the workdir's "
+        "own store (WORKDIR/mlflow.db)\n"
+    )
+    assert not (tmp_path / "w").exists()  # refused before the workdir, the Prefect API or any stage
+    code = main(["report", "some-run", "--workdir", str(tmp_path / "w"), "--tracking-uri", uri])
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: --tracking-uri {uri}: no MLflow tracking server answers there" in err, err
+    assert "drop --tracking-uri to read the workdir's own store" in err and not (tmp_path / "w").exists()
+
+
+def test_a_recorded_run_resumes_only_where_its_tracking_server_answers(tmp_path, capsys):
+    from conftest import free_port
+
+    from dllm_common.runs import RunRecord
+    from flows.cli import main
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    record = RunRecord("20261201-000000-bbbbbb", "p", "c.yaml", [], {"tracking": {"uri": uri}}, "0" * 64, pid=None)
+    record.status = "FAILED"
+    record.save(tmp_path)
+    capsys.readouterr()
+    assert main(["resume", record.run_id, "--workdir", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert f"error: tracking.uri {uri}: no MLflow tracking server answers there" in out.err and not out.out
+
+
+def test_a_tracking_server_that_answers_anything_or_nothing_in_time(tmp_path):
+    import http.server
+    import socket
+    import threading
+
+    from dllm_common.tracking import UnreachableTrackingServer, check_tracking_server
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # a proxy or a path prefix without MLflow's /health: something is there
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        check_tracking_server(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    with socket.socket() as silent:  # accepts connections (the backlog) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(
+            UnreachableTrackingServer, match=r"no MLflow tracking server answers there \(no answer in 0.5 s\)"
+        ):
+            check_tracking_server(uri, seconds=0.5)
+    for not_a_server in (None, "sqlite:///x.db", "file:///tmp/mlruns", "databricks"):
+        check_tracking_server(not_a_server)
