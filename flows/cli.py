@@ -32,7 +32,12 @@ def load_config(path, overrides: list[str] | None = None):
     """The pipeline config with every strategy's options checked against the strategy registry."""
     from strategies.options import load_config as load_checked  # the registry imports torch: not at import time
 
-    return load_checked(path, overrides)
+    spec = load_checked(path, overrides)
+    if spec.eval.lm_eval is not None:  # task names the harness does not know fail here, not after training
+        from tasks.evaluate import check_harness_tasks
+
+        check_harness_tasks(spec.eval.lm_eval)
+    return spec
 
 
 VERIFY_HELP = "re-hash every reused stage's files (default: sizes only); a damaged stage is set aside and rebuilt"

@@ -309,6 +309,7 @@ def _stage_tasks() -> SimpleNamespace:
         train_remote=train.train_remote_task,
         evaluate=evaluate.evaluate_task,
         check_samples_fit=evaluate.check_samples_fit,
+        check_harness_tasks=evaluate.check_harness_tasks,
         report=report.report_task,
         publish_report=report.publish_report,
         ParentRun=report.ParentRun,
@@ -353,6 +354,7 @@ def _upstream(spec: PipelineSpec, run: StageRunner, t: SimpleNamespace, data: St
 def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str) -> dict:
     workdir, t = str(wd), _stage_tasks()
     run = StageRunner(record, wd, store_result_storage(wd))
+    t.check_harness_tasks(spec.eval.lm_eval)  # a resumed or deployed run checks too (cached after the CLI's check)
     data = run("prepare_data", t.prepare_data, spec=spec, workdir=workdir)
     # node k > 0 of a multi-node training only lends its ranks to the trainings: node 0 evaluates and reports
     follower = t.node_rank(spec.train) > 0

@@ -423,3 +423,21 @@ def test_a_tracking_server_that_answers_anything_or_nothing_in_time(tmp_path):
             check_tracking_server(uri, seconds=0.5)
     for not_a_server in (None, "sqlite:///x.db", "file:///tmp/mlruns", "databricks"):
         check_tracking_server(not_a_server)
+
+
+# ---------------------------------------------------------------- 6. lm-eval task names, before any training
+
+
+def test_lm_eval_task_names_are_checked_before_training(capsys):
+    from conftest import ROOT
+
+    local = f"include_path: {ROOT / 'tests/data/lm_eval'}"
+    assert _validate(capsys, f"eval.lm_eval={{tasks: [shakespeare_mc, hellaswag], {local}}}")[0] == 0
+    code, err = _validate(capsys, "eval.lm_eval={tasks: [hellaswg, AraDiCE_ArabicMMLU_high_stem_physics_egy]}")
+    assert code == 2 and err == (
+        "dllm-flow: error: eval.lm_eval.tasks: unknown lm-eval task 'hellaswg' (did you mean hellaswag, hellaswag_vi, "
+        "hellaswag_uk?); `lm-eval ls tasks` lists the harness's tasks, and eval.lm_eval.include_path adds a folder of "
+        "your own\n"
+    ), err  # the second name is one only the harness's own index knows (it comes from an included YAML)
+    code, err = _validate(capsys, "eval.lm_eval={tasks: [shakespeare_mc], include_path: no/such/folder}")
+    assert code == 2 and "eval.lm_eval.include_path 'no/such/folder' is not a directory" in err, err
