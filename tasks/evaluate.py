@@ -30,7 +30,7 @@ from dllm_common.store import sha256_file, stage_key
 from strategies import assemble_strategy, strategy_class
 from strategies.models import resolve_model_path
 from strategies.sampling import SamplerConfig, trim_at_eos
-from tasks.checkpoints import load_trained_model
+from tasks.checkpoints import checkpoint_tokenizer, load_trained_model
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.data_row import data_row_metrics
 from tasks.evaluation import (
@@ -421,11 +421,12 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
         ckpt = model_dir(trained)
         scorer = load_scorer(spec.eval.scorer, workdir) if spec.eval.scorer is not None else None
         val = tuple(t[: spec.eval.val_rows].to(device) for t in load_split(data.path, "val"))
+        model = load_trained_model(ckpt, device)
         ev = Evaluation(
             spec,
             strategy,
-            load_trained_model(ckpt, device),
-            load_tokenizer(str(ckpt)),
+            model,
+            checkpoint_tokenizer(ckpt, model),
             read_meta(ckpt)["mask_token_id"],
             ckpt,
             val,

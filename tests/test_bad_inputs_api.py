@@ -353,3 +353,84 @@ def test_pretrain_documents_with_empty_texts_are_named(tmp_path):
     msg = str(err.value)
     assert "fewer than one row of data.seq_len (32) tokens" in msg and "data.shape" not in msg, msg
     assert not list((tmp_path / "w").rglob("manifest.json"))  # nothing half-published
+
+
+# ---------------------------------------------------------------- 9. checkpoints at odds with themselves or their entry
+
+
+def _checkpoint(prepared, dest: Path, rows: int | None = None):
+    """A small mdlm checkpoint with the prepared tokenizer; `rows`: its embedding rows (default: the tokenizer's)."""
+    from dllm_common.checkpoint import write_checkpoint
+    from strategies.models import build_model, tiny_model_config
+    from tasks.prepare_data import load_tokenizer
+
+    data, _ = prepared
+    tokenizer = load_tokenizer(f"{data.path}/tokenizer")
+    lm = build_model(tiny_model_config("llama", rows or len(tokenizer), 32, 32, 1, 2, None, None, True), 0)
+    mask = tokenizer.mask_token_id
+    meta = {"strategy": "mdlm", "mask_token_id": mask, "options": {"mask_token_id": mask}, "seq_len": 32}
+    return write_checkpoint(dest, lm, tokenizer, meta), tokenizer
+
+
+def test_a_tokenizer_with_more_tokens_than_the_model_is_refused_at_load(prepared, tmp_path, capsys):
+    from dllm_common.checkpoint import CorruptCheckpointError
+    from flows.cli import main
+    from tasks.checkpoints import checkpoint_tokenizer, load_for_generation, load_trained_model
+    from tasks.export import export_checkpoint
+
+    data, _ = prepared
+    n = 320
+    ckpt, tokenizer = _checkpoint(prepared, tmp_path / "ckpt", rows=n - 8)
+    assert len(tokenizer) == n and tokenizer.mask_token_id < n - 8
+    expected = (
+        f"checkpoint {ckpt}: its tokenizer has {n} tokens but the model's embedding has {n - 8} rows (config.json "
+        f"vocab_size), so ids {n - 8}..{n - 1} have no embedding; the tokenizer files are not the ones this model was "
+        "trained with: put those back (in a store entry, `dllm-flow run --verify` rebuilds it)"
+    )
+    for load in (
+        lambda: load_for_generation(ckpt, "cpu"),  # generate, the lm-eval model
+        lambda: checkpoint_tokenizer(ckpt, load_trained_model(ckpt, "cpu")),  # the evaluate stage
+        lambda: export_checkpoint(str(ckpt), tmp_path / "out", tmp_path),
+    ):
+        with pytest.raises(CorruptCheckpointError) as err:
+            load()
+        assert str(err.value) == expected
+    assert not (tmp_path / "out").exists()
+    # the command, with a prompt holding the last token: `IndexError: index out of range in self` before (exit 1)
+    capsys.readouterr()
+    prompt = tokenizer.decode([n - 1])
+    code = main(["generate", "--checkpoint", str(ckpt), "--prompt", prompt, "--steps", "2", "--max-new-tokens", "4"])
+    assert code == 2 and capsys.readouterr().err == f"dllm-flow: error: {expected}\n"
+
+
+def test_export_of_a_store_entry_checks_it_against_the_entrys_manifest(prepared, tmp_path):
+    """Weights and digests.json both edited: the checkpoint agrees with itself, the store's manifest does not."""
+    from dllm_common.checkpoint import CorruptCheckpointError, verify_checkpoint
+    from dllm_common.store import Store, sha256_file
+    from tasks.export import export_checkpoint
+
+    key = "0123456789abcdef01234567"
+    with Store(tmp_path / "store").publish("train", key, {"stage": "train"}) as tmp:
+        _checkpoint(prepared, tmp / "model")
+    entry = tmp_path / "store" / "train" / key
+    assert (export_checkpoint(str(entry), tmp_path / "intact", tmp_path) / "model.safetensors").is_file()
+    weights, digests = entry / "model" / "model.safetensors", entry / "model" / "digests.json"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    table = json.loads(digests.read_text())
+    digests.write_text(json.dumps({**table, "model.safetensors": sha256_file(weights)}, indent=2, sort_keys=True))
+    verify_checkpoint(entry / "model")  # its own table agrees: only the manifest beside it can tell
+    for ref in (entry, entry / "model"):
+        with pytest.raises(CorruptCheckpointError) as err:
+            export_checkpoint(str(ref), tmp_path / "out", tmp_path)
+        assert str(err.value) == (
+            f"refusing to export {ref}: {entry / 'model'} is not what its store entry train/{key} published "
+            f"({entry / 'manifest.json'}): model/model.safetensors does not match its sha256; model/digests.json does "
+            "not match its sha256. It was changed after it was published, its digests.json too: rerun the pipeline "
+            "with `dllm-flow run --verify` (or `dllm-flow resume RUN_ID --verify`) to set the damaged entry aside and "
+            "rebuild it"
+        )
+    assert (
+        not (tmp_path / "out").exists() and sha256_file(weights) == json.loads(digests.read_text())["model.safetensors"]
+    )
