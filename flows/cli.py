@@ -263,6 +263,7 @@ def cmd_report(args) -> int:
 
     out = Path(args.out) if args.out else Path(args.workdir) / "reports" / "+".join(args.run_id)
     refuse_published(out, Path(args.workdir))
+    _refuse_file_as_folder(out, "--out" if args.out else "--workdir")
     quiet_environment()
     check_tracking_server(args.tracking_uri, "--tracking-uri")
     uri = args.tracking_uri or default_tracking_uri(Path(args.workdir))
@@ -272,6 +273,17 @@ def cmd_report(args) -> int:
     print(path.read_text().split("\n## ")[0])
     print(f"[dllm-flow] report written to {path} (and PNGs beside it)")
     return 0
+
+
+def _refuse_file_as_folder(out: Path, flag: str) -> None:
+    """The report's folder (or a folder above it) must not be an existing file: said before MLflow is opened."""
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        where = "is a file" if blocker == out else f"is inside {blocker}, which is a file"
+        raise FileExistsError(
+            f"report {flag} {out} {where}, not a directory; nothing was written. Give {flag} a directory (new or "
+            "existing) for report.md, report.json and the plots"
+        )
 
 
 def _parent_run(client, run_id: str) -> str:

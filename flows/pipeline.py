@@ -210,6 +210,8 @@ def _record_end(exc: BaseException, record: RunRecord, wd: Path, parent) -> None
         log.info("pipeline run %s %s", record.run_id, exc)
         exc.run_id, exc.flow_run_id = record.run_id, record.prefect_flow_run_id
     else:
+        if getattr(exc, "run_id", False) is None:  # an error whose fix is to resume this run (tasks/rows.py)
+            exc.run_id = record.run_id
         log.error("pipeline run %s failed: %s: %s", record.run_id, type(exc).__name__, str(exc)[:2000])
 
 

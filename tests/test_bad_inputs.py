@@ -441,3 +441,22 @@ def test_lm_eval_task_names_are_checked_before_training(capsys):
     ), err  # the second name is one only the harness's own index knows (it comes from an included YAML)
     code, err = _validate(capsys, "eval.lm_eval={tasks: [shakespeare_mc], include_path: no/such/folder}")
     assert code == 2 and "eval.lm_eval.include_path 'no/such/folder' is not a directory" in err, err
+
+
+# ---------------------------------------------------------------- 7. report --out that is a file
+
+
+def test_report_out_that_is_a_file_is_named_and_left_alone(tmp_path, capsys):
+    from flows.cli import main
+
+    blocker = tmp_path / "report.md"
+    blocker.write_text("mine")
+    for out, where in ((blocker, "is a file"), (blocker / "sub", f"is inside {blocker}, which is a file")):
+        capsys.readouterr()
+        assert main(["report", "some-run", "--workdir", str(tmp_path / "w"), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"dllm-flow: error: report --out {out} {where}, not a directory; nothing was written. Give --out a "
+            "directory (new or existing) for report.md, report.json and the plots\n"
+        ), err
+    assert blocker.read_text() == "mine" and not (tmp_path / "w").exists()  # refused before MLflow is opened

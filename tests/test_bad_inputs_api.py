@@ -355,6 +355,35 @@ def test_pretrain_documents_with_empty_texts_are_named(tmp_path):
     assert not list((tmp_path / "w").rglob("manifest.json"))  # nothing half-published
 
 
+def test_a_data_path_that_is_a_symlink_loop_or_leads_nowhere_says_so(tmp_path):
+    from tasks.prepare_data import DataError, prepare_data
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    loop = (
+        "is a symlink loop (following its links leads back to where they started; `ls -l` on each part of the path "
+        "shows where it leads): point it at a .jsonl file"
+    )
+    for path, message in (
+        (tmp_path / "a", f"data.path {str(tmp_path / 'a')!r} {loop}"),
+        (tmp_path / "a" / "docs.jsonl", f"data.path {str(tmp_path / 'a' / 'docs.jsonl')!r} {loop}"),
+        (
+            tmp_path / "dangling.jsonl",
+            f"data.path {str(tmp_path / 'dangling.jsonl')!r} is a symlink to {str(tmp_path / 'gone.jsonl')!r}, which "
+            "does not exist: point it at a .jsonl file",
+        ),
+        (
+            tmp_path / "none.jsonl",
+            f"data.path {str(tmp_path / 'none.jsonl')!r} does not exist (expected a .jsonl file)",
+        ),
+    ):
+        with pytest.raises(DataError) as err:
+            prepare_data(_data_spec(path), str(tmp_path / "w"))
+        assert str(err.value) == message
+    assert not list((tmp_path / "w").rglob("manifest.json"))
+
+
 # ---------------------------------------------------------------- 9. checkpoints at odds with themselves or their entry
 
 
