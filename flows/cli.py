@@ -263,7 +263,7 @@ def cmd_report(args) -> int:
 
     out = Path(args.out) if args.out else Path(args.workdir) / "reports" / "+".join(args.run_id)
     refuse_published(out, Path(args.workdir))
-    _refuse_file_as_folder(out, "--out" if args.out else "--workdir")
+    _refuse_file_as_folder(out, "--out" if args.out else "--workdir")  # --workdir: the default folder is under it
     quiet_environment()
     check_tracking_server(args.tracking_uri, "--tracking-uri")
     uri = args.tracking_uri or default_tracking_uri(Path(args.workdir))
@@ -280,8 +280,9 @@ def _refuse_file_as_folder(out: Path, flag: str) -> None:
     blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         where = "is a file" if blocker == out else f"is inside {blocker}, which is a file"
+        what = f"--out {out}" if flag == "--out" else f"folder {out} (under --workdir)"
         raise FileExistsError(
-            f"report {flag} {out} {where}, not a directory; nothing was written. Give {flag} a directory (new or "
+            f"report {what} {where}, not a directory; nothing was written. Give {flag} a directory (new or "
             "existing) for report.md, report.json and the plots"
         )
 
