@@ -64,6 +64,7 @@ def base_spec(device: str, smoke: bool, **train) -> dict:
         "model": {"hidden_size": 64 if smoke else 256, "num_layers": 2, "num_heads": 4},
         "train": {
             "steps": 6,
+            "warmup_steps": 2,
             "global_batch_size": 8,
             "micro_batch_size": 8,
             "val_every": 3,
@@ -107,7 +108,8 @@ def check_bf16(report: Report, device: str, smoke: bool, work: Path) -> None:
         except Exception as exc:  # one strategy failing must not hide the others
             report.add(f"bf16 training: {name}", False, f"{type(exc).__name__}: {str(exc)[:300]}")
     cmd = [sys.executable, "-m", "flows.cli", "run", "configs/dflash.yaml", "--workdir", str(work / "dflash")]
-    sets = {"train.steps": 6, "train.precision": "bf16", "train.device": device, "dflash.pretrain.steps": 20}
+    sets = {"train.steps": 6, "train.warmup_steps": 2, "train.precision": "bf16", "train.device": device}
+    sets.update({"dflash.pretrain.steps": 20, "dflash.pretrain.warmup_steps": 5})
     sets.update({"dflash.regenerate.max_rows": 64, "data.max_train_rows": 512, "eval.num_samples": 1})
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]

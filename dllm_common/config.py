@@ -6,6 +6,7 @@ allowed (see `ConfigError`). `load_config(path, overrides)` is the single entry 
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import re
@@ -128,8 +129,8 @@ class ModelConfig(_Section):
     hidden_size: int = Field(128, ge=8)
     num_layers: int = Field(4, ge=1)
     num_heads: int = Field(4, ge=1)
-    num_kv_heads: int | None = None
-    intermediate_size: int | None = None
+    num_kv_heads: int | None = Field(None, ge=1)  # None: num_heads (no grouped-query attention)
+    intermediate_size: int | None = Field(None, ge=1)  # None: 3 × hidden_size
     tie_embeddings: bool = True
     path: str | None = None  # local dir or hub id for kind=pretrained
     gguf_file: str | None = None
@@ -144,6 +145,18 @@ class ModelConfig(_Section):
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})"
+            )
+        if (self.hidden_size // self.num_heads) % 2:  # both families use rotary position embeddings
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) ÷ model.num_heads ({self.num_heads}) = "
+                f"{self.hidden_size // self.num_heads} dimensions per head, which must be even (rotary position "
+                "embeddings rotate pairs of dimensions); change model.hidden_size or model.num_heads"
+            )
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            fits = [k for k in range(1, self.num_heads + 1) if self.num_heads % k == 0]
+            raise ValueError(
+                f"model.num_kv_heads ({self.num_kv_heads}) must divide model.num_heads ({self.num_heads}): each "
+                f"key/value head serves the same number of query heads; use one of {fits}"
             )
         return self
 
@@ -165,10 +178,10 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(32, ge=1)  # sequences per forward on one rank
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: int = Field(20, ge=0)  # at most `steps` (equal: train.lr is reached at the last step, no decay)
     schedule: Literal["cosine", "constant", "linear"] = "cosine"
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.98)
+    betas: tuple[float, float] = (0.9, 0.98)  # AdamW's moment decay rates, each in [0, 1)
     grad_clip: float = Field(1.0, gt=0)
     # a step whose loss or gradient norm is NaN or infinite stops the training (nothing is published); up to this
     # many such steps are skipped instead (no update; counted in train/skipped_steps). Not part of the stage key:
@@ -202,6 +215,21 @@ class TrainConfig(_Section):
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):  # NaN fails too
+            raise ValueError(
+                f"train.betas must be two numbers in [0, 1) (AdamW's decay rates of its gradient moments, e.g. "
+                f"[0.9, 0.98]), got {list(betas)}"
+            )
+        return betas
+
+    @model_validator(mode="after")
+    def _warmup_within_steps(self) -> TrainConfig:
+        refuse_long_warmup("train", self.warmup_steps, self.steps)
+        return self
+
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainConfig:
         per_rank = self.global_batch_size // self.world_size
@@ -218,6 +246,17 @@ class TrainConfig(_Section):
                 f"train.rdzv_endpoint ({self.rdzv_endpoint!r}) must be HOST:PORT, e.g. trainer-0.trainer:29500"
             )
         return self
+
+
+def refuse_long_warmup(section: str, warmup_steps: int, steps: int) -> None:
+    """The LR schedule ramps up over `warmup_steps`: longer than the training, it never reaches the learning rate.
+    Equal is allowed: the last step trains at the full rate (and nothing is left to decay)."""
+    if warmup_steps > steps:
+        raise ValueError(
+            f"{section}.warmup_steps ({warmup_steps}) is larger than {section}.steps ({steps}): the learning rate "
+            f"would still be ramping up when training ends and never reach {section}.lr; set {section}.warmup_steps "
+            f"to at most {steps}"
+        )
 
 
 class ScorerConfig(_Section):
@@ -346,7 +385,7 @@ class PretrainTargetConfig(_Section):
     family: Literal["llama", "qwen3"] = "llama"
     num_layers: int = Field(6, ge=1)
     num_heads: int = Field(4, ge=1)
-    intermediate_size: int | None = None
+    intermediate_size: int | None = Field(None, ge=1)  # None: 3 × model.hidden_size
     steps: int = Field(600, ge=1)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0)
@@ -355,6 +394,11 @@ class PretrainTargetConfig(_Section):
     val_every: int = Field(100, ge=1)
     val_rows: int = Field(128, ge=1)
     log_every: int = Field(10, ge=1)
+
+    @model_validator(mode="after")
+    def _warmup_within_steps(self) -> PretrainTargetConfig:
+        refuse_long_warmup("dflash.pretrain", self.warmup_steps, self.steps)
+        return self
 
 
 class RegenerateConfig(_Section):
@@ -416,6 +460,23 @@ class PipelineSpec(_Section):
     dflash: DFlashConfig = DFlashConfig()
 
     @model_validator(mode="after")
+    def _samples_fit_the_context(self) -> PipelineSpec:
+        # a tiny model's context (max_position_embeddings) is data.seq_len, and so is the embedded DFlash target's;
+        # a pretrained model's is checked once its config is read, before training (tasks/evaluate.py)
+        if self.model.kind == "tiny" and self.dflash.target_model_id is None:
+            problem = context_overflow(
+                1,
+                self.eval.sample_length,
+                self.data.seq_len,
+                prompt="the shortest eval.prompts entry",
+                new="eval.sample_length",
+                context_of="the model's context (data.seq_len, a tiny model's max_position_embeddings)",
+            )
+            if problem:
+                raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _one_rendezvous_per_node(self) -> PipelineSpec:
         if self.train.nnodes > 1 and self.pipeline.max_parallel > 1:
             raise ValueError(
@@ -423,6 +484,32 @@ class PipelineSpec(_Section):
                 "0's rendezvous port; train the strategies one after another (pipeline.max_parallel: 1)"
             )
         return self
+
+
+def context_overflow(
+    prompt_tokens: int,
+    new_tokens: int,
+    context: int,
+    *,
+    prompt: str = "--prompt",
+    new: str = "--max-new-tokens",
+    context_of: str = "the model's context",
+    spans: str = "",
+) -> str | None:
+    """What is wrong when a prompt of `prompt_tokens` and `new_tokens` generated after it do not fit a model's
+    `context` of positions (None: they fit), naming the settings to change: `dllm-flow generate`'s flags, or
+    `eval.prompts` and `eval.sample_length` for the evaluation's samples (one rule, one wording for both)."""
+    if prompt_tokens > context:
+        return f"{prompt} is {prompt_tokens} tokens{spans}, longer than {context_of} of {context} positions; shorten it"
+    if prompt_tokens + new_tokens <= context:
+        return None
+    room = context - prompt_tokens
+    fix = f"lower {new} to at most {room}" if room >= 1 else f"shorten {prompt} to leave room"
+    tokens = f"{prompt_tokens} token{'s' if prompt_tokens != 1 else ''}"
+    return (
+        f"{prompt} ({tokens}) + {new} ({new_tokens}) = {prompt_tokens + new_tokens} positions, more than {context_of} "
+        f"of {context}; {fix}"
+    )
 
 
 # ---------------------------------------------------------------- loading and errors
@@ -437,7 +524,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
             parent = _section_for(e["loc"][:-1])
             allowed = sorted(parent.model_fields) if parent else []
             lines.append(f"  {path}: unknown key (value {value!r}); allowed keys here: {allowed}")
-        elif not e["loc"]:  # a rule across sections: its message names the keys; the input is the whole config
+        elif not e["loc"] or (e["type"] == "value_error" and f"{path}" in e["msg"]):
+            # a rule that names its keys itself (across sections, or across one section's keys): its message alone,
+            # not the whole section or config it was given
             lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {path}: {e['msg']} (got {value!r})")
@@ -460,6 +549,54 @@ def _section_for(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+class DuplicateKeyError(ValueError):
+    """A key written twice in one YAML mapping: YAML itself would keep the last and drop the first, silently."""
+
+    def __init__(self, key: str, first: int, second: int):
+        self.key, self.first, self.second = key, first, second
+        lines = f"on line {first}" if first == second else f"on line {first} and on line {second}"
+        super().__init__(
+            f"{key} appears twice ({lines}); YAML would silently keep only the second, so merge the two or delete one"
+        )
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's SafeLoader, refusing a mapping that holds a key twice (`DuplicateKeyError` names its dotted path and
+    both lines) before anything is built from the document."""
+
+    def construct_document(self, node):
+        _refuse_duplicate_keys(node)
+        return super().construct_document(node)
+
+
+def _refuse_duplicate_keys(root: yaml.Node) -> None:
+    queue, seen = collections.deque([(root, "")]), set()
+    while queue:  # breadth first: the outermost duplicate is the one named
+        node, path = queue.popleft()
+        if id(node) in seen:  # an anchor used again (or a recursive structure): checked once
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[tuple[str, str], int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: overriding is what it is for
+                    continue
+                name = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node.start_mark)
+                where = f"{path}.{name}" if path else name
+                line = key_node.start_mark.line + 1
+                if (key_node.tag, name) in lines:
+                    raise DuplicateKeyError(where, lines[(key_node.tag, name)], line)
+                lines[(key_node.tag, name)] = line
+                queue.append((value_node, where))
+        elif isinstance(node, yaml.SequenceNode):
+            queue.extend((item, f"{path}[{i}]") for i, item in enumerate(node.value))
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text as Python data, refusing a key written twice (`UniqueKeyLoader`)."""
+    return yaml.load(text, Loader=UniqueKeyLoader)
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """`a.b.c=value` → (['a','b','c'], value parsed as YAML)."""
     if "=" not in item:
@@ -470,7 +607,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if raw == "":
         return key.strip().split("."), ""
     try:
-        return key.strip().split("."), yaml.safe_load(raw)
+        return key.strip().split("."), load_yaml(raw)
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"override {item!r}: {exc}") from None
     except yaml.YAMLError as exc:
         where = f" ({exc.problem})" if getattr(exc, "problem", None) else ""
         raise ConfigError(
@@ -499,7 +638,9 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p} (pass the path of a YAML file, e.g. configs/quickstart.yaml)")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        raw = load_yaml(p.read_text(encoding="utf-8"))
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"config file {p}: {exc}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"config file {p} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "

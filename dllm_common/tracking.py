@@ -19,6 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from dllm_common.config import ConfigError
+
 TELEMETRY_OFF = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "DO_NOT_TRACK": "true",
@@ -76,6 +78,51 @@ def check_local_store(db: Path, workdir: Path | None = None) -> None:
     raise DamagedStoreError(
         f"MLflow store {db} is damaged ({problem}); move it aside (mv {db} {db}.damaged) to start a fresh "
         f"tracking store — the stage store under {stage_store} is untouched"
+    )
+
+
+REACH_SECONDS = 5.0  # how long a tracking server has to answer before a run starts (MLflow's client would retry ~4 min)
+
+
+class UnreachableTrackingServer(ConfigError):
+    """An http(s) tracking URI where nothing answers: a setting to change (or a server to start), said at once
+    instead of after MLflow's client has retried for minutes."""
+
+
+def check_tracking_server(uri: str | None, key: str = "tracking.uri", seconds: float = REACH_SECONDS) -> None:
+    """Refuse an http(s) tracking URI that does not answer within `seconds`. Any HTTP answer counts (an auth wall,
+    a proxy, a path prefix without MLflow's /health: something is there, and MLflow reports what it finds), and
+    so does a TLS handshake that failed (the port is open); only no answer at all (refused, unreachable, unknown
+    host, timed out) is refused. Other URIs (sqlite, file, databricks) are not servers to reach."""
+    if not uri or not uri.startswith(("http://", "https://")):
+        return
+    import socket
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=seconds).close()
+        return
+    except urllib.error.HTTPError:
+        return
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+    except (OSError, ValueError) as exc:  # a timeout while reading, an URL urllib cannot parse
+        reason = exc
+    if isinstance(reason, ssl.SSLError):
+        return
+    timed_out = isinstance(reason, (TimeoutError, socket.timeout))
+    what = f"no answer in {seconds:g} s" if timed_out else str(getattr(reason, "strerror", None) or reason)
+    flag = key.startswith("--")
+    drop = (
+        f"drop {key} to read the workdir's own store (WORKDIR/mlflow.db)"
+        if flag
+        else f"remove {key} to track into the workdir's own store (WORKDIR/mlflow.db)"
+    )
+    raise UnreachableTrackingServer(
+        f"{key} {uri}: no MLflow tracking server answers there ({what}); start it (`make server` serves one at "
+        f"http://127.0.0.1:5000) or {drop}"
     )
 
 

@@ -32,7 +32,12 @@ def load_config(path, overrides: list[str] | None = None):
     """The pipeline config with every strategy's options checked against the strategy registry."""
     from strategies.options import load_config as load_checked  # the registry imports torch: not at import time
 
-    return load_checked(path, overrides)
+    spec = load_checked(path, overrides)
+    if spec.eval.lm_eval is not None:  # task names the harness does not know fail here, not after training
+        from tasks.evaluate import check_harness_tasks
+
+        check_harness_tasks(spec.eval.lm_eval)
+    return spec
 
 
 VERIFY_HELP = "re-hash every reused stage's files (default: sizes only); a damaged stage is set aside and rebuilt"
@@ -59,13 +64,21 @@ def _check_device(spec) -> None:
             )
 
 
+def _check_tracking(uri: str | None, workdir: Path) -> None:
+    """The tracking store a run will write to, checked before any service starts: the workdir's sqlite store is
+    readable, or the tracking server `tracking.uri` names answers."""
+    from dllm_common.tracking import check_local_store, check_tracking_server
+
+    if uri is None:
+        check_local_store(workdir / "mlflow.db", workdir)
+    else:
+        check_tracking_server(uri)
+
+
 def cmd_run(args) -> int:
     spec = load_config(args.config, args.set)
     _check_device(spec)  # fail fast, before any service starts
-    if spec.tracking.uri is None:
-        from dllm_common.tracking import check_local_store
-
-        check_local_store(Path(args.workdir) / "mlflow.db", Path(args.workdir))
+    _check_tracking(spec.tracking.uri, Path(args.workdir))
     _verification(args)
     result = _run_pipeline(args, config_path=str(args.config), overrides=args.set)
     if isinstance(result, int):
@@ -121,6 +134,7 @@ def cmd_resume(args) -> int:
             f"pipeline run {record.run_id} is still running (pid {record.pid} on {record.host}); "
             "wait for it or stop it before resuming"
         )
+    _check_tracking((record.config.get("tracking") or {}).get("uri"), Path(args.workdir))
     done = [s.name for s in record.stages if s.status in ("COMPLETED", "REUSED")]
     todo = [s.name for s in record.stages if s.status not in ("COMPLETED", "REUSED")]
     _verification(args)
@@ -250,12 +264,14 @@ def cmd_report(args) -> int:
     """Re-render a pipeline run's comparison report from MLflow alone."""
     from mlflow.tracking import MlflowClient
 
-    from dllm_common.tracking import default_tracking_uri
+    from dllm_common.tracking import check_tracking_server, default_tracking_uri
     from tasks.report import render_from_mlflow
 
     out = Path(args.out) if args.out else Path(args.workdir) / "reports" / "+".join(args.run_id)
     refuse_published(out, Path(args.workdir))
+    _refuse_file_as_folder(out, "--out" if args.out else "--workdir")  # --workdir: the default folder is under it
     quiet_environment()
+    check_tracking_server(args.tracking_uri, "--tracking-uri")
     uri = args.tracking_uri or default_tracking_uri(Path(args.workdir))
     client = MlflowClient(uri)
     parent_ids = [_parent_run(client, run_id) for run_id in args.run_id]
@@ -263,6 +279,18 @@ def cmd_report(args) -> int:
     print(path.read_text().split("\n## ")[0])
     print(f"[dllm-flow] report written to {path} (and PNGs beside it)")
     return 0
+
+
+def _refuse_file_as_folder(out: Path, flag: str) -> None:
+    """The report's folder (or a folder above it) must not be an existing file: said before MLflow is opened."""
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        where = "is a file" if blocker == out else f"is inside {blocker}, which is a file"
+        what = f"--out {out}" if flag == "--out" else f"folder {out} (under --workdir)"
+        raise FileExistsError(
+            f"report {what} {where}, not a directory; nothing was written. Give {flag} a directory (new or "
+            "existing) for report.md, report.json and the plots"
+        )
 
 
 def _parent_run(client, run_id: str) -> str:
@@ -443,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
 def _resume_hint(exc: BaseException, args) -> str:
     """A pipeline run that failed: the command that resumes it (what completed is reused)."""
     run_id = getattr(exc, "run_id", None)
-    if not run_id:
+    if not run_id or f"dllm-flow resume {run_id}" in str(exc):
         return ""
     return f"\n  resume with: dllm-flow resume {run_id} --workdir {args.workdir}"
 

@@ -33,7 +33,7 @@ from dllm_common.config import PipelineSpec, config_sha256, flatten
 from dllm_common.interrupt import Interrupted
 from dllm_common.interrupt import requested as interrupt_requested
 from dllm_common.runs import RunRecord
-from dllm_common.tracking import Tracking
+from dllm_common.tracking import Tracking, check_tracking_server
 from tasks.common import StageRef, check_workdir
 
 
@@ -119,6 +119,7 @@ class StageRunner:
 
 
 def _open_parent(spec: PipelineSpec, workdir: Path, record: RunRecord):
+    check_tracking_server(spec.tracking.uri)  # seconds, not MLflow's minutes of retries, before any stage
     tracking = Tracking(workdir, spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
     tags = {
         "dllm.pipeline": spec.pipeline.name,
@@ -210,6 +211,8 @@ def _record_end(exc: BaseException, record: RunRecord, wd: Path, parent) -> None
         log.info("pipeline run %s %s", record.run_id, exc)
         exc.run_id, exc.flow_run_id = record.run_id, record.prefect_flow_run_id
     else:
+        if getattr(exc, "run_id", False) is None:  # an error whose fix is to resume this run (tasks/rows.py)
+            exc.run_id = record.run_id
         log.error("pipeline run %s failed: %s: %s", record.run_id, type(exc).__name__, str(exc)[:2000])
         with contextlib.suppress(AttributeError, TypeError):  # the command names the run to resume
             exc.run_id = record.run_id
@@ -310,6 +313,8 @@ def _stage_tasks() -> SimpleNamespace:
         train=train.train_task,
         train_remote=train.train_remote_task,
         evaluate=evaluate.evaluate_task,
+        check_samples_fit=evaluate.check_samples_fit,
+        check_harness_tasks=evaluate.check_harness_tasks,
         report=report.report_task,
         publish_report=report.publish_report,
         ParentRun=report.ParentRun,
@@ -354,11 +359,14 @@ def _upstream(spec: PipelineSpec, run: StageRunner, t: SimpleNamespace, data: St
 def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str) -> dict:
     workdir, t = str(wd), _stage_tasks()
     run = StageRunner(record, wd, store_result_storage(wd))
+    t.check_harness_tasks(spec.eval.lm_eval)  # a resumed or deployed run checks too (cached after the CLI's check)
     data = run("prepare_data", t.prepare_data, spec=spec, workdir=workdir)
-    upstream, regenerated = _upstream(spec, run, t, data, parent_run_id)
-    trainer = t.train_remote if spec.pipeline.train_deployment else t.train
     # node k > 0 of a multi-node training only lends its ranks to the trainings: node 0 evaluates and reports
     follower = t.node_rank(spec.train) > 0
+    if not follower:  # what only the data's tokenizer shows, refused before any training
+        t.check_samples_fit(spec, data)
+    upstream, regenerated = _upstream(spec, run, t, data, parent_run_id)
+    trainer = t.train_remote if spec.pipeline.train_deployment else t.train
 
     def chain(strategy: str) -> tuple[StageRef, StageRef | None]:
         """One strategy: its training, then (as soon as that ends) its evaluation."""

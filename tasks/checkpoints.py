@@ -8,9 +8,9 @@ from typing import NamedTuple
 
 import torch
 
-from dllm_common.checkpoint import load_weights_into, read_meta
+from dllm_common.checkpoint import CorruptCheckpointError, load_weights_into, read_meta
 from strategies import assemble_strategy, strategy_class
-from strategies.models import apply_adapter, model_from_config_dir
+from strategies.models import apply_adapter, backbone_lm, model_from_config_dir
 from tasks.dflash_setup import draft_strategy, load_target
 from tasks.prepare_data import load_tokenizer
 
@@ -20,6 +20,35 @@ def load_trained_model(ckpt: Path, device: str):
     model = model_from_config_dir(ckpt)
     load_weights_into(model, ckpt)  # verifies every digest first
     return model.to(device).eval()
+
+
+def check_vocabulary(ckpt: Path, tokenizer, rows: int | None) -> None:
+    """A tokenizer that can produce ids past the model's embedding rows (its files swapped for another model's, or
+    a token added after training) is refused when the checkpoint is loaded, naming both sizes; it would otherwise
+    fail on the first such id, deep in torch (`IndexError: index out of range in self`). `rows` None: a model
+    without an embedding of its own (a DFlash draft reads its target's)."""
+    tokens = len(tokenizer)
+    if rows is not None and tokens > rows:
+        raise CorruptCheckpointError(
+            f"checkpoint {ckpt}: its tokenizer has {tokens} tokens but the model's embedding has {rows} rows "
+            f"(config.json vocab_size), so ids {rows}..{tokens - 1} have no embedding; the tokenizer files are not "
+            "the ones this model was trained with: put those back (in a store entry, `dllm-flow run --verify` "
+            "rebuilds it)"
+        )
+
+
+def embedding_rows(model) -> int | None:
+    """How many token ids the model can embed (None: it has no embedding of its own)."""
+    lm = backbone_lm(model)
+    embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None)
+
+
+def checkpoint_tokenizer(ckpt: Path, model):
+    """The checkpoint's tokenizer, checked against the loaded model's vocabulary (`check_vocabulary`)."""
+    tokenizer = load_tokenizer(str(ckpt))
+    check_vocabulary(ckpt, tokenizer, embedding_rows(model))
+    return tokenizer
 
 
 class Loaded(NamedTuple):
@@ -38,7 +67,7 @@ def load_for_generation(ckpt: Path, device: str, adapter: str | None = None) -> 
     model = load_trained_model(ckpt, device)
     if adapter:
         apply_adapter(model, adapter)
-    tokenizer = load_tokenizer(str(ckpt))
+    tokenizer = checkpoint_tokenizer(ckpt, model)
     name = meta["strategy"]
     options = checkpoint_options(meta, strategy_class(name).Options.model_fields)
     if strategy_class(name).trains == "draft":  # the draft decodes for the frozen target its checkpoint names

@@ -171,17 +171,17 @@ def child_error(strategy: str, record: dict) -> Exception:
     message = record["message"]
     if not message.startswith(f"train[{strategy}]"):
         message = f"train[{strategy}]: {message}"
-    kinds = {
+    kinds = {  # what a user can act on, nearest first (the CLI's user errors: exit 2, one line)
         "TrainingDiverged": TrainingDiverged,
         "ConfigError": ConfigError,
         "CorruptCheckpointError": CorruptCheckpointError,
-        "ValueError": ValueError,
+        "DiskFullError": lambda text: DiskFullError(errno.ENOSPC, text),
         "FileNotFoundError": FileNotFoundError,
+        "ValueError": ValueError,
     }
-    if record["type"] == "DiskFullError":
-        return DiskFullError(errno.ENOSPC, message)
-    if record["type"] in kinds:
-        return kinds[record["type"]](message)
+    for name in record.get("bases", [record["type"]]):
+        if name in kinds:
+            return kinds[name](message)
     return RuntimeError(f"{message} ({record['type']})")
 
 

@@ -8,12 +8,15 @@ acceptance instead (`evaluation == "speculative"`, DFlash) goes through `tasks.s
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import math
 import platform
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -22,11 +25,12 @@ import torch
 import transformers
 
 from dllm_common.checkpoint import DIGESTS, checkpoint_digest, read_meta
-from dllm_common.config import PipelineSpec
+from dllm_common.config import ConfigError, LMEvalConfig, PipelineSpec, context_overflow
 from dllm_common.store import stage_key
 from strategies import assemble_strategy, strategy_class
+from strategies.models import resolve_model_path
 from strategies.sampling import SamplerConfig, trim_at_eos
-from tasks.checkpoints import load_trained_model
+from tasks.checkpoints import checkpoint_tokenizer, load_trained_model
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.data_row import data_row_metrics
 from tasks.evaluation import (
@@ -92,6 +96,131 @@ def harness_versions(include_path: str | None) -> dict:
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
         versions["include_path_sha256"] = h.hexdigest()
     return versions
+
+
+# ---------------------------------------------------------------- checked before any training
+
+
+def check_samples_fit(spec: PipelineSpec, data: StageRef) -> None:
+    """Each eval prompt, tokenized as evaluation will, plus `eval.sample_length` fits the context of the model that
+    samples it (the rule and wording of `dllm-flow generate`'s own check). Run once the data's tokenizer exists and
+    before any training: a sample beyond the context decodes for minutes and means nothing. Config load has
+    already refused what the config alone shows (dllm_common/config.py: PipelineSpec)."""
+    tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
+    e = spec.eval
+    texts = list(e.prompts[: e.num_samples]) or ["O"]
+    prompts = encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")
+    labels = [f"eval.prompts[{i}] {t!r}" if e.num_samples else f"the default prompt {t!r}" for i, t in enumerate(texts)]
+    for strategy in spec.pipeline.strategies:
+        context, context_of = sampling_context(spec, strategy)
+        if context is None:
+            continue
+        for label, ids in zip(labels, prompts):
+            problem = context_overflow(
+                len(ids), e.sample_length, context, prompt=label, new="eval.sample_length", context_of=context_of
+            )
+            if problem:
+                raise ConfigError(f"{problem} (evaluate[{strategy}]'s samples)")
+
+
+def check_harness_tasks(settings: LMEvalConfig | None) -> None:
+    """`eval.lm_eval`: the harness is installed, `include_path` is a folder and every task name is one the harness
+    knows (a task, group or tag; or a task YAML file), checked before any training instead of after it. A name
+    found by a quick scan of the task YAMLs costs about a second; any other is looked up in the harness's own
+    index (~20 s) before it is refused with the closest names."""
+    if settings is None:
+        return
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(f"{LMEVAL_MISSING}, or remove eval.lm_eval")
+    if settings.include_path is not None and not Path(settings.include_path).is_dir():
+        raise ConfigError(
+            f"eval.lm_eval.include_path {settings.include_path!r} is not a directory; give the folder of your task "
+            "YAML files, or remove the key"
+        )
+    unknown = _unknown_harness_tasks(settings.tasks, settings.include_path)
+    if unknown:
+        named = "; ".join(
+            f"{name!r}" + (f" (did you mean {', '.join(close)}?)" if close else "") for name, close in unknown
+        )
+        raise ConfigError(
+            f"eval.lm_eval.tasks: unknown lm-eval task{'s' if len(unknown) > 1 else ''} {named}; `lm-eval ls tasks` "
+            "lists the harness's tasks, and eval.lm_eval.include_path adds a folder of your own"
+        )
+
+
+# a top-level `task:`, `group:` or `tag:` of a task YAML, with a block list of tags under it
+_DECLARED = re.compile(r"^(task|group|tag):[ \t]*([^\n#]*)((?:\n[ \t]*-[ \t]*[^\n]*)*)", re.M)
+
+
+def _declared_names(root: Path) -> set[str]:
+    """The task, group and tag names the YAML files under `root` declare themselves (what `include:` brings in is
+    missed: a name not found here is looked up in the harness's index)."""
+    names: set[str] = set()
+    for path in root.rglob("*.yaml"):
+        for key, value, items in _DECLARED.findall(path.read_text(encoding="utf-8", errors="replace")):
+            value = value.strip()
+            if value.startswith("["):
+                values = value.strip("[]").split(",")
+            elif value:
+                values = [value]
+            else:
+                values = [line.strip()[1:] for line in items.splitlines() if line.strip()] if key == "tag" else []
+            names.update(v.strip().strip("'\"") for v in values if v.strip())
+    return names
+
+
+@functools.lru_cache(maxsize=8)
+def _unknown_harness_tasks(tasks: tuple[str, ...], include_path: str | None) -> list[tuple[str, list[str]]]:
+    """(name, closest known names) of each task name the harness would not find; cached for the process (the
+    CLI checks before the flow starts, the flow again for a deployment or a resumed run)."""
+    missing = [t for t in tasks if not (t.endswith(".yaml") and Path(t).is_file())]
+    builtin = Path(importlib.util.find_spec("lm_eval").submodule_search_locations[0]) / "tasks"
+    roots = [builtin] if include_path is None else [Path(include_path), builtin]  # your own folder first
+    for root in roots:
+        declared = _declared_names(root)
+        missing = [t for t in missing if t not in declared]
+        if not missing:
+            return []
+    from tasks.lm_eval_model import task_manager  # imports the harness (and builds its whole index: seconds)
+
+    known = task_manager(tuple(missing), include_path).all_tasks
+    return [(t, difflib.get_close_matches(t, known, n=3)) for t in missing if t not in known]
+
+
+def sampling_context(spec: PipelineSpec, strategy: str) -> tuple[int | None, str]:
+    """(positions, what they are) of the model that draws `strategy`'s evaluation samples: the trained model, or
+    the frozen target a speculative strategy decodes with. None where the config of a pretrained model cannot be
+    read here (its own stage then says why)."""
+    m, d = spec.model, spec.dflash
+    if strategy_class(strategy).evaluation == "speculative":
+        if d.target_model_id is None:
+            return spec.data.seq_len, "the embedded target's context (data.seq_len)"
+        path, gguf, remote, what = (
+            d.target_model_id,
+            d.target_gguf_file,
+            d.target_trust_remote_code,
+            "dflash.target_model_id",
+        )
+    elif m.kind == "tiny":
+        return spec.data.seq_len, "the model's context (data.seq_len, a tiny model's max_position_embeddings)"
+    else:
+        path, gguf, remote, what = m.path, m.gguf_file, m.trust_remote_code, "model.path"
+    context = _max_positions(path, gguf, remote)
+    return context, f"the context of {what} {path!r} (max_position_embeddings)" if context else ""
+
+
+@functools.lru_cache(maxsize=8)
+def _max_positions(path: str, gguf: str | None, trust_remote_code: bool) -> int | None:
+    """A pretrained model's `max_position_embeddings`, from its config alone (a GGUF's header: seconds, once)."""
+    try:
+        kwargs = {"gguf_file": gguf} if gguf else {}
+        config = transformers.AutoConfig.from_pretrained(
+            resolve_model_path(path), trust_remote_code=trust_remote_code, **kwargs
+        )
+    except Exception:  # not readable here (no hub access, a typo): the stage that loads it names the problem
+        return None
+    context = getattr(config, "max_position_embeddings", None)
+    return context if isinstance(context, int) and not isinstance(context, bool) else None
 
 
 def eval_artifact_path(key: str) -> str:
@@ -294,11 +423,12 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
         ckpt = model_dir(trained)
         scorer = load_scorer(spec.eval.scorer, workdir) if spec.eval.scorer is not None else None
         val = tuple(t[: spec.eval.val_rows].to(device) for t in load_split(data.path, "val"))
+        model = load_trained_model(ckpt, device)
         ev = Evaluation(
             spec,
             strategy,
-            load_trained_model(ckpt, device),
-            load_tokenizer(str(ckpt)),
+            model,
+            checkpoint_tokenizer(ckpt, model),
             read_meta(ckpt)["mask_token_id"],
             ckpt,
             val,

@@ -58,11 +58,12 @@ from dllm_common.checkpoint import (
     weight_files,
     write_weights,
 )
-from dllm_common.store import fsync_tree, refuse_published, sha256_file
+from dllm_common.store import MANIFEST, StageEntry, Store, fsync_tree, refuse_published, sha256_file
 from strategies import strategy_class
 from strategies.dflash_draft import DFlashDraftModel
 from strategies.models import merge_lora, model_from_config_dir
 from strategies.sampling import SamplerConfig
+from tasks.checkpoints import check_vocabulary
 from tasks.generate import default_temperature, default_top_p, resolve_checkpoint
 from tasks.model_card import CARD, DLLM_SUBDIR, Layout, model_card
 from tasks.prepare_data import load_tokenizer
@@ -94,6 +95,7 @@ def export_checkpoint(
         ckpt = resolve_checkpoint(checkpoint, Path(workdir), tracking_uri, scratch=scratch)
         try:
             verify_checkpoint(ckpt)
+            verify_against_store(ckpt)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"refusing to export {checkpoint}: {exc}") from None
         source = Source.read(ckpt, checkpoint)
@@ -112,6 +114,36 @@ def export_checkpoint(
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     return out
+
+
+def verify_against_store(ckpt: Path) -> None:
+    """A checkpoint inside a published store entry (`WORKDIR/store/train/<key>/model`) is checked against the
+    entry's manifest too, every file re-hashed (after `verify_checkpoint`): the checkpoint's own digests.json can
+    be rewritten along with its weights, the manifest beside it records what was published.
+    `CorruptCheckpointError` names the files that differ and how to rebuild the entry. A checkpoint
+    outside a store has no manifest to check."""
+    entry_dir = next((d for d in (ckpt, *ckpt.parents) if (d / MANIFEST).is_file()), None)
+    if entry_dir is None:
+        return
+    entry = StageEntry(entry_dir.parent.name, entry_dir.name, entry_dir)
+    problems = Store(entry_dir.parent.parent).verify(entry)
+    if not problems:  # every file the manifest lists matches; a checkpoint file it does not list was added since
+        listed = set(entry.manifest["files"])
+        inside = ckpt.relative_to(entry_dir)
+        problems = [
+            f"{(inside / name).as_posix()} is not in the manifest"
+            for name in sorted(json.loads((ckpt / DIGESTS).read_text()))
+            if (inside / name).as_posix() not in listed
+        ]
+    if problems:  # the content first: the digests table is expected to differ with it
+        problems.sort(key=lambda p: p.startswith((ckpt.relative_to(entry_dir) / DIGESTS).as_posix()))
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CorruptCheckpointError(
+            f"{ckpt} is not what its store entry {entry.stage}/{entry.key} published ({entry_dir / MANIFEST}): "
+            f"{'; '.join(problems[:3])}{more}. It was changed after it was published, its {DIGESTS} too: rerun the "
+            "pipeline with `dllm-flow run --verify` (or `dllm-flow resume RUN_ID --verify`) to set the damaged "
+            "entry aside and rebuild it"
+        )
 
 
 def _refuse_existing(out: Path) -> None:
@@ -167,13 +199,15 @@ class Source:
         config = json.loads((ckpt / (DFlashDraftModel.CONFIG if draft else CONFIG)).read_text())
         recorded = json.loads((ckpt / DIGESTS).read_text())
         tokenizer_files = sorted(n for n in recorded if n not in NOT_TOKENIZER)
+        tokenizer = load_tokenizer(str(ckpt))
+        check_vocabulary(ckpt, tokenizer, None if draft else config.get("vocab_size"))
         tensors, verbatim, merged = _checkpoint_tensors(ckpt, config)
         return cls(
             ckpt,
             ref,
             meta,
             config,
-            load_tokenizer(str(ckpt)),
+            tokenizer,
             tokenizer_files,
             tensors,
             verbatim,

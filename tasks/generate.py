@@ -16,8 +16,8 @@ from pathlib import Path
 import mlflow
 import torch
 
-from dllm_common.config import EvalConfig
-from dllm_common.tracking import default_tracking_uri, quiet_environment
+from dllm_common.config import EvalConfig, context_overflow
+from dllm_common.tracking import check_tracking_server, default_tracking_uri, quiet_environment
 from strategies import strategy_class
 from strategies.dflash_draft import speculative_generate
 from strategies.sampling import (
@@ -48,6 +48,7 @@ def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None,
     MLflow model URI (`models:/NAME@ALIAS`, `models:/NAME/VERSION`, `runs:/ID/model`)."""
     if ref.startswith(("models:/", "runs:/")):
         quiet_environment()
+        check_tracking_server(tracking_uri, "--tracking-uri")
         uri = tracking_uri or default_tracking_uri(workdir)
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(uri)
@@ -133,22 +134,21 @@ def check_request(loaded: Loaded, request: Request) -> list[int]:
             f"--lookup-ngram applies to the speculative sampler (a DFlash draft); this checkpoint decodes with "
             f"{request.sampler!r}: drop the flag"
         )
-    context = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
-    if not isinstance(context, int) or isinstance(context, bool):
+    context = model_context(loaded.model)
+    if context is None:
         return ids
-    if len(ids) > context:
-        spans = f" with its [MASK] spans ({INFILL_SPAN} tokens each)" if request.infill else ""
-        raise ValueError(
-            f"--prompt is {len(ids)} tokens{spans}, longer than the model's context of {context} positions; shorten it"
-        )
-    if len(ids) + new > context:
-        room = context - len(ids)
-        fix = f"lower --max-new-tokens to at most {room}" if room >= 1 else "shorten --prompt to leave room"
-        raise ValueError(
-            f"--prompt ({len(ids)} tokens) + --max-new-tokens ({new}) = {len(ids) + new} positions, more than "
-            f"the model's context of {context}; {fix}"
-        )
+    spans = f" with its [MASK] spans ({INFILL_SPAN} tokens each)" if request.infill else ""
+    problem = context_overflow(len(ids), new, context, spans=spans)
+    if problem:
+        raise ValueError(problem)
     return ids
+
+
+def model_context(model) -> int | None:
+    """The positions a model was built for (`max_position_embeddings`; a tiny model's is `data.seq_len`), or None
+    where its config does not say."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return context if isinstance(context, int) and not isinstance(context, bool) else None
 
 
 def generate(loaded: Loaded, request: Request, device: str, stream=None) -> Generated:

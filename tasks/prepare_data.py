@@ -9,6 +9,7 @@ The train/val split is by document, so no play leaks across it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import itertools
@@ -167,17 +168,37 @@ def _hf_rows(cfg: DataConfig, path: Path | None):
         ) from None
 
 
+def _refuse_missing(cfg: DataConfig, path: Path | None, expected: str) -> None:
+    """`data.path` names something to read: not nothing, not a symlink that loops or leads nowhere."""
+    try:
+        os.stat(path or "")
+        return
+    except OSError as exc:
+        problem = exc
+    if problem.errno == errno.ELOOP:
+        raise DataError(
+            f"data.path {cfg.path!r} is a symlink loop (following its links leads back to where they started; "
+            f"`ls -l` on each part of the path shows where it leads): point it at {expected}"
+        )
+    if path is not None and path.is_symlink():
+        raise DataError(
+            f"data.path {cfg.path!r} is a symlink to {os.readlink(path)!r}, which does not exist: point it at "
+            f"{expected}"
+        )
+    raise DataError(f"data.path {cfg.path!r} does not exist (expected {expected})")
+
+
 def _records(cfg: DataConfig) -> Iterator[tuple[str, object]]:
     """(where, row) for every row of `data.path`, streamed: `file:line` for jsonl, `file row i` otherwise."""
     path = Path(cfg.path) if cfg.path else None
     if cfg.source == "jsonl":
-        if not path or not path.exists():
-            raise DataError(f"data.path {cfg.path!r} does not exist (expected a .jsonl file)")
+        _refuse_missing(cfg, path, "a .jsonl file")
         return _jsonl_rows(path)
     if cfg.source == "parquet":
-        if not path or not path.exists():
-            raise DataError(f"data.path {cfg.path!r} does not exist (expected a .parquet file or directory)")
+        _refuse_missing(cfg, path, "a .parquet file or directory")
         return _parquet_rows(path)
+    if path is not None and path.is_symlink():  # a hub name is no symlink; a broken or looping link is no dataset
+        _refuse_missing(cfg, path, "a dataset directory")
     return ((f"{cfg.path} row {i}", r) for i, r in enumerate(_hf_rows(cfg, path)))
 
 

@@ -10,12 +10,15 @@ where a document begins). The boundaries feed attention masks that take per-toke
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from dllm_common.store import MANIFEST
 
 ARRAYS = {"input_ids": np.int32, "loss_mask": np.uint8, "attention_mask": np.uint8, "doc_starts": np.uint8}
 
@@ -74,21 +77,64 @@ def write_split(folder: Path, split: str, ids, loss_mask, attention_mask) -> dic
     return writer.close()
 
 
+class MissingRowsError(FileNotFoundError):
+    """A prepared split's file is gone from its published store entry (deleted while a run used it): names the
+    entry and that rerunning the pipeline rebuilds it. `run_id` is filled in by the pipeline that hit it."""
+
+    def __init__(self, path: Path):
+        super().__init__(errno.ENOENT, "prepared rows missing", str(path))
+        self.path, self.run_id = Path(path), None
+
+    def __reduce__(self):  # across processes and Prefect's result storage, with the run id it may have got
+        return type(self), (self.path,), self.__dict__
+
+    def __str__(self) -> str:
+        entry = self.path.parent
+        rerun = (
+            f"`dllm-flow resume {self.run_id}`"
+            if self.run_id
+            else "`dllm-flow resume RUN_ID` (`dllm-flow runs` lists them)"
+        )
+        return (
+            f"{self.path.name} is missing from the store entry {entry.parent.name}/{entry.name} ({entry}): the entry "
+            f"was deleted or changed while this run used it. {rerun}, or the same `dllm-flow run` again, sets what is "
+            "left of it aside and rebuilds it"
+        )
+
+
+def _load(folder: Path, name: str) -> np.ndarray:
+    """One prepared array, memory-mapped copy-on-write (`MissingRowsError` if its file is gone)."""
+    path = Path(folder) / name
+    try:
+        return np.load(path, mmap_mode="c")
+    except FileNotFoundError:
+        raise MissingRowsError(path) from None
+
+
 def open_split(folder: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids int32, loss_mask uint8, attention_mask uint8), memory-mapped copy-on-write: pages are read
     from disk when a row is used and the file is never written. Index rows, then convert (`Split`)."""
-    out = []
-    for name in ("input_ids", "loss_mask", "attention_mask"):
-        array = np.load(Path(folder) / f"{split}.{name}.npy", mmap_mode="c")
-        out.append(torch.from_numpy(array))
-    return tuple(out)
+    return tuple(
+        torch.from_numpy(_load(folder, f"{split}.{name}.npy")) for name in ("input_ids", "loss_mask", "attention_mask")
+    )
 
 
 def open_doc_starts(folder: Path, split: str) -> torch.Tensor | None:
     """The split's document starts (uint8 `[N, L]`, memory-mapped like `open_split`), or None where the rows are
-    not packed (chat rows, regenerated rows)."""
-    path = Path(folder) / f"{split}.doc_starts.npy"
-    return torch.from_numpy(np.load(path, mmap_mode="c")) if path.is_file() else None
+    not packed (chat rows, regenerated rows). One its store entry lists but lost is `MissingRowsError`."""
+    name = f"{split}.doc_starts.npy"
+    if (Path(folder) / name).is_file() or name in _published_files(folder):
+        return torch.from_numpy(_load(folder, name))
+    return None
+
+
+def _published_files(folder: Path) -> set[str]:
+    """The files the store entry `folder` published (empty outside a store, or where its manifest is unreadable:
+    the store's own check reports that)."""
+    try:
+        return set(json.loads((Path(folder) / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
 
 
 def document_ids(doc_starts: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,12 @@ def main(args_path: str) -> None:
         # the launching process reports rank 0's error in one line, as its type (a user error stays one); the
         # traceback goes to its log file
         if info.is_main:
-            record = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exception(exc)}
+            record = {
+                "type": type(exc).__name__,
+                "bases": [c.__name__ for c in type(exc).__mro__],  # the launcher keeps the nearest it knows
+                "message": str(exc),
+                "traceback": traceback.format_exception(exc),
+            }
             atomic_write_text(job.work / CHILD_ERROR, json.dumps(record))
         if distributed.under_torchrun():  # torchrun reports each rank's failure itself
             raise

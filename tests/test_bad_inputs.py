@@ -227,3 +227,236 @@ def test_a_config_path_that_is_a_directory_or_not_text_is_named(tmp_path):
     binary.write_bytes(b"\x00\xff")
     with pytest.raises(ConfigError, match=rf"config file {binary} is not UTF-8 text \(byte 0xff at offset 1\)"):
         read_yaml(binary)
+
+
+# ---------------------------------------------------------------- 4. values the config alone shows are wrong (issue 28)
+
+
+def _validate(capsys, *sets: str, config: str = "configs/smoke.yaml"):
+    """`dllm-flow validate CONFIG --set ...` in this process: (exit status, stderr)."""
+    from conftest import ROOT
+
+    from flows.cli import main
+
+    capsys.readouterr()
+    args = [arg for item in sets for arg in ("--set", item)]
+    code = main(["validate", str(ROOT / config), *args])
+    return code, capsys.readouterr().err
+
+
+def test_a_key_written_twice_is_refused_naming_it_and_both_lines(tmp_path, capsys):
+    from dllm_common.config import apply_overrides, read_yaml
+
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(
+        "pipeline:\n  name: t\ntrain:\n  global_batch_size: 16\neval:\n  sample_length: 8\n"
+        "train:\n  global_batch_size: 32\n"
+    )
+    expected = (
+        f"config file {twice}: train appears twice (on line 3 and on line 7); YAML would silently keep only the "
+        "second, so merge the two or delete one"
+    )
+    with pytest.raises(ConfigError) as err:
+        read_yaml(twice)
+    assert str(err.value) == expected
+    code, err = _validate(capsys, config=str(twice))
+    assert code == 2 and err == f"dllm-flow: error: {expected}\n"
+    inside = tmp_path / "inside.yaml"
+    inside.write_text(
+        "train:\n  steps: 30\n  lr: 0.01\n  steps: 40\neval:\n  overrides: {scdd: {top_k: 1, top_k: 2}}\n"
+    )
+    with pytest.raises(ConfigError, match=r"inside.yaml: train\.steps appears twice \(on line 2 and on line 4\)"):
+        read_yaml(inside)
+    with pytest.raises(
+        ConfigError, match=r"^override 'train=\{steps: 3, steps: 4\}': steps appears twice \(on line 1\)"
+    ):
+        apply_overrides({}, ["train={steps: 3, steps: 4}"])
+    # the same key in two sections, anchors and merge keys (`<<:` overrides on purpose) stay as YAML has them
+    fine = tmp_path / "fine.yaml"
+    fine.write_text("a: &base {k: 1, j: 2}\nb:\n  <<: *base\n  k: 3\nc: {k: 4}\nd: *base\n")
+    assert read_yaml(fine) == {"a": {"k": 1, "j": 2}, "b": {"k": 3, "j": 2}, "c": {"k": 4}, "d": {"k": 1, "j": 2}}
+
+
+def test_a_warmup_longer_than_the_training_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError) as err:
+        validate_config(_spec(["mdlm"], train={"steps": 10, "warmup_steps": 11}))
+    assert str(err.value).splitlines()[1:] == [
+        "  train.warmup_steps (11) is larger than train.steps (10): the learning rate would still be ramping up when "
+        "training ends and never reach train.lr; set train.warmup_steps to at most 10"
+    ]
+    with pytest.raises(
+        ConfigError, match=r"dflash\.pretrain\.warmup_steps \(30\) is larger than dflash\.pretrain\.steps"
+    ):
+        validate_config(_spec(["dflash"], dflash={"pretrain": {"steps": 20}}))
+    # equal is allowed: the last step trains at train.lr (the schedule reaches 1 there; nothing is left to decay)
+    from dllm_common.config import TrainConfig
+    from tasks.runtime import OptimSettings, lr_lambda
+
+    assert validate_config(_spec(["mdlm"], train={"steps": 10, "warmup_steps": 10})).train.warmup_steps == 10
+    assert lr_lambda(9, OptimSettings.of(TrainConfig(steps=10, warmup_steps=10))) == 1.0
+
+
+def test_samples_longer_than_a_tiny_models_context_are_refused_at_load(capsys):
+    code, err = _validate(capsys, "eval.sample_length=64")
+    assert code == 2, err
+    assert err.splitlines()[1] == (
+        "  the shortest eval.prompts entry (1 token) + eval.sample_length (64) = 65 positions, more than the model's "
+        "context (data.seq_len, a tiny model's max_position_embeddings) of 64; lower eval.sample_length to at most 63"
+    )
+    assert _validate(capsys, "eval.sample_length=63")[0] == 0  # the tokenized prompts are checked before training
+    pretrained = {"kind": "pretrained", "path": "some/model"}  # its context is in its config: read before training
+    validate_config(_spec(["mdlm"], model=pretrained, eval={"sample_length": 500}))
+    validate_config(_spec(["dflash"], dflash={"target_model_id": "some/model"}, eval={"sample_length": 500}))
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["train.betas=[1.5, 0.9]"], "train.betas must be two numbers in [0, 1) (AdamW's decay rates of its gradient"),
+        (["train.betas=[0.9, 1.0]"], "got [0.9, 1.0]"),
+        (["train.betas=[-0.1, 0.9]"], "train.betas must be two numbers in [0, 1)"),
+        (["train.betas=[0.9, .nan]"], "got [0.9, nan]"),
+        (["train.weight_decay=-0.1"], "train.weight_decay: Input should be greater than or equal to 0"),
+        (
+            ["model.num_kv_heads=3"],
+            "model.num_kv_heads (3) must divide model.num_heads (4): each key/value head serves the same number of "
+            "query heads; use one of [1, 2, 4]",
+        ),
+        (["model.num_kv_heads=0"], "model.num_kv_heads: Input should be greater than or equal to 1 (got 0)"),
+        (["model.intermediate_size=-5"], "model.intermediate_size: Input should be greater than or equal to 1"),
+        (["model.intermediate_size=0"], "model.intermediate_size: Input should be greater than or equal to 1"),
+        (["model.hidden_size=66"], "model.hidden_size (66) must be divisible by model.num_heads (4)"),
+        (
+            ["model.hidden_size=96", "model.num_heads=32"],
+            "model.hidden_size (96) ÷ model.num_heads (32) = 3 dimensions per head, which must be even (rotary "
+            "position embeddings rotate pairs of dimensions); change model.hidden_size or model.num_heads",
+        ),
+        (["dflash.pretrain.intermediate_size=0"], "dflash.pretrain.intermediate_size: Input should be greater than"),
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else None,
+)
+def test_optimizer_and_model_shape_values_torch_would_fail_on_are_refused_by_validate(capsys, sets, message):
+    code, err = _validate(capsys, *sets)
+    assert code == 2 and err.startswith("dllm-flow: error: invalid config ") and message in err, err
+    assert "(got {" not in err  # a rule that names its keys is not followed by the whole section
+
+
+def test_optimizer_and_model_shapes_that_fit_are_kept(capsys):
+    for sets in (["train.betas=[0.0, 0.999]"], ["model.num_kv_heads=2"], ["model.num_kv_heads=4"]):
+        assert _validate(capsys, *sets)[0] == 0, sets
+    assert _validate(capsys, "model.hidden_size=72", "model.num_heads=4")[0] == 0  # 18 per head
+
+
+# ---------------------------------------------------------------- 5. a tracking server nobody answers at
+
+
+def test_an_unreachable_tracking_server_is_refused_in_seconds_before_anything_starts(tmp_path, capsys):
+    import time
+
+    from conftest import ROOT, free_port
+
+    from flows.cli import main
+
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    capsys.readouterr()
+    code = main(
+        ["run", str(ROOT / "configs/smoke.yaml"), "--set", f"tracking.uri={uri}", "--workdir", str(tmp_path / "w")]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and time.monotonic() - started < 10, err
+    assert err == (
+        f"dllm-flow: error: tracking.uri {uri}: no MLflow tracking server answers there (Connection refused); start "
+        "it (`make server` serves one at http://127.0.0.1:5000) or remove tracking.uri to track into the workdir's "
+        "own store (WORKDIR/mlflow.db)\n"
+    )
+    assert not (tmp_path / "w").exists()  # refused before the workdir, the Prefect API or any stage
+    code = main(["report", "some-run", "--workdir", str(tmp_path / "w"), "--tracking-uri", uri])
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: --tracking-uri {uri}: no MLflow tracking server answers there" in err, err
+    assert "drop --tracking-uri to read the workdir's own store" in err and not (tmp_path / "w").exists()
+
+
+def test_a_recorded_run_resumes_only_where_its_tracking_server_answers(tmp_path, capsys):
+    from conftest import free_port
+
+    from dllm_common.runs import RunRecord
+    from flows.cli import main
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    record = RunRecord("20261201-000000-bbbbbb", "p", "c.yaml", [], {"tracking": {"uri": uri}}, "0" * 64, pid=None)
+    record.status = "FAILED"
+    record.save(tmp_path)
+    capsys.readouterr()
+    assert main(["resume", record.run_id, "--workdir", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert f"error: tracking.uri {uri}: no MLflow tracking server answers there" in out.err and not out.out
+
+
+def test_a_tracking_server_that_answers_anything_or_nothing_in_time(tmp_path):
+    import http.server
+    import socket
+    import threading
+
+    from dllm_common.tracking import UnreachableTrackingServer, check_tracking_server
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # a proxy or a path prefix without MLflow's /health: something is there
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        check_tracking_server(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    with socket.socket() as silent:  # accepts connections (the backlog) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(
+            UnreachableTrackingServer, match=r"no MLflow tracking server answers there \(no answer in 0.5 s\)"
+        ):
+            check_tracking_server(uri, seconds=0.5)
+    for not_a_server in (None, "sqlite:///x.db", "file:///tmp/mlruns", "databricks"):
+        check_tracking_server(not_a_server)
+
+
+# ---------------------------------------------------------------- 6. lm-eval task names, before any training
+
+
+def test_lm_eval_task_names_are_checked_before_training(capsys):
+    from conftest import ROOT
+
+    local = f"include_path: {ROOT / 'tests/data/lm_eval'}"
+    assert _validate(capsys, f"eval.lm_eval={{tasks: [shakespeare_mc, hellaswag], {local}}}")[0] == 0
+    code, err = _validate(capsys, "eval.lm_eval={tasks: [hellaswg, AraDiCE_ArabicMMLU_high_stem_physics_egy]}")
+    assert code == 2 and err == (
+        "dllm-flow: error: eval.lm_eval.tasks: unknown lm-eval task 'hellaswg' (did you mean hellaswag, hellaswag_vi, "
+        "hellaswag_uk?); `lm-eval ls tasks` lists the harness's tasks, and eval.lm_eval.include_path adds a folder of "
+        "your own\n"
+    ), err  # the second name is one only the harness's own index knows (it comes from an included YAML)
+    code, err = _validate(capsys, "eval.lm_eval={tasks: [shakespeare_mc], include_path: no/such/folder}")
+    assert code == 2 and "eval.lm_eval.include_path 'no/such/folder' is not a directory" in err, err
+
+
+# ---------------------------------------------------------------- 7. report --out that is a file
+
+
+def test_report_out_that_is_a_file_is_named_and_left_alone(tmp_path, capsys):
+    from flows.cli import main
+
+    blocker = tmp_path / "report.md"
+    blocker.write_text("mine")
+    for out, where in ((blocker, "is a file"), (blocker / "sub", f"is inside {blocker}, which is a file")):
+        capsys.readouterr()
+        assert main(["report", "some-run", "--workdir", str(tmp_path / "w"), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"dllm-flow: error: report --out {out} {where}, not a directory; nothing was written. Give --out a "
+            "directory (new or existing) for report.md, report.json and the plots\n"
+        ), err
+    assert blocker.read_text() == "mine" and not (tmp_path / "w").exists()  # refused before MLflow is opened

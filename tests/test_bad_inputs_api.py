@@ -202,6 +202,55 @@ def test_prompt_plus_new_tokens_beyond_the_context_is_refused():
     )
 
 
+def test_eval_samples_beyond_the_context_are_refused_before_training_with_generates_wording(
+    prepared, tiny_spec, tmp_path
+):
+    """The same rule and wording as `generate`'s, on the prompts tokenized as evaluation will (config load already
+    refused what the config alone shows); run by the pipeline between prepare_data and the first training."""
+    from transformers import LlamaConfig
+
+    from dllm_common.config import ConfigError
+    from tasks.evaluate import check_samples_fit
+    from tasks.prepare_data import load_tokenizer
+
+    data, _ = prepared
+    tokenizer = load_tokenizer(f"{data.path}/tokenizer")
+    prompt = tiny_spec.eval.prompts[0]
+    n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert 1 < n < 20 and tiny_spec.data.seq_len == 32
+
+    def spec_with(**changes):
+        raw = tiny_spec.model_dump(mode="json")
+        for key, value in changes.items():
+            section, name = key.split("__")
+            raw[section][name] = value
+        return validate_config(raw)
+
+    with pytest.raises(ConfigError) as err:
+        check_samples_fit(spec_with(eval__sample_length=31), data)  # 1 + 31 fits the config's bound, n + 31 does not
+    assert str(err.value) == (
+        f"eval.prompts[0] {prompt!r} ({n} tokens) + eval.sample_length (31) = {n + 31} positions, more than the "
+        f"model's context (data.seq_len, a tiny model's max_position_embeddings) of 32; lower eval.sample_length to "
+        f"at most {32 - n} (evaluate[mdlm]'s samples)"
+    )
+    check_samples_fit(spec_with(eval__sample_length=32 - n), data)
+    # a pretrained model: its own max_position_embeddings, read from its config before any weights
+    model_dir = tmp_path / "pretrained"
+    LlamaConfig(
+        vocab_size=len(tokenizer), max_position_embeddings=24, hidden_size=32, num_attention_heads=2
+    ).save_pretrained(model_dir)
+    pretrained = spec_with(model__kind="pretrained", model__path=str(model_dir), eval__sample_length=31)
+    context_of = rf"more than the context of model\.path '{model_dir}' \(max_position_embeddings\) of 24"
+    with pytest.raises(ConfigError, match=rf"{context_of}; lower eval\.sample_length to at most {24 - n}"):
+        check_samples_fit(pretrained, data)
+    # DFlash decodes its samples with the target: the embedded one is as long as the rows
+    dflash = spec_with(pipeline__strategies=["dflash"], eval__sample_length=31)
+    with pytest.raises(
+        ConfigError, match=r"more than the embedded target's context \(data\.seq_len\) of 32.*evaluate\[dflash\]"
+    ):
+        check_samples_fit(dflash, data)
+
+
 def test_missing_checkpoint_path_says_it_does_not_exist(tmp_path):
     from tasks.generate import resolve_checkpoint
 
@@ -279,7 +328,11 @@ def _data_spec(path: Path, **data):
     from dllm_common.config import validate_config as validate_pipeline
 
     return validate_pipeline(
-        {"data": {"seq_len": 32, "source": "jsonl", "path": str(path), **data}, "tokenizer": {"vocab_size": 300}}
+        {
+            "data": {"seq_len": 32, "source": "jsonl", "path": str(path), **data},
+            "tokenizer": {"vocab_size": 300},
+            "eval": {"sample_length": 8},
+        }
     )
 
 
@@ -300,3 +353,113 @@ def test_pretrain_documents_with_empty_texts_are_named(tmp_path):
     msg = str(err.value)
     assert "fewer than one row of data.seq_len (32) tokens" in msg and "data.shape" not in msg, msg
     assert not list((tmp_path / "w").rglob("manifest.json"))  # nothing half-published
+
+
+def test_a_data_path_that_is_a_symlink_loop_or_leads_nowhere_says_so(tmp_path):
+    from tasks.prepare_data import DataError, prepare_data
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    loop = (
+        "is a symlink loop (following its links leads back to where they started; `ls -l` on each part of the path "
+        "shows where it leads): point it at a .jsonl file"
+    )
+    for path, message in (
+        (tmp_path / "a", f"data.path {str(tmp_path / 'a')!r} {loop}"),
+        (tmp_path / "a" / "docs.jsonl", f"data.path {str(tmp_path / 'a' / 'docs.jsonl')!r} {loop}"),
+        (
+            tmp_path / "dangling.jsonl",
+            f"data.path {str(tmp_path / 'dangling.jsonl')!r} is a symlink to {str(tmp_path / 'gone.jsonl')!r}, which "
+            "does not exist: point it at a .jsonl file",
+        ),
+        (
+            tmp_path / "none.jsonl",
+            f"data.path {str(tmp_path / 'none.jsonl')!r} does not exist (expected a .jsonl file)",
+        ),
+    ):
+        with pytest.raises(DataError) as err:
+            prepare_data(_data_spec(path), str(tmp_path / "w"))
+        assert str(err.value) == message
+    assert not list((tmp_path / "w").rglob("manifest.json"))
+
+
+# ---------------------------------------------------------------- 9. checkpoints at odds with themselves or their entry
+
+
+def _checkpoint(prepared, dest: Path, rows: int | None = None):
+    """A small mdlm checkpoint with the prepared tokenizer; `rows`: its embedding rows (default: the tokenizer's)."""
+    from dllm_common.checkpoint import write_checkpoint
+    from strategies.models import build_model, tiny_model_config
+    from tasks.prepare_data import load_tokenizer
+
+    data, _ = prepared
+    tokenizer = load_tokenizer(f"{data.path}/tokenizer")
+    lm = build_model(tiny_model_config("llama", rows or len(tokenizer), 32, 32, 1, 2, None, None, True), 0)
+    mask = tokenizer.mask_token_id
+    meta = {"strategy": "mdlm", "mask_token_id": mask, "options": {"mask_token_id": mask}, "seq_len": 32}
+    return write_checkpoint(dest, lm, tokenizer, meta), tokenizer
+
+
+def test_a_tokenizer_with_more_tokens_than_the_model_is_refused_at_load(prepared, tmp_path, capsys):
+    from dllm_common.checkpoint import CorruptCheckpointError
+    from flows.cli import main
+    from tasks.checkpoints import checkpoint_tokenizer, load_for_generation, load_trained_model
+    from tasks.export import export_checkpoint
+
+    data, _ = prepared
+    n = 320
+    ckpt, tokenizer = _checkpoint(prepared, tmp_path / "ckpt", rows=n - 8)
+    assert len(tokenizer) == n and tokenizer.mask_token_id < n - 8
+    expected = (
+        f"checkpoint {ckpt}: its tokenizer has {n} tokens but the model's embedding has {n - 8} rows (config.json "
+        f"vocab_size), so ids {n - 8}..{n - 1} have no embedding; the tokenizer files are not the ones this model was "
+        "trained with: put those back (in a store entry, `dllm-flow run --verify` rebuilds it)"
+    )
+    for load in (
+        lambda: load_for_generation(ckpt, "cpu"),  # generate, the lm-eval model
+        lambda: checkpoint_tokenizer(ckpt, load_trained_model(ckpt, "cpu")),  # the evaluate stage
+        lambda: export_checkpoint(str(ckpt), tmp_path / "out", tmp_path),
+    ):
+        with pytest.raises(CorruptCheckpointError) as err:
+            load()
+        assert str(err.value) == expected
+    assert not (tmp_path / "out").exists()
+    # the command, with a prompt holding the last token: `IndexError: index out of range in self` before (exit 1)
+    capsys.readouterr()
+    prompt = tokenizer.decode([n - 1])
+    code = main(["generate", "--checkpoint", str(ckpt), "--prompt", prompt, "--steps", "2", "--max-new-tokens", "4"])
+    assert code == 2 and capsys.readouterr().err == f"dllm-flow: error: {expected}\n"
+
+
+def test_export_of_a_store_entry_checks_it_against_the_entrys_manifest(prepared, tmp_path):
+    """Weights and digests.json both edited: the checkpoint agrees with itself, the store's manifest does not."""
+    from dllm_common.checkpoint import CorruptCheckpointError, verify_checkpoint
+    from dllm_common.store import Store, sha256_file
+    from tasks.export import export_checkpoint
+
+    key = "0123456789abcdef01234567"
+    with Store(tmp_path / "store").publish("train", key, {"stage": "train"}) as tmp:
+        _checkpoint(prepared, tmp / "model")
+    entry = tmp_path / "store" / "train" / key
+    assert (export_checkpoint(str(entry), tmp_path / "intact", tmp_path) / "model.safetensors").is_file()
+    weights, digests = entry / "model" / "model.safetensors", entry / "model" / "digests.json"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    table = json.loads(digests.read_text())
+    digests.write_text(json.dumps({**table, "model.safetensors": sha256_file(weights)}, indent=2, sort_keys=True))
+    verify_checkpoint(entry / "model")  # its own table agrees: only the manifest beside it can tell
+    for ref in (entry, entry / "model"):
+        with pytest.raises(CorruptCheckpointError) as err:
+            export_checkpoint(str(ref), tmp_path / "out", tmp_path)
+        assert str(err.value) == (
+            f"refusing to export {ref}: {entry / 'model'} is not what its store entry train/{key} published "
+            f"({entry / 'manifest.json'}): model/model.safetensors does not match its sha256; model/digests.json does "
+            "not match its sha256. It was changed after it was published, its digests.json too: rerun the pipeline "
+            "with `dllm-flow run --verify` (or `dllm-flow resume RUN_ID --verify`) to set the damaged entry aside and "
+            "rebuild it"
+        )
+    assert (
+        not (tmp_path / "out").exists() and sha256_file(weights) == json.loads(digests.read_text())["model.safetensors"]
+    )

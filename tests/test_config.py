@@ -63,7 +63,11 @@ def test_silently_accepted_values_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"eval.nfe_budgets.0: Input should be greater than or equal to 1"):
         validate_config({"eval": {"nfe_budgets": [-3, 4]}})
     ok = validate_config(
-        {"pipeline": {"strategies": ["scdd"]}, "dllm": {"time_conditioning": True}, "train": {"steps": 3}}
+        {
+            "pipeline": {"strategies": ["scdd"]},
+            "dllm": {"time_conditioning": True},
+            "train": {"steps": 3, "warmup_steps": 3},
+        }
     )
     assert ok.train.steps == 3 and ok.eval.greedy is True  # real booleans stay booleans
 
@@ -80,7 +84,9 @@ def test_batch_must_divide():
 
 
 def test_overrides_are_yaml_typed_and_dotted(tmp_path):
-    raw = apply_overrides({"train": {"steps": 3}}, ["train.steps=7", "eval.prompts=[a, b]", "tracking.uri=null"])
+    raw = apply_overrides(
+        {"train": {"steps": 3, "warmup_steps": 0}}, ["train.steps=7", "eval.prompts=[a, b]", "tracking.uri=null"]
+    )
     spec = validate_config(raw)
     assert spec.train.steps == 7 and spec.eval.prompts == ("a", "b") and spec.tracking.uri is None
 

@@ -89,7 +89,13 @@ def test_dialogue_row_supervises_only_the_response(tokenizer):
 
 
 def _spec(tmp_path, **data):
-    return validate_config({"data": {"seq_len": 16, "val_fraction": 0.5, **data}, "tokenizer": {"vocab_size": 300}})
+    return validate_config(
+        {
+            "data": {"seq_len": 16, "val_fraction": 0.5, **data},
+            "tokenizer": {"vocab_size": 300},
+            "eval": {"sample_length": 8},
+        }
+    )
 
 
 def test_jsonl_text_and_chat_messages(tmp_path):

@@ -400,3 +400,51 @@ def test_the_prefect_server_restarting_mid_run_does_not_stop_it(tmp_path, undist
         assert weights_digest(workdir) == weights_digest(undisturbed) and unverified_entries(workdir) == []
     finally:
         stop_group(server)
+
+
+# ---------------------------------------------------------------- prepared rows deleted under a running pipeline
+
+
+def test_prepared_rows_deleted_under_a_run_name_the_entry_and_the_resume_that_rebuilds_it(prepared, tmp_path):
+    """A prepare_data entry (or a file of it) deleted while a run uses it: the stage that opens the rows next (the
+    evaluation, after a training that had them memory-mapped) says which entry lost which file and that resuming
+    the run rebuilds it; it used to be `[Errno 2] No such file or directory: …/val.input_ids.npy`. Run against the
+    components: the pipeline-level run (train, delete, resume) takes minutes and is what this reproduces."""
+    import pickle
+    from types import SimpleNamespace
+
+    from dllm_common.runs import RunRecord
+    from flows.pipeline import _record_end
+    from tasks.rows import MissingRowsError, load_split
+    from tasks.runtime import Split
+
+    data, _ = prepared
+    entry = tmp_path / "store" / "prepare_data" / data.key
+    shutil.copytree(data.path, entry)
+    store = Store(tmp_path / "store")
+    assert (
+        store.verify(store.lookup("prepare_data", data.key)) == [] and Split.open(entry, "val").doc_starts is not None
+    )
+    (entry / "val.input_ids.npy").unlink()
+    with pytest.raises(MissingRowsError) as err:
+        load_split(entry, "val")
+    assert isinstance(err.value, FileNotFoundError)  # a user error: exit 2
+    assert str(err.value) == (
+        f"val.input_ids.npy is missing from the store entry prepare_data/{data.key} ({entry}): the entry was deleted "
+        "or changed while this run used it. `dllm-flow resume RUN_ID` (`dllm-flow runs` lists them), or the same "
+        "`dllm-flow run` again, sets what is left of it aside and rebuilds it"
+    )
+    # the pipeline that hits it names its own run, and the name survives a trip through another process
+    record = RunRecord("20261201-000000-cccccc", "p", "c.yaml", [], {}, "0" * 64, pid=None)
+    _record_end(err.value, record, tmp_path, SimpleNamespace(close=lambda status: None))
+    resumable = pickle.loads(pickle.dumps(err.value))
+    assert f"`dllm-flow resume {record.run_id}`, or the same `dllm-flow run` again" in str(resumable)
+    # packed rows whose document starts are gone are refused too, not silently trained without them
+    (entry / "train.doc_starts.npy").unlink()
+    with pytest.raises(
+        MissingRowsError, match=rf"^train\.doc_starts\.npy is missing from the store entry prepare_data/{data.key} "
+    ):
+        Split.open(entry, "train")
+    # what `resume` does then: the damaged entry is set aside (kept) and the lookup misses, so it is rebuilt
+    assert store.lookup("prepare_data", data.key) is None
+    assert [p.name.split(".damaged-")[0] for p in entry.parent.glob("*.damaged-*")] == [data.key]
