@@ -315,7 +315,9 @@ def test_samples_longer_than_a_tiny_models_context_are_refused_at_load(capsys):
         (["train.betas=[1.5, 0.9]"], "train.betas must be two numbers in [0, 1) (AdamW's decay rates of its gradient"),
         (["train.betas=[0.9, 1.0]"], "got [0.9, 1.0]"),
         (["train.betas=[-0.1, 0.9]"], "train.betas must be two numbers in [0, 1)"),
-        (["train.betas=[0.9, .nan]"], "got [0.9, nan]"),
+        (["train.betas=[0.9, .nan]"], "train.betas.1: Input should be a finite number (got nan)"),
+        (["train.lr=.inf"], "train.lr: Input should be a finite number (got inf)"),  # every config value is finite
+        (["train.grad_clip=.nan"], "train.grad_clip: Input should be a finite number (got nan)"),
         (["train.weight_decay=-0.1"], "train.weight_decay: Input should be greater than or equal to 0"),
         (
             ["model.num_kv_heads=3"],
