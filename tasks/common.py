@@ -99,7 +99,14 @@ def check_workdir(workdir: str | Path) -> Path:
     return p
 
 
-def prefect_task(fn: Callable, *, name: str, stage_of: Callable[..., tuple[str, str]], retries: int = 0) -> Any:
+def prefect_task(
+    fn: Callable,
+    *,
+    name: str,
+    stage_of: Callable[..., tuple[str, str]],
+    retries: int = 0,
+    side_effects_for: Callable[..., str] | None = None,
+) -> Any:
     """Thin Prefect `@task` over a plain stage function, cached by the stage's store key.
 
     The cache key is `<stage>/<key>/prefect-result-<hash of the store's path>` and the flow roots
@@ -107,6 +114,8 @@ def prefect_task(fn: Callable, *, name: str, stage_of: Callable[..., tuple[str, 
     *inside* the published entry: deleting an entry also drops Prefect's memory of it, and a half-written
     stage is never served from cache. The entry is checked before Prefect looks (`Store.lookup`): a damaged
     entry is moved aside with the cached result inside it, so a cache hit never skips the verification.
+    `side_effects_for(**parameters)` names what the body does outside the store (the MLflow run an evaluation
+    logs into): a different answer misses Prefect's cache, so the body runs, reuses the entry and redoes them.
     """
 
     def cache_key(_context, parameters: dict) -> str:
@@ -117,8 +126,10 @@ def prefect_task(fn: Callable, *, name: str, stage_of: Callable[..., tuple[str, 
         store.lookup(stage, key)
         # the cached StageRef holds absolute paths: a result is only valid where the store was when it was written
         # (a moved or copied workdir misses once, reuses its entries and caches refs to its own files)
-        where = hashlib.sha256(str(store.root.resolve()).encode()).hexdigest()[:12]
-        return f"{stage}/{key}/prefect-result-{where}"
+        where = str(store.root.resolve())
+        if side_effects_for is not None:
+            where += "\0" + side_effects_for(**parameters)
+        return f"{stage}/{key}/prefect-result-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
 
     return task(fn, name=name, cache_key_fn=cache_key, persist_result=True, retries=retries)
 

@@ -452,11 +452,13 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
 
 def _missing_from_run(spec: PipelineSpec, trained: StageRef, entry, workdir: str) -> bool:
     """A reused evaluation of a training whose MLflow run is not the one it was logged to (the training was
-    rebuilt bit for bit after its entry was damaged, in a new run) and that run lacks its metrics."""
+    rebuilt bit for bit after its entry was damaged, in a new run) and that run lacks its artifact folder.
+    The folder, not the metric names, decides: another evaluation of the rebuilt run logs the same names."""
     if entry.manifest.get("info", {}).get("train_run_id") == trained.mlflow_run_id:
         return False
-    logged = tracking_for(spec, workdir).client.get_run(trained.mlflow_run_id).data.metrics
-    return any(k not in logged for k in json.loads((entry.path / "metrics.json").read_text()))
+    folder = eval_artifact_path(entry.key)
+    logged = tracking_for(spec, workdir).client.list_artifacts(trained.mlflow_run_id, folder)
+    return not any(Path(a.path).name in entry.manifest["files"] for a in logged)
 
 
 def _dllm_evaluation(ev: Evaluation) -> EvalResult:
@@ -519,4 +521,7 @@ def _ref(entry, strategy: str, reused: bool) -> StageRef:
     return StageRef.of(entry, reused, f"evaluate[{strategy}]", run_id_key="train_run_id")
 
 
-evaluate_task = prefect_task(evaluate, name="evaluate", stage_of=stage_of)
+# logged into the training's MLflow run: a training rebuilt in a new run gets its reused evaluations again
+evaluate_task = prefect_task(
+    evaluate, name="evaluate", stage_of=stage_of, side_effects_for=lambda trained, **_: trained.mlflow_run_id or ""
+)

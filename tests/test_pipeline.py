@@ -201,7 +201,30 @@ def test_rerun_reuses_everything_then_eval_change_reruns_only_eval(smoke_run, ca
     assert out.returncode == 0 and table((workdir / "again" / "report.md").read_text()) == table(first_report)
 
 
-def test_corrupt_checkpoint_fails_evaluation_clearly(smoke_run, prefect_api):
+def test_a_copied_then_moved_workdir_reuses_everything_from_its_new_place(smoke_run, tmp_path, prefect_api):
+    """Relocatable workdirs: `cp -a` then `mv` (the copy's first home is gone) and rerun. Every stage is reused,
+    nothing is read from or recreated at an old location, and MLflow's artifact paths point into the new one."""
+    import sqlite3
+
+    workdir, _ = smoke_run
+    first, moved = tmp_path / "copy", tmp_path / "moved"
+    shutil.copytree(workdir, first, symlinks=True)
+    shutil.move(first, moved)
+    out = cli("run", "configs/smoke.yaml", workdir=moved, api=prefect_api)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert set(stage_status(latest_record(moved)).values()) == {"REUSED"}, stage_status(latest_record(moved))
+    assert "workdir moved: MLflow's artifact paths rewritten" in out.stderr and not first.exists()
+    con = sqlite3.connect(moved / "mlflow.db")
+    paths = [r[0] for r in con.execute("SELECT artifact_location FROM experiments UNION SELECT artifact_uri FROM runs")]
+    paths += [r[0] for r in con.execute("SELECT source FROM model_versions")]
+    con.close()
+    local = [p for p in paths if "/mlartifacts" in p]
+    assert local and all(p.startswith((moved / "mlartifacts").as_uri()) for p in local), local
+    for entry in (moved / "store" / "train").glob("*/manifest.json"):  # Prefect now caches refs to the new files
+        assert [p.name for p in entry.parent.glob("prefect-result-*")], list(entry.parent.iterdir())
+
+
+def test_corrupt_checkpoint_fails_evaluation_clearly(smoke_run, capsys, prefect_api):
     workdir, _ = smoke_run
     weights = next((workdir / "store" / "train").glob("*/model/model.safetensors"))
     original = weights.read_bytes()
@@ -226,33 +249,25 @@ def test_corrupt_checkpoint_fails_evaluation_clearly(smoke_run, prefect_api):
         assert len(aside) == 1 and (aside[0] / "model" / "model.safetensors").read_bytes() != original
         assert "is damaged: model/model.safetensors does not match its sha256" in fixed.stdout + fixed.stderr
         assert weights.read_bytes() == original  # deterministic training: the same weights again
+        # the first setting again: its evaluation is reused and logged into the rebuilt training's new run
+        # (which already holds the same metric names from the t_samples=4 evaluation, not this one's folder),
+        # and the report renders it from there with the numbers the first run reported
+        first_run = json.loads(sorted((workdir / "runs").glob("*.json"))[0].read_text())["run_id"]
+        rendered = cli_here(capsys, "report", first_run, "--out", str(workdir / "first"), workdir=workdir)
+        assert rendered.returncode == 0, rendered.stderr[-3000:]
+        first_default = (workdir / "first" / "report.md").read_text()
+        again = cli("run", "configs/smoke.yaml", workdir=workdir, api=prefect_api)
+        assert again.returncode == 0, again.stderr[-3000:]
+        statuses = stage_status(latest_record(workdir))
+        assert statuses["evaluate[mdlm]"] == "REUSED" and statuses["report"] == "COMPLETED", statuses
+        # the same numbers; the last column names the MLflow run, now the rebuilt one
+        row = lambda text: [ln for ln in text.splitlines() if ln.startswith("| mdlm |")][0].split("|")  # noqa: E731
+        now, before = row((workdir / "report.md").read_text()), row(first_default)
+        assert now[:-2] == before[:-2] and now[-2] != before[-2]
     finally:
         weights.write_bytes(original) if weights.is_file() else None
         for damaged in (workdir / "store" / "train").glob("*.damaged-*"):
             shutil.rmtree(damaged)
-
-
-def test_a_copied_then_moved_workdir_reuses_everything_from_its_new_place(smoke_run, tmp_path, prefect_api):
-    """Relocatable workdirs: `cp -a` then `mv` (the copy's first home is gone) and rerun. Every stage is reused,
-    nothing is read from or recreated at an old location, and MLflow's artifact paths point into the new one."""
-    import sqlite3
-
-    workdir, _ = smoke_run
-    first, moved = tmp_path / "copy", tmp_path / "moved"
-    shutil.copytree(workdir, first, symlinks=True)
-    shutil.move(first, moved)
-    out = cli("run", "configs/smoke.yaml", workdir=moved, api=prefect_api)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert set(stage_status(latest_record(moved)).values()) == {"REUSED"}, stage_status(latest_record(moved))
-    assert "workdir moved: MLflow's artifact paths rewritten" in out.stderr and not first.exists()
-    con = sqlite3.connect(moved / "mlflow.db")
-    paths = [r[0] for r in con.execute("SELECT artifact_location FROM experiments UNION SELECT artifact_uri FROM runs")]
-    paths += [r[0] for r in con.execute("SELECT source FROM model_versions")]
-    con.close()
-    local = [p for p in paths if "/mlartifacts" in p]
-    assert local and all(p.startswith((moved / "mlartifacts").as_uri()) for p in local), local
-    for entry in (moved / "store" / "train").glob("*/manifest.json"):  # Prefect now caches refs to the new files
-        assert [p.name for p in entry.parent.glob("prefect-result-*")], list(entry.parent.iterdir())
 
 
 def test_bad_input_gets_one_clear_error(tmp_path, capsys):
