@@ -132,7 +132,7 @@ class Registration:
 
     options: type[StrategyOptions]
     implementation: str | type
-    samplers: Mapping[str, SamplerInfo] = field(default_factory=dict)
+    samplers: Mapping[str, SamplerInfo]
     section: str | None = None
     samples: bool = True
     models: Mapping[str, str | type] = field(default_factory=dict)
