@@ -2,7 +2,7 @@
 memory of the dense DFlash mask vs the flex `BlockMask`, in one run.
 
 1. Step time. The same draft, batches, anchors and optimizer; one side reads the target's hidden
-   states from a bf16 safetensors cache written by `strategies.feature_cache` (memory-mapped, as the
+   states from a bf16 safetensors cache written by `strategies.dflash.features` (memory-mapped, as the
    `cache_target` stage writes it), the other runs the frozen target every step (the reference's
    way). The target has at least 4x the draft's parameters. Blocks of steps alternate between the
    sides to cancel machine drift; the ratio of median step times is printed.
@@ -24,10 +24,10 @@ import time
 import torch
 
 from strategies import Microbatch, SetupContext, StepContext
-from strategies.dflash import _build_target_layer_ids, create_dflash_block_mask, create_dflash_sdpa_mask
-from strategies.dflash_draft import DFlashDraftConfig, DFlashDraftModel
-from strategies.dflash_strategy import CachedFeatures, DFlashStrategy
-from strategies.feature_cache import write_feature_cache
+from strategies.dflash.blocks import _build_target_layer_ids, create_dflash_block_mask, create_dflash_sdpa_mask
+from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
+from strategies.dflash.features import CachedFeatures, write_feature_cache
+from strategies.dflash.strategy import DFlashStrategy
 from strategies.models import build_model, count_parameters, tiny_model_config
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from strategies.sampling import SamplerConfig, absorbing_sample
+from strategies.absorbing import absorbing_sample
+from strategies.sampling import SamplerConfig
 from tasks.scoring import generative_perplexity, mean_entropy
 
 PROMPTS = ["To be, or not to be", "My lord,", "What say you", "O", "Now is the winter", "Friends, Romans"]

@@ -6,12 +6,14 @@ corruption of every micro-batch (`pre_step`), the micro-batch forward/backward
 (`forward_backward`) and setup-time validation (`setup_extra`). Hooks receive a `StepContext`
 (what a step needs, nothing more) and return values; nothing is stashed in shared buffers.
 
-A strategy is built from its typed, frozen options (`Options`, see strategies/options.py) and
+A strategy is built from its typed, frozen options (`Options`, declared in its package's `options.py`) and
 declares what the pipeline's tasks need from it: what it trains (`trains`), how it is evaluated
-(`evaluation`, `likelihoods`), its samplers, its upstream stages and capabilities.
+(`evaluation`, `likelihoods`), its samplers, whether it uses a [MASK] token, its upstream stages and
+capabilities.
 
-To add a variant: subclass, give it an `Options` model, override what differs, and register both
-in `strategies.options.REGISTRY`.
+To add a strategy: a package `strategies/<name>/` with its options, samplers and registration
+(`options.py`) and its class (a subclass overriding what differs), listed in `strategies.options.REGISTRY`
+(docs/architecture.md, "How a strategy plugs in").
 """
 
 from __future__ import annotations
@@ -24,12 +26,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dllm_common.config import ConfigError
-from strategies.corruption import corrupt_uniform, mask_at_level
+from strategies.absorbing import absorbing_sample
 from strategies.decoding_cache import bidirectional_denoiser
-from strategies.losses import DLLMLossOutput, MDLMCrossEntropyLoss, per_token_nll
+from strategies.losses import DLLMLossOutput, absorbing_nelbo_rows
 from strategies.models import model_logits
-from strategies.options import MDLMOptions, StrategyOptions
-from strategies.sampling import absorbing_sample
+from strategies.registration import ABSORBING, StrategyOptions
 from strategies.seeding import corruption_sample_seed, seeded_generator
 
 
@@ -76,7 +77,7 @@ class StepContext:
 
     model: nn.Module
     loss_fn: nn.Module
-    mask_token_id: int
+    mask_token_id: int | None  # None: a strategy that uses no [MASK] token was given none
     step: int
     base_seed: int
     eps: float = 1e-3
@@ -146,8 +147,12 @@ class DLLMStrategy:
     trains: str = "denoiser"  # "denoiser": the (wrapped) backbone; "draft": a draft against a frozen target
     evaluation: str = "diffusion"  # "diffusion": likelihoods + samples; "speculative": acceptance and speedup
     likelihoods: tuple[str, ...] = ()  # "nelbo" (has `nelbo_rows`), "ar_nll" (has `ar_nll_rows`)
-    # what `dllm-flow generate --sampler` accepts (names of `strategies.sampling.SAMPLERS`); the first is `sample`
-    samplers: tuple[str, ...] = ("llada",)
+    # what `dllm-flow generate --sampler` accepts: the names of the registration's samplers, in its order (the
+    # first is what `sample` runs); a registered class sets `samplers = tuple(<its package's sampler table>)`
+    samplers: tuple[str, ...] = (ABSORBING,)
+    # the strategy's kernel or sampler writes a [MASK] token: its id must be resolved (config, tokenizer or
+    # `setup_extra`) and be a row of the model's embedding; False (uniform noise): nothing needs one
+    uses_mask_token: bool = True
     supports_activation_checkpointing: bool = True
     supports_peft: bool = True
 
@@ -207,18 +212,19 @@ class DLLMStrategy:
         """Which global count divides the diffusion loss: 'supervised' or 'noise'."""
         return "supervised"
 
-    @property
-    def loss_log_key(self) -> str:
-        """The `DLLMLossOutput` field that holds the strategy's own loss term (the seed API's name for it)."""
-        return "dllm_loss"
-
     def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
         """A new loss module built from the options (these, or the strategy's own when None)."""
         raise NotImplementedError
 
     def setup_extra(self, setup: SetupContext) -> int | None:
-        """Validate the model/tokenizer pairing; return a resolved mask id (or None to keep it)."""
+        """Validate the model/tokenizer pairing; return a resolved mask id (or None to keep it). A strategy
+        that uses no [MASK] token (`uses_mask_token` False) has nothing to resolve and returns None."""
         return None
+
+    def check_mask_token(self, mask_token_id: int, model: nn.Module) -> None:
+        """Refuse a resolved [MASK] id that is not a row of `model`'s embedding (`check_mask_token_id`). A
+        strategy whose trained model writes through another model's embedding checks it there instead."""
+        check_mask_token_id(mask_token_id, model)
 
     def apply_corruption(
         self,
@@ -326,6 +332,19 @@ class DLLMStrategy:
             on_block=on_block,
         )
 
+    def nelbo_rows(
+        self,
+        model: nn.Module,
+        clean_ids: Tensor,
+        loss_mask: Tensor,
+        mask_token_id: int,
+        t: Tensor,
+        generator: torch.Generator,
+    ) -> Tensor:
+        """One-sample NELBO estimate per row at masking level t [B] (read where `likelihoods` has "nelbo").
+        Default: the absorbing kernel's bound over `denoiser` (`strategies.losses.absorbing_nelbo_rows`)."""
+        return absorbing_nelbo_rows(self.denoiser(model), clean_ids, loss_mask, mask_token_id, t, generator)
+
     def denoiser(self, model: nn.Module):
         """`(x [B,T], attention_mask [B,T]) → logits [B,T,V]` for the samplers (bidirectional by default)."""
         return bidirectional_denoiser(model)  # `model_logits`; cacheable (docs/decoding.md)
@@ -350,36 +369,3 @@ class DLLMStrategy:
         if is_train:
             (out.total_loss * ctx.loss_scale).backward()
         return out
-
-
-class MDLMStrategy(DLLMStrategy):
-    """MDLM / LLaDA masked diffusion (docs/strategies.md §8.1): absorbing [MASK] kernel, 1/p-weighted CE."""
-
-    name = "mdlm"
-    Options = MDLMOptions
-    likelihoods = ("nelbo",)
-
-    def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
-        options = self.options if dllm_cfg is None else self.coerce_options(dllm_cfg)
-        return MDLMCrossEntropyLoss(weighting=options.loss_weighting)
-
-    def apply_corruption(
-        self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio, generator=None
-    ):
-        return corrupt_uniform(input_ids, loss_mask, mask_token_id, eps=eps, generator=generator)
-
-    def nelbo_rows(
-        self,
-        model: nn.Module,
-        clean_ids: Tensor,
-        loss_mask: Tensor,
-        mask_token_id: int,
-        t: Tensor,
-        generator: torch.Generator,
-    ) -> Tensor:
-        """One-sample NELBO estimate per row at masking level t [B]: (1/t)·Σ_{masked ∧ ℓ} −log p_θ(x|z)."""
-
-        noisy, noise = mask_at_level(clean_ids, loss_mask, mask_token_id, t, generator)
-        logits = self.denoiser(model)(noisy, None)
-        nll = per_token_nll(logits.float(), clean_ids) * (noise & loss_mask.bool())
-        return nll.sum(dim=1) / t

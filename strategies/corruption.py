@@ -314,21 +314,6 @@ def corrupt_mix(
     return noisy, absorbed | transitioned
 
 
-def scdd_grid_times(
-    batch: int,
-    num_timesteps: int,
-    eps: float,
-    generator: torch.Generator | None = None,
-    device: torch.device | str = "cpu",
-) -> Tensor:
-    """SCDD time sampling (docs/strategies.md §5.8): u' = (1−eps)u + eps, t = (⌊u'·T⌋ + 1)/T, then t ≤ 1 − 1/T.
-    T = num_timesteps ≥ 2 (the inner grid {1/T, …, (T−1)/T} is empty for T = 1)."""
-    check_args("scdd_grid_times", eps=eps, integers={"batch": (batch, 0), "num_timesteps": (num_timesteps, 2)})
-    u = (1 - eps) * torch.rand(batch, generator=generator, device=device) + eps
-    t = (torch.floor(u * num_timesteps) + 1) / num_timesteps
-    return t.clamp(max=1 - 1 / num_timesteps)
-
-
 def gumbel_topk(log_w: Tensor, k: int, generator: torch.Generator | None = None) -> Tensor:
     """1-D form of `gumbel_topk_rows`: exactly k Trues over `log_w [D]`."""
     return gumbel_topk_rows(log_w[None, :], torch.tensor([k], device=log_w.device), generator)[0]

@@ -101,7 +101,7 @@ def _column_span(window: Tensor) -> tuple[int, int]:
 
 def _rows(lo: int, hi: int, shift: int) -> tuple[int, int, int]:
     """Model rows [r0, r1) that give the logits of columns [lo, hi) (column c reads row c − shift), and how
-    many leading columns have no row (they read zeros, as `strategies.sampling._shift` does)."""
+    many leading columns have no row (they read zeros, as `strategies.absorbing._shift` does)."""
     return max(lo - shift, 0), hi - shift, max(shift - lo, 0)
 
 

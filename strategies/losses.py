@@ -1,9 +1,15 @@
-"""dLLM loss modules with the common call contract of docs/strategies.md §5.1.
+"""The losses and bounds more than one strategy computes, and the pieces every loss is built from.
 
+A loss module has the common call contract of docs/strategies.md §5.1:
 `loss(logits, target_ids, noise_mask, p_mask, loss_mask, *, loss_mask_ar=None,
 num_diffusion_tokens=None, num_ar_tokens=None, causal_logits=None, noisy_input_ids=None)`
 returns `DLLMLossOutput(total_loss, dllm_loss, ...)`. Denominators are the *global* token counts
 of the whole optimizer step (all micro-batches, all-reduced over data-parallel ranks).
+
+Here: per-token and selected-position cross-entropy (`per_token_nll`, `nll_at`), the exact causal NLL
+(`causal_nll_rows`) and next-token CE on clean text (`encoder_ar_loss`), the flat cross-entropy
+(`FlatCrossEntropyLoss`), the absorbing-kernel bound (`absorbing_nelbo_rows`) and the uniform-noise bound
+(`uniform_diffusion_nelbo_terms`). A loss only one strategy uses lives in that strategy's package.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from strategies.corruption import mask_at_level
 from strategies.head import HeadProjection, Logits, row_nll
 
 
@@ -71,97 +78,10 @@ def causal_nll_rows(
     return nll_at(causal_logits, sel, targets).sum(dim=1), sel.sum(dim=1)
 
 
-class MDLMCrossEntropyLoss(nn.Module):
-    """MDLM / LLaDA loss (docs/strategies.md §5.2).
-
-        L = Σ_i [n_i ∧ ℓ_i] · CE_i · w_i / max(N, 1),   w_i = 1 / max(p_i, 1e-8)
-
-    N = `num_diffusion_tokens` (the step's global supervised count); with N=None the sum is not
-    normalized. `weighting="flat"` sets w_i = 1 (a training-speed option; the bound is always
-    reported by evaluation). total_loss == dllm_loss.
-    """
-
-    def __init__(self, weighting: str = "elbo"):
-        super().__init__()
-        if weighting not in ("elbo", "flat"):
-            raise ValueError(f"weighting must be 'elbo' or 'flat', got {weighting!r}")
-        self.weighting = weighting
-
-    def forward(
-        self,
-        logits: Tensor,
-        target_ids: Tensor,
-        noise_mask: Tensor,
-        p_mask: Tensor,
-        loss_mask: Tensor,
-        *,
-        loss_mask_ar: Tensor | None = None,
-        num_diffusion_tokens: int | Tensor | None = None,
-        num_ar_tokens: int | Tensor | None = None,
-        causal_logits: Tensor | None = None,
-        noisy_input_ids: Tensor | None = None,
-    ) -> DLLMLossOutput:
-        selected = noise_mask.bool() & loss_mask.bool()
-        nll = nll_at(logits, selected, target_ids)
-        if self.weighting == "elbo":
-            nll = nll / p_mask.clamp_min(1e-8).to(nll.dtype)
-        total = nll.sum()
-        if num_diffusion_tokens is not None:
-            total = total / max(int(num_diffusion_tokens), 1)
-        return DLLMLossOutput(total, total.detach())
-
-
-def _maybe_divide(total: Tensor, count: int | Tensor | None) -> Tensor:
-    return total if count is None else total / max(int(count), 1)
-
-
-class HybridDiffusionLLMLoss(nn.Module):
-    """Diffusion + AR loss of the hybrid (Nemotron-Labs-Diffusion) strategy (docs/strategies.md §5.3).
-
-        L_diff = Σ_i [n_i ∧ ℓ_i]·CE_i·w_i / max(N_diff, 1),   w_i = nan_to_num(1/max(p_i, 1e-8)) (±inf → 1)
-        L_AR   = Σ_{i≥1} ℓ^AR_i · CE(causal_{i−1}, x_i) / max(N_AR, 1)   (only with causal logits and ℓ^AR)
-        total  = α·L_diff + L_AR,   dllm_loss = α·L_diff
-
-    A legacy `[B, 2L, V]` logits tensor is split into diffusion (first L) and causal (rest) halves.
-    Each division happens only when its count is given.
-    """
-
-    def __init__(self, alpha: float = 1.0):
-        super().__init__()
-        self.alpha = alpha
-
-    def forward(
-        self,
-        logits: Tensor,
-        target_ids: Tensor,
-        noise_mask: Tensor,
-        p_mask: Tensor,
-        loss_mask: Tensor,
-        *,
-        loss_mask_ar: Tensor | None = None,
-        num_diffusion_tokens: int | Tensor | None = None,
-        num_ar_tokens: int | Tensor | None = None,
-        causal_logits: Tensor | None = None,
-        noisy_input_ids: Tensor | None = None,
-    ) -> DLLMLossOutput:
-        length = target_ids.shape[1]
-        if causal_logits is None and logits.shape[1] > length:
-            logits, causal_logits = logits[:, :length], logits[:, length:]
-        selected = noise_mask.bool() & loss_mask.bool()
-        weight = torch.nan_to_num(1.0 / p_mask.clamp_min(1e-8), posinf=1.0, neginf=1.0)
-        diffusion = _maybe_divide((nll_at(logits, selected, target_ids) * weight).sum(), num_diffusion_tokens)
-        total = self.alpha * diffusion
-        dllm = total.detach()
-        if causal_logits is not None and loss_mask_ar is not None:
-            ar = nll_at(causal_logits, *next_token_selection(loss_mask_ar, target_ids)).sum()
-            total = total + _maybe_divide(ar, num_ar_tokens)
-        return DLLMLossOutput(total, dllm)
-
-
-class BlockDiffusionCrossEntropyLoss(nn.Module):
-    """DiffusionGemma canvas loss (docs/strategies.md §5.4): L = Σ_i ℓ_i·CE_i / max(N, 1), N = global count or local Σℓ.
-
-    No 1/p weight and no noise gating: every supervised canvas token counts, corrupted or not.
+class FlatCrossEntropyLoss(nn.Module):
+    """The flat cross-entropy: L = Σ_i ℓ_i·CE_i / max(N, 1), N = the global count or the local Σℓ. No 1/p weight
+    and no noise gating: every supervised token counts, corrupted or not (block diffusion's canvas loss with
+    "learned" own-token evidence, DiffusionGemma's, docs/strategies.md §5.4).
     """
 
     def forward(
@@ -185,6 +105,9 @@ class BlockDiffusionCrossEntropyLoss(nn.Module):
         return DLLMLossOutput(total, total.detach())
 
 
+BlockDiffusionCrossEntropyLoss = FlatCrossEntropyLoss  # the name it had as block diffusion's (seed API export)
+
+
 def encoder_ar_loss(
     encoder_logits: Tensor, input_ids: Tensor, valid_mask: Tensor | None = None, num_tokens: int | Tensor | None = None
 ) -> Tensor:
@@ -196,40 +119,6 @@ def encoder_ar_loss(
     total = nll_at(encoder_logits, sel, targets).sum()
     count = num_tokens if num_tokens is not None else int(pairs.sum())
     return total / max(int(count), 1)
-
-
-class IDLMLoss(nn.Module):
-    """Introspective diffusion loss over `[x_t ‖ x_0]` logits (docs/strategies.md §5.6).
-
-    Q = logits[:, :L] (noisy half), P = logits[:, L:2L] (clean half); the logit at i−1 predicts x_i.
-        S_i = answer_i ∧ valid_i (i ≥ 1),  D = max(num_diffusion_tokens, 1) or max(ΣS, 1)
-        CE_noisy = Σ S_i·CE(Q_{i−1}, x_i)/D,   CE_clean = Σ S_i·CE(P_{i−1}, x_i)/D
-        α = clean_loss_weight, or stopgrad(CE_noisy / max(CE_clean, 1e-6)) with auto_balance
-        total = CE_noisy + α·CE_clean,   dllm_loss = CE_noisy
-    """
-
-    def __init__(self, clean_loss_weight: float = 0.2, auto_balance: bool = False):
-        super().__init__()
-        self.clean_loss_weight, self.auto_balance = clean_loss_weight, auto_balance
-
-    def forward(
-        self,
-        logits: Tensor,
-        target_ids: Tensor,
-        answer_mask: Tensor,
-        valid_mask: Tensor,
-        *,
-        seq_len: int,
-        num_diffusion_tokens: int | Tensor | None = None,
-    ) -> DLLMLossOutput:
-        sel, targets = next_token_selection(answer_mask.bool() & valid_mask.bool(), target_ids)
-        denom = max(int(num_diffusion_tokens), 1) if num_diffusion_tokens is not None else max(int(sel.sum()), 1)
-        # both halves in one pass over the [B, 2L, V] logits: no slice copies of the vocabulary axis
-        nll = nll_at(logits, torch.cat([sel, sel], dim=1), torch.cat([targets, targets], dim=1))
-        ce_noisy = nll[:, :seq_len].sum() / denom
-        ce_clean = nll[:, seq_len : 2 * seq_len].sum() / denom
-        alpha = (ce_noisy / ce_clean.clamp_min(1e-6)).detach() if self.auto_balance else self.clean_loss_weight
-        return DLLMLossOutput(ce_noisy + alpha * ce_clean, ce_noisy.detach())
 
 
 def uniform_diffusion_nelbo_terms(
@@ -260,3 +149,14 @@ def uniform_diffusion_nelbo_terms(
     inner = ((xbar / xbar_z) * log_ratio).sum(dim=-1)
     bracket = n / xbar_theta_z[..., 0] - n / xbar_z[..., 0] + inner
     return bracket / (n * a[..., 0])  # −α'_t = 1 for the linear schedule
+
+
+def absorbing_nelbo_rows(
+    denoise, clean_ids: Tensor, loss_mask: Tensor, mask_token_id: int, t: Tensor, generator: torch.Generator
+) -> Tensor:
+    """One-sample NELBO estimate per row of the absorbing [MASK] kernel at masking level t [B]:
+    (1/t)·Σ_{masked ∧ ℓ} −log p_θ(x|z) (docs/evaluation.md §4.1), with `denoise(x, attention_mask) → logits`."""
+    noisy, noise = mask_at_level(clean_ids, loss_mask, mask_token_id, t, generator)
+    logits = denoise(noisy, None)
+    nll = per_token_nll(logits.float(), clean_ids) * (noise & loss_mask.bool())
+    return nll.sum(dim=1) / t

@@ -1,4 +1,6 @@
-"""Model adapters: build the tiny embedded-default models, load pretrained ones, run a denoiser.
+"""Model adapters: build the tiny embedded-default models, load pretrained ones, run a denoiser, wrap a causal
+LM in a strategy's model shape (the shapes live in their strategies' packages, declared in their
+registrations) and rebuild any checkpoint's module.
 
 A stock causal LM (Llama/Qwen3) becomes a bidirectional denoiser by handing it an all-visible
 4-D attention mask: transformers passes a prepared 4-D mask through unchanged, so sdpa runs
@@ -21,10 +23,9 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from strategies.dflash_draft import DFlashDraftConfig, DFlashDraftModel
-from strategies.head import HeadProjection
+from strategies.options import model_shape, model_shapes
 
 BIDIRECTIONAL_MASK = "bidirectional_4d"
 NATIVE = "native"
@@ -213,10 +214,7 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# ------------------------------------------------------------------ strategy-specific model shapes
-
-HYBRID = "hybrid"
-BLOCK_DIFFUSION = "block_diffusion"
+# ------------------------------------------------------------------ model shapes
 
 
 class DLLMOutput(dict):
@@ -225,161 +223,24 @@ class DLLMOutput(dict):
     __getattr__ = dict.get
 
 
-class HybridLM(nn.Module):
-    """Nemotron-Labs-Diffusion-shaped model on one backbone (docs/strategies.md §8.3).
-
-    Takes the *clean* ids and the positions to corrupt (`masked_indices`); substitutes [MASK]
-    internally, runs the backbone bidirectionally on the masked sequence (diffusion logits) and
-    causally on the clean sequence (causal logits). The checkpoint is the backbone's own state dict
-    plus `config.dllm_architecture = "hybrid"` and the mask id, so any HF causal LM can be the backbone.
-    """
-
-    def __init__(self, lm: nn.Module, mask_token_id: int | None = None):
-        super().__init__()
-        self.lm = lm
-        self.config = lm.config
-        self.config.dllm_architecture = HYBRID
-        if mask_token_id is not None:
-            self.config.dllm_mask_token_id = int(mask_token_id)
-
-    @property
-    def mask_token_id(self) -> int:
-        mask_id = getattr(self.config, "dllm_mask_token_id", None)
-        if mask_id is None:
-            raise ValueError("HybridLM needs a mask token id: build it with wrap_for_architecture(..., mask_token_id=)")
-        return int(mask_id)
-
-    def diffusion_logits(self, noisy_ids: Tensor) -> Tensor:
-        return model_logits(self.lm, {"input_ids": noisy_ids})
-
-    def causal_logits(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        return self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        masked_indices: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        labels: Tensor | None = None,
-        skip_loss: bool = True,
-        **_,
-    ) -> DLLMOutput:
-        if masked_indices is None:  # inference contract: ids already carry [MASK]
-            return DLLMOutput(logits=self.diffusion_logits(input_ids))
-        noisy = torch.where(masked_indices.bool(), torch.full_like(input_ids, self.mask_token_id), input_ids)
-        return DLLMOutput(
-            logits=self.diffusion_logits(noisy), causal_logits=self.causal_logits(input_ids, attention_mask)
-        )
-
-
-class BlockDiffusionLM(nn.Module):
-    """DiffusionGemma-shaped block-diffusion model on one shared causal stack (docs/strategies.md §9.5).
-
-    1. Encode: the stack runs causally over the clean sequence; each layer's (K, V) is kept and the
-       final hidden states give `encoder_logits` (next-token AR head, training only).
-    2. Self-conditioning (training, two-pass): pass 1 decodes under no_grad with no self-conditioning;
-       pass 2 adds `self_cond(softmax(pass-1 logits) @ E)` to the canvas embeddings, per example
-       gated by `do_self_conditioning`. Pass 1 always runs. Eval: one pass, zero soft embedding.
-    3. Decode: every layer attends over `concat(encoder K/V of that layer, canvas K/V)` under the
-       block-causal mask of docs/strategies.md §6.3 (`decoder_attention_mask`, keep-mask or additive).
-    The lm_head is shared by both passes (tied to the embedding when the config ties them).
-    """
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-        self.config = lm.config
-        self.config.dllm_architecture = BLOCK_DIFFUSION
-        hidden = lm.config.hidden_size
-        self.self_cond = nn.Linear(hidden, hidden, bias=False)
-        nn.init.zeros_(self.self_cond.weight)  # starts as "no self-conditioning"
-
-    @property
-    def backbone(self) -> nn.Module:
-        return self.lm.model
-
-    def encode(self, input_ids: Tensor, position_ids: Tensor | None, padding_mask: Tensor | None):
-        attn = None if padding_mask is None else (~padding_mask.bool()).long()
-        out = self.backbone(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=True)
-        kv = [(layer.keys, layer.values) for layer in out.cache.layers]
-        return out.last_hidden_state, kv
-
-    def decode(self, kv, canvas_ids: Tensor, mask: Tensor, position_ids: Tensor, soft: Tensor | None) -> Tensor:
-
-        cache = DynamicCache(config=self.config)
-        for layer_idx, (k, v) in enumerate(kv):  # a fresh cache per pass: the canvas K/V never leak between passes
-            cache.update(k, v, layer_idx)
-        embeds = self.backbone.embed_tokens(canvas_ids)
-        if soft is not None:
-            embeds = embeds + self.self_cond(soft)
-        out = self.backbone(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
-        )
-        return self.lm.lm_head(out.last_hidden_state).float()
-
-    def forward(
-        self,
-        input_ids: Tensor | None = None,
-        canvas_ids: Tensor | None = None,
-        decoder_attention_mask: Tensor | dict | None = None,
-        encoder_position_ids: Tensor | None = None,
-        encoder_padding_mask: Tensor | None = None,
-        decoder_position_ids: Tensor | None = None,
-        decoder_padding_mask: Tensor | None = None,
-        do_self_conditioning: Tensor | None = None,
-        self_conditioning_logits: Tensor | None = None,
-        **_,
-    ) -> DLLMOutput:
-        if input_ids is None or canvas_ids is None or decoder_attention_mask is None:
-            raise ValueError("BlockDiffusionLM.forward needs input_ids, canvas_ids and decoder_attention_mask")
-        if isinstance(decoder_attention_mask, dict):
-            decoder_attention_mask = decoder_attention_mask["full_attention"]
-        if decoder_position_ids is None:
-            if canvas_ids.shape[1] != input_ids.shape[1]:
-                raise ValueError("decoder_position_ids is required when the canvas is shorter than the sequence")
-            decoder_position_ids = torch.arange(canvas_ids.shape[1], device=canvas_ids.device)[None].expand_as(
-                canvas_ids
-            )
-        if self.training and do_self_conditioning is None and self_conditioning_logits is None:
-            raise ValueError("do_self_conditioning must be given in training (a [B] bool tensor)")
-        hidden, kv = self.encode(input_ids, encoder_position_ids, encoder_padding_mask)
-        encoder_logits = self.lm.lm_head(hidden).float() if self.training else None
-        soft = None
-        if self_conditioning_logits is not None:
-            soft = self._soft_embedding(self_conditioning_logits)
-        elif self.training:
-            with torch.no_grad():
-                first = self.decode(kv, canvas_ids, decoder_attention_mask, decoder_position_ids, None)
-            soft = self._soft_embedding(first) * do_self_conditioning.to(first.dtype)[:, None, None]
-        logits = self.decode(kv, canvas_ids, decoder_attention_mask, decoder_position_ids, soft)
-        return DLLMOutput(logits=logits, encoder_logits=encoder_logits)
-
-    def _soft_embedding(self, logits: Tensor | HeadProjection) -> Tensor:
-        weight = self.backbone.embed_tokens.weight
-        if isinstance(logits, HeadProjection):  # deferred logits (docs/strategies.md §5.9): chunk by chunk
-            return logits.softmax_matmul(weight)
-        return torch.softmax(logits.detach().float(), dim=-1).to(weight.dtype) @ weight
-
-
-DLLM_ARCHITECTURES = {HYBRID: HybridLM, BLOCK_DIFFUSION: BlockDiffusionLM}
-
-
 def wrap_for_architecture(lm: nn.Module, architecture: str | None, mask_token_id: int | None = None) -> nn.Module:
-    """Wrap a causal LM in the strategy's model shape (None → the LM itself). A shape that masks
-    internally (hybrid) is built with its mask id; others ignore it."""
+    """Wrap a causal LM in a strategy's model shape (None → the LM itself): the class its registration declares
+    under that name (`Registration.models`), built as `Shape(lm, mask_token_id)`. A shape that masks internally
+    (hybrid) keeps the mask id; others ignore it."""
     if architecture is None:
         return lm
-    if architecture == HYBRID:
-        return HybridLM(lm, mask_token_id)
-    return DLLM_ARCHITECTURES[architecture](lm)
+    return model_shape(architecture)(lm, mask_token_id)
 
 
 def model_from_config_dir(path, trust_remote_code: bool = False) -> nn.Module:
     """Rebuild the (possibly wrapped, possibly LoRA-adapted) module a dllm-flow checkpoint describes,
-    weights not loaded."""
+    weights not loaded. A registered model shape with a config file of its own (`CONFIG`, e.g. a DFlash draft,
+    which has no Hugging Face config) rebuilds itself from it (`from_config_dir`)."""
 
-    if (Path(path) / DFlashDraftModel.CONFIG).is_file():  # a DFlash draft: no HF config of its own
-        return DFlashDraftModel(DFlashDraftConfig.from_dir(path))
+    for shape in model_shapes().values():
+        own = getattr(shape, "CONFIG", None)
+        if own is not None and (Path(path) / own).is_file():
+            return shape.from_config_dir(path)
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     lm = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)

@@ -4,7 +4,7 @@ The selected layers' hidden states (`[L, n·H]` per row, bf16/fp16/fp32), and wi
 the target's top-k next-token distribution at every position, go to safetensors shards
 in `store/cache_target/<key>/features/`, key = (target weights digest, data key, layer ids, dtype,
 top k, code). Draft trainings with `dflash.target_features: cached` read them memory-mapped
-(`strategies.dflash_strategy.CachedFeatures`) instead of running the target every step; any run
+(`strategies.dflash.features.CachedFeatures`) instead of running the target every step; any run
 or worker with the same key reuses the entry, and the store's one protocol (`Store.reuse_or_build`)
 keeps two workers from computing it twice. The manifest records rows, bytes and build seconds.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dllm_common.config import PipelineSpec
 from dllm_common.store import stage_key
-from strategies.feature_cache import write_feature_cache
+from strategies.dflash.features import write_feature_cache
 from strategies.options import resolve_options
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.dflash_setup import features_dir, layer_ids_for, load_spec_target
@@ -40,7 +40,13 @@ def stage_of(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str,
         STAGE,
         config,
         upstream,
-        code_version("strategies.feature_cache", "strategies.dflash", "strategies.dflash_draft", "tasks.cache_target"),
+        code_version(
+            "strategies.dflash.features",
+            "strategies.dflash.blocks",
+            "strategies.dflash.loss",
+            "strategies.dflash.draft",
+            "tasks.cache_target",
+        ),
     )
 
 

@@ -57,7 +57,7 @@ class Loaded(NamedTuple):
     model: torch.nn.Module
     tokenizer: object
     strategy: object
-    mask_id: int
+    mask_id: int | None  # None: a strategy that uses no [MASK] token, given none
     meta: dict
 
 

@@ -49,14 +49,21 @@ def _ratio(value, reference) -> str:
 
 
 def _sampling_settings(row: dict) -> str:
-    """How a row's samples were drawn, read from its reproducibility card."""
-    sampler = row.get("card", {}).get("sampler", {})
+    """How a row's samples were drawn, read from its reproducibility card: the settings its sampler reads
+    (`sampler_settings`; a card from before it lists them: the absorbing sampler's)."""
+    card = row.get("card", {})
+    sampler = card.get("sampler", {})
     if not sampler:
         return "the eval settings"
-    cut = [f"top-p {sampler['top_p']}"] if sampler.get("top_p", 1) < 1 else []
-    cut += [f"top-k {sampler['top_k']}"] if sampler.get("top_k", 0) > 0 else []
-    cut += [f"threshold {sampler['threshold']}"] if sampler.get("threshold") is not None else []
-    return ", ".join([f"temperature {sampler.get('temperature')}", *cut, f"{sampler.get('remasking')} remasking"])
+    reads = set(card.get("sampler_settings", ("temperature", "top_k", "top_p", "remasking", "threshold")))
+    said = [f"temperature {sampler.get('temperature')}"] if "temperature" in reads else []
+    said += [f"top-p {sampler['top_p']}"] if "top_p" in reads and sampler.get("top_p", 1) < 1 else []
+    said += [f"top-k {sampler['top_k']}"] if "top_k" in reads and sampler.get("top_k", 0) > 0 else []
+    said += (
+        [f"threshold {sampler['threshold']}"] if "threshold" in reads and sampler.get("threshold") is not None else []
+    )
+    said += [f"{sampler.get('remasking')} remasking"] if "remasking" in reads else []
+    return ", ".join(said) or "the sampler's own settings"
 
 
 def _shared_settings(rows: list[dict]) -> str:
@@ -66,18 +73,19 @@ def _shared_settings(rows: list[dict]) -> str:
     return max(settings, key=settings.count)
 
 
-def _label(row: dict, greedy: bool) -> str:
+def _label(row: dict, greedy: bool, heading: str) -> str:
     """The strategy, with the sampler settings it set itself (`eval.overrides`; at temperature 0 the greedy table's
-    temperature is everyone's)."""
+    temperature is everyone's), or, where its sampler reads other settings than the heading names, those."""
     card = row.get("card", {})
     own = [k for k in card.get("sampler_overrides", []) if not (greedy and k == "temperature")]
     if not own:
-        return row["strategy"]
+        settings = _sampling_settings(row)
+        return row["strategy"] if greedy or settings == heading else f"{row['strategy']} ({settings})"
     sampler = card.get("sampler", {})
     return f"{row['strategy']} ({', '.join(f'{k} {sampler.get(k)}' for k in own)})"
 
 
-def _sample_lines(rows: list[dict], prefix: str, data_ppl, data_ent) -> list[str]:
+def _sample_lines(rows: list[dict], prefix: str, data_ppl, data_ent, heading: str) -> list[str]:
     lines = []
     for r in rows:
         m = r["metrics"]
@@ -85,7 +93,7 @@ def _sample_lines(rows: list[dict], prefix: str, data_ppl, data_ent) -> list[str
             continue
         revised = m.get(f"{prefix}revised_tokens")
         lines.append(
-            f"| {_label(r, greedy=prefix != 'eval/')} | {_ppl_ci(m, prefix)} | "
+            f"| {_label(r, prefix != 'eval/', heading)} | {_ppl_ci(m, prefix)} | "
             f"{_ratio(m.get(f'{prefix}gen_ppl'), data_ppl)} | {_fmt(m.get(f'{prefix}entropy'), 3)} | "
             f"{_ratio(m.get(f'{prefix}entropy'), data_ent)} | {_fmt(revised, 1) if revised is not None else '–'} |"
         )
@@ -107,9 +115,10 @@ def data_row_table(rows: list[dict]) -> list[str]:
         f"{_ppl_ci(d, 'eval/data_')} | 1.00 | {_fmt(data_ent, 3)} | 1.00 | – |",
     ]
     sampled = [r for r in rows if "eval/entropy" in r["metrics"]]
-    lines = [f"## Samples against real text ({_shared_settings(sampled)})", "", *head]
-    lines += _sample_lines(rows, "eval/", data_ppl, data_ent)
-    greedy = _sample_lines(rows, "eval/greedy_", data_ppl, data_ent)
+    heading = _shared_settings(sampled)
+    lines = [f"## Samples against real text ({heading})", "", *head]
+    lines += _sample_lines(rows, "eval/", data_ppl, data_ent, heading)
+    greedy = _sample_lines(rows, "eval/greedy_", data_ppl, data_ent, heading)
     if greedy:
         lines += ["", "### Greedy decoding (temperature 0, same prompts and step budget)", "", *head, *greedy]
     return lines + [

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM
 from dllm_common.checkpoint import DIGESTS, load_weights_into
 from dllm_common.config import PipelineSpec
 from strategies import assemble_strategy
-from strategies.dflash import _build_target_layer_ids
-from strategies.dflash_draft import DFlashDraftConfig, DFlashDraftModel
-from strategies.dflash_strategy import CachedFeatures, OnlineFeatures
+from strategies.dflash.blocks import _build_target_layer_ids
+from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
+from strategies.dflash.features import CachedFeatures, OnlineFeatures
 from strategies.models import model_from_config_dir, resolve_model_path
 from strategies.options import resolve_options
 from strategies.registry import AssembledStrategy, candidate_mask_token_id

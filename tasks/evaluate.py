@@ -29,6 +29,7 @@ from dllm_common.config import ConfigError, LMEvalConfig, PipelineSpec, context_
 from dllm_common.store import stage_key
 from strategies import assemble_strategy, strategy_class
 from strategies.models import resolve_model_path
+from strategies.options import SAMPLERS
 from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.checkpoints import checkpoint_tokenizer, load_trained_model
 from tasks.common import StageRef, code_version, prefect_task, store_for
@@ -352,6 +353,8 @@ def repro_card(ev: Evaluation, strategy, data_key: str) -> dict:
         "strategy": strategy_name,
         "sampler_name": strategy.sampler_name,
         "sampler": sampler,
+        # the settings of `sampler` that the strategy's own sampler reads (its registration's `SamplerInfo`)
+        "sampler_settings": list(SAMPLERS[strategy.samplers[0]].settings),
         "eval": {
             "val_rows": e.val_rows,
             "t_samples": e.t_samples,

@@ -29,7 +29,7 @@ class Evaluation:
     strategy: str
     model: torch.nn.Module
     tokenizer: object
-    mask_id: int
+    mask_id: int | None  # None: a strategy that uses no [MASK] token, given none
     ckpt: Path
     val: tuple  # (ids, loss_mask, attention_mask) of the first `eval.val_rows` validation rows
     device: str

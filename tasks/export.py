@@ -60,7 +60,7 @@ from dllm_common.checkpoint import (
 )
 from dllm_common.store import MANIFEST, StageEntry, Store, fsync_tree, refuse_published, sha256_file
 from strategies import strategy_class
-from strategies.dflash_draft import DFlashDraftModel
+from strategies.dflash.draft import DFlashDraftModel
 from strategies.models import merge_lora, model_from_config_dir
 from strategies.sampling import SamplerConfig
 from tasks.checkpoints import check_vocabulary

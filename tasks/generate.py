@@ -1,8 +1,9 @@
 """`dllm-flow generate`: load any dllm-flow checkpoint (a directory or `models:/NAME@ALIAS` from the
 MLflow registry), rebuild its strategy from the checkpoint's own record, and stream text.
 
-Samplers (`--sampler`): `auto` runs the strategy's own; the others are accepted where the strategy
-lists them (`DLLMStrategy.samplers`); `strategies.sampling.SAMPLERS` says what each one does.
+Samplers (`--sampler`): `auto` runs the strategy's own; the others are accepted where the strategy's
+registration lists them (`DLLMStrategy.samplers`); `strategies.options.SAMPLERS`, derived from the
+registrations, says what each one does and which settings it reads.
 """
 
 from __future__ import annotations
@@ -19,16 +20,12 @@ import torch
 from dllm_common.config import EvalConfig, context_overflow
 from dllm_common.tracking import check_tracking_server, default_tracking_uri, quiet_environment
 from strategies import strategy_class
-from strategies.dflash_draft import speculative_generate
-from strategies.sampling import (
-    ABSORBING,
-    SAMPLERS,
-    SPECULATIVE,
-    SamplerConfig,
-    absorbing_sample,
-    infill_sample,
-    trim_at_eos,
-)
+from strategies.absorbing import absorbing_sample, infill_sample
+from strategies.dflash.draft import speculative_generate
+from strategies.dflash.options import SPECULATIVE
+from strategies.options import SAMPLERS
+from strategies.registration import ABSORBING
+from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.checkpoints import Loaded
 from tasks.evaluation import encode_prompts
 
@@ -129,10 +126,11 @@ def check_request(loaded: Loaded, request: Request) -> list[int]:
         new = request.config.max_new_tokens
     if not ids:
         raise ValueError("--prompt is empty after tokenization; give some text")
-    if request.config.lookup_ngram and request.sampler != SPECULATIVE:
+    if request.config.lookup_ngram and "lookup_ngram" not in SAMPLERS[request.sampler].settings:
+        readers = [name for name, info in SAMPLERS.items() if "lookup_ngram" in info.settings]
         raise ValueError(
-            f"--lookup-ngram applies to the speculative sampler (a DFlash draft); this checkpoint decodes with "
-            f"{request.sampler!r}: drop the flag"
+            f"--lookup-ngram applies to the {', '.join(readers)} sampler; this checkpoint decodes "
+            f"with {request.sampler!r}: drop the flag"
         )
     context = model_context(loaded.model)
     if context is None:

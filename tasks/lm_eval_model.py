@@ -106,7 +106,7 @@ class DLLMFlowLM(LM):
         if loaded is None:
             loaded = load_checkpoint(checkpoint, device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer, self.strategy = loaded.model, loaded.tokenizer, loaded.strategy
-        self.mask_id, meta = int(loaded.mask_id), dict(loaded.meta)
+        self.mask_id, meta = None if loaded.mask_id is None else int(loaded.mask_id), dict(loaded.meta)
         self._device = torch.device(device) if device else next(self.model.parameters()).device
         self.max_length = int(
             self.settings.max_length or meta.get("seq_len") or self.model.config.max_position_embeddings

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from dllm_common.config import PipelineSpec, RegenerateConfig
 from dllm_common.store import stage_key
-from strategies.dflash_draft import sample_continuations
+from strategies.dflash.draft import sample_continuations
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.dflash_setup import load_spec_target
 from tasks.prepare_data import data_ref

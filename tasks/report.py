@@ -134,32 +134,53 @@ def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str])
     return "\n".join(lines)
 
 
+# the comparison table's likelihood columns: (header, cell) for the rows' metrics, per likelihood
+_LIKELIHOOD_COLUMNS = {
+    "eval/nelbo": [
+        ("eval/nelbo ± se", lambda m: _pm(m, "eval/nelbo")),
+        ("bits/byte", lambda m: _fmt(m.get("eval/nelbo_bpb"))),
+        ("eval/ppl_bound", lambda m: _fmt(m.get("eval/ppl_bound"), 1)),
+    ],
+    "eval/ar_nll": [
+        ("eval/ar_nll ± se", lambda m: _pm(m, "eval/ar_nll")),
+        ("bits/byte", lambda m: _fmt(m.get("eval/ar_nll_bpb"))),
+    ],
+}
+_LIKELIHOOD_NOTES = {
+    "eval/nelbo": "`eval/nelbo` is the fixed-noise negative ELBO per supervised token (nats; each strategy's own "
+    "bound), `eval/ppl_bound` = exp(nelbo) upper-bounds the perplexity.",
+    "eval/ar_nll": "`eval/ar_nll` is an exact causal NLL.",
+}
+BYTES_NOTE = (
+    "bits/byte = the likelihood beside it over the UTF-8 bytes of the scored text (comparable across tokenizers)."
+)
+
+
 def _comparison_table(rows: list[dict], flags: dict) -> list[str]:
-    lines = [
-        "| strategy | sampler | val/loss (own objective) | eval/nelbo ± se | bits/byte | eval/ppl_bound "
-        "| eval/ar_nll ± se | bits/byte | eval/gen_ppl | eval/entropy | eval/nfe | eval/tokens_per_forward "
-        "| eval/tokens_per_s | MLflow run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    """One row per strategy; a likelihood's columns only where some strategy reports it."""
+    shown = [key for key in LIKELIHOODS if any(key in r["metrics"] for r in rows)]
+    columns = [
+        ("strategy", lambda r: r["strategy"] + (" ⚠" if r["strategy"] in flags else "")),
+        ("sampler", lambda r: r["card"].get("sampler_name", "–")),
+        ("val/loss (own objective)", lambda r: _fmt(r["metrics"].get("val/loss"))),
+        *[(head, lambda r, cell=cell: cell(r["metrics"])) for key in shown for head, cell in _LIKELIHOOD_COLUMNS[key]],
+        ("eval/gen_ppl", lambda r: _fmt(r["metrics"].get("eval/gen_ppl"), 2)),
+        ("eval/entropy", lambda r: _fmt(r["metrics"].get("eval/entropy"), 3)),
+        ("eval/nfe", lambda r: _fmt(r["metrics"].get("eval/nfe"), 1)),
+        ("eval/tokens_per_forward", lambda r: _fmt(r["metrics"].get("eval/tokens_per_forward"), 2)),
+        ("eval/tokens_per_s", lambda r: _fmt(r["metrics"].get("eval/tokens_per_s"), 1)),
+        ("MLflow run", lambda r: r["run_id"]),
     ]
-    for r in rows:
-        m, mark = r["metrics"], " ⚠" if r["strategy"] in flags else ""
-        lines.append(
-            f"| {r['strategy']}{mark} | {r['card'].get('sampler_name', '–')} | {_fmt(m.get('val/loss'))} | "
-            f"{_pm(m, 'eval/nelbo')} | {_fmt(m.get('eval/nelbo_bpb'))} | {_fmt(m.get('eval/ppl_bound'), 1)} | "
-            f"{_pm(m, 'eval/ar_nll')} | {_fmt(m.get('eval/ar_nll_bpb'))} | "
-            f"{_fmt(m.get('eval/gen_ppl'), 2)} | {_fmt(m.get('eval/entropy'), 3)} | {_fmt(m.get('eval/nfe'), 1)} | "
-            f"{_fmt(m.get('eval/tokens_per_forward'), 2)} | {_fmt(m.get('eval/tokens_per_s'), 1)} | {r['run_id']} |"
-        )
-    return lines + [
-        "",
-        "`val/loss` is each strategy's own training objective (not comparable across rows). "
-        "`eval/nelbo` is the fixed-noise negative ELBO per supervised token (nats; each strategy's own bound), "
-        "`eval/ppl_bound` = exp(nelbo) upper-bounds the perplexity; `eval/ar_nll` is an exact causal NLL. "
-        "bits/byte = the likelihood beside it over the UTF-8 bytes of the scored text (comparable across tokenizers). "
+    lines = ["| " + " | ".join(head for head, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(cell(r)) for _, cell in columns) + " |" for r in rows]
+    notes = [
+        "`val/loss` is each strategy's own training objective (not comparable across rows).",
+        *[_LIKELIHOOD_NOTES[key] for key in shown],
+        *([BYTES_NOTE] if shown else []),
         "`eval/gen_ppl` scores the samples with a frozen causal LM (retokenized); read it together with "
         "`eval/entropy` (unigram, nats): low entropy flatters gen_ppl.",
-        "",
     ]
+    return [*lines, "", " ".join(notes), ""]
 
 
 def _flag_lines(flags: dict) -> list[str]:
@@ -261,7 +282,9 @@ def render_plots(rows: list[dict], out: Path) -> list[str]:
     have_ppl = any(
         p.get("gen_ppl") == p.get("gen_ppl") and p.get("gen_ppl") is not None for r in rows for p in r["curve"]
     )
-    plots = [(PLOTS[0], _plot_training_curves), (PLOTS[1], _plot_likelihood)]
+    plots = [(PLOTS[0], _plot_training_curves)]
+    if any(key in r["metrics"] for r in rows for key in LIKELIHOODS):  # strategies without a likelihood: no plot
+        plots.append((PLOTS[1], _plot_likelihood))
     if have_ppl:
         plots.append((PLOTS[2], _plot_frontier))
     if any(r["curve"] for r in rows):  # (DFlash evaluates by acceptance length, not by a step budget)
@@ -284,9 +307,12 @@ def _plot_training_curves(ax, rows: list[dict]) -> None:
     ax.legend()
 
 
+LIKELIHOODS = ("eval/nelbo", "eval/ar_nll")  # the metrics of `DLLMStrategy.likelihoods` ("nelbo", "ar_nll")
+
+
 def _plot_likelihood(ax, rows: list[dict]) -> None:
     names = [r["strategy"] for r in rows]
-    for offset, key, label in ((-0.15, "eval/nelbo", "NELBO (bound)"), (0.15, "eval/ar_nll", "exact AR NLL")):
+    for offset, key, label in ((-0.15, LIKELIHOODS[0], "NELBO (bound)"), (0.15, LIKELIHOODS[1], "exact AR NLL")):
         xs = [i + offset for i, r in enumerate(rows) if key in r["metrics"]]
         ys = [r["metrics"][key] for r in rows if key in r["metrics"]]
         es = [1.96 * r["metrics"].get(key + "_se", 0.0) for r in rows if key in r["metrics"]]

@@ -150,7 +150,7 @@ class Trainee:
     tokenizer: object
     strategy: object
     loss_fn: object
-    mask_token_id: int
+    mask_token_id: int | None  # None: a strategy that uses no [MASK] token, given none
     precision: str = "fp32"
     fused_head: bool = False  # the model's LM head defers its logits to the loss (docs/strategies.md §5.9)
 

@@ -16,8 +16,8 @@ import torch
 from dllm_common.checkpoint import read_meta
 from dllm_common.config import EvalConfig
 from strategies import Microbatch, StepContext
-from strategies.dflash import acceptance_from_correct
-from strategies.dflash_draft import draft_block_logits, greedy_generate, speculative_generate
+from strategies.dflash.draft import draft_block_logits, greedy_generate, speculative_generate
+from strategies.dflash.loss import acceptance_from_correct
 from tasks.dflash_setup import draft_strategy, load_spec_target
 from tasks.evaluation import CausalLM, EvalResult, Evaluation, ar_nll_metrics, encode_prompts, exact_ar_nll
 from tasks.scoring import generative_perplexity, mean_entropy

@@ -19,6 +19,15 @@ import pytest  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def denoiser_strategies() -> list[str]:
+    """The registered strategies whose trained model is the (wrapped) backbone itself (`trains == "denoiser"`),
+    for tests that parametrize over every such strategy (a draft trains against a frozen target instead)."""
+    from strategies import strategy_class
+    from strategies.options import REGISTRY
+
+    return [name for name in sorted(REGISTRY) if strategy_class(name).trains == "denoiser"]
+
+
 @pytest.fixture(scope="session")
 def tiny_spec():
     """A config small enough to prepare and train in seconds."""

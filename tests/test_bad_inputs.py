@@ -7,6 +7,7 @@ import sqlite3
 from types import SimpleNamespace
 
 import pytest
+from conftest import denoiser_strategies
 
 from dllm_common.config import ConfigError
 from dllm_common.tracking import DamagedStoreError, Tracking, check_local_store, default_tracking_uri
@@ -106,7 +107,7 @@ def test_mask_id_against_a_pretrained_vocabulary_waits_for_run_time():
     validate_config(_spec(["dflash"], {"mask_token_id": 999_999}, dflash={"target_model_id": "some/model"}))
 
 
-@pytest.mark.parametrize("strategy", ["mdlm", "hybrid", "scdd", "idlm", "block_diffusion"])
+@pytest.mark.parametrize("strategy", denoiser_strategies())
 def test_mask_id_outside_the_model_vocabulary_is_refused_where_it_is_resolved(strategy):
     from strategies.registry import assemble_strategy
 

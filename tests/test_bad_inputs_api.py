@@ -11,9 +11,10 @@ import torch
 
 from dllm_common.config import ConfigError
 from strategies import corruption as C
-from strategies.dflash import _build_target_layer_ids
+from strategies.dflash.blocks import _build_target_layer_ids
 from strategies.options import validate_config
 from strategies.sampling import SamplerConfig
+from strategies.scdd.schedule import scdd_grid_times
 
 IDS, LM = torch.randint(0, 10, (2, 8), generator=torch.Generator().manual_seed(0)), torch.ones(2, 8)
 
@@ -127,13 +128,13 @@ def test_levels_of_every_accepted_shape_still_work():
             lambda: C.corrupt_uniform_random(IDS, LM, 50, block_size=0),
             "corrupt_uniform_random: block_size must be an integer >= 1, got 0",
         ),
-        (lambda: C.scdd_grid_times(2, 0, 1e-3), "scdd_grid_times: num_timesteps must be an integer >= 2, got 0"),
-        (lambda: C.scdd_grid_times(2, 1, 1e-3), "scdd_grid_times: num_timesteps must be an integer >= 2, got 1"),
+        (lambda: scdd_grid_times(2, 0, 1e-3), "scdd_grid_times: num_timesteps must be an integer >= 2, got 0"),
+        (lambda: scdd_grid_times(2, 1, 1e-3), "scdd_grid_times: num_timesteps must be an integer >= 2, got 1"),
         (
-            lambda: C.scdd_grid_times(2, 10, 1.5),
+            lambda: scdd_grid_times(2, 10, 1.5),
             "scdd_grid_times: eps (the minimum noise level) must be in [0, 1), got 1.5",
         ),
-        (lambda: C.scdd_grid_times(-1, 10, 0.0), "scdd_grid_times: batch must be an integer >= 0, got -1"),
+        (lambda: scdd_grid_times(-1, 10, 0.0), "scdd_grid_times: batch must be an integer >= 0, got -1"),
         (
             lambda: C.corrupt_mix(IDS, LM, 1, 2, mask_prob=torch.zeros(2), uniform_prob=torch.zeros(2)),
             "corrupt_mix: vocab_size must be an integer >= 3, got 2",
@@ -159,7 +160,7 @@ def test_bad_sizes_are_refused_by_name(call, message):
 def test_good_sizes_still_work():
     assert C.corrupt_blockwise(IDS, LM, 11, block_size=3, half_life_ratio=0.5)[0].shape == IDS.shape
     assert C.corrupt_uniform_random(IDS, LM, 1, block_size=8)[0].max() <= 9
-    assert C.scdd_grid_times(3, 2, 0.0).tolist() == [0.5, 0.5, 0.5]
+    assert scdd_grid_times(3, 2, 0.0).tolist() == [0.5, 0.5, 0.5]
     assert _build_target_layer_ids(12, 1) == [6]
 
 

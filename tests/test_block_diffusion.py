@@ -20,18 +20,15 @@ from strategies import (
     get_dllm_strategy,
     uniform_diffusion_nelbo_terms,
 )
-from strategies.block_diffusion_strategy import CanvasExtras, OwnTokenCanvasLoss, batched_block_mask, supervised_runs
+from strategies.block_diffusion.loss import OwnTokenCanvasLoss
+from strategies.block_diffusion.model import BlockDiffusionLM
+from strategies.block_diffusion.sampling import block_canvas_sample
+from strategies.block_diffusion.strategy import CanvasExtras, batched_block_mask, supervised_runs
 from strategies.head import HeadProjection
 from strategies.losses import encoder_ar_loss, per_token_nll
-from strategies.models import BlockDiffusionLM, DLLMOutput, build_model, model_from_config_dir, tiny_model_config
+from strategies.models import DLLMOutput, build_model, model_from_config_dir, tiny_model_config
+from strategies.posteriors import own_token_log_likelihood, own_token_removed, reverse_step, uniform_posterior
 from strategies.sampling import SamplerConfig, SampleResult
-from strategies.uniform_sampling import (
-    block_canvas_sample,
-    own_token_log_likelihood,
-    own_token_removed,
-    reverse_step,
-    uniform_posterior,
-)
 from tasks.evaluation import fixed_noise_nelbo
 
 V = 50
@@ -54,7 +51,10 @@ def test_registered_supervised_normalization_and_loss():
     assert s.own_token_evidence == "analytic" and isinstance(s.create_loss_fn({}), OwnTokenCanvasLoss)
     assert isinstance(_strategy("learned").create_loss_fn(), BlockDiffusionCrossEntropyLoss)  # the reference's
     assert s.block_size == 256 and s.self_conditioning_p == 0.5 and s.encoder_loss_weight == 1.0
-    assert s.setup_extra(SetupContext(None, None, None)) == 0  # mask id unused: defaults to 0
+    # uniform noise, no [MASK]: nothing to resolve, and assembling asks for no mask id (a given one is only recorded)
+    assert not s.uses_mask_token and s.setup_extra(SetupContext(None, None, None)) is None
+    assert assemble_strategy("block_diffusion", {"vocab_size": 64}, None, None).mask_token_id is None
+    assert assemble_strategy("block_diffusion", {"vocab_size": 64}, None, None, mask_token_id=7).mask_token_id == 7
     tuned = _strategy(self_conditioning_p=0.2, encoder_loss_weight=0.3)
     assert (tuned.vocab_size, tuned.block_size) == (V, 4)
     assert (tuned.self_conditioning_p, tuned.encoder_loss_weight) == (0.2, 0.3)
@@ -65,7 +65,7 @@ def test_registered_supervised_normalization_and_loss():
     with pytest.raises(ValueError, match="Extra inputs are not permitted"):
         s.create_loss_fn({"block_length": 2})
     built = assemble_strategy("block_diffusion", {"block_size": 4}, _model(), None)
-    assert built.mask_token_id == 0 and built.strategy.vocab_size == V and built.strategy.block_size == 4
+    assert built.mask_token_id is None and built.strategy.vocab_size == V and built.strategy.block_size == 4
     assert isinstance(built.loss_fn, OwnTokenCanvasLoss)
 
 

@@ -12,8 +12,8 @@ from strategies.corruption import (
     corrupt_uniform_random,
     gumbel_topk,
     gumbel_topk_rows,
-    scdd_grid_times,
 )
+from strategies.scdd.schedule import scdd_grid_times
 from strategies.seeding import seeded_generator as gen
 
 MASK = 999

@@ -9,6 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from strategies import BlockDiffusionStrategy, HybridStrategy, IDLMStrategy, MDLMStrategy
+from strategies.absorbing import absorbing_sample
+from strategies.block_diffusion.model import BlockDiffusionLM
 from strategies.decoding_cache import (
     BidirectionalDecoder,
     CausalDecoder,
@@ -17,8 +19,9 @@ from strategies.decoding_cache import (
     open_decoder,
     visible_mask,
 )
-from strategies.models import NATIVE, BlockDiffusionLM, HybridLM, build_model, model_logits, tiny_model_config
-from strategies.sampling import SamplerConfig, absorbing_sample, row_windows
+from strategies.hybrid.model import HybridLM
+from strategies.models import NATIVE, build_model, model_logits, tiny_model_config
+from strategies.sampling import SamplerConfig, row_windows
 
 V, M, PAD = 48, 47, 0
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]  # different lengths: per-row windows at different columns

@@ -12,27 +12,19 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-import strategies.dflash_draft as dflash_draft
+import strategies.dflash.draft as dflash_draft
 from strategies import Microbatch, SetupContext, StepContext, assemble_strategy
 from strategies.base import global_sum
-from strategies.dflash import (
+from strategies.dflash.blocks import (
     LOOKUP_MAX_NGRAM,
-    DFlashDecayLoss,
-    DFlashDPACELoss,
-    SoftLabels,
     _build_target_layer_ids,
-    acceptance_from_correct,
-    block_soft_labels,
     build_dflash_mask_mod,
     copy_hints,
     create_dflash_block_mask,
     create_dflash_sdpa_mask,
-    dpace_weights,
     sample_anchor_blocks,
-    scored_blocks,
-    top_k_labels,
 )
-from strategies.dflash_draft import (
+from strategies.dflash.draft import (
     DFlashDraftConfig,
     DFlashDraftModel,
     context_lookup,
@@ -41,8 +33,18 @@ from strategies.dflash_draft import (
     speculative_generate,
     target_features,
 )
-from strategies.dflash_strategy import CachedFeatures, DFlashBlocks, DFlashStrategy, OnlineFeatures
-from strategies.feature_cache import write_feature_cache
+from strategies.dflash.features import CachedFeatures, OnlineFeatures, write_feature_cache
+from strategies.dflash.loss import (
+    DFlashDecayLoss,
+    DFlashDPACELoss,
+    SoftLabels,
+    acceptance_from_correct,
+    block_soft_labels,
+    dpace_weights,
+    scored_blocks,
+    top_k_labels,
+)
+from strategies.dflash.strategy import DFlashBlocks, DFlashStrategy
 from strategies.models import build_model, tiny_model_config
 from strategies.options import DFlashOptions
 
@@ -990,7 +992,7 @@ def test_speculative_accept_commits_tokens_distributed_as_the_target():
     here). A chi-square test over 20k draws at significance 1e-4; the draft itself fails the same test."""
     from scipy.stats import chisquare
 
-    from strategies.dflash_draft import speculative_accept
+    from strategies.dflash.draft import speculative_accept
 
     p = torch.tensor([[0.50, 0.20, 0.15, 0.10, 0.05], [0.05, 0.05, 0.10, 0.30, 0.50], [0.2] * 5])
     q = torch.tensor([[0.05, 0.05, 0.30, 0.30, 0.30], [0.40, 0.30, 0.10, 0.10, 0.10]])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stagekit import through_the_stages
 
 from dllm_common.config import ConfigError
 from strategies.options import validate_config
@@ -71,7 +72,7 @@ def test_cache_holds_the_selected_layers_of_every_row_and_is_reused(dflash_run, 
     spec, data, workdir, tgt, feats, _ = dflash_run
     from safetensors import safe_open
 
-    from strategies.dflash_draft import target_features
+    from strategies.dflash.draft import target_features
     from tasks.dflash_setup import load_target
     from tasks.prepare_data import load_split
 
@@ -112,7 +113,7 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     meta = json.loads((ckpt / "dllm.json").read_text())
     assert meta["target"]["path"] == tgt.info["model_path"] and meta["options"]["block_size"] == 4
     from dllm_common.checkpoint import load_weights_into
-    from strategies.dflash_draft import DFlashDraftModel
+    from strategies.dflash.draft import DFlashDraftModel
     from strategies.models import model_from_config_dir
 
     draft = model_from_config_dir(ckpt)
@@ -125,7 +126,7 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     assert {f"dflash/acc_k{k}" for k in (1, 2, 3)} <= set(m) and m["dflash/speedup"] > 0
     assert m["eval/ar_nll"] > 0 and m["eval/tokens_per_forward"] >= 1.0
     # `dllm-flow generate` rebuilds draft + target from the checkpoint: the text is the target's greedy text
-    from strategies.dflash_draft import greedy_generate
+    from strategies.dflash.draft import greedy_generate
     from strategies.sampling import SamplerConfig
     from tasks.checkpoints import load_for_generation
     from tasks.generate import Request, check_sampler, generate
@@ -141,6 +142,15 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     assert sum(int(k) * v for k, v in bench["histogram"].items()) / sum(bench["histogram"].values()) == pytest.approx(
         m["dflash/tau"]
     )
+
+
+def test_the_draft_goes_through_the_stages_every_strategy_goes_through(dflash_run):
+    """The stage test's train → evaluate → report → generate (tests/stagekit.py), with the target and its
+    feature cache that the draft declares built first (the fixture)."""
+    spec, data, workdir, tgt, feats, _ = dflash_run
+    inputs = {"target": tgt, "features": feats}
+    staged = through_the_stages(spec, "dflash", data, workdir, inputs, val_drop=0.0)
+    assert staged.trained.reused and "## Speculative decoding (DFlash)" in staged.report
 
 
 def test_a_copy_hint_draft_trains_evaluates_and_keeps_its_setting(dflash_run):
@@ -328,7 +338,7 @@ def test_a_local_target_is_keyed_by_the_digest_of_its_weights(prepared, tiny_spe
 def test_regenerated_rows_are_the_targets_own_text_and_reproduce(dflash_run, tmp_path):
     """dflash.regenerate: prompts kept, continuations sampled by the target (greedy at T=0, seeded at
     T>0), only the continuation supervised, validation untouched; the draft trains on it."""
-    from strategies.dflash_draft import greedy_generate
+    from strategies.dflash.draft import greedy_generate
     from tasks.dflash_setup import load_target
     from tasks.prepare_data import load_split
     from tasks.regenerate import regenerate

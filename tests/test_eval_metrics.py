@@ -327,3 +327,47 @@ def test_runs_of_one_strategy_from_several_pipeline_runs_are_labelled_by_what_di
     assert [r["strategy"] for r in _labelled(client, more)] == ["dflash (loss_type=decay)", "dflash (loss_type=dpace)"]
     same = [{"strategy": "scdd", "run_id": "f"}, {"strategy": "scdd", "run_id": "g"}]
     assert [r["strategy"] for r in _labelled(client, same)] == ["scdd (f)", "scdd (g)"]  # nothing differs: run ids
+
+
+def test_a_report_leaves_out_what_no_strategy_has(tmp_path):
+    """No strategy with a likelihood: no likelihood columns and no likelihood plot (not an empty one with an
+    empty legend); a row without a likelihood beside one with it shows dashes only in that row."""
+    import warnings
+
+    plain = [row("toy", card(), **{"val/loss": 4.0, "eval/gen_ppl": 30.0, "eval/entropy": 2.0})]
+    md = render_markdown("demo", plain, {}, [])
+    header = next(ln for ln in md.splitlines() if ln.startswith("| strategy |"))
+    assert "nelbo" not in header and "ar_nll" not in header and "bits/byte" not in header
+    assert "eval/nelbo" not in md and "bits/byte" not in md and "| toy | absorbing | 4.0000 | 30.00 |" in md
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found to put in legend" included
+        written = render_plots(plain, tmp_path)
+    assert "nelbo.png" not in written and written[0] == "training_curves.png"
+    mixed = [*plain, row("mdlm", card(), **{"eval/nelbo": 5.0, "eval/nelbo_se": 0.1})]
+    md = render_markdown("demo", mixed, {}, [])
+    assert "eval/nelbo ± se" in md and "eval/ar_nll" not in md and "| toy | absorbing | 4.0000 | – |" in md
+    (tmp_path / "mixed").mkdir()
+    assert "nelbo.png" in render_plots(mixed, tmp_path / "mixed")
+
+
+def test_the_samples_heading_names_the_settings_the_sampler_reads():
+    data = {"eval/data_entropy": 4.0, "eval/data_rows": 32, "eval/data_gen_ppl": 200.0}
+    cuts_only = {**card(sampler__temperature=1.0, sampler__top_p=0.9), "sampler_settings": ["temperature", "top_p"]}
+    absorbing = {
+        **card(sampler__temperature=1.0, sampler__top_p=0.9, sampler__threshold=0.8),
+        "sampler_settings": ["temperature", "top_k", "top_p", "remasking", "threshold"],
+    }
+    lone = render_markdown("demo", [row("isd", cuts_only, **data, **{"eval/entropy": 3.0})], {}, [])
+    assert "## Samples against real text (temperature 1.0, top-p 0.9)\n" in lone and "remasking" not in lone
+    rows = [
+        row("mdlm", absorbing, **data, **{"eval/entropy": 3.6}),
+        row("hybrid", absorbing, **data, **{"eval/entropy": 3.4}),
+        row("isd", cuts_only, **data, **{"eval/entropy": 3.0}),
+    ]
+    md = render_markdown("demo", rows, {}, [])
+    heading = "## Samples against real text (temperature 1.0, top-p 0.9, threshold 0.8, low_confidence remasking)"
+    assert heading in md and "| mdlm |" in md and "| hybrid |" in md
+    assert "| isd (temperature 1.0, top-p 0.9) |" in md  # its sampler reads less than the heading says
+    before = row("mdlm", card(sampler__temperature=1.0), **data, **{"eval/entropy": 3.0})
+    old_card = render_markdown("demo", [before], {}, [])
+    assert "(temperature 1.0, low_confidence remasking)" in old_card  # a card from before `sampler_settings`

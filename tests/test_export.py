@@ -280,7 +280,7 @@ def test_unmerged_lora_is_merged_into_the_exported_backbone(prepared, tmp_path):
 
 
 def test_a_dflash_draft_exports_as_a_dllm_flow_checkpoint_only(prepared, tmp_path):
-    from strategies.dflash_draft import DFlashDraftConfig, DFlashDraftModel
+    from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
     from strategies.models import build_model, tiny_model_config
     from tasks.prepare_data import load_tokenizer
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from strategies import HybridDiffusionLLMLoss, HybridStrategy, Microbatch, SetupContext, StepContext, get_dllm_strategy
+from strategies.hybrid.model import HYBRID, HybridLM
 from strategies.losses import per_token_nll
-from strategies.models import HYBRID, HybridLM, build_model, tiny_model_config, wrap_for_architecture
+from strategies.models import build_model, tiny_model_config, wrap_for_architecture
 
 V, M = 48, 47
 

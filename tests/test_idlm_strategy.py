@@ -107,7 +107,7 @@ def test_noisy_half_cannot_see_its_own_clean_block():
 
 def test_alpha_ia_is_the_expected_acceptance_of_decode_proposals_under_the_verify_half():
     """Σ_v min(p, q) per supervised token, from the two halves of one [x_t ‖ x_0] forward; 1 when they agree."""
-    from strategies.idlm_strategy import IDLMStrategy
+    from strategies.idlm.strategy import IDLMStrategy
 
     torch.manual_seed(0)
     model = build_model(tiny_model_config("llama", 32, 16, 16, 1, 2, None, None, True), seed=0)
@@ -131,7 +131,7 @@ def test_alpha_ia_is_the_expected_acceptance_of_decode_proposals_under_the_verif
 
 def test_alpha_ia_hand_computed_on_stub_halves():
     """Decode half q = (½, ½, 0…), verify half p = one-hot on token 0 → Σ min = ½; identical halves → 1."""
-    from strategies.idlm_strategy import IDLMStrategy
+    from strategies.idlm.strategy import IDLMStrategy
 
     big = 1e4
 
@@ -209,7 +209,8 @@ def _greedy_causal(model, prompt, n, mask_id, eos=None):
 
 
 def test_isd_is_listed_after_the_default_sampler_and_runs_through_sample():
-    from strategies.sampling import SAMPLERS, SamplerConfig
+    from strategies.options import SAMPLERS
+    from strategies.sampling import SamplerConfig
 
     assert IDLMStrategy.samplers[0] == "idlm" and "isd" in IDLMStrategy.samplers and "isd" in SAMPLERS
     agree = _Halves(torch.stack([_peaked(NEXT[t]) for t in range(3)]), lambda d, t: _peaked(_chain(NEXT, t, d + 1)))
@@ -227,7 +228,7 @@ def test_isd_at_temperature_zero_is_greedy_causal_decoding():
     """Halves that agree: every proposal stands (k + 1 tokens per forward after the first) and the text is the
     causal greedy one. A noisy half that guesses wrong changes only the number of forwards. A real tiny model,
     with and without the exact K/V cache, also decodes exactly its greedy causal text."""
-    from strategies.idlm_sampling import ISDStats, isd_sample
+    from strategies.idlm.sampling import ISDStats, isd_sample
     from strategies.sampling import SamplerConfig
 
     P = torch.stack([_peaked(NEXT[t]) for t in range(3)])
@@ -257,7 +258,7 @@ def test_isd_at_temperature_zero_is_greedy_causal_decoding():
 
 def _joint_counts(model, n, generator, k=2, length=3, top_p=1.0):
     """Joint counts of the first `length` tokens over `n` ISD samples after the prompt [0] at T = 1."""
-    from strategies.idlm_sampling import isd_sample
+    from strategies.idlm.sampling import isd_sample
     from strategies.sampling import SamplerConfig
 
     cfg = SamplerConfig(max_new_tokens=length, temperature=1.0, top_p=top_p, cache="none")
@@ -283,7 +284,7 @@ def test_isd_at_temperature_one_samples_the_causal_half(monkeypatch, top_p):
     the same test."""
     from scipy.stats import chisquare
 
-    import strategies.idlm_sampling as isd
+    import strategies.idlm.sampling as isd
     from strategies.sampling import truncate
 
     P = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6], [0.35, 0.45, 0.2]])

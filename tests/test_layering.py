@@ -93,6 +93,38 @@ def test_no_import_cycle_inside_a_package(package):
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+def strategy_package_imports(root):
+    """`strategies.<name>.…` modules that import another strategy's package: a strategy is one package
+    (`strategies/<name>/`) that may use the shared modules of `strategies/`, never another strategy's."""
+    packages = {p.parent.name for p in (root / "strategies").glob("*/__init__.py")}
+
+    def package_of(module):
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in packages else None
+
+    bad = []
+    for mod, imported in import_graph(root, "strategies").items():
+        if package_of(mod) is not None:
+            others = {package_of(n) for n in imported} - {None, package_of(mod)}
+            bad += [f"{mod} imports strategies.{other}" for other in sorted(others)]
+    return bad
+
+
+def test_no_strategy_package_imports_another():
+    assert strategy_package_imports(ROOT) == []
+
+
+def test_the_package_check_would_catch_one_strategy_importing_another(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / "strategies" / name).mkdir(parents=True)
+        (tmp_path / "strategies" / name / "__init__.py").write_text("")
+    (tmp_path / "strategies" / "__init__.py").write_text("")
+    (tmp_path / "strategies" / "shared.py").write_text("")
+    (tmp_path / "strategies" / "a" / "strategy.py").write_text("from strategies.shared import x\nfrom . import y\n")
+    (tmp_path / "strategies" / "b" / "strategy.py").write_text("def f():\n    from strategies.a.strategy import S\n")
+    assert strategy_package_imports(tmp_path) == ["strategies.b.strategy imports strategies.a"]
+
+
 def test_cycle_check_would_catch_a_cycle(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)

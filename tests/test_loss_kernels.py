@@ -13,17 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from strategies.head import DeferrableHead, HeadProjection, deferred_logits, make_head_deferrable
-from strategies.losses import (
-    BlockDiffusionCrossEntropyLoss,
-    HybridDiffusionLLMLoss,
-    IDLMLoss,
-    MDLMCrossEntropyLoss,
-    causal_nll_rows,
-    encoder_ar_loss,
-    nll_at,
-)
+from strategies.hybrid.loss import HybridDiffusionLLMLoss
+from strategies.idlm.loss import IDLMLoss
+from strategies.losses import BlockDiffusionCrossEntropyLoss, causal_nll_rows, encoder_ar_loss, nll_at
+from strategies.mdlm.loss import MDLMCrossEntropyLoss
 from strategies.models import build_model, tiny_model_config
-from strategies.scdd import SCDDLoss, scdd_schedule
+from strategies.scdd.loss import SCDDLoss
+from strategies.scdd.schedule import scdd_schedule
 
 TINY = 1e-30
 
@@ -237,7 +233,7 @@ def test_a_head_with_a_soft_cap_after_it_is_left_alone():
 @pytest.mark.parametrize("log_beta,log_rho", [(-12.0, -0.01), (math.log(TINY), 0.0), (-3.0, -2.0)])
 def test_scdd_closed_form_gradient_holds_float64_accuracy_at_a_real_vocabulary(log_beta, log_rho):
     """At V = 32k the closed-form backward sums 32k terms per row: no cancellation may creep in."""
-    from strategies.scdd import _vocab_terms
+    from strategies.scdd.loss import _vocab_terms
 
     rows, vocab = 16, 32_000
     g = torch.Generator().manual_seed(0)

@@ -6,15 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strategies.losses import (
-    BlockDiffusionCrossEntropyLoss,
-    DLLMLossOutput,
-    HybridDiffusionLLMLoss,
-    IDLMLoss,
-    MDLMCrossEntropyLoss,
-    encoder_ar_loss,
-    per_token_nll,
-)
+from strategies.hybrid.loss import HybridDiffusionLLMLoss
+from strategies.idlm.loss import IDLMLoss
+from strategies.losses import BlockDiffusionCrossEntropyLoss, DLLMLossOutput, encoder_ar_loss, per_token_nll
+from strategies.mdlm.loss import MDLMCrossEntropyLoss
 
 
 def _ce(row, target):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import denoiser_strategies
 from transformers import AutoTokenizer
 
 import tasks.scoring as scoring
@@ -43,7 +44,7 @@ def smollm2():
     return model, tokenizer
 
 
-@pytest.mark.parametrize("strategy", ["mdlm", "scdd", "hybrid", "idlm", "block_diffusion"])
+@pytest.mark.parametrize("strategy", denoiser_strategies())
 def test_one_step_of_each_strategy_on_smollm2(smollm2, strategy):
     base, tokenizer = smollm2
     cls = strategy_class(strategy)

@@ -6,9 +6,11 @@ windows respected, confident denoiser exact), infilling, I-DLM shift, hybrid AR-
 import pytest
 import torch
 
-from strategies.sampling import SamplerConfig, absorbing_sample, hybrid_sample, infill_sample, num_transfer_tokens
-from strategies.scdd import scdd_schedule
-from strategies.scdd_sampling import scdd_ancestral_sample
+from strategies.absorbing import absorbing_sample, infill_sample, num_transfer_tokens
+from strategies.hybrid.sampling import hybrid_sample
+from strategies.sampling import SamplerConfig
+from strategies.scdd.sampling import scdd_ancestral_sample
+from strategies.scdd.schedule import scdd_schedule
 
 MASK, PAD, V = 15, 0, 16
 
@@ -336,8 +338,8 @@ def test_scdd_draws_at_temperature_one_are_the_exact_posterior():
     `_ancestral_weights` as its distribution, at a [MASK], at a visible token and at a visible token the
     model all but confirms (p(c) ≈ 0.9: a destination renormalized without c would weigh the clean channel
     against the uniform one 10× wrong there)."""
-    from strategies.sampling import Denoising
-    from strategies.scdd_sampling import _ancestral_weights, _AncestralStep, _tempered_draw
+    from strategies.absorbing import Denoising
+    from strategies.scdd.sampling import _ancestral_weights, _AncestralStep, _tempered_draw
 
     n = 160_000
     step = _AncestralStep.between(schedule(0.3)(torch.tensor([0.6])), schedule(0.3)(torch.tensor([0.45])))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dllm_common.config import EvalConfig
-from strategies.sampling import SamplerConfig, absorbing_sample, truncate
+from strategies.absorbing import absorbing_sample
+from strategies.sampling import SamplerConfig, truncate
 
 MASK, PAD, V = 15, 0, 16
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strategies.scdd import SCDDLoss, scdd_schedule
+from strategies.scdd.loss import SCDDLoss
+from strategies.scdd.schedule import scdd_schedule
 
 
 def ce(logits, target):

@@ -1,39 +1,104 @@
-"""The seed strategy API: registry, MDLM hooks, step-level normalization across micro-batches."""
+"""The seed strategy API: the registry and what is derived from it, MDLM hooks, step-level normalization across
+micro-batches."""
+
+import re
 
 import pytest
 import torch
 
 from strategies import (
     DLLM_STRATEGIES,
-    DLLMLossOutput,
     MDLMCrossEntropyLoss,
     MDLMStrategy,
     Microbatch,
     StepContext,
     get_dllm_strategy,
+    strategy_class,
 )
 from strategies.models import build_model, tiny_model_config
-from strategies.options import MDLMOptions
+from strategies.options import REGISTRY, SAMPLERS, MDLMOptions, model_shapes, register, registered
+from strategies.registration import ABSORBING, ABSORBING_SAMPLER, Registration, SamplerInfo, StrategyOptions
 
 
-def test_unknown_mode_lists_available():
-    with pytest.raises(
-        ValueError,
-        match=r"Unknown dllm.mode: 'nope'. Available: "
-        r"\['block_diffusion', 'dflash', 'hybrid', 'idlm', 'mdlm', 'scdd'\]",
-    ):
+def test_an_unknown_strategy_is_refused_naming_pipeline_strategies_and_the_registered_ones():
+    names = re.escape(str(sorted(REGISTRY)))
+    with pytest.raises(ValueError, match=rf"unknown strategy 'nope': pipeline.strategies takes .*{names}"):
         get_dllm_strategy("nope")
+    with pytest.raises(TypeError, match=r"a strategy name is a string .*got list \['mdlm'\]"):
+        get_dllm_strategy(["mdlm"])  # not a hashing error deep inside the registry
 
 
-@pytest.mark.parametrize("mode", sorted(DLLM_STRATEGIES))
+@pytest.mark.parametrize("mode", sorted(REGISTRY))
 def test_every_registered_strategy_is_well_formed(mode):
+    """The class answers what its registration declares: its options, its samplers (in order, each in the
+    derived table with the same description), its evaluation kind, its likelihoods (a diffusion evaluation
+    estimates each with the strategy's method), its model shape."""
+    reg, cls = REGISTRY[mode], DLLM_STRATEGIES[mode]
     s = get_dllm_strategy(mode)
-    assert isinstance(s, DLLM_STRATEGIES[mode]) and s.normalization_mode in ("supervised", "noise")
-    assert s.loss_log_key == "dllm_loss" and s.loss_log_key in DLLMLossOutput._fields
+    assert isinstance(s, cls) and s.normalization_mode in ("supervised", "noise")
+    assert cls.Options is reg.options and tuple(cls.samplers) == tuple(reg.samplers)
+    assert all(SAMPLERS[name] == info for name, info in reg.samplers.items())
+    assert cls.evaluation in ("diffusion", "speculative") and reg.samples == (cls.evaluation == "diffusion")
+    assert set(cls.likelihoods) <= {"nelbo", "ar_nll"}
+    if cls.evaluation == "diffusion":  # the evaluate stage estimates each with the strategy's own method
+        assert all(callable(getattr(cls, f"{kind}_rows", None)) for kind in cls.likelihoods)
+    assert cls.model_architecture is None or cls.model_architecture in reg.models
+    assert not hasattr(s, "loss_log_key")  # docs/reference-differences.md G12: no unread loss key
     values = {"vocab_size": 64, "mask_token_id": 63, "block_size": 4}
     assert s.create_loss_fn({k: v for k, v in values.items() if k in s.Options.model_fields}) is not None
     with pytest.raises(Exception, match="extra"):
         s.create_loss_fn({"not_an_option": 1})
+
+
+def test_the_sampler_table_and_the_model_shapes_are_derived_from_the_registry():
+    declared = {name for reg in REGISTRY.values() for name in reg.samplers}
+    assert set(SAMPLERS) == declared and SAMPLERS[ABSORBING] == ABSORBING_SAMPLER
+    shapes = {name for reg in REGISTRY.values() for name in reg.models}
+    assert set(model_shapes()) == shapes and all(isinstance(c, type) for c in model_shapes().values())
+    with pytest.raises(KeyError, match="unknown sampler 'nope'"):
+        SAMPLERS["nope"]
+
+
+class OtherOptions(StrategyOptions):
+    pass
+
+
+class _Other(MDLMStrategy):
+    Options = OtherOptions
+    samplers = ("other", ABSORBING)
+
+
+OTHER_SAMPLERS = {"other": SamplerInfo("a test's"), ABSORBING: ABSORBING_SAMPLER}
+
+
+def test_a_strategy_registered_at_run_time_appears_everywhere_and_leaves_again():
+    reg = Registration(OtherOptions, _Other, OTHER_SAMPLERS)
+    with registered("other", reg):
+        assert DLLM_STRATEGIES["other"] is _Other and strategy_class("other") is _Other
+        assert "other" in SAMPLERS and isinstance(get_dllm_strategy("other"), _Other)
+        with pytest.raises(ValueError, match="'other' is already registered"):
+            register("other", reg)
+    assert "other" not in REGISTRY and "other" not in DLLM_STRATEGIES and "other" not in SAMPLERS
+    with pytest.raises(ValueError, match="unknown strategy 'other'"):
+        strategy_class("other")
+
+
+def test_a_registration_that_disagrees_with_its_class_or_another_strategy_is_refused():
+    clash = {"other": SamplerInfo("a test's"), ABSORBING: SamplerInfo("not the absorbing sampler")}
+    with pytest.raises(ValueError, match="sampler 'llada' is declared by 'mdlm' and, differently, by 'other'"):
+        register("other", Registration(OtherOptions, _Other, clash))
+    assert "other" not in REGISTRY
+    shape = {"hybrid": "strategies.mdlm.strategy:MDLMStrategy"}
+    with pytest.raises(ValueError, match="model shape 'hybrid' is declared by 'hybrid' and, differently"):
+        register("other", Registration(OtherOptions, _Other, {"other": SamplerInfo("x")}, models=shape))
+    with registered("other", Registration(OtherOptions, _Other, {"other": SamplerInfo("only one")})):
+        with pytest.raises(TypeError, match=r"samplers is \('other', 'llada'\), its registration declares"):
+            strategy_class("other")
+    with registered("other", Registration(MDLMOptions, _Other, OTHER_SAMPLERS)):
+        with pytest.raises(TypeError, match="Options is OtherOptions, its registration says MDLMOptions"):
+            strategy_class("other")
+    with pytest.raises(ValueError, match="unknown setting"):
+        SamplerInfo("x", settings=("temperature", "steps"))
 
 
 def test_mdlm_create_loss_fn_accepts_mapping_and_typed():
@@ -128,3 +193,15 @@ def test_noise_changes_with_step_and_seed():
     later = s.pre_step(_ctx(_model(), step=1), [Microbatch(ids, loss, attn)])[0][0].noise_mask
     other_seed = s.pre_step(_ctx(_model(), seed=7), [Microbatch(ids, loss, attn)])[0][0].noise_mask
     assert not torch.equal(base, later) and not torch.equal(base, other_seed)
+
+
+def test_a_stand_in_class_takes_a_registered_name_until_it_is_removed():
+    DLLM_STRATEGIES["mdlm"] = _Other
+    try:
+        assert strategy_class("mdlm") is _Other and list(DLLM_STRATEGIES).count("mdlm") == 1
+    finally:
+        del DLLM_STRATEGIES["mdlm"]
+    assert strategy_class("mdlm") is MDLMStrategy
+    DLLM_STRATEGIES["mdlm"] = MDLMStrategy  # what monkeypatch.setitem's undo does: no stand-in is left behind
+    with pytest.raises(KeyError):
+        del DLLM_STRATEGIES["mdlm"]

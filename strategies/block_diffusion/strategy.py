@@ -28,67 +28,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, global_sum
+from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, StepContext, global_sum
+from strategies.block_diffusion.loss import MIN_LEVEL, OwnTokenCanvasLoss
+from strategies.block_diffusion.options import BLOCK_DIFFUSION, SAMPLERS, BlockDiffusionOptions
+from strategies.block_diffusion.sampling import block_canvas_sample
 from strategies.corruption import check_rows, corrupt_uniform_random
-from strategies.losses import (
-    BlockDiffusionCrossEntropyLoss,
-    DLLMLossOutput,
-    encoder_ar_loss,
-    nll_at,
-    uniform_diffusion_nelbo_terms,
-)
+from strategies.losses import DLLMLossOutput, FlatCrossEntropyLoss, encoder_ar_loss, uniform_diffusion_nelbo_terms
 from strategies.masks import build_block_diffusion_training_mask
-from strategies.models import BLOCK_DIFFUSION
-from strategies.options import BlockDiffusionOptions, StrategyOptions
+from strategies.posteriors import own_token_removed
+from strategies.registration import StrategyOptions
 from strategies.seeding import seeded_generator
-from strategies.uniform_sampling import block_canvas_sample, own_token_removed
 
 _AUX_SEED_XOR = 0x5DEECE66D  # separates the block-choice / self-conditioning stream from the corruption stream
-_MIN_LEVEL = 1e-6  # noise levels are clamped to [1e-6, 1 − 1e-6] wherever log q(z | x) is formed
-
-
-class OwnTokenCanvasLoss(nn.Module):
-    """Canvas loss with analytic own-token evidence (docs/strategies.md §5.4): the cross-entropy of the
-    posterior π ∝ softmax(logits)·q(z_i | x) at the clean token, per scored token, over `max(N, 1)`.
-
-    q(z | x) = (1 − α)/V·(1 + (e^b − 1)·[x = z]) with b = log(1 + V·α/(1 − α)), α = 1 − t and t = `p_mask`
-    (the row's noise level), so with p_z = softmax(logits)_z
-
-        CE_i = −log π(x_i) = CE(logits, x_i) − b·[x_i = z_i] + log(1 + (e^b − 1)·p_z)
-
-    which needs the logits at two ids only (`nll_at`, so a deferred head stays chunked). Like the flat
-    loss, every scored canvas token counts, replaced or not.
-    """
-
-    def forward(
-        self,
-        logits,
-        target_ids: Tensor,
-        noise_mask: Tensor | None,
-        p_mask: Tensor | None,
-        loss_mask: Tensor,
-        *,
-        loss_mask_ar: Tensor | None = None,
-        num_diffusion_tokens: int | Tensor | None = None,
-        num_ar_tokens: int | Tensor | None = None,
-        causal_logits: Tensor | None = None,
-        noisy_input_ids: Tensor | None = None,
-    ) -> DLLMLossOutput:
-        if noisy_input_ids is None or p_mask is None:
-            raise ValueError("OwnTokenCanvasLoss needs noisy_input_ids (the canvas) and p_mask (the noise level t)")
-        selected = loss_mask.bool()
-        vocab = logits.shape[-1]
-        nll_x = nll_at(logits, selected, target_ids)
-        nll_z = nll_at(logits, selected, noisy_input_ids)
-        alpha = 1 - p_mask.double().clamp(_MIN_LEVEL, 1)
-        b = torch.log1p(vocab * alpha / (1 - alpha))
-        log_expm1_b = b + torch.log(-torch.expm1(-b))  # log(e^b − 1); −inf at b = 0 (t = 1) is harmless
-        own = (target_ids == noisy_input_ids).to(b.dtype)
-        ce = nll_x + (torch.nn.functional.softplus(log_expm1_b - nll_z.double()) - b * own).to(nll_x.dtype)
-        total = torch.where(selected, ce, torch.zeros_like(ce)).sum()
-        count = num_diffusion_tokens if num_diffusion_tokens is not None else int(selected.sum())
-        total = total / max(int(count), 1)
-        return DLLMLossOutput(total, total.detach())
 
 
 @dataclass(frozen=True)
@@ -212,8 +163,9 @@ class BlockDiffusionStrategy(DLLMStrategy):
     Options = BlockDiffusionOptions
     model_architecture = BLOCK_DIFFUSION
     sampler_name = "block_canvas"
-    samplers = ("canvas",)
+    samplers = tuple(SAMPLERS)
     likelihoods = ("nelbo",)
+    uses_mask_token = False  # the canvas is noised with uniform random tokens (docs/strategies.md §9.1)
     # the canvas pass reads every encoder layer's K/V cache, which recomputed layers do not keep
     supports_activation_checkpointing = False
 
@@ -227,13 +179,10 @@ class BlockDiffusionStrategy(DLLMStrategy):
 
     def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
         """The canvas loss of `own_token_evidence` (of `dllm_cfg` when given, else the strategy's own):
-        `OwnTokenCanvasLoss` for "analytic", the reference's flat `BlockDiffusionCrossEntropyLoss` for "learned"."""
+        `OwnTokenCanvasLoss` for "analytic", the reference's flat cross-entropy (`FlatCrossEntropyLoss`) for
+        "learned"."""
         mode = self.own_token_evidence if dllm_cfg is None else self.coerce_options(dllm_cfg).own_token_evidence
-        return OwnTokenCanvasLoss() if mode == "analytic" else BlockDiffusionCrossEntropyLoss()
-
-    def setup_extra(self, setup: SetupContext) -> int | None:
-        """Random-token corruption never uses [MASK]: an unset mask id is 0 (docs/strategies.md §9.1)."""
-        return 0 if setup.mask_token_id is None else int(setup.mask_token_id)
+        return OwnTokenCanvasLoss() if mode == "analytic" else FlatCrossEntropyLoss()
 
     def apply_corruption(
         self, input_ids, loss_mask, mask_token_id, *, eps, block_size, half_life_ratio, generator=None
@@ -379,7 +328,7 @@ class BlockDiffusionStrategy(DLLMStrategy):
         posterior, whose own-token evidence is divided out first (`own_token_removed`)."""
         vocab = self.vocab_size or model.config.vocab_size
         batch, length = clean_ids.shape
-        t = t.clamp(_MIN_LEVEL, 1 - _MIN_LEVEL)
+        t = t.clamp(MIN_LEVEL, 1 - MIN_LEVEL)
         u = torch.rand(batch, length, generator=generator, device=clean_ids.device)
         r = torch.randint(
             0, vocab, (batch, length), generator=generator, device=clean_ids.device, dtype=clean_ids.dtype

@@ -4,7 +4,7 @@ Every supervised token of the noisy copy becomes [MASK]; the model runs once ove
 (length 2L, position ids repeated) under the I-DLM block mask, and `IDLMLoss` trains both halves
 with the next-token shift. The clean half is an ordinary causal LM, so its NLL is exact
 (`eval/ar_nll`). Generation uses plain causal attention: the absorbing sampler with logit shift 1 ("idlm", the
-default), or introspective strided decoding ("isd", `strategies/idlm_sampling.py`), where each forward verifies
+default), or introspective strided decoding ("isd", `strategies/idlm/sampling.py`), where each forward verifies
 the previous proposals with the causal half and proposes `block_length` new ones with the noisy half.
 """
 
@@ -16,10 +16,12 @@ from torch import Tensor, nn
 from strategies.base import CorruptedBatch, DLLMStrategy, SetupContext, StepContext
 from strategies.corruption import corrupt_all_masked
 from strategies.decoding_cache import causal_denoiser
-from strategies.idlm_sampling import isd_sample
-from strategies.losses import DLLMLossOutput, IDLMLoss, causal_nll_rows
+from strategies.idlm.loss import IDLMLoss
+from strategies.idlm.options import SAMPLERS, IDLMOptions
+from strategies.idlm.sampling import isd_sample
+from strategies.losses import DLLMLossOutput, causal_nll_rows
 from strategies.masks import create_idlm_sdpa_mask
-from strategies.options import IDLMOptions, StrategyOptions
+from strategies.registration import StrategyOptions
 
 
 class IDLMStrategy(DLLMStrategy):
@@ -30,7 +32,7 @@ class IDLMStrategy(DLLMStrategy):
     Options = IDLMOptions
     logit_shift = 1
     sampler_name = "absorbing_shift1"
-    samplers = ("idlm", "isd")
+    samplers = tuple(SAMPLERS)
     likelihoods = ("ar_nll",)
 
     @property

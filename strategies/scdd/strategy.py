@@ -11,19 +11,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from strategies.base import CorruptedBatch, MDLMStrategy, SetupContext, StepContext
-from strategies.corruption import corrupt_mix, scdd_grid_times
+from strategies.base import CorruptedBatch, DLLMStrategy, SetupContext, StepContext
+from strategies.corruption import corrupt_mix
 from strategies.models import add_time_conditioning, model_logits, time_embedding, time_input
-from strategies.options import SCDDOptions, StrategyOptions
-from strategies.scdd import SCDDLoss, scdd_schedule
-from strategies.scdd_sampling import scdd_ancestral_sample
+from strategies.registration import StrategyOptions
+from strategies.scdd.loss import SCDDLoss
+from strategies.scdd.options import SAMPLERS, SCDDOptions
+from strategies.scdd.sampling import scdd_ancestral_sample
+from strategies.scdd.schedule import scdd_grid_times, scdd_schedule
 
 
-class SCDDStrategy(MDLMStrategy):
+class SCDDStrategy(DLLMStrategy):
     name = "scdd"
     Options = SCDDOptions
     sampler_name = "scdd_ancestral"
-    samplers = ("scdd", "llada")
+    samplers = tuple(SAMPLERS)
+    likelihoods = ("nelbo",)
 
     def __init__(self, options: SCDDOptions | dict | None = None) -> None:
         super().__init__(options)

@@ -13,99 +13,28 @@ applied (fix docs/reference-differences.md G1).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, global_sum
 from strategies.corruption import corrupt_uniform
-from strategies.dflash import (
+from strategies.dflash.blocks import CopyHints, copy_hints, sample_anchor_blocks
+from strategies.dflash.draft import _embed_and_head, draft_block_hidden
+from strategies.dflash.loss import (
     DPACE_ALPHA,
-    CopyHints,
     DFlashDecayLoss,
     DFlashDPACELoss,
     SoftLabels,
     block_soft_labels,
-    copy_hints,
     default_gamma,
-    sample_anchor_blocks,
     scored_blocks,
-    top_k_labels,
 )
-from strategies.dflash_draft import _embed_and_head, draft_block_hidden, target_features
+from strategies.dflash.options import SAMPLERS, DFlashOptions
 from strategies.losses import DLLMLossOutput
-from strategies.options import DFlashOptions, StrategyOptions
+from strategies.registration import StrategyOptions
 from strategies.seeding import seeded_generator
-
-
-class TargetOutputs(NamedTuple):
-    """What a feature source gives for a micro-batch: the features `[B, L, n·H]` and, when the strategy asks for
-    labels (`dflash.distill_top_k` > 0), the target's top-k next-token distribution at every position
-    (`SoftLabels` of `[B, L, k]`)."""
-
-    features: Tensor
-    top: SoftLabels | None = None
-
-
-class OnlineFeatures:
-    """Target forward over the micro-batch's rows every step."""
-
-    def __init__(self, target: nn.Module, layer_ids: list[int], top_k: int = 0):
-        self.target, self.layer_ids, self.top_k = target, list(layer_ids), int(top_k)
-
-    @torch.no_grad()
-    def __call__(self, mb: Microbatch, labels: bool = False) -> TargetOutputs:
-        feats, logits, _ = target_features(self.target, mb.input_ids, self.layer_ids)
-        return TargetOutputs(feats, top_k_labels(logits, self.top_k) if labels and self.top_k else None)
-
-
-class CachedFeatures:
-    """Per-row features `[L, n·H]` (and, when the cache holds them, the target's top-k next-token
-    distributions `[L, k]`) from safetensors shards, opened lazily (memory-mapped)."""
-
-    INDEX = "index.json"
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        index = self.root / self.INDEX
-        if not index.is_file():
-            raise FileNotFoundError(
-                f"{self.root} holds no target-feature cache ({self.INDEX} missing); rerun cache_target"
-            )
-        self.index = json.loads(index.read_text())
-        self.layer_ids = self.index["layer_ids"]
-        self.top_k = int(self.index.get("top_k", 0))
-        self._handles: dict[str, Any] = {}
-
-    def _rows(self, split: str):
-        if split not in self.index["splits"]:
-            raise KeyError(f"the target-feature cache has no {split!r} split")
-        return self.index["splits"][split]
-
-    def __call__(self, mb: Microbatch, labels: bool = False) -> TargetOutputs:
-        """The rows' features, and their top-k labels when `labels` is asked for (and the cache holds them)."""
-        if mb.row_ids is None:
-            raise ValueError("cached DFlash features need each micro-batch's row ids (Microbatch.row_ids)")
-        shards = self._rows(mb.split)
-        with_labels = labels and self.top_k > 0
-        names = ("features", "top_ids", "top_probs") if with_labels else ("features",)
-        out: dict[str, list[Tensor]] = {name: [] for name in names}
-        for row in mb.row_ids.tolist():
-            shard = next(s for s in shards if s["start"] <= row < s["start"] + s["rows"])
-            handle = self._handles.get(shard["file"])
-            if handle is None:
-                handle = self._handles[shard["file"]] = safe_open(str(self.root / shard["file"]), framework="pt")
-            for name in names:
-                out[name].append(handle.get_slice(name)[row - shard["start"]])
-        device = mb.input_ids.device
-        stacked = {name: torch.stack(rows).to(device) for name, rows in out.items()}
-        top = SoftLabels(stacked["top_ids"], stacked["top_probs"]) if with_labels else None
-        return TargetOutputs(stacked["features"], top)
 
 
 @dataclass(frozen=True)
@@ -129,7 +58,7 @@ class DFlashStrategy(DLLMStrategy):
     name = "dflash"
     Options = DFlashOptions
     sampler_name = "dflash_speculative"
-    samplers = ("speculative",)
+    samplers = tuple(SAMPLERS)
     trains = "draft"
     evaluation = "speculative"
     likelihoods = ("ar_nll",)  # the target's exact NLL
@@ -228,6 +157,10 @@ class DFlashStrategy(DLLMStrategy):
                 "rebuild the cache (cache_target) with this dflash.distill_top_k, or set it to 0 (hard labels)"
             )
         return setup.mask_token_id
+
+    def check_mask_token(self, mask_token_id: int, model: nn.Module) -> None:
+        """The draft has no embedding of its own: its [MASK] row is the target's, checked against the target
+        when it is loaded (`tasks/dflash_setup.py`)."""
 
     # ------------------------------------------------------------------ interface-only hooks (docs/strategies.md §8.5)
 

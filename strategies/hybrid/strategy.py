@@ -13,21 +13,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from strategies.base import CorruptedBatch, MDLMStrategy, SetupContext, StepContext
+from strategies.base import CorruptedBatch, DLLMStrategy, SetupContext, StepContext
 from strategies.corruption import corrupt_blockwise, corrupt_uniform
 from strategies.decoding_cache import bidirectional_denoiser
-from strategies.losses import DLLMLossOutput, HybridDiffusionLLMLoss, causal_nll_rows
-from strategies.models import HYBRID
-from strategies.options import HybridOptions, StrategyOptions
-from strategies.sampling import hybrid_sample
+from strategies.hybrid.loss import HybridDiffusionLLMLoss
+from strategies.hybrid.options import HYBRID, SAMPLERS, HybridOptions
+from strategies.hybrid.sampling import hybrid_sample
+from strategies.losses import DLLMLossOutput, causal_nll_rows
+from strategies.registration import StrategyOptions
 
 
-class HybridStrategy(MDLMStrategy):
+class HybridStrategy(DLLMStrategy):
     name = "hybrid"
     Options = HybridOptions
     model_architecture = HYBRID
     sampler_name = "hybrid_ar_seeded_blocks"
-    samplers = ("hybrid", "llada")
+    samplers = tuple(SAMPLERS)
     likelihoods = ("nelbo", "ar_nll")
 
     @property

@@ -1,5 +1,5 @@
-"""Self-correcting discrete diffusion (SCDD): the mask+uniform schedule and its discrete-time NELBO
-(docs/strategies.md §5.8). Pure math; the strategy that drives it lives with the other strategies.
+"""SCDD's discrete-time NELBO over the mask + uniform schedule (docs/strategies.md §5.8), with a hand-written
+backward for its vocabulary-sized terms. The schedule is in `strategies.scdd.schedule`.
 """
 
 from __future__ import annotations
@@ -13,37 +13,7 @@ from torch import Tensor, nn
 
 from strategies.head import HeadProjection, Logits, RowKernel
 from strategies.losses import DLLMLossOutput
-
-_TINY = 1e-30
-
-
-class SCDDSchedule(NamedTuple):
-    clean_mass: Tensor
-    uniform_mass: Tensor
-    absorbed_mass: Tensor
-    gamma: Tensor  # P(not [MASK])
-    rho: Tensor  # P(retained | not masked)
-
-
-def scdd_schedule(t: Tensor, *, max_ratio: float, gamma_shape: float, t_peak: float) -> SCDDSchedule:
-    """Beta-shaped uniform bump c(t) = scale·t^a(1−t)^b, a = g·τ, b = g·(1−τ), scaled so uniform(τ) = r.
-
-    clean = (1−t)/(1+c), uniform = c/(1+c), absorbed = 1 − clean − uniform, gamma = clean + uniform,
-    rho = clean / max(gamma, 1e-30).
-    """
-    if not 0 <= max_ratio < 1:
-        raise ValueError(f"scdd_schedule requires 0 <= max_ratio < 1 (got {max_ratio})")
-    if not 0 < t_peak < 1:
-        raise ValueError(f"scdd_schedule requires 0 < t_peak < 1 (got {t_peak})")
-    t = t.clamp(0, 1)
-    a, b = gamma_shape * t_peak, gamma_shape * (1 - t_peak)
-    peak = t_peak**a * (1 - t_peak) ** b
-    c = (max_ratio / (1 - max_ratio)) / peak * t.pow(a) * (1 - t).pow(b)
-    clean = (1 - t) / (1 + c)
-    uniform = c / (1 + c)
-    absorbed = 1 - clean - uniform
-    gamma = clean + uniform
-    return SCDDSchedule(clean, uniform, absorbed, gamma, clean / gamma.clamp_min(_TINY))
+from strategies.scdd.schedule import TINY, SCDDSchedule, scdd_schedule
 
 
 def _validate_chunk(chunk_size) -> int | None:
@@ -120,7 +90,7 @@ def _forward_rows(work: _Scratch, logits, x0, zt, beta, rho, mask_id):
     sigma = tau.sum(dim=1) - tau[:, mask_id]  # the [MASK] column holds log β
     tau_x, tau_z = tau.gather(1, x0[:, None])[:, 0], tau.gather(1, zt[:, None])[:, 0]
     logp_z = logits.gather(1, zt[:, None])[:, 0].float() - row_max - norm.log()
-    logp_z = torch.where(zt == mask_id, torch.full_like(logp_z, math.log(_TINY)), logp_z)
+    logp_z = torch.where(zt == mask_id, torch.full_like(logp_z, math.log(TINY)), logp_z)
     return sigma, tau_x, tau_z, logp_z, row_max, norm
 
 
@@ -272,7 +242,7 @@ class SCDDLoss(nn.Module):
         row = lambda v: v[:, None].expand(batch, length).reshape(-1)  # noqa: E731  per-row → per-position
 
         x0, zt = target_ids.reshape(-1), noisy_input_ids.reshape(-1)
-        log_bs, log_rs = row(coef.beta_s.clamp_min(_TINY).log()).float(), row(coef.rho_s.clamp_min(_TINY).log()).float()
+        log_bs, log_rs = row(coef.beta_s.clamp_min(TINY).log()).float(), row(coef.rho_s.clamp_min(TINY).log()).float()
         terms = self._chunked_vocab_terms(logits.reshape(-1, vocab), x0, zt, log_bs, log_rs)
 
         per_position = _RowCoefficients(*(row(v) for v in coef))
@@ -290,9 +260,9 @@ class SCDDLoss(nn.Module):
         t = p_mask[:, 0].double().clamp(0, 1)  # per-row coefficients in float64: κ ∝ (t − s) is a small difference
         s = (t - 1.0 / self.num_timesteps).clamp_min(0)
         at_t, at_s = self._schedule(t), self._schedule(s)
-        rho_s, rho_t = at_s.rho.clamp_min(_TINY), at_t.rho
+        rho_s, rho_t = at_s.rho.clamp_min(TINY), at_t.rho
         ct, ut = rho_t / rho_s, (at_s.rho - rho_t) / rho_s
-        kappa = (at_s.gamma - at_t.gamma) / (1 - at_t.gamma).clamp_min(_TINY)
+        kappa = (at_s.gamma - at_t.gamma) / (1 - at_t.gamma).clamp_min(TINY)
         beta_s, beta_t = (1 - at_s.rho) / k, (1 - rho_t) / k
         return _RowCoefficients(beta_s, at_s.rho, beta_t, rho_t, ut, ct, kappa)
 
@@ -312,7 +282,7 @@ class SCDDLoss(nn.Module):
         b_s, r_s, b_t, r_t = c.beta_s, c.rho_s, c.beta_t, c.rho_t
         c_u, c_c, kap = c.uniform / k, c.clean, c.kappa
         sigma, tau_x, tau_z, logp_z = terms
-        lam = torch.logaddexp(b_t.clamp_min(_TINY).log(), r_t.clamp_min(_TINY).log() + logp_z)
+        lam = torch.logaddexp(b_t.clamp_min(TINY).log(), r_t.clamp_min(TINY).log() + logp_z)
         delta = (zt == x0).float()
         j_abs = -kap * (b_s * sigma + r_s * tau_x)
         s_vis = (
@@ -321,5 +291,5 @@ class SCDDLoss(nn.Module):
             + b_s * c_c * (tau_z - lam)
             + r_s * c_c * delta * (tau_x - lam)
         )
-        j_vis = -s_vis / (b_t + r_t * delta).clamp_min(_TINY)
+        j_vis = -s_vis / (b_t + r_t * delta).clamp_min(TINY)
         return torch.where(zt == self.mask_token_id, j_abs, j_vis)

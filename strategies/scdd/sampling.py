@@ -1,6 +1,6 @@
 """SCDD's ancestral posterior sampler (docs/strategies.md §11.5): absorbing and uniform channels, one
 multinomial draw per position per step, then a noise-removal pass. The shared machinery (config, result,
-windows) is in `strategies.sampling`.
+windows) is in `strategies.sampling`, the confident-first reveal in `strategies.absorbing`.
 """
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from strategies.absorbing import Denoising, select_confident
 from strategies.sampling import (
     Denoiser,
-    Denoising,
     Progress,
     SamplerConfig,
     SampleResult,
     prompt_canvas,
     row_windows,
-    select_confident,
     truncate,
 )
 

@@ -1,6 +1,7 @@
 """The DFlash draft and decoding (docs/strategies.md §8.5, §10): the draft model that reads the frozen
 target's hidden states as context, the target-feature extraction, and greedy speculative decoding whose
-output equals target-only greedy decoding. The anchors, mask and loss are in `strategies.dflash`.
+output equals target-only greedy decoding. The anchors and mask are in `strategies.dflash.blocks`, the
+losses in `strategies.dflash.loss`.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
 from transformers import DynamicCache
 
-from strategies.dflash import (
-    LOOKUP_MAX_NGRAM,
+from strategies.dflash.blocks import (
     CopyHints,
     block_position_ids,
     copy_hints,
     create_dflash_block_mask,
     create_dflash_sdpa_mask,
 )
+from strategies.sampling import LOOKUP_MAX_NGRAM
 
 # ---------------------------------------------------------------------------------------- draft
 
@@ -151,8 +152,13 @@ class DFlashDraftModel(nn.Module):
         save_model(self, str(dest / self.WEIGHTS))
 
     @classmethod
+    def from_config_dir(cls, path: str | Path) -> DFlashDraftModel:
+        """The draft a checkpoint folder describes (`CONFIG`), weights not loaded (`model_from_config_dir`)."""
+        return cls(DFlashDraftConfig.from_dir(path))
+
+    @classmethod
     def load(cls, path: str | Path, device="cpu") -> DFlashDraftModel:
-        model = cls(DFlashDraftConfig.from_dir(path))
+        model = cls.from_config_dir(path)
         load_model(model, str(Path(path) / cls.WEIGHTS), device=str(device))
         return model
 
@@ -188,7 +194,7 @@ def draft_block_hidden(
     """Hidden states [B, N·bs, H] of the draft (possibly DDP/FSDP-wrapped) for N blocks under the (always
     applied) DFlash mask: dense, or a flex-attention BlockMask (`backend="flex_attention"`; its backward needs a
     GPU in torch 2.13); confined to each anchor's document when `document_ids` (`[B, S]`, packed rows) is given.
-    `hints`: the copy hints of a `copy_hint` draft (`strategies.dflash.copy_hints`)."""
+    `hints`: the copy hints of a `copy_hint` draft (`strategies.dflash.blocks.copy_hints`)."""
     bs, s = block_size, ctx_features.shape[1]
     noise = embed(block_ids).to(ctx_features.dtype)
     positions = block_position_ids(anchors, s, bs)

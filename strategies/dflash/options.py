@@ -1,0 +1,89 @@
+"""DFlash's options, samplers and registration (torch-free: config validation reads them without the class)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from dllm_common.config import ConfigError, PipelineSpec
+from strategies.registration import Registration, SamplerInfo, StrategyOptions
+
+SPECULATIVE = "speculative"  # the draft proposes a block, the frozen target verifies it
+
+
+class DFlashOptions(StrategyOptions):
+    """DFlash draft training (docs/strategies.md §8.5, §12.2); usually set in the `dflash:` section.
+    `block_size` 0: the draft checkpoint's; `loss_decay_gamma` ≤ 0: the paper's γ for the block size."""
+
+    block_size: int = Field(0, ge=0)
+    loss_decay_gamma: float = 0.0
+    loss_type: Literal["decay", "dpace"] = "decay"  # position weights: fixed exp decay, or D-PACE (§5.7)
+    dpace_alpha: float = Field(0.5, ge=0, le=1)  # D-PACE's confidence floor α (§5.7)
+    # 0: each prediction's label is the row's token; k > 0: the target's top-k next-token distribution there
+    # (renormalized), EAGLE's distillation target; the cache_target stage stores it (docs/strategies.md §10.7)
+    distill_top_k: int = Field(0, ge=0)
+    # a new draft also reads, per block position, the token the context lookup proposes there and the matched
+    # suffix's length, and learns when to copy it (docs/strategies.md §10.9); false: the draft of the paper
+    copy_hint: bool = False
+    num_blocks_per_sample: int = Field(1, ge=1)
+    attention_backend: Literal["sdpa", "flex_attention"] = "sdpa"
+    overlap_anchors: bool = True
+    # packed pretraining rows: a block sees only its anchor's document and predicts only its tokens
+    # (docs/strategies.md); false: context crosses document boundaries, as the reference's dLLM recipe does
+    document_mask: bool = True
+    use_fused_linear_ce: bool = True
+    ce_chunk_size: int = Field(1024, ge=1)
+
+    @field_validator("block_size")
+    @classmethod
+    def _block(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError("dflash.block_size must be at least 2 (or 0 to read it from the draft checkpoint)")
+        return value
+
+    def check_against(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
+        super().check_against(spec, where)
+        if not self.block_size:  # 0: the draft checkpoint's, known at run time
+            return
+        # an anchor block is kept only in a row with ≥ 2 × block_size supervised tokens
+        # (strategies.dflash.blocks.sample_anchor_blocks): with a larger block, no block ever trains
+        key, size, seq_len, regen = where("block_size"), self.block_size, spec.data.seq_len, spec.dflash.regenerate
+        supervised, why = seq_len, f"data.seq_len ({seq_len}) tokens"
+        if regen is not None and regen.prompt_len < seq_len:
+            supervised = seq_len - regen.prompt_len
+            why = f"data.seq_len ({seq_len}) − dflash.regenerate.prompt_len ({regen.prompt_len}) = {supervised}"
+        if 2 * size > supervised:
+            what = (
+                f"is larger than data.seq_len ({seq_len})" if size > seq_len else "is too large for the training rows"
+            )
+            raise ConfigError(
+                f"{key} ({size}) {what}: DFlash keeps an anchor block only in a row with at least 2 × {size} = "
+                f"{2 * size} supervised tokens, and a row has {why}, so no block would ever train. Set {key} to "
+                f"at most {supervised // 2}, or use longer rows"
+            )
+
+    def config_vocab_known(self, spec: PipelineSpec) -> bool:
+        """The draft writes through the target's head: the target is built from the config's tokenizer only
+        when the `pretrain_target` stage trains it (no `dflash.target_model_id`)."""
+        return super().config_vocab_known(spec) and spec.dflash.target_model_id is None
+
+
+SAMPLERS = {
+    # greedy by default: the target's own greedy text, token for token (T > 0 samples the target's distribution)
+    SPECULATIVE: SamplerInfo(
+        "DFlash: the draft proposes, the target verifies; the target's own text",
+        default_temperature=0.0,
+        settings=("temperature", "lookup_ngram"),
+    ),
+}
+
+REGISTRATION = Registration(
+    DFlashOptions,
+    "strategies.dflash.strategy:DFlashStrategy",
+    SAMPLERS,
+    section="dflash",
+    samples=False,
+    models={"dflash_draft": "strategies.dflash.draft:DFlashDraftModel"},
+)

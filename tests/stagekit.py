@@ -1,0 +1,117 @@
+"""One strategy through the pipeline's stages with the plain stage functions (train → evaluate → report, and
+`dllm-flow generate` with each of its samplers), checked against what the strategy declares: its likelihoods,
+its evaluation kind, its samplers and the settings they read. Nothing here names a strategy: the stage test runs
+every registered one through it, the recipe test a strategy it registers itself (docs/architecture.md, "How a
+strategy plugs in")."""
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dllm_common.tracking import default_tracking_uri
+
+LIKELIHOOD_METRICS = {"nelbo": "eval/nelbo", "ar_nll": "eval/ar_nll"}  # `DLLMStrategy.likelihoods` → metric
+SETTING_WORDS = {  # how the report names a sampler setting in the samples heading
+    "temperature": "temperature",
+    "top_p": "top-p",
+    "top_k": "top-k",
+    "threshold": "threshold",
+    "remasking": "remasking",
+}
+
+
+@dataclass
+class Staged:
+    trained: object
+    evaluated: object
+    reported: object
+    metrics: dict
+    report: str
+
+
+def history(workdir, run_id, key) -> list[float]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(default_tracking_uri(workdir))
+    return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+def through_the_stages(spec, strategy, data, workdir, inputs=None, *, val_drop=0.3) -> Staged:
+    """Train `strategy` on `data` (with `inputs`, the upstream stages it declares), evaluate and report it, and
+    generate with every sampler it declares; assert what its declarations promise. `val_drop`: how far (nats)
+    the fixed-noise val/loss must fall over the run."""
+    from strategies import strategy_class
+    from strategies.options import SAMPLERS, registration
+    from tasks.evaluate import evaluate
+    from tasks.report import report
+    from tasks.train import train
+
+    cls, reg = strategy_class(strategy), registration(strategy)
+    workdir = str(workdir)
+    trained = train(spec, strategy, data, workdir, inputs=inputs)
+    val = history(workdir, trained.mlflow_run_id, "val/loss")
+    assert val[-1] < val[0] - val_drop, val
+
+    evaluated = evaluate(spec, strategy, trained, data, workdir)
+    metrics = evaluated.info["metrics"]
+    for likelihood, key in LIKELIHOOD_METRICS.items():  # exactly the likelihoods it declares
+        if likelihood in cls.likelihoods:  # a diffusion evaluation puts bits per byte beside each
+            assert metrics[key] > 0 and (cls.evaluation != "diffusion" or metrics[key + "_bpb"] > 0), key
+        else:
+            assert key not in metrics and key + "_bpb" not in metrics, key
+    card = json.loads((Path(evaluated.path) / "repro_card.json").read_text())
+    assert card["strategy"] == strategy and card["sampler_name"] == cls.sampler_name
+    own = SAMPLERS[cls.samplers[0]]  # what its evaluation samples with
+    assert card["sampler_settings"] == list(own.settings)
+    if cls.evaluation == "diffusion":  # likelihoods + samples at the eval settings
+        assert reg.samples and card["sampler"]["steps"] == spec.eval.sample_steps
+        assert metrics["eval/nfe"] >= 1 and metrics["eval/tokens_per_s"] > 0 and metrics["eval/entropy"] >= 0
+    else:  # speculative decoding against the target: acceptance, and the target's own text
+        assert cls.evaluation == "speculative" and not reg.samples
+        assert metrics["dflash/exact_match"] == 1.0 and metrics["dflash/tau"] >= 1.0
+
+    # the same seed gives the same metrics (wall-clock rates aside), from a fresh store
+    again = evaluate(spec, strategy, dataclasses.replace(trained, mlflow_run_id=None), data, workdir + "-again")
+    timeless = lambda m: {k: v for k, v in m.items() if "per_s" not in k and "speedup" not in k}  # noqa: E731
+    assert timeless(again.info["metrics"]) == timeless(metrics)
+
+    reported = report(spec.pipeline.name, [trained], [evaluated], workdir, experiment=spec.tracking.experiment)
+    text = (Path(reported.path) / "report.md").read_text()
+    assert f"| {strategy} |" in text
+    plots = {p.name for p in Path(reported.path).glob("*.png")}
+    has_likelihood = bool(cls.likelihoods)
+    assert ("nelbo.png" in plots) == has_likelihood and ("eval/nelbo ± se" in text) == ("nelbo" in cls.likelihoods)
+    assert ("eval/ar_nll ± se" in text) == ("ar_nll" in cls.likelihoods)
+    if "## Samples against real text (" in text:  # the heading names the settings its sampler reads, and only those
+        heading = text.split("## Samples against real text (", 1)[1].split(")\n", 1)[0]
+        for setting, word in SETTING_WORDS.items():
+            if setting not in own.settings:
+                assert word not in heading, (setting, heading)
+        assert ("temperature" in heading) == ("temperature" in own.settings)
+        assert ("remasking" in heading) == ("remasking" in own.settings)
+    else:
+        assert cls.evaluation != "diffusion" or not metrics.get("eval/data_rows"), "samples table missing"
+
+    _generate_with_every_sampler(strategy, trained, cls)
+    return Staged(trained, evaluated, reported, metrics, text)
+
+
+def _generate_with_every_sampler(strategy, trained, cls) -> None:
+    """The checkpoint alone rebuilds its strategy for `dllm-flow generate`; every sampler its registration
+    declares decodes from it, streamed (the first is what `--sampler auto` picks)."""
+    from strategies.sampling import SamplerConfig
+    from tasks.checkpoints import load_for_generation
+    from tasks.generate import Request, check_sampler, default_temperature, generate
+    from tasks.train import model_dir
+
+    loaded = load_for_generation(model_dir(trained), "cpu")
+    assert loaded.meta["strategy"] == strategy
+    assert check_sampler(strategy, "auto", False) == cls.samplers[0]
+    for sampler in cls.samplers:
+        pieces = []
+        config = SamplerConfig(
+            steps=8, max_new_tokens=8, block_size=4, temperature=default_temperature(sampler), sampler=sampler
+        )
+        out = generate(loaded, Request("O", check_sampler(strategy, sampler, False), config), "cpu", pieces.append)
+        assert out.nfe >= 1 and "".join(pieces) == out.text, sampler
