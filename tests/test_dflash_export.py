@@ -1,7 +1,8 @@
 """DFlash drafts in the layouts serving engines load (docs/strategies.md §10.10): a draft trained through the
 stages is exported as the z-lab / SpecForge folder and as the speculators folder; speculators' own
 `DFlashDraftModel` (an implementation that is not dllm-flow's) loads both and computes the same block hidden
-states and logits for the same target features, positions and document mask; the folders import back (evaluated
+states and logits for the same target features, positions and document mask (so it does for a random draft
+shaped unlike the defaults); the folders import back (evaluated
 with `train.steps: 0`, or trained on) and export again to the same bytes; a copy-hint draft is refused by name;
 an imported draft is checked against its target."""
 
