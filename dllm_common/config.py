@@ -173,7 +173,9 @@ class PeftConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(200, ge=1)
+    # 0: nothing is trained; the train stage publishes model.path's model as it is (model.kind: pretrained), e.g.
+    # an imported DFlash draft, to evaluate (docs/strategies.md §10.10)
+    steps: int = Field(200, ge=0)
     global_batch_size: int = Field(32, ge=1)  # sequences per optimizer step, over all ranks and micro-batches
     micro_batch_size: int = Field(32, ge=1)  # sequences per forward on one rank
     lr: float = Field(3e-3, gt=0)
@@ -227,7 +229,8 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _warmup_within_steps(self) -> TrainConfig:
-        refuse_long_warmup("train", self.warmup_steps, self.steps)
+        if self.steps:  # no schedule runs when nothing is trained
+            refuse_long_warmup("train", self.warmup_steps, self.steps)
         return self
 
     @model_validator(mode="after")
@@ -474,6 +477,16 @@ class PipelineSpec(_Section):
             )
             if problem:
                 raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _nothing_to_train_needs_a_model(self) -> PipelineSpec:
+        if self.train.steps == 0 and self.model.kind != "pretrained":
+            raise ValueError(
+                "train.steps is 0: nothing is trained, and the train stage publishes model.path's model as it is (e.g. "
+                "an imported DFlash draft to evaluate); that needs model.kind: pretrained and model.path, or set "
+                "train.steps to at least 1"
+            )
         return self
 
     @model_validator(mode="after")

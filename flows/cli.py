@@ -22,6 +22,7 @@ from flows.environment import DEBUG_ENV, prefect_env
 from flows.ui import cmd_ui
 
 DEFAULT_WORKDIR = "work"
+EXPORT_FORMATS = ("zlab", "speculators", "dllm-flow")  # tasks/export_draft.py FORMATS (torch-free here)
 
 
 class _session:
@@ -312,7 +313,7 @@ def cmd_export(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from tasks.export import export_checkpoint  # imports torch: only when the command runs
 
-    out = export_checkpoint(args.checkpoint, Path(args.out), Path(args.workdir), args.tracking_uri)
+    out = export_checkpoint(args.checkpoint, Path(args.out), Path(args.workdir), args.tracking_uri, fmt=args.format)
     print(f"[dllm-flow] exported {args.checkpoint} to {out}")
     return 0
 
@@ -426,6 +427,13 @@ def _inspection_commands(sub) -> None:
     exp.add_argument("out", help="the folder to write (missing or empty)")
     exp.add_argument("--workdir", default=DEFAULT_WORKDIR, help="its MLflow registry resolves models:/ URIs")
     exp.add_argument("--tracking-uri", default=None)
+    exp.add_argument(
+        "--format",
+        choices=EXPORT_FORMATS,
+        default=None,
+        help="a DFlash draft's layout: zlab (default; the z-lab / SpecForge draft SGLang, vLLM and TensorRT-LLM "
+        "load), speculators (the speculators package's, vLLM reads it too), dllm-flow (as trained; a copy-hint draft)",
+    )
     exp.set_defaults(func=cmd_export)
 
 

@@ -234,12 +234,12 @@ def wrap_for_architecture(lm: nn.Module, architecture: str | None, mask_token_id
 
 def model_from_config_dir(path, trust_remote_code: bool = False) -> nn.Module:
     """Rebuild the (possibly wrapped, possibly LoRA-adapted) module a dllm-flow checkpoint describes,
-    weights not loaded. A registered model shape with a config file of its own (`CONFIG`, e.g. a DFlash draft,
-    which has no Hugging Face config) rebuilds itself from it (`from_config_dir`)."""
+    weights not loaded. A registered model shape that recognizes the folder as its own (`describes(path)`, e.g. a
+    DFlash draft, whose config.json no Auto class builds) rebuilds itself from it (`from_config_dir`)."""
 
     for shape in model_shapes().values():
-        own = getattr(shape, "CONFIG", None)
-        if own is not None and (Path(path) / own).is_file():
+        describes = getattr(shape, "describes", None)
+        if describes is not None and describes(path):
             return shape.from_config_dir(path)
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -128,7 +128,8 @@ class Registration:
     samples with `eval:`'s sampler settings (a speculative draft's does not: the class's `evaluation`, which
     `load` checks too). `models`: the model shapes it trains, by the name a checkpoint records
     (`config.dllm_architecture`), as classes or "module:Class": a wrapper of a causal LM built as
-    `Shape(lm, mask_token_id)`, or a module with a config file of its own (`CONFIG`, `from_config_dir`)."""
+    `Shape(lm, mask_token_id)`, or a module that recognizes its own checkpoint folder (`describes(path)`) and
+    rebuilds itself from it (`from_config_dir`)."""
 
     options: type[StrategyOptions]
     implementation: str | type

@@ -1,8 +1,12 @@
 """DFlash assembly, in one place: the frozen target, the layers whose features the draft reads, the
-draft model, the feature source, and the strategy built over them (training, evaluation, generation).
+draft model (new, or imported and checked against the target), the feature source, and the strategy built over
+them (training, evaluation, generation).
 
 The trained module is a `DFlashDraftModel`; the target (frozen: eval, no grad) lends its input
-embedding, its LM head and its hidden states at `target_layer_ids` (docs/strategies.md §8.5).
+embedding, its LM head and its hidden states at `target_layer_ids` (docs/strategies.md §8.5). An imported draft
+(`model.kind: pretrained`, `model.path`: a dllm-flow draft checkpoint or a z-lab / SpecForge or speculators folder,
+local or a hub id) continues training, or with `train.steps: 0` is published as it is to be evaluated
+(docs/strategies.md §10.10).
 """
 
 from __future__ import annotations
@@ -10,13 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from huggingface_hub import constants, snapshot_download
 from transformers import AutoModelForCausalLM
 
 from dllm_common.checkpoint import DIGESTS, load_weights_into
 from dllm_common.config import PipelineSpec
 from strategies import assemble_strategy
 from strategies.dflash.blocks import _build_target_layer_ids
-from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
+from strategies.dflash.config import DFlashDraftConfig, read_draft_config
+from strategies.dflash.draft import DFlashDraftModel
 from strategies.dflash.features import CachedFeatures, OnlineFeatures
 from strategies.models import model_from_config_dir, resolve_model_path
 from strategies.options import resolve_options
@@ -49,13 +55,17 @@ def load_spec_target(spec: PipelineSpec, model_path: str | Path, device: str):
 
 
 def layer_ids_for(spec: PipelineSpec, target: StageRef) -> list[int]:
-    """`dflash.target_layer_ids`, a draft checkpoint's own, or `_build_target_layer_ids(target, draft)`."""
-    if spec.dflash.target_layer_ids:
-        ids = list(spec.dflash.target_layer_ids)
-    elif spec.model.kind == "pretrained":
-        ids = list(DFlashDraftConfig.from_dir(resolve_model_path(spec.model.path)).target_layer_ids)
+    """`dflash.target_layer_ids`, an imported draft's own, or `_build_target_layer_ids(target, draft)`."""
+    given = list(spec.dflash.target_layer_ids) if spec.dflash.target_layer_ids else None
+    if spec.model.kind == "pretrained":
+        ids = list(read_draft_config(draft_source(spec.model.path)).config.target_layer_ids)
+        if given is not None and given != ids:
+            raise ValueError(
+                f"dflash.target_layer_ids {given} differ from the layers the draft at model.path reads ({ids}): "
+                "unset dflash.target_layer_ids (an imported draft reads its own layers)"
+            )
     else:  # a draft built from `model:`
-        ids = _build_target_layer_ids(int(target.info["num_layers"]), spec.model.num_layers)
+        ids = given or _build_target_layer_ids(int(target.info["num_layers"]), spec.model.num_layers)
     bad = [i for i in ids if not 0 <= i < int(target.info["num_layers"])]
     if bad:
         raise ValueError(f"dflash.target_layer_ids {bad} are outside the target's {target.info['num_layers']} layers")
@@ -87,10 +97,34 @@ def _check_mask_row(mask_id: int | None, target) -> None:
         )
 
 
+def _rope_theta(config) -> float:
+    """The target's RoPE base (transformers 5 keeps it in `rope_parameters`), 10000 when it has none."""
+    theta = getattr(config, "rope_theta", None)
+    params = getattr(config, "rope_parameters", None) or {}
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    return float(theta or 10000.0)
+
+
+def target_facts(target) -> dict:
+    """What a draft's config records of its target: layer count, vocabulary (its embedding's rows), context,
+    special tokens and RoPE base."""
+    c = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    return {
+        "num_target_layers": int(c.num_hidden_layers),
+        "vocab_size": int(target.get_input_embeddings().num_embeddings),
+        "max_position_embeddings": int(getattr(c, "max_position_embeddings", None) or 2048),
+        "bos_token_id": getattr(c, "bos_token_id", None),
+        "eos_token_id": getattr(c, "eos_token_id", None),
+        "rope_theta": _rope_theta(c),
+    }
+
+
 def _new_draft(
     spec: PipelineSpec, target, target_ref: StageRef, block_size: int, mask_id: int, copy_hint: bool = False
 ) -> DFlashDraftModel:
-    """A draft shaped by `model:` (its width is the target's), initialized from `train.seed`."""
+    """A draft shaped by `model:` (its width is the target's; layers, heads, `num_kv_heads`, `intermediate_size`;
+    head_dim = hidden ÷ heads, RoPE base the target's), initialized from `train.seed`."""
     m, hidden = spec.model, target.config.hidden_size
     if m.hidden_size != hidden:
         raise ValueError(
@@ -99,23 +133,101 @@ def _new_draft(
         )
     if block_size < 2:
         raise ValueError("Cannot infer block_size from draft config. Set dflash.block_size in the YAML.")
-    layer_ids = layer_ids_for(spec, target_ref)
     cfg = DFlashDraftConfig(
         hidden_size=hidden,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_target_features=len(layer_ids),
-        target_hidden_size=hidden,
-        block_size=block_size,
-        target_layer_ids=layer_ids,
-        mask_token_id=int(mask_id),
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
         intermediate_size=m.intermediate_size,
-        rope_theta=float(getattr(target.config, "rope_theta", None) or 10000.0),
+        block_size=block_size,
+        target_layer_ids=layer_ids_for(spec, target_ref),
+        mask_token_id=int(mask_id),
         copy_hint=copy_hint,
+        **target_facts(target),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.train.seed)
         return DFlashDraftModel(cfg)
+
+
+def draft_source(path: str) -> Path:
+    """The folder of an imported draft (`model.path`): a local folder, `package:NAME`, or a hub id fetched through
+    the Hugging Face cache (config and safetensors only). Offline or unknown: one message, no retries."""
+    local = Path(resolve_model_path(path))
+    if local.is_dir():
+        return local
+    try:
+        return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as exc:  # noqa: BLE001 - offline miss, unknown repo, bad id: one message
+        offline = " with the hub offline (HF_HUB_OFFLINE)" if constants.HF_HUB_OFFLINE else ""
+        raise FileNotFoundError(
+            f"model.path {path!r} is not a local directory and not in the Hugging Face cache{offline} "
+            f"({type(exc).__name__}); give a local draft folder (the z-lab / SpecForge or speculators layout), or "
+            "download it once with hub access"
+        ) from None
+
+
+def check_draft_fits_target(cfg: DFlashDraftConfig, target, where: str, verifier: str | None = None) -> None:
+    """An imported draft must have been trained for this target: its width, vocabulary, layer count and layer
+    ids, and its mask token a row of the target's embedding. One message naming both sides."""
+    facts = target_facts(target)
+    named = f" (its config names the verifier {verifier!r})" if verifier else ""
+    fix = f"set dflash.target_model_id to the target this draft was trained for{named}"
+    checks = [
+        ("hidden size", cfg.hidden_size, int(target.config.hidden_size)),
+        ("vocabulary", cfg.vocab_size, facts["vocab_size"]),
+        ("layer count (num_target_layers)", cfg.num_target_layers, facts["num_target_layers"]),
+    ]
+    for what, draft_value, target_value in checks:
+        if draft_value is not None and draft_value != target_value:
+            raise ValueError(
+                f"the DFlash draft at {where} was trained for a target with {what} {draft_value}, but the target "
+                f"has {target_value}: {fix}"
+            )
+    bad = [i for i in cfg.target_layer_ids if i >= facts["num_target_layers"]]
+    if bad:
+        raise ValueError(
+            f"the DFlash draft at {where} reads target layers {bad}, past the target's {facts['num_target_layers']}: "
+            f"{fix}"
+        )
+    if cfg.mask_token_id >= facts["vocab_size"]:
+        raise ValueError(
+            f"the DFlash draft at {where} uses mask token {cfg.mask_token_id}, not a row of the target's embedding "
+            f"({facts['vocab_size']}): {fix}"
+        )
+
+
+def import_draft(spec: PipelineSpec, options, target) -> DFlashDraftModel:
+    """The draft at `model.path` (`model.kind: pretrained`: a dllm-flow checkpoint, or a z-lab / SpecForge or
+    speculators folder, local or a hub id), checked against the target and the options, tied to the target
+    (a speculators config does not record its layer count)."""
+    where = f"model.path ({spec.model.path})"
+    folder = draft_source(spec.model.path)
+    read = read_draft_config(folder)
+    draft = DFlashDraftModel.load(folder)
+    cfg = draft.config
+    check_draft_fits_target(cfg, target, where, read.verifier)
+    facts = target_facts(target)
+    cfg.num_target_layers = cfg.num_target_layers or facts["num_target_layers"]
+    cfg.vocab_size = cfg.vocab_size or facts["vocab_size"]
+    if cfg.copy_hint != options.copy_hint:
+        raise ValueError(
+            f"dflash.copy_hint is {str(options.copy_hint).lower()} but the draft checkpoint at model.path "
+            f"({spec.model.path}) was built with copy_hint {str(cfg.copy_hint).lower()}: set "
+            f"dflash.copy_hint: {str(cfg.copy_hint).lower()} to continue training it"
+        )
+    if options.block_size and options.block_size != cfg.block_size:
+        raise ValueError(
+            f"dflash.block_size is {options.block_size} but the draft at {where} drafts blocks of {cfg.block_size}: "
+            f"set dflash.block_size to 0 (the draft's) or {cfg.block_size}"
+        )
+    if options.mask_token_id is not None and options.mask_token_id != cfg.mask_token_id:
+        raise ValueError(
+            f"dllm.mask_token_id is {options.mask_token_id} but the draft at {where} was trained with mask token "
+            f"{cfg.mask_token_id}: unset dllm.mask_token_id (an imported draft brings its own) or set it to "
+            f"{cfg.mask_token_id}"
+        )
+    return draft
 
 
 def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, inputs: dict) -> Trainee:
@@ -133,17 +245,12 @@ def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, in
         )
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
     target = load_spec_target(spec, inputs["target"].info["model_path"], device)
-    mask_id = candidate_mask_token_id(options, tokenizer)
-    _check_mask_row(mask_id, target)
-    if spec.model.kind == "pretrained":
-        draft = DFlashDraftModel.load(resolve_model_path(spec.model.path))
-        if draft.config.copy_hint != options.copy_hint:
-            raise ValueError(
-                f"dflash.copy_hint is {str(options.copy_hint).lower()} but the draft checkpoint at model.path "
-                f"({spec.model.path}) was built with copy_hint {str(draft.config.copy_hint).lower()}: set "
-                f"dflash.copy_hint: {str(draft.config.copy_hint).lower()} to continue training it"
-            )
+    if spec.model.kind == "pretrained":  # continued, or (train.steps: 0) published as it is to be evaluated
+        draft = import_draft(spec, options, target)
+        mask_id = draft.config.mask_token_id
     else:
+        mask_id = candidate_mask_token_id(options, tokenizer)
+        _check_mask_row(mask_id, target)
         draft = _new_draft(spec, target, inputs["target"], options.block_size, mask_id, options.copy_hint)
     cache = CachedFeatures(features_dir(inputs["features"])) if "features" in inputs else None
     built = draft_strategy(name, options, draft, target, mask_token_id=mask_id, cache=cache)

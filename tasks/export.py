@@ -60,10 +60,11 @@ from dllm_common.checkpoint import (
 )
 from dllm_common.store import MANIFEST, StageEntry, Store, fsync_tree, refuse_published, sha256_file
 from strategies import strategy_class
-from strategies.dflash.draft import DFlashDraftModel
+from strategies.dflash.config import LEGACY_CONFIG, is_draft_dir, read_draft_config
 from strategies.models import merge_lora, model_from_config_dir
 from strategies.sampling import SamplerConfig
 from tasks.checkpoints import check_vocabulary
+from tasks.export_draft import DLLM_FLOW, draft_format, write_draft_export
 from tasks.generate import default_temperature, default_top_p, resolve_checkpoint
 from tasks.model_card import CARD, DLLM_SUBDIR, Layout, model_card
 from tasks.prepare_data import load_tokenizer
@@ -74,7 +75,7 @@ META = "dllm.json"
 GENERATION_CONFIG = "generation_config.json"
 WRAPPER_PREFIX = "lm."  # HybridLM / BlockDiffusionLM hold the backbone as `.lm`
 # checkpoint files that are not the tokenizer's
-NOT_TOKENIZER = {CONFIG, WEIGHTS, META, DIGESTS, "trainer_state.pt", DFlashDraftModel.CONFIG, GENERATION_CONFIG, CARD}
+NOT_TOKENIZER = {CONFIG, WEIGHTS, META, DIGESTS, "trainer_state.pt", LEGACY_CONFIG, GENERATION_CONFIG, CARD}
 
 
 def export_checkpoint(
@@ -84,8 +85,10 @@ def export_checkpoint(
     tracking_uri: str | None = None,
     *,
     max_shard_size: int | str = MAX_SHARD_SIZE,
+    fmt: str | None = None,
 ) -> Path:
-    """Write CHECKPOINT as a Hugging Face folder at `out` (see the module doc); returns `out`."""
+    """Write CHECKPOINT as a Hugging Face folder at `out` (see the module doc); returns `out`. `fmt`: a DFlash
+    draft's layout (`tasks.export_draft.FORMATS`; None: the z-lab one)."""
     out = Path(out)
     refuse_published(out, workdir)
     _refuse_existing(out)
@@ -104,7 +107,7 @@ def export_checkpoint(
         staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
         staging.mkdir()
         try:
-            write_export(staging, source, found, out.name, max_shard_size)
+            write_export(staging, source, found, out.name, max_shard_size, fmt)
             fsync_tree(staging)
             _publish(staging, out)
         except BaseException:
@@ -171,7 +174,7 @@ class Source:
     path: Path
     ref: str
     meta: dict
-    config: dict  # config.json, or dflash_draft.json for a draft
+    config: dict  # config.json
     tokenizer: Any
     tokenizer_files: list[str]
     tensors: dict[str, torch.Tensor]  # the dllm-flow module's state, tied weights once
@@ -185,7 +188,7 @@ class Source:
 
     @property
     def is_draft(self) -> bool:
-        return (self.path / DFlashDraftModel.CONFIG).is_file()
+        return is_draft_dir(self.path)
 
     @property
     def wrapped(self) -> bool:
@@ -195,8 +198,10 @@ class Source:
     def read(cls, ckpt: Path, ref: str) -> Source:
         meta = read_meta(ckpt)
         strategy_class(meta["strategy"])  # an unknown strategy fails here, naming the available ones
-        draft = (ckpt / DFlashDraftModel.CONFIG).is_file()
-        config = json.loads((ckpt / (DFlashDraftModel.CONFIG if draft else CONFIG)).read_text())
+        draft = is_draft_dir(ckpt)
+        if draft:
+            read_draft_config(ckpt)  # a draft of the old layout stops here, saying how to retrain it
+        config = json.loads((ckpt / CONFIG).read_text())
         recorded = json.loads((ckpt / DIGESTS).read_text())
         tokenizer_files = sorted(n for n in recorded if n not in NOT_TOKENIZER)
         tokenizer = load_tokenizer(str(ckpt))
@@ -289,11 +294,10 @@ def write_dllm_checkpoint(dest: Path, source: Source, meta: dict) -> None:
     one weights file, tokenizer, dllm.json, then digests.json over exactly those files (the card and
     generation_config.json stay editable)."""
     dest.mkdir(exist_ok=True)
-    if source.is_draft:
-        config_name = DFlashDraftModel.CONFIG
-        shutil.copyfile(source.path / config_name, dest / config_name)
+    config_name = CONFIG
+    if source.is_draft:  # its config.json is the engines' (z-lab) layout as trained
+        shutil.copyfile(source.path / CONFIG, dest / CONFIG)
     else:
-        config_name = CONFIG
         _write_json(dest / CONFIG, dllm_config(source))
     if source.verbatim:
         weights = weight_files(source.path)
@@ -311,11 +315,15 @@ def write_dllm_checkpoint(dest: Path, source: Source, meta: dict) -> None:
     _write_json(dest / DIGESTS, {n: sha256_file(dest / n) for n in names})
 
 
-def write_export(dest: Path, source: Source, found: Provenance, name: str, max_shard_size: int | str) -> str:
-    """Fill `dest`; returns the layout written ("shared", "separate" or "draft")."""
+def write_export(
+    dest: Path, source: Source, found: Provenance, name: str, max_shard_size: int | str, fmt: str | None = None
+) -> str:
+    """Fill `dest`; returns the layout written ("shared", "separate", or a draft's: `tasks.export_draft.FORMATS`)."""
     backbone, extra = backbone_tensors(source)
     if source.is_draft:
-        layout = "draft"
+        layout = draft_format(source.config, fmt)
+    elif fmt is not None:
+        raise ValueError(f"export --format {fmt!r} chooses a DFlash draft's layout; a {source.strategy} model has one")
     elif source.wrapped or _is_sharded(backbone, max_shard_size):
         layout = "separate"
     else:
@@ -337,6 +345,9 @@ def write_export(dest: Path, source: Source, found: Provenance, name: str, max_s
         _write_json(dest / CONFIG, config)
         _copy_tokenizer(source, dest)
         write_dllm_checkpoint(dest / DLLM_SUBDIR, source, meta)
+    elif source.is_draft and layout != DLLM_FLOW:
+        config = write_draft_export(dest, source, meta, layout)
+        weight_files = [WEIGHTS]
     else:
         config = source.config if source.is_draft else dllm_config(source)
         write_dllm_checkpoint(dest, source, meta)

@@ -17,6 +17,7 @@ from dllm_common.config import flatten
 from strategies import strategy_class
 from strategies.models import resolve_model_path
 from tasks.checkpoints import checkpoint_options
+from tasks.export_draft import draft_files_lines, draft_rows
 from tasks.provenance import Checkpoint, Provenance
 
 CARD = "README.md"
@@ -45,8 +46,8 @@ class CardSource(Checkpoint, Protocol):
 class Layout:
     """What the export wrote at the top level of the folder."""
 
-    name: str  # "shared", "separate" or "draft"
-    config: dict  # its config.json (dflash_draft.json for a draft)
+    name: str  # "shared", "separate", or a DFlash draft's layout (tasks/export_draft.py)
+    config: dict  # its config.json
     weight_files: tuple[str, ...]
     extra: tuple[str, ...]  # the strategy wrapper's own tensors, left out of the backbone
     parameters: int  # in the top-level weights, tied weights once
@@ -93,12 +94,7 @@ def _backbone_rows(source: CardSource, layout: Layout) -> list[tuple[str, Any]]:
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in source.tensors.values()})
     c = layout.config
     if source.is_draft:
-        rows = [("model", "DFlash draft (no embedding or LM head of its own)")]
-        rows += [(k, c.get(k)) for k in ("hidden_size", "num_layers", "num_heads", "block_size", "target_layer_ids")]
-        rows.append(
-            ("copy_hint (reads the context lookup's proposal; docs/strategies.md §10.9)", c.get("copy_hint", False))
-        )
-        return [*rows, ("parameters", f"{layout.parameters:,}"), ("dtype", ", ".join(dtypes))]
+        return draft_rows(c, layout.parameters, ", ".join(dtypes))
     keys = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads")
     keys += ("num_key_value_heads", "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
     rows = [(k, c.get(k)) for k in keys]
@@ -142,14 +138,14 @@ def model_card(source: CardSource, found: Provenance, name: str, layout: Layout,
         rows.append(("LoRA", f"r={lora.get('r')}, alpha={lora.get('alpha')}, {merged}"))
     parts += [_table(rows + _backbone_rows(source, layout), ("", "")), ""]
     parts += ["Strategy options (`dllm.json` → `options`):", "", _fenced(json.dumps(options, indent=2), "json"), ""]
-    parts += _files_section(source, layout)
+    parts += _files_section(source, layout, name)
     parts += _loading_section(source, name, settings)
     parts += _lineage_section(source, found)
     parts += _evaluation_section(found)
     return "\n".join(parts).rstrip() + "\n"
 
 
-def _files_section(source: CardSource, layout: Layout) -> list[str]:
+def _files_section(source: CardSource, layout: Layout, name: str) -> list[str]:
     weights = ", ".join(f"`{f}`" for f in layout.weight_files)
     extra = layout.extra
     lines = ["## Files", ""]
@@ -171,14 +167,7 @@ def _files_section(source: CardSource, layout: Layout) -> list[str]:
             f"checkpoint (the same weights in dllm-flow's layout), because {why}."
         )
     else:
-        target = source.meta.get("target", {})
-        lines.append(
-            "This is **not a transformers model**: a DFlash draft has no embedding or LM head and reads the hidden "
-            "states of a frozen causal target, so there is no `config.json` to load with `AutoModelForCausalLM`. "
-            f"`dflash_draft.json` + {weights} are the dllm-flow checkpoint. It decodes with its target: "
-            f"`{target.get('path')}` (weights digest `{target.get('weights_digest')}`), which must exist at that "
-            "path where it is loaded."
-        )
+        lines += draft_files_lines(layout.config, weights, source.meta.get("target", {}), name)
     lines += [
         "",
         "`generation_config.json` holds the token ids and the sampler settings (`dllm_*`); "

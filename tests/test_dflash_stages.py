@@ -159,8 +159,8 @@ def test_a_copy_hint_draft_trains_evaluates_and_keeps_its_setting(dflash_run):
     spec, data, workdir, tgt, feats, _ = dflash_run
     hinted = _dflash_spec_from(spec, copy_hint=True)
     trained = train(hinted, "dflash", data, workdir, inputs={"target": tgt, "features": feats})
-    config = json.loads((model_dir(trained) / "dflash_draft.json").read_text())
-    assert config["copy_hint"] is True
+    config = json.loads((model_dir(trained) / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["dllm_copy_hint"] is True
     m = evaluate(hinted, "dflash", trained, data, workdir).info["metrics"]
     assert m["dflash/exact_match"] == 1.0 and 1.0 <= m["dflash/tau"] <= 4.0
     raw = spec.model_dump(mode="json")
@@ -231,6 +231,33 @@ def test_errors_name_what_to_change(dflash_run, tiny_spec):
         cache_target(_dflash_spec_from(spec, target_layer_ids=[7]), tgt, data, workdir)
     with pytest.raises(FileNotFoundError, match="not a local directory and not in the Hugging Face cache"):
         target(_dflash_spec_from(spec, target_model_id="nobody/no-such-model"), data, workdir)
+
+
+@pytest.mark.slow
+def test_the_draft_trains_the_same_sharded_by_fsdp2_on_two_processes(prepared, tiny_spec, tmp_path):
+    """FSDP2 over the draft (tasks/distributed.py shards each of its `layers`, then the whole draft; gloo, 2 CPU
+    processes): the same training losses and published weights as one process."""
+    from test_distributed import _metric_history, compare_published
+    from test_distributed import _spec as layout
+
+    data, _ = prepared
+    raw = _dflash_spec(tiny_spec, target_layer_ids=[1, 2]).model_dump(mode="json")
+    raw["model"].update(num_layers=2, num_heads=4, num_kv_heads=2)
+    base = validate_config(raw)
+    shared = str(tmp_path / "shared")
+    tgt = target(base, data, shared)
+    inputs = {"target": tgt, "features": cache_target(base, tgt, data, shared)}
+    runs = {}
+    for nproc, parallel in ((1, "ddp"), (2, "fsdp2")):
+        spec = base.model_copy(update={"train": layout(base, nproc, parallel).train})
+        runs[nproc] = train(spec, "dflash", data, str(tmp_path / str(nproc)), inputs=inputs)
+    a = _metric_history(tmp_path / "1", runs[1].mlflow_run_id, "train/loss")
+    b = _metric_history(tmp_path / "2", runs[2].mlflow_run_id, "train/loss")
+    assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 6
+    assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 1e-5
+    weights = compare_published(runs[1], runs[2])
+    print(f"\n[measured] dflash draft, FSDP2 on 2 processes: max |1 proc − fsdp2| of the weights = {weights:.2e}")
+    assert weights < 1e-4
 
 
 @pytest.mark.slow

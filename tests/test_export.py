@@ -279,49 +279,6 @@ def test_unmerged_lora_is_merged_into_the_exported_backbone(prepared, tmp_path):
     assert _generate(out) == _generate(ckpt)
 
 
-def test_a_dflash_draft_exports_as_a_dllm_flow_checkpoint_only(prepared, tmp_path):
-    from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
-    from strategies.models import build_model, tiny_model_config
-    from tasks.prepare_data import load_tokenizer
-
-    data, _ = prepared
-    tokenizer = load_tokenizer(f"{data.path}/tokenizer")
-    target_dir = tmp_path / "target"
-    build_model(tiny_model_config("llama", len(tokenizer), 64, 32, 2, 2, None, None, False), 0).save_pretrained(
-        target_dir
-    )
-    mask = tokenizer.mask_token_id
-    cfg = DFlashDraftConfig(
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_target_features=1,
-        target_hidden_size=32,
-        block_size=4,
-        target_layer_ids=[1],
-        mask_token_id=mask,
-    )
-    torch.manual_seed(0)
-    meta = {
-        "strategy": "dflash",
-        "mask_token_id": mask,
-        "options": {"block_size": 4, "mask_token_id": mask},
-        "seq_len": 32,
-        "target": {"path": str(target_dir), "torch_dtype": "float32", "weights_digest": "abc123"},
-    }
-    ckpt = write_checkpoint(tmp_path / "draft", DFlashDraftModel(cfg), tokenizer, meta)
-    out = export_checkpoint(str(ckpt), tmp_path / "draft-export", tmp_path)
-    listing = _listing(out)
-    print("\nexported folder (dflash draft):", *listing, sep="\n  ")
-    assert "config.json" not in listing and {"dflash_draft.json", "dllm.json", "README.md"} <= set(listing)
-    card = (out / "README.md").read_text()
-    assert "**not a transformers model**" in card and str(target_dir) in card and "abc123" in card
-    assert "| copy_hint (reads the context lookup's proposal; docs/strategies.md §10.9) | False |" in card
-    assert GenerationConfig.from_pretrained(out).dllm_sampler == "speculative"
-    text, nfe = _generate(resolve_checkpoint(str(out), tmp_path))
-    assert nfe >= 1 and (text, nfe) == _generate(ckpt)
-
-
 def test_the_card_license_is_the_pretrained_base_models(tmp_path):
     (tmp_path / "README.md").write_text("---\nlicense: apache-2.0\ntags:\n- x\n---\n# base\n")
     pretrained = {"model": {"kind": "pretrained", "path": str(tmp_path)}}

@@ -132,7 +132,7 @@ def test_a_dflash_draft_scores_and_generates_with_its_frozen_target(prepared):
     target = build_model(tiny_model_config("llama", len(tok), 32, 32, 2, 2, None, None, False), seed=0)
     target = target.eval().requires_grad_(False)
     layers = _build_target_layer_ids(2, 1)
-    cfg = DFlashDraftConfig(32, 1, 2, len(layers), 32, 4, layers, tok.mask_token_id)
+    cfg = DFlashDraftConfig(32, 1, 2, 4, layers, tok.mask_token_id)
     torch.manual_seed(0)
     draft = DFlashDraftModel(cfg).eval()
     built = draft_strategy("dflash", {}, draft, target, mask_token_id=tok.mask_token_id)

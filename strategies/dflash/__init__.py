@@ -2,6 +2,7 @@
 
 `options.py` declares the options, the speculative sampler, the draft's model shape and the registration
 (torch-free), `strategy.py` the class, `blocks.py` the anchor blocks, copy hints and mask, `loss.py` the decay
-and D-PACE losses, `draft.py` the draft model and speculative decoding, `features.py` the target's features
-(online or cached).
+and D-PACE losses, `config.py` the draft's configuration and the serving engines' config.json layouts
+(torch-free), `draft.py` the draft model (the engines' `DFlashDraftModel`) and speculative decoding,
+`features.py` the target's features (online or cached).
 """

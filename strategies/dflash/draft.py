@@ -6,17 +6,17 @@ losses in `strategies.dflash.loss`.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_model, save_model
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
 from transformers import DynamicCache
 
+from dllm_common.checkpoint import DIGESTS, read_weights, verify_checkpoint
 from strategies.dflash.blocks import (
     CopyHints,
     block_position_ids,
@@ -24,101 +24,123 @@ from strategies.dflash.blocks import (
     create_dflash_block_mask,
     create_dflash_sdpa_mask,
 )
+from strategies.dflash.config import DFlashDraftConfig, is_draft_dir
 from strategies.sampling import LOOKUP_MAX_NGRAM
 
 # ---------------------------------------------------------------------------------------- draft
 
 
-@dataclass
-class DFlashDraftConfig:
-    hidden_size: int  # = the target's hidden size (the draft reads target embeddings, writes to its head)
-    num_layers: int
-    num_heads: int
-    num_target_features: int  # len(target_layer_ids)
-    target_hidden_size: int
-    block_size: int
-    target_layer_ids: list[int]
-    mask_token_id: int
-    intermediate_size: int | None = None
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-6
-    copy_hint: bool = False  # the draft also reads the context lookup's proposal (docs/strategies.md §10.9)
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm, as the engines compute it: normalized in fp32, cast back, then scaled by the weight."""
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
 
-    def save_pretrained(self, dest: str | Path) -> None:
-        """Write `dflash_draft.json` (the checkpoint writer calls this like an HF config's)."""
-        Path(dest, DFlashDraftModel.CONFIG).write_text(json.dumps(asdict(self), indent=2))
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> DFlashDraftConfig:
-        f = Path(path) / DFlashDraftModel.CONFIG
-        if not f.is_file():
-            raise FileNotFoundError(f"{path} is not a DFlash draft checkpoint (no {DFlashDraftModel.CONFIG})")
-        return cls(**json.loads(f.read_text()))
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def _rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotary embedding over the last dim of x [B, H, T, D] at integer positions [B, T]."""
-    dim = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    ang = positions[:, None, :, None].float() * inv  # [B,1,T,D/2]
-    cos, sin = ang.cos().repeat_interleave(2, -1).to(x.dtype), ang.sin().repeat_interleave(2, -1).to(x.dtype)
-    pair = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
-    return x * cos + pair * sin
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin [B, T, head_dim] of rotate-half RoPE at integer positions [B, T] (angles in fp32): frequency
+    i of dimension pair (i, i + head_dim/2) is theta^(−2i/head_dim)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim)
+    ang = positions.float()[..., None] * inv
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-class _DraftLayer(nn.Module):
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE of x [B, heads, T, D] with cos/sin [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class DFlashAttention(nn.Module):
+    """Grouped-query attention whose queries come from the block and whose keys/values come from [context ;
+    block] through the same k/v projections and per-head k norm; q/k RMS-normed per head before RoPE."""
+
     def __init__(self, cfg: DFlashDraftConfig):
         super().__init__()
-        h, inner = cfg.hidden_size, cfg.intermediate_size or 3 * cfg.hidden_size
-        self.cfg = cfg
-        self.attn_norm, self.mlp_norm = nn.RMSNorm(h, eps=cfg.rms_eps), nn.RMSNorm(h, eps=cfg.rms_eps)
-        self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
-        self.gate, self.up, self.down = (
-            nn.Linear(h, inner, bias=False),
-            nn.Linear(h, inner, bias=False),
-            nn.Linear(inner, h, bias=False),
+        h, hd, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.heads, self.kv_heads, self.head_dim, self.theta = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            hd,
+            cfg.rope_theta,
         )
+        self.q_proj = nn.Linear(h, self.heads * hd, bias=bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.heads * hd, h, bias=bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, ctx: Tensor, positions: Tensor, mask) -> Tensor:
-        cfg, (bsz, q_len, _), s = self.cfg, x.shape, ctx.shape[1]
-        heads = lambda t: t.view(bsz, t.shape[1], cfg.num_heads, cfg.head_dim).transpose(1, 2)  # noqa: E731
-        h = self.attn_norm(x)
-        q = _rope(heads(self.q(h)), positions[:, s:], cfg.rope_theta)
-        kv_in = torch.cat([ctx, h], dim=1)  # context features enter as keys/values only
-        k = _rope(heads(self.k(kv_in)), positions, cfg.rope_theta)
-        v = heads(self.v(kv_in))
+    def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
+        (bsz, q_len, _), s, hd = h.shape, ctx.shape[1], self.head_dim
+        q = self.q_norm(self.q_proj(h).view(bsz, q_len, self.heads, hd)).transpose(1, 2)
+        kv_in = torch.cat([ctx, h], dim=1)  # the context enters as keys/values only
+        k = self.k_norm(self.k_proj(kv_in).view(bsz, s + q_len, self.kv_heads, hd)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(bsz, s + q_len, self.kv_heads, hd).transpose(1, 2)
+        q, k = _rotate(q, cos[:, s:], sin[:, s:]), _rotate(k, cos, sin)
+        gqa = self.kv_heads != self.heads  # kv head j serves query heads j·g … (j + 1)·g − 1
         if mask is None or isinstance(mask, Tensor):
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:  # flex BlockMask
-            a = flex_attention(q, k, v, block_mask=mask)
-        x = x + self.o(a.transpose(1, 2).reshape(bsz, q_len, -1))
-        h = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+            a = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return self.o_proj(a.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DFlashDraftConfig):
+        super().__init__()
+        h, inner = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, inner, bias=False)
+        self.up_proj = nn.Linear(h, inner, bias=False)
+        self.down_proj = nn.Linear(inner, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: DFlashDraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DFlashMLP(cfg)
+
+    def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DFlashDraftModel(nn.Module):
-    """Spec §10.1: `fc` projects the concatenated target features n·H_t → H (RMS-normed once); every
-    layer takes queries from the block tokens only and keys/values from [context ; block] with RoPE
-    over [context positions ; block positions]; a final RMSNorm. No embedding or head of its own:
-    block inputs are the frozen target's embeddings and outputs go through the target's LM head."""
+    """The z-lab / SpecForge DFlash draft that SGLang, vLLM, TensorRT-LLM and `speculators` load
+    (docs/strategies.md §10.1, §10.10): `fc` projects the concatenated target features n·H → H and
+    `hidden_norm` normalizes them once (never `input_layernorm`); every Qwen3-style layer takes queries from
+    the block only and keys/values from [context ; block], with rotate-half RoPE over [context positions ;
+    block positions]; a final `norm`. No embedding or head of its own: block inputs are the frozen target's
+    embeddings and outputs go through the target's LM head. Parameter names are the engines' (no `model.`
+    prefix); a `copy_hint` draft adds dllm-flow's `hint_proj` and `hint_length` inputs."""
 
-    CONFIG = "dflash_draft.json"
     WEIGHTS = "model.safetensors"
 
     def __init__(self, cfg: DFlashDraftConfig):
         super().__init__()
         self.config = cfg
-        self.fc = nn.Linear(cfg.num_target_features * cfg.target_hidden_size, cfg.hidden_size, bias=False)
-        self.ctx_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
-        self.layers = nn.ModuleList(_DraftLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_eps)
+        h = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_target_features * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
         if cfg.copy_hint:  # zero at initialization: training starts from the plain draft and learns when to copy
-            self.hint_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-            self.hint_length = nn.Embedding(LOOKUP_MAX_NGRAM + 1, cfg.hidden_size)
+            self.hint_proj = nn.Linear(h, h, bias=False)
+            self.hint_length = nn.Embedding(LOOKUP_MAX_NGRAM + 1, h)
             nn.init.zeros_(self.hint_proj.weight)
             nn.init.zeros_(self.hint_length.weight)
 
@@ -131,36 +153,63 @@ class DFlashDraftModel(nn.Module):
         hint_embedding: Tensor | None = None,
         hint_lengths: Tensor | None = None,
     ) -> Tensor:
-        """With `copy_hint`, block position j's input also carries the hinted token's embedding (through
-        `hint_proj`, where a hint exists) and the length of the suffix that matched (`hint_length`)."""
-        ctx = self.ctx_norm(self.fc(target_hidden))
+        """Hidden states [B, Q, H] of the block tokens `noise_embedding` [B, Q, H] (after the final norm), reading
+        `target_hidden` [B, S, n·H]; `position_ids` [B, S + Q] are the context's then the block's. With
+        `copy_hint`, block position j's input also carries the hinted token's embedding (through `hint_proj`,
+        where a hint exists) and the length of the suffix that matched (`hint_length`)."""
+        cfg = self.config
+        ctx = self.hidden_norm(self.fc(target_hidden))
         x = noise_embedding
-        if self.config.copy_hint:
+        if cfg.copy_hint:
             if hint_embedding is None or hint_lengths is None:
                 raise ValueError("this DFlash draft reads copy hints (copy_hint): pass hint_embedding and hint_lengths")
             present = (hint_lengths > 0).unsqueeze(-1).to(x.dtype)
             x = x + self.hint_proj(hint_embedding) * present + self.hint_length(hint_lengths)
+        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
         for layer in self.layers:
-            x = layer(x, ctx, position_ids, attention_mask)
+            x = layer(x, ctx, cos, sin, attention_mask)
         return self.norm(x)
 
     def save(self, dest: str | Path) -> None:
-        """Self-describing checkpoint: config JSON + safetensors, written atomically by the caller's dir swap."""
+        """config.json (the z-lab layout) + model.safetensors (sorted names), as the engines read them."""
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         self.config.save_pretrained(dest)
-        save_model(self, str(dest / self.WEIGHTS))
+        state = {k: v.detach().cpu().contiguous() for k, v in sorted(self.state_dict().items())}
+        save_file(state, str(dest / self.WEIGHTS), metadata={"format": "pt"})
+
+    @staticmethod
+    def describes(path: str | Path) -> bool:
+        """A folder holding a DFlash draft (either layout, or the old one, which `from_config_dir` refuses)."""
+        return is_draft_dir(path)
 
     @classmethod
     def from_config_dir(cls, path: str | Path) -> DFlashDraftModel:
-        """The draft a checkpoint folder describes (`CONFIG`), weights not loaded (`model_from_config_dir`)."""
+        """The draft a folder's config.json describes, weights not loaded (`model_from_config_dir`)."""
         return cls(DFlashDraftConfig.from_dir(path))
 
     @classmethod
     def load(cls, path: str | Path, device="cpu") -> DFlashDraftModel:
+        """A draft folder in either layout (a dllm-flow checkpoint's digests verified first), its weights in the
+        draft's dtype (fp32); the weight names must be exactly the draft's."""
+        path = Path(path)
         model = cls.from_config_dir(path)
-        load_model(model, str(Path(path) / cls.WEIGHTS), device=str(device))
-        return model
+        if (path / DIGESTS).is_file():
+            verify_checkpoint(path)
+        state = read_weights(path)
+        expected = set(model.state_dict())
+        extra, missing = sorted(set(state) - expected), sorted(expected - set(state))
+        if extra or missing:
+            reduced = [k for k in extra if k in ("d2t", "t2d", "lm_head.weight", "embed_tokens.weight")]
+            why = (
+                f"it carries {reduced}: a draft with its own vocabulary, embedding or LM head, which dllm-flow's "
+                "draft (the target's embedding and head) can't run"
+                if reduced
+                else f"unexpected {extra[:4]}, missing {missing[:4]}"
+            )
+            raise ValueError(f"{path}: its weights are not this DFlash draft's ({why})")
+        model.load_state_dict(state, strict=True)
+        return model.to(device)
 
 
 def target_features(target: nn.Module, input_ids: Tensor, layer_ids: list[int], past_key_values=None):

@@ -75,13 +75,16 @@ class DFlashStrategy(DLLMStrategy):
 
     @classmethod
     def upstream_stages(cls, spec) -> tuple[str, ...]:
-        """The frozen target always; the feature cache when `dflash.target_features` is 'cached'."""
-        return ("target", "features") if spec.dflash.target_features == "cached" else ("target",)
+        """The frozen target always; the feature cache when `dflash.target_features` is 'cached' and something
+        trains (`train.steps: 0` publishes an imported draft as it is)."""
+        cached = spec.dflash.target_features == "cached" and spec.train.steps > 0
+        return ("target", "features") if cached else ("target",)
 
     @classmethod
     def training_data(cls, spec) -> str:
-        """The target's own continuations when `dflash.regenerate` is set (DFlash paper §5.1)."""
-        return "prepared" if spec.dflash.regenerate is None else "regenerated"
+        """The target's own continuations when `dflash.regenerate` is set (DFlash paper §5.1) and something
+        trains."""
+        return "regenerated" if spec.dflash.regenerate is not None and spec.train.steps > 0 else "prepared"
 
     @classmethod
     def train_settings(cls, spec) -> dict:

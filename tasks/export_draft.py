@@ -1,0 +1,200 @@
+"""`dllm-flow export` of a DFlash draft: the layouts serving engines load (docs/strategies.md §10.10).
+
+- `zlab` (the default): the z-lab / SpecForge `DFlashDraftModel` that SGLang (`--speculative-algorithm DFLASH`),
+  vLLM (`"method": "dflash"`) and TensorRT-LLM load: config.json (`architectures: ["DFlashDraftModel"]`,
+  `model_type: qwen3`, `block_size`, `num_target_layers`, `dflash_config`) + model.safetensors under the
+  engines' names (no `model.` prefix). A dllm-flow draft checkpoint already holds this config.json.
+- `speculators`: the `speculators` package's layout (which vLLM reads too): its `DFlashSpeculatorConfig`
+  naming the target as the verifier, the same weights.
+- `dllm-flow`: the checkpoint as trained; the only layout of a copy-hint draft (`dflash.copy_hint`), whose
+  extra input no engine has.
+
+Beside config.json and the weights: the tokenizer (the target's), generation_config.json, the model card and
+the dllm-flow record, dllm.json + digests.json. The engines read config.json and *.safetensors only, so the
+record costs them nothing, and with it the folder stays a verified dllm-flow checkpoint: `dllm-flow generate
+--checkpoint OUT` decodes with it and `model.path: OUT` imports it. Every file is written deterministically
+(sorted JSON keys, sorted tensor names, `{"format": "pt"}` metadata): export → import → export gives the same
+bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dllm_common.checkpoint import DIGESTS, WEIGHTS
+from dllm_common.store import sha256_file
+from strategies.dflash.config import (
+    CONFIG,
+    SPECULATORS,
+    ZLAB,
+    DFlashDraftConfig,
+    draft_keys,
+    parse_draft_config,
+    write_json,
+)
+
+DLLM_FLOW = "dllm-flow"
+FORMATS = (ZLAB, SPECULATORS, DLLM_FLOW)  # `dllm-flow export --format`; the first is a draft's default
+META = "dllm.json"
+
+
+def draft_format(config: dict, fmt: str | None) -> str:
+    """The layout a draft is exported in: `fmt`, or the z-lab one. A copy-hint draft has no serving layout."""
+    fmt = fmt or ZLAB
+    if fmt not in FORMATS:
+        raise ValueError(f"export --format {fmt!r}: a DFlash draft exports as one of {', '.join(FORMATS)}")
+    cfg = parse_draft_config(config, "the draft").config
+    if cfg.copy_hint and fmt != DLLM_FLOW:
+        raise ValueError(
+            f"this draft reads a copy hint (dflash.copy_hint: true), dllm-flow's own input that no serving engine "
+            f"has, so it has no {fmt} layout: export it with --format {DLLM_FLOW} (it then decodes with dllm-flow "
+            "only), or train a draft with dflash.copy_hint: false to serve it"
+        )
+    return fmt
+
+
+def tensor_dtype(tensors: dict[str, torch.Tensor]) -> str:
+    """The one dtype of a draft's weights, as config.json names it."""
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values()})
+    if len(dtypes) != 1:
+        raise ValueError(f"a DFlash draft's weights share one dtype; these have {dtypes}")
+    return dtypes[0]
+
+
+def serving_config(cfg: DFlashDraftConfig, fmt: str, dtype: str, target: dict) -> dict:
+    """config.json of layout `fmt` (`target`: the checkpoint record's target, the speculators verifier)."""
+    if fmt == ZLAB:
+        return cfg.to_zlab(dtype)
+    return cfg.to_speculators(verifier_name(target.get("path")), verifier_architectures(target.get("path")), dtype)
+
+
+def write_serving_layout(dest: Path, cfg: DFlashDraftConfig, tensors: dict, fmt: str, target: dict) -> list[str]:
+    """config.json and model.safetensors of layout `fmt` into `dest` (what the engines read); returns their names.
+    The weights must be exactly the draft's (`draft_keys`)."""
+    if sorted(tensors) != draft_keys(cfg):
+        raise ValueError(
+            f"the draft's weights are not the engines' layout: {sorted(set(tensors) ^ set(draft_keys(cfg)))}"
+        )
+    write_json(dest / CONFIG, serving_config(cfg, fmt, tensor_dtype(tensors), target))
+    save_file({k: tensors[k].contiguous() for k in sorted(tensors)}, str(dest / WEIGHTS), metadata={"format": "pt"})
+    return [CONFIG, WEIGHTS]
+
+
+def write_draft_export(dest: Path, source, meta: dict, fmt: str) -> dict:
+    """The serving layout `fmt` plus the tokenizer and the dllm-flow record (dllm.json, digests.json over every
+    file but the card and generation_config.json) into `dest`; returns the config.json written."""
+    cfg = parse_draft_config(source.config, str(source.path)).config
+    files = write_serving_layout(dest, cfg, source.tensors, fmt, meta.get("target") or {})
+    for name in source.tokenizer_files:
+        shutil.copyfile(source.path / name, dest / name)
+    write_json(dest / META, meta)
+    names = sorted([*files, META, *source.tokenizer_files])
+    write_json(dest / DIGESTS, {n: sha256_file(dest / n) for n in names})
+    return json.loads((dest / CONFIG).read_text())
+
+
+_HUB_CACHE = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
+
+
+def verifier_name(path: str | None) -> str:
+    """The target as a speculators verifier: its hub id where it was loaded from the Hugging Face cache (a
+    portable name), else its local path."""
+    if not path:
+        raise ValueError("the draft's checkpoint records no target path (dllm.json target.path)")
+    found = _HUB_CACHE.search(Path(path).as_posix())
+    return f"{found['org']}/{found['name']}" if found else str(path)
+
+
+def verifier_architectures(path: str | None) -> list[str]:
+    """The target's `architectures` (from its config.json; [] when it is not where the record says)."""
+    try:
+        return list(json.loads((Path(path) / CONFIG).read_text()).get("architectures") or [])
+    except (OSError, TypeError, ValueError):
+        return []
+
+
+# ------------------------------------------------------------------ the model card's draft parts
+
+
+def draft_rows(config: dict, parameters: int, dtypes: str) -> list[tuple[str, object]]:
+    """The card's model table for a draft."""
+    read = parse_draft_config(config, "the draft")
+    c = read.config
+    rows = [
+        ("model", "DFlash draft (z-lab / SpecForge `DFlashDraftModel`; no embedding or LM head of its own)"),
+        ("layout", read.layout),
+        ("hidden_size", c.hidden_size),
+        ("num_hidden_layers", c.num_hidden_layers),
+        (
+            "num_attention_heads / num_key_value_heads / head_dim",
+            f"{c.num_attention_heads} / {c.num_key_value_heads} / {c.head_dim}",
+        ),
+        ("intermediate_size", c.intermediate_size),
+        ("block_size (tokens drafted per block: block_size − 1)", c.block_size),
+        ("target layer ids (0-based; hidden_states[id + 1])", c.target_layer_ids),
+        ("target layer count (num_target_layers)", c.num_target_layers),
+        ("mask token id", c.mask_token_id),
+        ("rope_theta", c.rope_theta),
+        ("copy_hint (reads the context lookup's proposal; docs/strategies.md §10.9)", c.copy_hint),
+    ]
+    return [*rows, ("parameters", f"{parameters:,}"), ("dtype", dtypes)]
+
+
+def draft_files_lines(config: dict, weights: str, target: dict, name: str) -> list[str]:
+    """The card's files paragraph for a draft, with the commands that serve it."""
+    read = parse_draft_config(config, "the draft")
+    c = read.config
+    if c.copy_hint:
+        head = (
+            f"`config.json` + {weights} are a dllm-flow DFlash draft that reads a copy hint (`dllm_copy_hint`), an "
+            "input no serving engine has: it decodes with dllm-flow only."
+        )
+    else:
+        what = (
+            "the z-lab / SpecForge DFlash draft that SGLang, vLLM and TensorRT-LLM load"
+            if read.layout == ZLAB
+            else "the `speculators` DFlash draft (`DFlashSpeculatorConfig`, which vLLM reads too)"
+        )
+        head = (
+            f"`config.json` + {weights} are {what}. The draft reads the hidden states of a frozen causal target and "
+            "uses its embedding and LM head, so it is not a model to load on its own."
+        )
+    lines = [
+        head,
+        "",
+        f"Its target: `{target.get('path')}` (weights digest `{target.get('weights_digest')}`). The tokenizer is the "
+        "target's; `dllm.json` and `digests.json` are dllm-flow's record (engines read only `config.json` and the "
+        "safetensors): with them the folder is a dllm-flow checkpoint too.",
+        "",
+    ]
+    return lines + ([] if c.copy_hint else serve_commands(c, read.layout, name, target))
+
+
+def serve_commands(c: DFlashDraftConfig, layout: str, name: str, target: dict) -> list[str]:
+    """The serving snippet: SGLang's draft-token count is the block size (the anchor included), vLLM's
+    `num_speculative_tokens` the block_size − 1 tokens a block proposes."""
+    tgt = verifier_name(target.get("path")) if target.get("path") else "TARGET"
+    spec = json.dumps({"method": "dflash", "model": name, "num_speculative_tokens": c.block_size - 1})
+    vllm = f"vllm serve {tgt} --speculative-config '{spec}'"
+    if layout == SPECULATORS:
+        commands = [vllm, f"vllm serve {name}  # the speculators config names the target (its verifier)"]
+    else:
+        commands = [
+            f"python -m sglang.launch_server --model-path {tgt} --speculative-algorithm DFLASH \\",
+            f"    --speculative-draft-model-path {name} --speculative-num-draft-tokens {c.block_size}",
+            vllm,
+        ]
+    return [
+        f"Serve it as the draft of its target (block size {c.block_size}: {c.block_size - 1} tokens drafted per step):",
+        "",
+        "```bash",
+        *commands,
+        "```",
+        "",
+    ]
