@@ -43,6 +43,7 @@ class DiffusionGemmaCanvas(DiffusionGemmaForBlockDiffusion):
     """`DiffusionGemmaForBlockDiffusion` with block_diffusion's canvas call (module docstring)."""
 
     softcap_in_head = True  # `strategies.head.SOFTCAP_IN_HEAD`: a deferred head may return capped projections
+    shares_layers = True  # encoder and decoder layers hold the same parameters (`tasks.distributed.shard_fsdp2`)
 
     def __init__(self, config):
         super().__init__(config)
@@ -146,7 +147,11 @@ class DiffusionGemmaCanvas(DiffusionGemmaForBlockDiffusion):
                 first = decode(None)
             soft = self.soft_embedding(first)
             soft = soft * do_self_conditioning.to(soft.dtype)[:, None, None]
-        return DLLMOutput(logits=decode(soft), encoder_logits=encoder_logits)
+        logits = decode(soft)
+        # under FSDP2 this model is one unit, whose backward starts from the tensors its forward returns; a
+        # deferred head returns projections, so the states they project are returned too (`head_inputs`)
+        projected = tuple(x.hidden for x in (logits, encoder_logits) if isinstance(x, HeadProjection))
+        return DLLMOutput(logits=logits, encoder_logits=encoder_logits, head_inputs=projected)
 
     def decode_canvas(self, cache, canvas_ids: Tensor, positions: Tensor, soft: Tensor | None, masks=None):
         """Logits of `canvas_ids` at `positions` over the encoder's `cache` (read only), with the soft
