@@ -50,6 +50,7 @@ class Layout:
     weight_files: tuple[str, ...]
     extra: tuple[str, ...]  # the strategy wrapper's own tensors, left out of the backbone
     parameters: int  # in the top-level weights, tied weights once
+    own_generation: bool = False  # generation_config.json is the model class's own (dllm.json keeps the sampler's)
 
 
 def _md(value) -> str:
@@ -101,6 +102,7 @@ def _backbone_rows(source: CardSource, layout: Layout) -> list[tuple[str, Any]]:
         return [*rows, ("parameters", f"{layout.parameters:,}"), ("dtype", ", ".join(dtypes))]
     keys = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads")
     keys += ("num_key_value_heads", "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+    c = {**c.get("text_config", {}), **c}  # a multimodal config keeps the text model's shape in text_config
     rows = [(k, c.get(k)) for k in keys]
     rows.append(("parameters (backbone)", f"{layout.parameters:,}"))
     if layout.extra:
@@ -179,9 +181,15 @@ def _files_section(source: CardSource, layout: Layout) -> list[str]:
             f"`{target.get('path')}` (weights digest `{target.get('weights_digest')}`), which must exist at that "
             "path where it is loaded."
         )
+    held = (
+        "the settings of the model class's own generation (dllm-flow's sampler settings are in `dllm.json` → "
+        "`export.sampler_settings`)"
+        if layout.own_generation
+        else "the token ids and the sampler settings (`dllm_*`)"
+    )
     lines += [
         "",
-        "`generation_config.json` holds the token ids and the sampler settings (`dllm_*`); "
+        f"`generation_config.json` holds {held}; "
         "`digests.json` covers the checkpoint files, not this card or the generation settings.",
         "",
     ]

@@ -26,6 +26,7 @@ The vision tower (which the architecture cannot leave out) is frozen: text never
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
@@ -59,6 +60,19 @@ class DiffusionGemmaCanvas(DiffusionGemmaForBlockDiffusion):
     def from_config(cls, config) -> DiffusionGemmaCanvas:
         """The module a checkpoint's config describes, weights not loaded (`models.model_from_config_dir`)."""
         return cls(config)
+
+    @classmethod
+    def exported_generation_config(cls, settings: dict, config: dict) -> dict:
+        """generation_config.json of an export (`tasks.export`): what DiffusionGemma's generation reads (it refuses
+        other keys), from dllm-flow's sampler `settings`: the token ids, the new tokens, and the sampler's steps
+        per block as its most denoising steps per canvas. Its sampler is its own (docs/strategies.md §11.6)."""
+        blocks = math.ceil(settings["max_new_tokens"] / min(config["canvas_length"], settings["dllm_block_size"]))
+        ids = {k: settings[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in settings}
+        return {
+            **ids,
+            "max_new_tokens": settings["max_new_tokens"],
+            "max_denoising_steps": settings["dllm_steps"] // blocks or 1,
+        }
 
     @classmethod
     def from_model_spec(cls, spec, tokenizer, options, seed: int) -> DiffusionGemmaCanvas:
