@@ -21,6 +21,7 @@ from tasks.provenance import Checkpoint, Provenance
 
 CARD = "README.md"
 DLLM_SUBDIR = "model"  # where `resolve_checkpoint` finds a checkpoint inside a folder
+SNIPPETS = Path(__file__).parent / "snippets"  # <strategy>.py: sampling with torch and transformers alone
 
 
 class CardSource(Checkpoint, Protocol):
@@ -196,6 +197,19 @@ def _files_section(source: CardSource, layout: Layout) -> list[str]:
     return lines
 
 
+def transformers_snippet(source: CardSource, name: str) -> str | None:
+    """`tasks/snippets/<strategy>.py` with `FOLDER` set to the folder's name: sampling with torch and transformers
+    alone. A snippet that declares `MODEL_TYPE` fits only checkpoints of that model type; None where none fits."""
+    path = SNIPPETS / f"{source.strategy}.py"
+    if source.is_draft or not path.is_file():
+        return None
+    text = path.read_text()
+    wants = re.search(r'^MODEL_TYPE = "([^"]+)"', text, flags=re.MULTILINE)
+    if wants and wants.group(1) != source.config.get("model_type"):
+        return None
+    return re.sub(r'^FOLDER = "[^"]*"', f"FOLDER = {json.dumps(name)}", text, count=1, flags=re.MULTILINE)
+
+
 def _loading_section(source: CardSource, name: str, settings: dict) -> list[str]:
     cmd = (
         f"dllm-flow generate --checkpoint {name} --prompt 'To be, or not to be' --steps {settings['dllm_steps']} "
@@ -204,6 +218,18 @@ def _loading_section(source: CardSource, name: str, settings: dict) -> list[str]
     lines = ["## How to load", "", "With dllm-flow (the strategy's own sampler, rebuilt from `dllm.json`):", ""]
     lines += [_fenced(cmd, "bash"), ""]
     if source.is_draft:
+        return lines
+    own = transformers_snippet(source, name)
+    if own is not None:
+        same = re.search(r"^MAX_NEW_TOKENS = (\d+)", own, flags=re.MULTILINE)
+        lines += ["With transformers alone (no dllm-flow installed):", "", _fenced(own, "python"), ""]
+        lines += [
+            f"Run from the folder that holds `{name}/`. At temperature 0 it gives the tokens of `dllm-flow generate "
+            f"--checkpoint {name} --prompt 'To be, or not to be' --temperature 0 --seed 0 --max-new-tokens "
+            f"{same.group(1) if same else '…'}` with `--block-size` the model's `canvas_length` and `--steps` one per "
+            "block (the snippet's docstring says what it reproduces).",
+            "",
+        ]
         return lines
     mask = source.meta.get("mask_token_id")
     cls = strategy_class(source.strategy)
