@@ -374,6 +374,53 @@ def exported(prepared, tiny_spec, tmp_path_factory):
     return ref, export_checkpoint(ref.path, work / "out" / "dg-export", work)
 
 
+class Killed(RuntimeError):
+    pass
+
+
+def test_a_killed_training_resumes_to_the_uninterrupted_weights(exported, prepared, tiny_spec, tmp_path, monkeypatch):
+    """Killed after the step-4 checkpoint, then resumed: the published DiffusionGemma equals the uninterrupted
+    run's (the export fixture's) bit for bit, and so do the logged losses."""
+    import json
+
+    from safetensors.torch import load_file
+    from test_train import _metric_history
+
+    import tasks.loop as loop_mod
+    from tasks.train import model_dir, train
+
+    full, out = exported
+    data, _ = prepared
+    spec = _spec(tiny_spec)
+    spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": 6, "val_every": 6})})
+    real_step, seen = loop_mod.run_step, {"train": 0}
+
+    def killed_at_step_5(*args, **kwargs):
+        if args[3]:  # is_train
+            seen["train"] += 1
+            if seen["train"] == 5:
+                raise Killed
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop_mod, "run_step", killed_at_step_5)
+    with pytest.raises(Killed):
+        train(spec, "block_diffusion", data, str(tmp_path))
+    work = next((tmp_path / "store" / "train").glob("*.work"))
+    assert json.loads((work / "checkpoint" / "dllm.json").read_text())["step"] == 4
+    monkeypatch.setattr(loop_mod, "run_step", real_step)
+    resumed = train(spec, "block_diffusion", data, str(tmp_path))
+    assert not resumed.reused and not work.exists()
+    wa, wb = (
+        load_file(str(model_dir(full) / "model.safetensors")),
+        load_file(str(model_dir(resumed) / "model.safetensors")),
+    )
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    losses = [
+        _metric_history(w, r.mlflow_run_id, "train/loss") for w, r in ((out.parent.parent, full), (tmp_path, resumed))
+    ]
+    assert losses[0] == losses[1] and [s for s, _ in losses[1]] == list(range(6))
+
+
 def test_published_and_exported_folders_load_with_transformers_own_class(exported):
     import json
 
