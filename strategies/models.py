@@ -72,6 +72,21 @@ def tiny_model_config(
     return cfg
 
 
+def tiny_shape(spec, tokenizer) -> tuple:
+    """The shape `model:` gives a tiny model, in the order of `tiny_model_config`'s arguments after the family:
+    vocabulary, longest row, hidden size, layers, heads, key/value heads, MLP width."""
+    m = spec.model
+    return (
+        len(tokenizer),
+        spec.data.seq_len,
+        m.hidden_size,
+        m.num_layers,
+        m.num_heads,
+        m.num_kv_heads,
+        m.intermediate_size,
+    )
+
+
 def tiny_diffusion_gemma_config(
     vocab_size: int,
     max_len: int,

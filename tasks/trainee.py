@@ -20,6 +20,7 @@ from strategies.models import (
     enable_activation_checkpointing,
     load_pretrained,
     tiny_model_config,
+    tiny_shape,
     wrap_for_architecture,
 )
 from strategies.options import model_shape, resolve_options
@@ -43,18 +44,7 @@ def backbone(spec: PipelineSpec, tokenizer):
     """The model `model:` describes: a tiny one built from its shape, or a pretrained checkpoint."""
     m = spec.model
     if m.kind == "tiny":
-        config = tiny_model_config(
-            m.family,
-            len(tokenizer),
-            spec.data.seq_len,
-            m.hidden_size,
-            m.num_layers,
-            m.num_heads,
-            m.num_kv_heads,
-            m.intermediate_size,
-            m.tie_embeddings,
-            m.attn_implementation,
-        )
+        config = tiny_model_config(m.family, *tiny_shape(spec, tokenizer), m.tie_embeddings, m.attn_implementation)
         return build_model(config, spec.train.seed)
     return load_pretrained(
         m.path,

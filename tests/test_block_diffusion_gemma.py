@@ -152,6 +152,18 @@ def _row_batch():
     return clean, noisy, loss, attention
 
 
+def _canvas_inputs(clean, w) -> dict:
+    """The canvas call's arguments for the clean rows and their response window."""
+    return dict(
+        input_ids=clean,
+        canvas_ids=w.canvas_ids,
+        decoder_attention_mask=w.decoder_attention_mask,
+        encoder_position_ids=w.encoder_position_ids,
+        encoder_padding_mask=w.encoder_padding_mask,
+        decoder_position_ids=w.decoder_position_ids,
+    )
+
+
 def test_the_canvas_call_is_transformers_forward_block_by_block():
     """Every block of the training canvas (the encoder over the padded row, the block-causal masks) equals
     transformers' own call on that block with the clean tokens before it: float64, to rounding."""
@@ -161,14 +173,7 @@ def test_the_canvas_call_is_transformers_forward_block_by_block():
         clean, noisy, loss, loss, torch.ones(2, 14), attention, BS, None, model.canvas_sliding_window
     )
     sc = torch.randn(2, w.canvas_ids.shape[1], V, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    inputs = dict(
-        input_ids=clean,
-        canvas_ids=w.canvas_ids,
-        decoder_attention_mask=w.decoder_attention_mask,
-        encoder_position_ids=w.encoder_position_ids,
-        encoder_padding_mask=w.encoder_padding_mask,
-        decoder_position_ids=w.decoder_position_ids,
-    )
+    inputs = _canvas_inputs(clean, w)
     with torch.no_grad():
         plain, conditioned = model(**inputs).logits, model(**inputs, self_conditioning_logits=sc).logits
         worst = 0.0
@@ -193,14 +198,7 @@ def test_training_conditions_each_row_on_its_own_first_pass_when_its_coin_says_s
     model = _exact(_gemma())
     clean, noisy, loss, attention = _row_batch()
     w = build_response_window(clean, noisy, loss, loss, torch.ones(2, 14), attention, BS, None, None)
-    inputs = dict(
-        input_ids=clean,
-        canvas_ids=w.canvas_ids,
-        decoder_attention_mask=w.decoder_attention_mask,
-        encoder_position_ids=w.encoder_position_ids,
-        encoder_padding_mask=w.encoder_padding_mask,
-        decoder_position_ids=w.decoder_position_ids,
-    )
+    inputs = _canvas_inputs(clean, w)
     with torch.no_grad():
         first = model(**inputs).logits
         with_sc = model(**inputs, self_conditioning_logits=first).logits

@@ -35,7 +35,7 @@ from transformers import AutoConfig, DiffusionGemmaForBlockDiffusion, DynamicCac
 
 from strategies.block_diffusion.options import DIFFUSION_GEMMA
 from strategies.head import HeadProjection, softcap_logits
-from strategies.models import DLLMOutput, resolve_model_path, tiny_diffusion_gemma_config
+from strategies.models import DLLMOutput, resolve_model_path, tiny_diffusion_gemma_config, tiny_shape
 
 PUBLISHED = "DiffusionGemmaForBlockDiffusion"  # the class a checkpoint names: transformers' own
 
@@ -83,13 +83,7 @@ class DiffusionGemmaCanvas(DiffusionGemmaForBlockDiffusion):
             ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
             ids["bos_token_id"] = tokenizer.bos_token_id
             config = tiny_diffusion_gemma_config(
-                len(tokenizer),
-                spec.data.seq_len,
-                m.hidden_size,
-                m.num_layers,
-                m.num_heads,
-                m.num_kv_heads,
-                m.intermediate_size,
+                *tiny_shape(spec, tokenizer),
                 num_experts=options.num_experts,
                 top_k_experts=options.top_k_experts,
                 moe_intermediate_size=options.moe_intermediate_size,
