@@ -247,9 +247,11 @@ def test_a_soft_capped_projection_equals_the_capped_logits_values_and_gradients(
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_the_fused_head_trains_diffusion_gemma_as_the_plain_one():
-    """One training step's loss and gradients with the deferred, capped head equal the plain head's; a module
-    that caps its own head's output (a stock Gemma) is left with a plain head."""
+@pytest.mark.parametrize("evidence", ["analytic", "learned"])
+def test_the_fused_head_trains_diffusion_gemma_as_the_plain_one(evidence):
+    """One training step's loss and gradients with the deferred, capped head equal the plain head's, under either
+    canvas loss (docs/strategies.md §5.4); a module that caps its own head's output (a stock Gemma) is left with a
+    plain head."""
     from strategies.block_diffusion.strategy import BlockDiffusionStrategy
 
     plain, fused = _gemma().train(), _gemma().train()
@@ -261,7 +263,8 @@ def test_the_fused_head_trains_diffusion_gemma_as_the_plain_one():
     mb = Microbatch(ids, torch.ones(2, 12), torch.ones(2, 12))
     results = []
     for model, defer in ((plain, False), (fused, True)):
-        built = assemble_strategy("block_diffusion", {"block_size": BS, "self_conditioning_p": 0.5}, model, None)
+        options = {"block_size": BS, "self_conditioning_p": 0.5, "own_token_evidence": evidence}
+        built = assemble_strategy("block_diffusion", options, model, None)
         s = built.strategy
         assert isinstance(s, BlockDiffusionStrategy) and s.vocab_size == V
         ctx = StepContext(model=model, loss_fn=built.loss_fn, mask_token_id=None, step=1, base_seed=0)
