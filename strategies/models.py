@@ -23,7 +23,15 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    DiffusionGemmaConfig,
+    DiffusionGemmaTextConfig,
+    Gemma4VisionConfig,
+    LlamaConfig,
+    Qwen3Config,
+)
 
 from strategies.options import model_shape, model_shapes
 
@@ -62,6 +70,84 @@ def tiny_model_config(
     cfg = cls(**common)
     cfg._attn_implementation = attn_implementation
     return cfg
+
+
+def tiny_shape(spec, tokenizer) -> tuple:
+    """The shape `model:` gives a tiny model, in the order of `tiny_model_config`'s arguments after the family:
+    vocabulary, longest row, hidden size, layers, heads, key/value heads, MLP width."""
+    m = spec.model
+    return (
+        len(tokenizer),
+        spec.data.seq_len,
+        m.hidden_size,
+        m.num_layers,
+        m.num_heads,
+        m.num_kv_heads,
+        m.intermediate_size,
+    )
+
+
+def tiny_diffusion_gemma_config(
+    vocab_size: int,
+    max_len: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int | None,
+    intermediate_size: int | None,
+    *,
+    num_experts: int,
+    top_k_experts: int,
+    moe_intermediate_size: int | None,
+    canvas_length: int,
+    token_ids: dict[str, int] | None = None,
+    attn_implementation: str = "sdpa",
+) -> DiffusionGemmaConfig:
+    """A small `DiffusionGemmaConfig` sized like `tiny_model_config` (docs/strategies.md §9.5).
+
+    DiffusionGemma has no dense option: every layer adds a routed mixture of experts to its dense MLP, so the
+    smallest is one expert chosen for every token (`num_experts=1, top_k_experts=1`); the expert's width
+    defaults to a third of the dense MLP's. Full-attention layers use the sliding layers' head size and
+    key/value heads (the published models give them wider heads of their own), the layer pattern and the
+    sliding window are DiffusionGemma's defaults (5 sliding : 1 full, the last full; 512 tokens). The vision
+    tower cannot be left out of the architecture: it is a Gemma 4 vision tower of one 8-wide layer, never
+    trained on text. Head, encoder and decoder are tied (`tie_word_embeddings`)."""
+    head_dim = hidden_size // num_heads
+    layer_types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers - 1)]
+    kv_heads = num_kv_heads or num_heads
+    intermediate = intermediate_size or 3 * hidden_size
+    text = DiffusionGemmaTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        global_head_dim=head_dim,
+        num_global_key_value_heads=kv_heads,
+        layer_types=[*layer_types, "full_attention"],
+        max_position_embeddings=max_len,
+        num_experts=num_experts,
+        top_k_experts=top_k_experts,
+        moe_intermediate_size=moe_intermediate_size or max(1, intermediate // 3),
+        **(token_ids or {}),
+    )
+    vision = Gemma4VisionConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        position_embedding_size=16,
+        patch_size=4,
+    )
+    config = DiffusionGemmaConfig(
+        text_config=text, vision_config=vision, canvas_length=canvas_length, tie_word_embeddings=True
+    )
+    config._attn_implementation = attn_implementation
+    return config
 
 
 def build_model(config, seed: int, dllm_attention: str = BIDIRECTIONAL_MASK) -> nn.Module:
@@ -243,6 +329,10 @@ def model_from_config_dir(path, trust_remote_code: bool = False) -> nn.Module:
             return shape.from_config_dir(path)
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    shape = getattr(config, "dllm_architecture", None)
+    own = getattr(model_shape(shape), "from_config", None) if shape else None
+    if own is not None:  # a shape that is a transformers model itself (block_diffusion's DiffusionGemma)
+        return own(config)
     lm = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     if getattr(config, "dllm_lora", None):
         add_lora(lm, **config.dllm_lora)

@@ -74,7 +74,16 @@ def shutdown() -> None:
 
 
 def shard_fsdp2(model) -> None:
-    """FSDP2: shard every decoder layer of the backbone, then the whole (wrapped) model as the root unit."""
+    """FSDP2: shard every decoder layer of the backbone, then the whole (wrapped) model as the root unit.
+
+    A model whose layers are run by two modules (`shares_layers`: DiffusionGemma's encoder and decoder hold the
+    same parameters, and a step runs each layer three times: encoder, two decoder passes) is one root unit: a
+    per-layer unit reshards after the backward of the first module that ran it, before the other has run its
+    own, and a unit per module would shard each tied parameter twice. Gradients and optimizer state stay
+    sharded; the parameters are gathered once per step (docs/strategies.md §9.5)."""
+    if getattr(model, "shares_layers", False):
+        fully_shard(model)
+        return
     lm = getattr(model, "lm", model)
     layers = lm.layers if hasattr(lm, "layers") else lm.model.layers  # a DFlash draft holds its layers directly
     for layer in layers:

@@ -62,6 +62,7 @@ from dllm_common.store import MANIFEST, StageEntry, Store, fsync_tree, refuse_pu
 from strategies import strategy_class
 from strategies.dflash.config import LEGACY_CONFIG, is_draft_dir, read_draft_config
 from strategies.models import merge_lora, model_from_config_dir
+from strategies.options import model_shape
 from strategies.sampling import SamplerConfig
 from tasks.checkpoints import check_vocabulary
 from tasks.export_draft import DLLM_FLOW, draft_format, write_draft_export
@@ -192,7 +193,10 @@ class Source:
 
     @property
     def wrapped(self) -> bool:
-        return not self.is_draft and self.config.get("dllm_architecture") is not None
+        """A strategy shape around a causal LM (its keys carry `lm.`); a shape that is a transformers model itself
+        (block_diffusion's DiffusionGemma) is not."""
+        shaped = not self.is_draft and self.config.get("dllm_architecture") is not None
+        return shaped and any(k.startswith(WRAPPER_PREFIX) for k in self.tensors)
 
     @classmethod
     def read(cls, ckpt: Path, ref: str) -> Source:
@@ -320,6 +324,8 @@ def write_export(
 ) -> str:
     """Fill `dest`; returns the layout written ("shared", "separate", or a draft's: `tasks.export_draft.FORMATS`)."""
     backbone, extra = backbone_tensors(source)
+    settings = generation_settings(source, found.evaluation)
+    generation = transformers_generation(source, settings)
     if source.is_draft:
         layout = draft_format(source.config, fmt)
     elif fmt is not None:
@@ -335,6 +341,8 @@ def write_export(
             "source_checkpoint_digest": source.digest,
             "layout": layout,
             "lora_merged": source.lora_merged,
+            # where generation_config.json cannot hold the sampler settings (its model's class refuses them)
+            **({"sampler_settings": settings} if generation is not settings else {}),
         },
     }
     if source.lora_merged and isinstance(meta.get("peft"), dict):
@@ -352,12 +360,20 @@ def write_export(
         config = source.config if source.is_draft else dllm_config(source)
         write_dllm_checkpoint(dest, source, meta)
         weight_files = [WEIGHTS]
-    settings = generation_settings(source, found.evaluation)
-    _write_json(dest / GENERATION_CONFIG, settings)
+    _write_json(dest / GENERATION_CONFIG, generation)
     parameters = sum(t.numel() for t in dedupe_tensors(backbone).values())
-    written = Layout(layout, config, tuple(weight_files), tuple(extra), parameters)
+    written = Layout(layout, config, tuple(weight_files), tuple(extra), parameters, generation is not settings)
     (dest / CARD).write_text(model_card(source, found, name, written, settings))
     return layout
+
+
+def transformers_generation(source: Source, settings: dict) -> dict:
+    """generation_config.json: `settings`, or, for a model shape that is a transformers model with a generation
+    config of its own (DiffusionGemma's refuses keys it does not know), what the shape makes of them
+    (`exported_generation_config`)."""
+    shape = None if source.is_draft else source.config.get("dllm_architecture")
+    own = getattr(model_shape(shape), "exported_generation_config", None) if shape else None
+    return own(settings, source.config) if own is not None else settings
 
 
 def generation_settings(source: Source, evaluation: Evaluation | None) -> dict:

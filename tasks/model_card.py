@@ -22,6 +22,7 @@ from tasks.provenance import Checkpoint, Provenance
 
 CARD = "README.md"
 DLLM_SUBDIR = "model"  # where `resolve_checkpoint` finds a checkpoint inside a folder
+SNIPPETS = Path(__file__).parent / "snippets"  # <strategy>.py: sampling with torch and transformers alone
 
 
 class CardSource(Checkpoint, Protocol):
@@ -51,6 +52,7 @@ class Layout:
     weight_files: tuple[str, ...]
     extra: tuple[str, ...]  # the strategy wrapper's own tensors, left out of the backbone
     parameters: int  # in the top-level weights, tied weights once
+    own_generation: bool = False  # generation_config.json is the model class's own (dllm.json keeps the sampler's)
 
 
 def _md(value) -> str:
@@ -97,6 +99,7 @@ def _backbone_rows(source: CardSource, layout: Layout) -> list[tuple[str, Any]]:
         return draft_rows(c, layout.parameters, ", ".join(dtypes))
     keys = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads")
     keys += ("num_key_value_heads", "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+    c = {**c.get("text_config", {}), **c}  # a multimodal config keeps the text model's shape in text_config
     rows = [(k, c.get(k)) for k in keys]
     rows.append(("parameters (backbone)", f"{layout.parameters:,}"))
     if layout.extra:
@@ -168,13 +171,32 @@ def _files_section(source: CardSource, layout: Layout, name: str) -> list[str]:
         )
     else:
         lines += draft_files_lines(layout.config, weights, source.meta.get("target", {}), name)
+    held = (
+        "the settings of the model class's own generation (dllm-flow's sampler settings are in `dllm.json` → "
+        "`export.sampler_settings`)"
+        if layout.own_generation
+        else "the token ids and the sampler settings (`dllm_*`)"
+    )
     lines += [
         "",
-        "`generation_config.json` holds the token ids and the sampler settings (`dllm_*`); "
+        f"`generation_config.json` holds {held}; "
         "`digests.json` covers the checkpoint files, not this card or the generation settings.",
         "",
     ]
     return lines
+
+
+def transformers_snippet(source: CardSource, name: str) -> str | None:
+    """`tasks/snippets/<strategy>.py` with `FOLDER` set to the folder's name: sampling with torch and transformers
+    alone. A snippet that declares `MODEL_TYPE` fits only checkpoints of that model type; None where none fits."""
+    path = SNIPPETS / f"{source.strategy}.py"
+    if source.is_draft or not path.is_file():
+        return None
+    text = path.read_text()
+    wants = re.search(r'^MODEL_TYPE = "([^"]+)"', text, flags=re.MULTILINE)
+    if wants and wants.group(1) != source.config.get("model_type"):
+        return None
+    return re.sub(r'^FOLDER = "[^"]*"', f"FOLDER = {json.dumps(name)}", text, count=1, flags=re.MULTILINE)
 
 
 def _loading_section(source: CardSource, name: str, settings: dict) -> list[str]:
@@ -185,6 +207,18 @@ def _loading_section(source: CardSource, name: str, settings: dict) -> list[str]
     lines = ["## How to load", "", "With dllm-flow (the strategy's own sampler, rebuilt from `dllm.json`):", ""]
     lines += [_fenced(cmd, "bash"), ""]
     if source.is_draft:
+        return lines
+    own = transformers_snippet(source, name)
+    if own is not None:
+        same = re.search(r"^MAX_NEW_TOKENS = (\d+)", own, flags=re.MULTILINE)
+        lines += ["With transformers alone (no dllm-flow installed):", "", _fenced(own, "python"), ""]
+        lines += [
+            f"Run from the folder that holds `{name}/`. At temperature 0 it gives the tokens of `dllm-flow generate "
+            f"--checkpoint {name} --prompt 'To be, or not to be' --temperature 0 --seed 0 --max-new-tokens "
+            f"{same.group(1) if same else '…'}` with `--block-size` the model's `canvas_length` and `--steps` one per "
+            "block (the snippet's docstring says what it reproduces).",
+            "",
+        ]
         return lines
     mask = source.meta.get("mask_token_id")
     cls = strategy_class(source.strategy)

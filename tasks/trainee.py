@@ -20,9 +20,10 @@ from strategies.models import (
     enable_activation_checkpointing,
     load_pretrained,
     tiny_model_config,
+    tiny_shape,
     wrap_for_architecture,
 )
-from strategies.options import resolve_options
+from strategies.options import model_shape, resolve_options
 from strategies.registry import candidate_mask_token_id
 from tasks import dflash_setup
 from tasks.common import StageRef
@@ -43,18 +44,7 @@ def backbone(spec: PipelineSpec, tokenizer):
     """The model `model:` describes: a tiny one built from its shape, or a pretrained checkpoint."""
     m = spec.model
     if m.kind == "tiny":
-        config = tiny_model_config(
-            m.family,
-            len(tokenizer),
-            spec.data.seq_len,
-            m.hidden_size,
-            m.num_layers,
-            m.num_heads,
-            m.num_kv_heads,
-            m.intermediate_size,
-            m.tie_embeddings,
-            m.attn_implementation,
-        )
+        config = tiny_model_config(m.family, *tiny_shape(spec, tokenizer), m.tie_embeddings, m.attn_implementation)
         return build_model(config, spec.train.seed)
     return load_pretrained(
         m.path,
@@ -65,18 +55,30 @@ def backbone(spec: PipelineSpec, tokenizer):
     )
 
 
+def model_architecture(name: str, options) -> str | None:
+    """The model shape strategy `name` trains with `options` (a strategy whose options choose it says so)."""
+    cls = strategy_class(name)
+    choose = getattr(cls, "model_architecture_for", None)
+    return choose(options) if choose is not None else cls.model_architecture
+
+
 def denoiser_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str) -> Trainee:
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
     options = resolve_options(spec, name)
-    model = backbone(spec, tokenizer)
+    architecture = model_architecture(name, options)
+    builds_itself = architecture is not None and hasattr(model_shape(architecture), "from_model_spec")
+    if builds_itself:  # a shape that is a transformers model of its own (block_diffusion's DiffusionGemma)
+        model = model_shape(architecture).from_model_spec(spec, tokenizer, options, spec.train.seed)
+    else:
+        model = backbone(spec, tokenizer)
     if spec.train.peft is not None:  # adapters on the backbone; strategy-owned modules stay trainable
         p = spec.train.peft
         add_lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules)
     if spec.train.activation_checkpointing:
         enable_activation_checkpointing(model)
-    if getattr(model.config, "dllm_attention", None) != NATIVE:  # remote-code dLLMs bring their own shape
+    if not builds_itself and getattr(model.config, "dllm_attention", None) != NATIVE:  # remote-code dLLMs: own shape
         mask_id = candidate_mask_token_id(options, tokenizer)
-        model = wrap_for_architecture(model, strategy_class(name).model_architecture, mask_token_id=mask_id)
+        model = wrap_for_architecture(model, architecture, mask_token_id=mask_id)
     built = assemble_strategy(name, options, model, tokenizer)
     fused = spec.train.fused_head and make_head_deferrable(model, spec.train.head_chunk_rows)
     if spec.train.compile:

@@ -89,7 +89,7 @@ LAYOUTS = [
     ("mdlm", True, 2, "fsdp2", False),
     ("mdlm", True, 2, "ddp", True),
     ("hybrid", False, 2, "fsdp2", False),
-    ("block_diffusion", False, 2, "ddp", True),
+    ("block_diffusion", True, 2, "fsdp2", True),  # DiffusionGemma: one FSDP2 unit over shared layers
     ("mdlm", False, 1, "ddp", True),
 ]
 

@@ -12,7 +12,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from strategies.decoding_cache import EncoderCache, cacheable
 from strategies.masks import build_block_diffusion_training_mask
 from strategies.posteriors import own_token_log_likelihood, reverse_step
 from strategies.sampling import (
@@ -38,7 +37,8 @@ def block_canvas_sample(
     on_block: Progress | None = None,
     own_token_evidence: str = "analytic",
 ) -> SampleResult:
-    """Block-diffusion canvas decoding for a `BlockDiffusionLM` (uniform noise, no [MASK]).
+    """Block-diffusion canvas decoding for a `BlockDiffusionLM` or a `DiffusionGemmaCanvas` (uniform noise, no
+    [MASK]).
 
     Per block: the canvas starts as uniform random tokens; for k = 0..K−1 the model (encoder over the
     clean context, canvas under the block-causal mask, previous step's logits as self-conditioning)
@@ -51,7 +51,8 @@ def block_canvas_sample(
     (strategies/block_diffusion/strategy.py): "analytic", log x̂, to which log q(z_t | x) at the step's
     level is added to get log π; "learned", log π itself. Stops after a block
     that contains EOS. One NFE = one model call. Unless `config.cache` is "none", the encoder's K/V of the
-    context are computed once per block and extended by each finished block (exact, docs/decoding.md).
+    context are computed once per block and extended by each finished block (exact, docs/decoding.md): the
+    model's `encoder_cache()` keeps them (DiffusionGemma: its own cache, as its generation keeps it).
     """
     if own_token_evidence not in ("analytic", "learned"):
         raise ValueError(f"own_token_evidence must be 'analytic' or 'learned', got {own_token_evidence!r}")
@@ -87,8 +88,7 @@ class _CanvasDecoding:
 class _CanvasInputs(NamedTuple):
     enc: Tensor  # [1, P + bs] clean context then pad (encoder input)
     pad_mask: Tensor  # [1, P + bs] bool: the padded tail
-    mask: Tensor  # block-causal canvas mask (full layers)
-    positions: Tensor  # [1, bs] canvas positions P..P+bs−1
+    masks: dict  # block-causal canvas masks {"full_attention", "sliding_attention"}
 
 
 def _canvas_decode_row(
@@ -99,8 +99,8 @@ def _canvas_decode_row(
     context = torch.tensor(prompt, dtype=torch.long, device=job.device)
     produced: list[Tensor] = []
     nfe = 0
-    lm = getattr(job.model, "lm", None)
-    encoder = EncoderCache(job.model) if job.config.cache != "none" and cacheable(lm) else None
+    cached = getattr(job.model, "encoder_cache", None) if job.config.cache != "none" else None
+    encoder = cached() if cached is not None else None
     for _ in range(n_blocks):
         canvas, used = _canvas_decode_block(job, context, steps, encoder)
         nfe += used
@@ -119,38 +119,40 @@ def _canvas_inputs(job: _CanvasDecoding, context: Tensor) -> _CanvasInputs:
     enc = torch.cat([context, torch.full((block_size,), job.pad_token_id, dtype=torch.long, device=device)])[None]
     pad_mask = torch.zeros_like(enc, dtype=torch.bool)
     pad_mask[:, p_len:] = True
-    mask, _ = build_block_diffusion_training_mask(
-        torch.tensor([p_len], device=device), block_size, p_len + block_size, block_size, device=device
+    full, sliding = build_block_diffusion_training_mask(
+        torch.tensor([p_len], device=device),
+        block_size,
+        p_len + block_size,
+        block_size,
+        sliding_window=getattr(job.model, "canvas_sliding_window", None),
+        device=device,
     )
-    positions = (p_len + torch.arange(block_size, device=device))[None]
-    return _CanvasInputs(enc, pad_mask, mask, positions)
+    return _CanvasInputs(enc, pad_mask, {"full_attention": full, "sliding_attention": sliding})
 
 
-def _canvas_step(job: _CanvasDecoding, context: Tensor, encoder: EncoderCache | None):
+def _canvas_step(job: _CanvasDecoding, context: Tensor, encoder):
     """`(canvas, previous logits) → logits` of one model call in the block after `context`: the whole model
-    (encoder re-run on the context every step) or, with `encoder`, the decoder pass alone over the context's
-    encoder K/V computed once for the block (its padded tail, which the mask hides, is left out)."""
-    inputs, model = _canvas_inputs(job, context), job.model
+    (encoder re-run on the context every step) or, with `encoder` (the model's `encoder_cache()`), the
+    decoder pass alone over the context's encoder K/V computed once for the block (`decode_cached`)."""
+    model = job.model
+    positions = (context.shape[0] + torch.arange(job.block_size, device=job.device))[None]
     if encoder is None:
+        inputs = _canvas_inputs(job, context)
         return lambda canvas, previous: (
             model(
                 input_ids=inputs.enc,
                 canvas_ids=canvas,
-                decoder_attention_mask=inputs.mask,
+                decoder_attention_mask=inputs.masks,
                 encoder_padding_mask=inputs.pad_mask,
-                decoder_position_ids=inputs.positions,
+                decoder_position_ids=positions,
                 self_conditioning_logits=previous,
             ).logits
         )
-    kv, p_len = encoder.extend(context[None]), context.shape[0]
-    mask = torch.cat([inputs.mask[..., :p_len], inputs.mask[..., p_len + job.block_size :]], dim=-1)
-    soft = lambda previous: None if previous is None else model._soft_embedding(previous)  # noqa: E731
-    return lambda canvas, previous: model.decode(kv, canvas, mask, inputs.positions, soft(previous))
+    state = encoder.extend(context[None])
+    return lambda canvas, previous: model.decode_cached(state, canvas, positions, previous)
 
 
-def _canvas_decode_block(
-    job: _CanvasDecoding, context: Tensor, steps: int, encoder: EncoderCache | None = None
-) -> tuple[Tensor, int]:
+def _canvas_decode_block(job: _CanvasDecoding, context: Tensor, steps: int, encoder=None) -> tuple[Tensor, int]:
     """One block: a uniform random canvas [1, bs] moved from t = 1 to t = 0 in `steps` steps → (the canvas,
     the model calls it took). Each step turns the logits into the posterior π at the step's level and
     moves the canvas by `_ancestral_step` (`remasking: random`) or `_confident_step` (`low_confidence`)."""

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, StepContext, global_sum
 from strategies.block_diffusion.loss import MIN_LEVEL, OwnTokenCanvasLoss
-from strategies.block_diffusion.options import BLOCK_DIFFUSION, SAMPLERS, BlockDiffusionOptions
+from strategies.block_diffusion.options import ARCHITECTURES, BLOCK_DIFFUSION, SAMPLERS, BlockDiffusionOptions
 from strategies.block_diffusion.sampling import block_canvas_sample
 from strategies.corruption import check_rows, corrupt_uniform_random
 from strategies.losses import DLLMLossOutput, FlatCrossEntropyLoss, encoder_ar_loss, uniform_diffusion_nelbo_terms
@@ -67,6 +67,12 @@ class CanvasExtras:
 
     window: ResponseWindow
     self_condition: Tensor  # [B] bool
+
+
+def sliding_window(model: nn.Module) -> int | None:
+    """The window the canvas mask of the model's sliding-attention layers applies (None: it has none); a
+    data-parallel wrapper is looked through."""
+    return getattr(getattr(model, "module", model), "canvas_sliding_window", None)
 
 
 def supervised_runs(loss_mask: Tensor) -> Tensor:
@@ -169,6 +175,21 @@ class BlockDiffusionStrategy(DLLMStrategy):
     # the canvas pass reads every encoder layer's K/V cache, which recomputed layers do not keep
     supports_activation_checkpointing = False
 
+    @classmethod
+    def model_architecture_for(cls, options: BlockDiffusionOptions) -> str:
+        """The model shape `options.architecture` trains: "diffusion_gemma" (transformers' DiffusionGemma) or
+        "block_diffusion" (`BlockDiffusionLM` over a causal LM, `architecture: stack`)."""
+        return ARCHITECTURES[cls.coerce_options(options).architecture]
+
+    @classmethod
+    def complete_options(cls, options: StrategyOptions, model: nn.Module) -> StrategyOptions:
+        """An unset `vocab_size` is the model's (a DiffusionGemma keeps it in its text config)."""
+        options = super().complete_options(options, model)
+        config = getattr(model, "config", None)
+        if options.vocab_size is None and hasattr(config, "get_text_config"):
+            options = options.model_copy(update={"vocab_size": config.get_text_config().vocab_size})
+        return options
+
     def __init__(self, options: BlockDiffusionOptions | dict | None = None) -> None:
         super().__init__(options)
         self.vocab_size: int | None = self.options.vocab_size
@@ -245,6 +266,7 @@ class BlockDiffusionStrategy(DLLMStrategy):
                 for seed in self.row_seeds(ctx, mb, microbatch_idx)
             ]
         )
+        coins = (draws[:, 1] < self.self_conditioning_p).to(base.clean_ids.device)
         window = build_response_window(
             base.clean_ids,
             base.noisy_ids,
@@ -254,8 +276,8 @@ class BlockDiffusionStrategy(DLLMStrategy):
             base.attention_mask,
             self.block_size,
             draws[:, 0],
+            sliding_window(ctx.model),
         )
-        coins = (draws[:, 1] < self.self_conditioning_p).to(base.clean_ids.device)
         return CorruptedBatch(
             base.clean_ids,
             base.noisy_ids,
@@ -336,7 +358,15 @@ class BlockDiffusionStrategy(DLLMStrategy):
         noise = (u < t[:, None]) & loss_mask.bool()
         noisy = torch.where(noise, r, clean_ids)
         window = build_response_window(
-            clean_ids, noisy, noise, loss_mask, torch.ones_like(u), attention_mask, self.block_size, None
+            clean_ids,
+            noisy,
+            noise,
+            loss_mask,
+            torch.ones_like(u),
+            attention_mask,
+            self.block_size,
+            None,
+            sliding_window(model),
         )
         batch_view = CorruptedBatch(
             clean_ids,
