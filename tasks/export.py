@@ -63,7 +63,7 @@ from strategies import strategy_class
 from strategies.dflash.draft import DFlashDraftModel
 from strategies.models import merge_lora, model_from_config_dir
 from strategies.sampling import SamplerConfig
-from tasks.checkpoints import check_vocabulary
+from tasks.checkpoints import check_vocabulary, checkpoint_options
 from tasks.generate import default_temperature, default_top_p, resolve_checkpoint
 from tasks.model_card import CARD, DLLM_SUBDIR, Layout, model_card
 from tasks.prepare_data import load_tokenizer
@@ -378,6 +378,9 @@ def generation_settings(source: Source, evaluation: Evaluation | None) -> dict:
         "dllm_threshold": cfg.get("threshold"),
         "dllm_logit_shift": cls.logit_shift,
         "dllm_settings_from": origin,
+        # what a sampler outside dllm-flow reads (the model card's program): chat prompts, the strategy's options
+        "dllm_chat": bool(source.meta.get("chat")),
+        "dllm_options": checkpoint_options(source.meta, cls.Options.model_fields),
     }
     if temperature > 0:
         settings["temperature"] = temperature
