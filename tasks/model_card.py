@@ -18,6 +18,7 @@ from strategies import strategy_class
 from strategies.models import resolve_model_path
 from tasks.checkpoints import checkpoint_options
 from tasks.provenance import Checkpoint, Provenance
+from tasks.snippets import program as sampling_program
 
 CARD = "README.md"
 DLLM_SUBDIR = "model"  # where `resolve_checkpoint` finds a checkpoint inside a folder
@@ -144,6 +145,7 @@ def model_card(source: CardSource, found: Provenance, name: str, layout: Layout,
     parts += ["Strategy options (`dllm.json` → `options`):", "", _fenced(json.dumps(options, indent=2), "json"), ""]
     parts += _files_section(source, layout)
     parts += _loading_section(source, name, settings)
+    parts += _sampling_section(source)
     parts += _lineage_section(source, found)
     parts += _evaluation_section(found)
     return "\n".join(parts).rstrip() + "\n"
@@ -228,6 +230,17 @@ logits = {call}"""
     if "ar_nll" in cls.likelihoods:
         note += "; this strategy also trains a causal (AR) path: `model.generate()` runs it"
     return [*lines, "", note + ".", ""]
+
+
+def _sampling_section(source: CardSource) -> list[str]:
+    """The strategy's sampling program (tasks/snippets/<strategy>.py, shared parts inlined), which needs nothing
+    but torch and transformers; none for a strategy without one (a DFlash draft is no denoiser)."""
+    found = None if source.is_draft else sampling_program(source.strategy)
+    if found is None:
+        return []
+    lines = ["## Sampling without dllm-flow", "", found.summary, ""]
+    lines += [f"Save it as `{source.strategy}.py` (it imports only torch and transformers):", ""]
+    return [*lines, _fenced(found.text, "python"), ""]
 
 
 def _lineage_section(source: CardSource, found: Provenance) -> list[str]:
