@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 from dllm_common.checkpoint import read_meta, write_checkpoint
 from dllm_common.config import DLLMSection
 from strategies.models import model_logits
+from strategies.scdd.schedule import scdd_schedule
 from tasks.checkpoints import checkpoint_tokenizer, load_trained_model
 from tasks.export import export_checkpoint
 from tasks.snippets import program
@@ -36,7 +37,16 @@ EXPORTS = {
     "idlm": ("idlm", {}),
     "hybrid": ("hybrid", {}),
     "scdd": ("scdd", {}),
-    "scdd-timed": ("scdd", {"time_conditioning": True, "tempering": "weights", "noise_removal": "argmax"}),
+    "scdd-timed": (
+        "scdd",
+        {
+            "time_conditioning": True,
+            "tempering": "weights",
+            "noise_removal": "argmax",
+            "schedule_peak": 0.3,  # a bump off centre: t^a (1 - t)^b is not symmetric in a and b
+            "schedule_shape": 2.0,
+        },
+    ),
 }
 CHAT = {"mdlm"}  # exported as dialogue models (`chat` in dllm.json, a chat template in the tokenizer)
 CHAT_TEMPLATE = "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
@@ -337,3 +347,15 @@ def test_a_dialogue_export_prompts_through_its_chat_template(exports, tmp_path):
     by_hand = tokenizer(f"Q: {PROMPT}\nA:", add_special_tokens=False)["input_ids"]
     assert snippet["prompt_ids"](tokenizer, PROMPT, settings) == by_hand
     assert by_hand != tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("ratio,shape,peak", [(0.1, 1.0, 0.5), (0.2, 2.0, 0.3), (0.05, 4.0, 0.8)])
+def test_the_scdd_programs_schedule_is_dllm_flows(ratio, shape, peak, tmp_path):
+    """Bit for bit, off-centre bumps included: the program compares these masses with random draws."""
+    snippet = runpy.run_path(str(_saved(program("scdd").text, tmp_path / "scdd_program.py")), run_name="card")
+    options = {"uniform_ratio": ratio, "schedule_shape": shape, "schedule_peak": peak}
+    for t in torch.linspace(1.0, 1e-3, 9, dtype=torch.float64):
+        theirs = snippet["noise_schedule"](t[None], options)
+        ours = scdd_schedule(t[None], max_ratio=ratio, gamma_shape=shape, t_peak=peak)
+        fields = {"clean": ours.clean_mass, "uniform": ours.uniform_mass, "absorbed": ours.absorbed_mass}
+        assert theirs == {name: float(mass) for name, mass in {**fields, "gamma": ours.gamma}.items()}

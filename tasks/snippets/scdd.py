@@ -33,7 +33,7 @@ def noise_schedule(t, options):
     t = t.clamp(0, 1)
     a, b = shape * peak, shape * (1 - peak)
     top = peak**a * (1 - peak) ** b
-    bump = (ratio / (1 - ratio)) / top * t.pow(b) * (1 - t).pow(a)
+    bump = (ratio / (1 - ratio)) / top * t.pow(a) * (1 - t).pow(b)
     clean = (1 - t) / (1 + bump)
     uniform = bump / (1 + bump)
     masses = {"clean": clean, "uniform": uniform, "absorbed": 1 - clean - uniform, "gamma": clean + uniform}
