@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import runpy
+import shlex
 import shutil
 import subprocess
 import sys
@@ -50,7 +51,8 @@ EXPORTS = {
 }
 CHAT = {"mdlm"}  # exported as dialogue models (`chat` in dllm.json, a chat template in the tokenizer)
 CHAT_TEMPLATE = "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
-# runs each (program, arguments) as __main__, with dllm-flow's packages unimportable; prints the outputs as JSON
+# runs each (program, arguments) as __main__, with dllm-flow's packages unimportable; prints [stdout, stderr] of
+# each as JSON
 RUNNER = """
 import contextlib, importlib.abc, io, json, runpy, sys
 
@@ -69,10 +71,10 @@ assert not [m for m in sys.modules if m.partition(".")[0] in BLOCKED], "imported
 outputs = []
 for program, argv in json.loads(sys.argv[1]):
     sys.argv = [program, *argv]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         runpy.run_path(program, run_name="__main__")
-    outputs.append(out.getvalue())
+    outputs.append([out.getvalue(), err.getvalue()])
 print(json.dumps(outputs))
 """
 
@@ -117,9 +119,9 @@ def card_program(folder: Path) -> str:
     return section.split("```python\n", 1)[1].split("\n```\n", 1)[0] + "\n"
 
 
-def run_blocked(jobs: list[tuple[str, list[str]]], where: Path) -> list[str]:
+def run_blocked(jobs: list[tuple[str, list[str]]], where: Path) -> list[list[str]]:
     """Each (program text, arguments) saved as a file and run, in one fresh interpreter where importing strategies,
-    tasks, flows or dllm_common fails, from `where` (outside the repository); the printed outputs."""
+    tasks, flows or dllm_common fails, from `where` (outside the repository); what each printed: [stdout, stderr]."""
     where.mkdir(parents=True, exist_ok=True)
     (where / "runner.py").write_text(RUNNER)
     runs = []
@@ -178,11 +180,16 @@ def dllm_flow_generate(folder: Path, case: Case) -> tuple[list[int], str]:
         loaded = real(ckpt, device, adapter)
         return loaded._replace(tokenizer=_Recording(loaded.tokenizer, case.eos, seen))
 
-    argv = ["generate", "--checkpoint", str(folder), "--prompt", PROMPT, "--temperature", "0", "--device", "cpu"]
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()):
         patch.setattr(tasks.checkpoints, "load_for_generation", load)
-        assert main([*argv, *case.flags, *case.cli]) == 0
+        assert main(generate_argv(folder, case)) == 0
     return seen["ids"], seen["text"]
+
+
+def generate_argv(folder: Path, case: Case) -> list[str]:
+    """The arguments of `dllm-flow` for a case."""
+    argv = ["generate", "--checkpoint", str(folder), "--prompt", PROMPT, "--temperature", "0", "--device", "cpu"]
+    return [*argv, *case.flags, *case.cli]
 
 
 def edited(folder: Path, case: Case, where: Path) -> Path:
@@ -224,6 +231,8 @@ class Compared:
     expected: list[list[int]]  # `dllm-flow generate`'s ids, case by case
     got: list[list[int]]  # the program's
     text: tuple[str, str]  # the text of the first case: dllm-flow's, the program's
+    ran: list[list[str]]  # the `dllm-flow` arguments of each case
+    stated: list[list[str]] = field(default_factory=list)  # the `dllm-flow` arguments the program says match it
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +251,7 @@ def compared(exports, tmp_path_factory) -> dict[str, Compared]:
         k = first_new_token_after(plain, 1 if name == "scdd-timed" else 5)
         cases = [base, Case(base.flags, eos=plain[k]), VARIANTS[name]]
         expected = [plain] + [dllm_flow_generate(folder, c)[0] for c in cases[1:]]
-        found[name] = Compared(plain, k, expected, [], (text, ""))
+        found[name] = Compared(plain, k, expected, [], (text, ""), [generate_argv(folder, c) for c in cases])
         program_text = card_program(folder)
         for i, case in enumerate(cases):
             jobs.append(
@@ -251,8 +260,10 @@ def compared(exports, tmp_path_factory) -> dict[str, Compared]:
         jobs.append((program_text, [str(folder), PROMPT, *base.flags]))
     outputs = iter(run_blocked(jobs, where / "run"))
     for result in found.values():  # in the order the jobs were queued
-        result.got = [json.loads(next(outputs)) for _ in result.expected]
-        result.text = (result.text[0], next(outputs))
+        printed = [next(outputs) for _ in result.expected]
+        result.got = [json.loads(out) for out, _ in printed]
+        result.stated = [_stated_command(err) for _, err in printed]
+        result.text = (result.text[0], next(outputs)[0])
     return found
 
 
@@ -265,8 +276,35 @@ def test_the_cards_program_prints_what_dllm_flow_generate_prints(name, compared)
     assert result.text[1] == result.text[0] + "\n"
 
 
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_the_program_names_the_dllm_flow_command_it_matches(name, compared):
+    """dllm-flow's defaults are not the export's generation_config.json: the program says on stderr which
+    `dllm-flow generate` command prints its tokens, and that is the one the test ran (the folder aside)."""
+    result = compared[name]
+    unread = ("block_size",) if EXPORTS[name][0] == "scdd" else ()  # scdd decodes the continuation in one piece
+    stated, ran = ([_cli_settings(argv, unread) for argv in both] for both in (result.stated, result.ran))
+    assert stated == ran
+
+
+def _stated_command(stderr: str) -> list[str]:
+    """The arguments after `dllm-flow` of the program's "same tokens as: dllm-flow ..." line."""
+    lines = [line for line in stderr.splitlines() if line.startswith("same tokens as: ")]
+    assert len(lines) == 1, stderr
+    words = shlex.split(lines[0].removeprefix("same tokens as: "))
+    assert words[0] == "dllm-flow", lines
+    return words[1:]
+
+
+def _cli_settings(argv: list[str], unread: tuple[str, ...]) -> dict:
+    """What `dllm-flow` parses from the arguments, but the checkpoint folder, the device and the `unread` ones."""
+    from flows.cli import build_parser
+
+    left_out = ("checkpoint", "device", *unread)
+    return {k: v for k, v in vars(build_parser().parse_args(argv)).items() if k not in left_out}
+
+
 def test_the_runner_blocks_dllm_flow(tmp_path):
-    """The check above would catch a program that needs dllm-flow."""
+    """The equality checks above would catch a program that needs dllm-flow."""
     with pytest.raises(AssertionError, match="dllm_common is blocked: the program must run without dllm-flow"):
         run_blocked([("import dllm_common\n", [])], tmp_path)
 

@@ -4,6 +4,8 @@ program (`tasks.snippets.program`), so what a user copies needs nothing but torc
 
 import argparse
 import json
+import shlex
+import sys
 from pathlib import Path
 
 import torch
@@ -53,9 +55,21 @@ def until_eos(ids, eos_id):
     return ids[: ids.index(eos_id)] if eos_id in ids else ids
 
 
+def dllm_flow_command(folder, prompt, settings, seed):
+    """The `dllm-flow generate` command that samples what this program samples: every sampler setting spelled
+    out, since dllm-flow's own defaults are not the export's generation_config.json."""
+    command = ["dllm-flow", "generate", "--checkpoint", str(folder), "--prompt", prompt, "--temperature", "0"]
+    command += ["--steps", str(settings["dllm_steps"]), "--block-size", str(settings["dllm_block_size"])]
+    command += ["--max-new-tokens", str(settings["max_new_tokens"]), "--remasking", settings["dllm_remasking"]]
+    if settings.get("dllm_threshold") is not None:
+        command += ["--threshold", str(settings["dllm_threshold"])]
+    return shlex.join([*command, "--seed", str(seed)])
+
+
 def main(sample):
     """`python PROGRAM EXPORT_DIR PROMPT`: prints the text `sample(model, prompt ids, settings, generator)` generates
-    (with --ids, its token ids as JSON). Unset flags take the export's generation_config.json values."""
+    (with --ids, its token ids as JSON), and on stderr the `dllm-flow generate` command that prints the same. Unset
+    flags take the export's generation_config.json values."""
     parser = argparse.ArgumentParser(description="Sample from a dllm-flow export at temperature 0.")
     parser.add_argument("folder", help="the exported folder")
     parser.add_argument("prompt")
@@ -69,6 +83,7 @@ def main(sample):
     model, tokenizer, settings = load_export(args.folder, args.device)
     flags = {"dllm_steps": args.steps, "dllm_block_size": args.block_size, "max_new_tokens": args.max_new_tokens}
     settings.update({key: value for key, value in flags.items() if value is not None})
+    print(f"same tokens as: {dllm_flow_command(args.folder, args.prompt, settings, args.seed)}", file=sys.stderr)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     with torch.no_grad():
         ids = sample(model, prompt_ids(tokenizer, args.prompt, settings), settings, generator)
