@@ -4,9 +4,10 @@ token for token, for the same `--steps`, `--block-size` and `--max-new-tokens`: 
 (`hybrid`: each block seeded by the causal branch, completed by the diffusion branch) at temperature 0.
 
 Its settings are the export's generation_config.json (`dllm_steps`, `dllm_block_size`, `max_new_tokens`,
-`mask_token_id`, `eos_token_id`, `dllm_remasking`, `dllm_threshold`); the flags override the first three.
-`--seed` matters only with `dllm_remasking: random`. The top level of a hybrid export is the plain backbone, which
-is both branches: the causal one under its own attention, the diffusion one under the all-visible mask.
+`mask_token_id`, `eos_token_id`, `dllm_remasking`, `dllm_threshold`); the flags override the first three. `--seed`
+matters only with `dllm_remasking: random`. On stderr it names the `dllm-flow generate` command, every setting spelled
+out, that prints the same tokens. The top level of a hybrid export is the plain backbone, which is both branches: the
+causal one under its own attention, the diffusion one under the all-visible mask.
 """
 
 import math

@@ -4,8 +4,9 @@ token, for the same `--steps`, `--block-size` and `--max-new-tokens`: dllm-flow'
 the absorbing sampler reading the logits shifted by one) at temperature 0.
 
 Its settings are the export's generation_config.json (`dllm_steps`, `dllm_block_size`, `max_new_tokens`,
-`mask_token_id`, `eos_token_id`, `dllm_logit_shift`, `dllm_remasking`, `dllm_threshold`); the flags override the
-first three. `--seed` matters only with `dllm_remasking: random`.
+`mask_token_id`, `eos_token_id`, `dllm_logit_shift`, `dllm_remasking`, `dllm_threshold`); the flags override the first
+three. `--seed` matters only with `dllm_remasking: random`. On stderr it names the `dllm-flow generate` command, every
+setting spelled out, that prints the same tokens.
 """
 
 import torch

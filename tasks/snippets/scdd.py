@@ -4,13 +4,13 @@ token, for the same `--steps`, `--max-new-tokens` and `--seed` (default 42 in bo
 sampler (`scdd`, ancestral posterior steps then a noise-removal pass) at temperature 0. It draws random numbers
 even at temperature 0 (whether a visible token is revised, how many [MASK]s a step reveals), so the seed matters.
 
-Its settings are the export's generation_config.json (`dllm_steps`, `max_new_tokens`, `mask_token_id`,
-`eos_token_id`, `dllm_remasking`, and the strategy's options `dllm_options`: the noise schedule `uniform_ratio`,
-`schedule_shape`, `schedule_peak`, `eps`, and `noise_removal`, `tempering`, `vocab_size`); the flags override the
-first two. The sampler decodes the whole continuation at once: `dllm_block_size` is not read. A time-conditioned
-model (`dllm_time_conditioning` in config.json) also reads the noise level through a time embedding that
-transformers does not know: it leaves those weights out when it loads the model (and says so), this program reads
-them from the weight files itself.
+Its settings are the export's generation_config.json (`dllm_steps`, `max_new_tokens`, `mask_token_id`, `eos_token_id`,
+`dllm_remasking`, and the strategy's options `dllm_options`: the noise schedule `uniform_ratio`, `schedule_shape`,
+`schedule_peak`, `eps`, and `noise_removal`, `tempering`, `vocab_size`); the flags override the first two. The sampler
+decodes the whole continuation at once: `dllm_block_size` is not read. On stderr it names the `dllm-flow generate`
+command, every setting spelled out, that prints the same tokens. A time-conditioned model (`dllm_time_conditioning` in
+config.json) also reads the noise level through a time embedding that transformers does not know: it leaves those
+weights out when it loads the model (and says so), this program reads them from the weight files itself.
 """
 
 import json
