@@ -1,7 +1,7 @@
 """Sample from an idlm export of dllm-flow with torch and transformers alone: `python idlm.py EXPORT_DIR "PROMPT"`
-prints what `dllm-flow generate --checkpoint EXPORT_DIR --prompt "PROMPT" --temperature 0` prints, token for
-token, for the same `--steps`, `--block-size` and `--max-new-tokens`: dllm-flow's default idlm sampler (`idlm`,
-the absorbing sampler reading the logits shifted by one) at temperature 0.
+prints what `dllm-flow generate --checkpoint EXPORT_DIR --prompt "PROMPT" --temperature 0` prints, token for token, for
+the same sampler settings (the program names the command on stderr): dllm-flow's default idlm sampler (`idlm`, the
+absorbing sampler reading the logits shifted by one) at temperature 0.
 
 Its settings are the export's generation_config.json (`dllm_steps`, `dllm_block_size`, `max_new_tokens`,
 `mask_token_id`, `eos_token_id`, `dllm_logit_shift`, `dllm_remasking`, `dllm_threshold`); the flags override the first

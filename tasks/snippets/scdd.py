@@ -1,8 +1,9 @@
 """Sample from an scdd export of dllm-flow with torch and transformers alone: `python scdd.py EXPORT_DIR "PROMPT"`
-prints what `dllm-flow generate --checkpoint EXPORT_DIR --prompt "PROMPT" --temperature 0` prints, token for
-token, for the same `--steps`, `--max-new-tokens` and `--seed` (default 42 in both): dllm-flow's default scdd
-sampler (`scdd`, ancestral posterior steps then a noise-removal pass) at temperature 0. It draws random numbers
-even at temperature 0 (whether a visible token is revised, how many [MASK]s a step reveals), so the seed matters.
+prints what `dllm-flow generate --checkpoint EXPORT_DIR --prompt "PROMPT" --temperature 0` prints, token for token, for
+the same sampler settings and `--seed` (default 42 in both; the program names the command on stderr): dllm-flow's
+default scdd sampler (`scdd`, ancestral posterior steps then a noise-removal pass) at temperature 0. It draws random
+numbers even at temperature 0 (whether a visible token is revised, how many [MASK]s a step reveals), so the seed
+matters.
 
 Its settings are the export's generation_config.json (`dllm_steps`, `max_new_tokens`, `mask_token_id`, `eos_token_id`,
 `dllm_remasking`, and the strategy's options `dllm_options`: the noise schedule `uniform_ratio`, `schedule_shape`,
