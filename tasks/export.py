@@ -64,7 +64,7 @@ from strategies.dflash.config import LEGACY_CONFIG, is_draft_dir, read_draft_con
 from strategies.models import merge_lora, model_from_config_dir
 from strategies.options import model_shape
 from strategies.sampling import SamplerConfig
-from tasks.checkpoints import check_vocabulary
+from tasks.checkpoints import check_vocabulary, checkpoint_options
 from tasks.export_draft import DLLM_FLOW, draft_format, write_draft_export
 from tasks.generate import default_temperature, default_top_p, resolve_checkpoint
 from tasks.model_card import CARD, DLLM_SUBDIR, Layout, model_card
@@ -405,6 +405,9 @@ def generation_settings(source: Source, evaluation: Evaluation | None) -> dict:
         "dllm_threshold": cfg.get("threshold"),
         "dllm_logit_shift": cls.logit_shift,
         "dllm_settings_from": origin,
+        # what a sampler outside dllm-flow reads (the model card's program): chat prompts, the strategy's options
+        "dllm_chat": bool(source.meta.get("chat")),
+        "dllm_options": checkpoint_options(source.meta, cls.Options.model_fields),
     }
     if temperature > 0:
         settings["temperature"] = temperature

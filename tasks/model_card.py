@@ -19,6 +19,7 @@ from strategies.models import resolve_model_path
 from tasks.checkpoints import checkpoint_options
 from tasks.export_draft import draft_files_lines, draft_rows
 from tasks.provenance import Checkpoint, Provenance
+from tasks.snippets import program as sampling_program
 
 CARD = "README.md"
 DLLM_SUBDIR = "model"  # where `resolve_checkpoint` finds a checkpoint inside a folder
@@ -143,6 +144,7 @@ def model_card(source: CardSource, found: Provenance, name: str, layout: Layout,
     parts += ["Strategy options (`dllm.json` → `options`):", "", _fenced(json.dumps(options, indent=2), "json"), ""]
     parts += _files_section(source, layout, name)
     parts += _loading_section(source, name, settings)
+    parts += _sampling_section(source)
     parts += _lineage_section(source, found)
     parts += _evaluation_section(found)
     return "\n".join(parts).rstrip() + "\n"
@@ -184,6 +186,13 @@ def _files_section(source: CardSource, layout: Layout, name: str) -> list[str]:
         "",
     ]
     return lines
+
+
+def _model_specific(strategy: str) -> bool:
+    """A snippet that declares `MODEL_TYPE` samples through that model class's own generation: the loading section
+    shows it (`transformers_snippet`), for checkpoints of that type only."""
+    path = SNIPPETS / f"{strategy}.py"
+    return path.is_file() and re.search(r"^MODEL_TYPE = ", path.read_text(), flags=re.MULTILINE) is not None
 
 
 def transformers_snippet(source: CardSource, name: str) -> str | None:
@@ -251,6 +260,17 @@ logits = {call}"""
     if "ar_nll" in cls.likelihoods:
         note += "; this strategy also trains a causal (AR) path: `model.generate()` runs it"
     return [*lines, "", note + ".", ""]
+
+
+def _sampling_section(source: CardSource) -> list[str]:
+    """The strategy's sampling program (tasks/snippets/<strategy>.py, shared parts inlined), which needs nothing
+    but torch and transformers; none for a strategy without one (a DFlash draft is no denoiser)."""
+    found = None if source.is_draft or _model_specific(source.strategy) else sampling_program(source.strategy)
+    if found is None:
+        return []
+    lines = ["## Sampling without dllm-flow", "", found.summary, ""]
+    lines += [f"Save it as `{source.strategy}.py` (it imports only torch and transformers):", ""]
+    return [*lines, _fenced(found.text, "python"), ""]
 
 
 def _lineage_section(source: CardSource, found: Provenance) -> list[str]:
