@@ -562,7 +562,11 @@ class _Planner:
         self.spec, self.name, self.tracer = spec, name, _Tracer()
         self.builder = _Builder(spec, name, self.tracer)
 
-    def trace(self, shape: Shape, keep_grads: bool = False, grads_present: bool = False) -> Trace:
+    def trace(
+        self, shape: Shape, keep_grads: bool = False, grads_present: bool = False, micro_batches: int = 1
+    ) -> Trace:
+        """One training step of `micro_batches` micro-batches of `shape.rows` rows (each draws its own noise, as in
+        training), gradients freed as they are made unless `keep_grads`."""
         b = self.builder
         depth = b.depth
         layers = TRACED_LAYERS if depth is not None and depth > TRACED_LAYERS + 1 else None
@@ -576,13 +580,13 @@ class _Planner:
             with tracer:
                 for p in params:
                     p.grad = torch.zeros_like(p)
-        rows = synthetic_rows(self.spec, self.name, shape.rows, b.vocab, self.spec.train.seed)
+        rows = [synthetic_rows(self.spec, self.name, shape.rows, b.vocab, self.spec.train.seed)] * micro_batches
         tracer.reset()
         tracer.tracking = True
         try:
             with tracer, torch.random.fork_rng(devices=[]):
-                ctx = step_context(trainee, 0, self.spec.train.seed, model, DistInfo(), 1)
-                run_step(trainee, ctx, [rows], True)
+                ctx = step_context(trainee, 0, self.spec.train.seed, model, DistInfo(), micro_batches)
+                run_step(trainee, ctx, rows, True)
             del ctx
             for p in params:  # what the step leaves is the gradients: theirs, not the step's
                 p.grad = None
@@ -703,6 +707,7 @@ class StrategyPlan:
     resident: Resident
     activations: dict[tuple[bool, bool], int | None]  # per (fused head, checkpointing); None: does not apply
     configured: tuple[bool, bool]
+    step_activations: int  # the most of them over the step's micro-batches (each draws its own noise)
     peak: int  # per rank, configured settings
     per_row: int  # activation bytes per more row of micro-batch
     max_rows: int | None  # the largest micro-batch that fits (None: no memory given)
@@ -715,14 +720,12 @@ class StrategyPlan:
 def _phases(res: Resident, lay: Layout, activations: int, with_grads: int | None) -> tuple[int, int]:
     """A rank's most bytes during forward/backward and during the optimizer step. Weights, AdamW moments and a
     frozen module stay; FSDP2 keeps its gradient shards and adds its working set; replicated gradients are made
-    during backward (`with_grads`: the step traced with them kept) and, from a step's second micro-batch on, are
-    all there from its start."""
+    during backward and, from a step's second micro-batch on, are all there from its start (`with_grads`: the
+    whole step traced with them kept)."""
     base = res.weights + res.optimizer + res.frozen
     if lay.parallel == "fsdp2":
         return base + res.gradients + res.working + activations, base + res.gradients + res.update
     during = with_grads if with_grads is not None else activations + res.gradients
-    if lay.micro_batches > 1:
-        during = max(during, activations + res.gradients)
     return base + res.working + during, base + res.working + res.gradients + res.update
 
 
@@ -759,20 +762,23 @@ def plan_strategy(
         notes.append("train.activation_checkpointing does not apply to it: planned without")
     if chosen[0] != t.fused_head:
         notes.append("its model has no plain linear LM head: planned with full logits")
-    act, flops = acts[chosen], traces[chosen].flops
+    # the whole step (every micro-batch draws its own noise, so how many positions a strategy selects varies)
+    shape = Shape(*chosen, lay.rows)
+    step = traces[chosen] if lay.micro_batches == 1 else planner.trace(shape, micro_batches=lay.micro_batches)
+    act, flops = step.peak, step.flops
     more = 0
     if sizing:  # one more row: what each row adds, which sizes the largest micro-batch
-        more = planner.trace(Shape(*chosen, lay.rows + 1)).peak - act
+        more = max(0, planner.trace(Shape(*chosen, lay.rows + 1)).peak - acts[chosen])
     with_grads = None
     if lay.parallel != "fsdp2":
-        with_grads = planner.trace(Shape(*chosen, lay.rows), keep_grads=True).peak
+        with_grads = planner.trace(shape, keep_grads=True, micro_batches=lay.micro_batches).peak
     during, update = _phases(res, lay, act, with_grads)
     max_rows, usable = None, cluster.usable()
     if usable is not None and sizing:
         room = usable - during
         max_rows = 0 if update > usable else max(0, lay.rows + math.floor(room / more) if more > 0 else lay.rows)
     rate = (cluster.flops or DEFAULT_FLOPS[t.precision]) * cluster.mfu
-    seconds = flops * lay.micro_batches / rate
+    seconds = flops / rate
     tokens = spec.data.seq_len
     return StrategyPlan(
         name,
@@ -780,10 +786,11 @@ def plan_strategy(
         res,
         acts,
         chosen,
+        act,
         max(during, update),
         more,
         max_rows,
-        flops / (tokens * lay.rows),
+        flops / (tokens * lay.rows * lay.micro_batches),
         seconds,
         t.global_batch_size * tokens / seconds,
         notes,
@@ -853,7 +860,7 @@ def render(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan], sour
         lines.append(
             f"| {p.strategy} | {_switches(*p.configured)} | {count(r.trainable)} | {size(r.weights)} "
             f"| {size(r.gradients)} | {size(r.optimizer)} | {size(r.frozen) if r.frozen else '-'} "
-            f"| {size(r.working) if r.working else '-'} | {size(p.activations[p.configured])} | {size(p.peak)} "
+            f"| {size(r.working) if r.working else '-'} | {size(p.step_activations)} | {size(p.peak)} "
             f"| {fits} | {largest} |"
         )
     lines += [
