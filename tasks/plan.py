@@ -50,7 +50,6 @@ from strategies.models import (
     build_model,
     enable_activation_checkpointing,
     resolve_model_path,
-    tiny_model_config,
     wrap_for_architecture,
 )
 from strategies.options import resolve_options
@@ -61,6 +60,7 @@ from tasks.loop import run_step, step_context
 from tasks.prepare_data import load_tokenizer
 from tasks.runtime import Trainee
 from tasks.target import _new_target
+from tasks.trainee import tiny_config
 
 aten = torch.ops.aten
 GB = 1e9
@@ -299,18 +299,7 @@ def model_config(spec: PipelineSpec, vocab_size: int):
     (by path, `package:NAME` or a hub id already in the local cache; never its weights)."""
     m = spec.model
     if m.kind == "tiny":
-        return tiny_model_config(
-            m.family,
-            vocab_size,
-            spec.data.seq_len,
-            m.hidden_size,
-            m.num_layers,
-            m.num_heads,
-            m.num_kv_heads,
-            m.intermediate_size,
-            m.tie_embeddings,
-            m.attn_implementation,
-        )
+        return tiny_config(spec, vocab_size)
     config = pretrained_config(m.path, "model.path", m.trust_remote_code, m.gguf_file)
     config._attn_implementation = m.attn_implementation
     return config
