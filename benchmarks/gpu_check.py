@@ -11,8 +11,11 @@
 3. **FSDP2 + sharded checkpoints on the visible GPUs**: mdlm trained on every GPU with FSDP2, killed after its
    step-2 checkpoint, resumed on one GPU (DCP reshards) and finished; the loss curve must match an undisturbed
    one-GPU run within bf16 noise.
-4. **Throughput**: tokens/s and model FLOPs utilization (6 · parameters · tokens/s ÷ the GPU's bf16 peak) per
-   strategy on a ~1B-parameter llama built from config, sequence 1024, a table at the end.
+4. **Throughput and the plan**: tokens/s and model FLOPs utilization (6 · parameters · tokens/s ÷ the GPU's bf16
+   peak) per strategy on a ~1B-parameter llama built from config, sequence 1024; beside each, what `dllm-flow plan`
+   predicts for the same step (`tasks.plan`): its peak memory against the measured one (`max_memory_allocated`;
+   on CPU the allocator's own events, benchmarks/plan_memory.py) and the utilization of the plan's counted FLOPs
+   that the measured tokens/s imply, the number to give `dllm-flow plan --mfu` on this GPU (docs/planning.md).
 Exits non-zero if any check fails. Nothing is downloaded (the embedded Shakespeare corpus, models from config).
 """
 
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,12 +179,14 @@ def check_fsdp2(report: Report, device: str, smoke: bool, work: Path, gpus: int)
 
 
 def throughput(report: Report, device: str, smoke: bool, work: Path, peak: float | None) -> list[tuple]:
-    """Timed train steps of each strategy on a ~1B llama (hidden 2048, 16 layers) at sequence 1024."""
+    """Timed train steps of each strategy on a ~1B llama (hidden 2048, 16 layers) at sequence 1024, each beside
+    its plan: the predicted peak memory and FLOPs per token, and the measured peak memory of step 4."""
     import torch
 
     from strategies.options import validate_config
     from tasks.distributed import DistInfo
     from tasks.loop import LoopRun, LoopSettings, step_context, train_step
+    from tasks.plan import Cluster, plan_strategy
     from tasks.prepare_data import prepare_data
     from tasks.runtime import OptimSettings, Split, make_optimizer
     from tasks.trainee import build_trainee
@@ -188,7 +194,7 @@ def throughput(report: Report, device: str, smoke: bool, work: Path, peak: float
     shape = (
         {"hidden_size": 2048, "num_layers": 16, "num_heads": 16}
         if not smoke
-        else {"hidden_size": 64, "num_layers": 2, "num_heads": 4}
+        else {"hidden_size": 64, "num_layers": 5, "num_heads": 4}
     )
     seq, batch = (1024, 8) if not smoke else (64, 4)
     raw = base_spec(device, smoke, global_batch_size=batch, micro_batch_size=batch)
@@ -196,33 +202,58 @@ def throughput(report: Report, device: str, smoke: bool, work: Path, peak: float
     raw["data"].pop("max_documents")
     spec = validate_config(raw)
     data = prepare_data(spec, str(work / "throughput"))
+    # the planner sizes the tokenizer the data stage trained (its vocabulary can come out below tokenizer.vocab_size)
+    planned = validate_config({**raw, "tokenizer": {"kind": "pretrained", "path": str(Path(data.path) / "tokenizer")}})
+    cluster = Cluster(1, None, peak * 1e12 if peak else None, device=device)
     rows = []
     for name in STRATEGIES:
+        predicted = plan_strategy(planned, name, cluster, variants=False, sizing=False)
         trainee = build_trainee(spec, name, data, device)
         params = sum(p.numel() for p in trainee.model.parameters())
         opt, sched = make_optimizer(trainee.model, OptimSettings.of(spec.train))
         split = Split.open(data.path, "train")
         run = LoopRun(trainee, trainee.model, opt, sched, split, split, device)
         settings = LoopSettings.of(spec.train, name)
-        times = []
+        times, measured = [], None
         for step in range(8):
             ctx = step_context(trainee, step, 0, trainee.model, DistInfo(), 1)
-            batch_rows = torch.arange(batch) + step * batch
+            mbs = split.microbatches(torch.arange(batch) + step * batch, batch, device)
+            if step == 4:  # AdamW's moments exist since step 0: a steady step, measured apart from the timed ones
+                measured = _step_memory(device, trainee, opt, partial(train_step, run, settings, ctx, mbs))
+                continue
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            train_step(run, settings, ctx, split.microbatches(batch_rows, batch, device))
+            train_step(run, settings, ctx, mbs)
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         tps = batch * seq / (sum(times[3:]) / len(times[3:]))  # after 3 warm-up steps
         mfu = 6 * params * tps / (peak * 1e12) if peak else float("nan")
-        rows.append((name, params, tps, mfu))
+        used = tps * predicted.flops_per_token / (peak * 1e12) if peak else float("nan")
+        rows.append((name, params, tps, mfu, predicted.peak, measured, used, predicted.tokens_per_second))
         del trainee, opt, run
         if device == "cuda":
             torch.cuda.empty_cache()
-    report.add("throughput", True, f"{len(rows)} strategies timed")
+    worst = max(abs(r[4] / r[5] - 1) for r in rows)
+    report.add("throughput and plan", True, f"{len(rows)} strategies timed; plan vs measured memory within {worst:.0%}")
     return rows
+
+
+def _step_memory(device: str, trainee, opt, step) -> int:
+    """The most bytes allocated while `step` runs, what the training held before it included."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plan_memory import allocator_peak, held_bytes
+
+    return held_bytes(trainee, opt) + allocator_peak(step)
 
 
 def main() -> None:
@@ -252,9 +283,15 @@ def main() -> None:
     print("\n| check | result | detail |\n|---|---|---|")
     for check, status, detail in report.rows:
         print(f"| {check} | {status} | {detail} |")
-    print("\n| strategy | parameters | tokens/s | MFU |\n|---|---|---|---|")
-    for strategy, params, tps, mfu in rows:
-        print(f"| {strategy} | {params / 1e9:.2f} B | {tps:,.0f} | {mfu:.1%} |")
+    print(
+        "\n| strategy | parameters | tokens/s | MFU | plan peak | measured peak | plan ÷ measured "
+        "| counted-FLOPs utilization | plan tokens/s at 40 % |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    for strategy, params, tps, mfu, planned, measured, used, plan_tps in rows:
+        print(
+            f"| {strategy} | {params / 1e9:.2f} B | {tps:,.0f} | {mfu:.1%} | {planned / 1e9:.2f} GB "
+            f"| {measured / 1e9:.2f} GB | {planned / measured:.3f} | {used:.1%} | {plan_tps:,.0f} |"
+        )
     print(f"\n[gpu_check] {time.time() - t0:.0f} s; {'FAILED' if report.failed else 'all checks passed'}")
     sys.exit(1 if report.failed else 0)
 

@@ -1,4 +1,4 @@
-"""`dllm-flow` command line: run | resume | validate | runs | generate | report | ui | export.
+"""`dllm-flow` command line: run | resume | validate | plan | runs | generate | report | ui | export.
 
 Environment is set before Prefect/MLflow are imported: telemetry off, hub offline unless the
 user says otherwise, and (when no Prefect server is configured) Prefect's state kept inside the
@@ -65,6 +65,31 @@ def _check_device(spec) -> None:
             )
 
 
+GPU_MEMORY_ENV = "DLLM_FLOW_GPU_MEMORY"  # the training GPU's memory, e.g. 80GB (docs/planning.md)
+
+
+def _warn_if_too_big(spec, declared: str | None) -> None:
+    """One warning line per strategy that the plan says will not fit the training GPU: the memory given by
+    `--gpu-memory` or $DLLM_FLOW_GPU_MEMORY, else the visible CUDA device's; none for a CPU training."""
+    declared = declared or os.environ.get(GPU_MEMORY_ENV) or None
+    if declared is None and (spec.train.device == "cpu" or spec.pipeline.train_deployment is not None):
+        return
+    from tasks.plan import fit_warnings
+
+    for line in fit_warnings(spec, declared):
+        print(f"dllm-flow: warning: {line}", file=sys.stderr, flush=True)
+
+
+def cmd_plan(args) -> int:
+    """Memory per GPU and time per step of each strategy of a config on a cluster, predicted without a GPU."""
+    from tasks.plan import cluster_for, plan, render
+
+    spec = load_config(args.config, args.set)
+    cluster = cluster_for(spec, args.gpus, args.gpu_memory, args.gpu_flops, args.mfu)
+    print(render(spec, cluster, plan(spec, cluster), str(args.config)))
+    return 0
+
+
 def _check_tracking(uri: str | None, workdir: Path) -> None:
     """The tracking store a run will write to, checked before any service starts: the workdir's sqlite store is
     readable, or the tracking server `tracking.uri` names answers."""
@@ -79,6 +104,7 @@ def _check_tracking(uri: str | None, workdir: Path) -> None:
 def cmd_run(args) -> int:
     spec = load_config(args.config, args.set)
     _check_device(spec)  # fail fast, before any service starts
+    _warn_if_too_big(spec, args.gpu_memory)
     _check_tracking(spec.tracking.uri, Path(args.workdir))
     _verification(args)
     result = _run_pipeline(args, config_path=str(args.config), overrides=args.set)
@@ -335,6 +361,11 @@ def _pipeline_commands(sub) -> None:
     run.add_argument("--set", action="append", default=[], metavar="dotted.key=value", help="override a config key")
     run.add_argument("--workdir", default=DEFAULT_WORKDIR)
     run.add_argument("--verify", action="store_true", help=VERIFY_HELP)
+    run.add_argument(
+        "--gpu-memory",
+        default=None,
+        help=f"the training GPU's memory, e.g. 80GB (or ${GPU_MEMORY_ENV}): warn when a strategy will not fit it",
+    )
     run.set_defaults(func=cmd_run)
     res = sub.add_parser("resume", help="rerun a failed/crashed pipeline run with its recorded config")
     res.add_argument("run_id")
@@ -352,6 +383,14 @@ def _pipeline_commands(sub) -> None:
     val.add_argument("config")
     val.add_argument("--set", action="append", default=[], metavar="dotted.key=value")
     val.set_defaults(func=cmd_validate)
+    pl = sub.add_parser("plan", help="predict each strategy's memory per GPU and time per step (no GPU needed)")
+    pl.add_argument("config")
+    pl.add_argument("--set", action="append", default=[], metavar="dotted.key=value")
+    pl.add_argument("--gpus", type=int, default=None, help="data-parallel ranks (default: the config's world size)")
+    pl.add_argument("--gpu-memory", default="80GB", help="memory per GPU, e.g. 80GB, 141GB (default 80GB)")
+    pl.add_argument("--gpu-flops", default=None, help="peak FLOP/s per GPU, e.g. 989T (default: H100 at the precision)")
+    pl.add_argument("--mfu", type=float, default=None, help="the share of that peak the step runs at (default 0.4)")
+    pl.set_defaults(func=cmd_plan)
     runs = sub.add_parser("runs", help="past pipeline runs with the status of each stage")
     runs.add_argument("--workdir", default=DEFAULT_WORKDIR)
     runs.set_defaults(func=cmd_runs)

@@ -72,12 +72,12 @@ def tiny_model_config(
     return cfg
 
 
-def tiny_shape(spec, tokenizer) -> tuple:
+def tiny_shape(spec, vocab_size: int) -> tuple:
     """The shape `model:` gives a tiny model, in the order of `tiny_model_config`'s arguments after the family:
     vocabulary, longest row, hidden size, layers, heads, key/value heads, MLP width."""
     m = spec.model
     return (
-        len(tokenizer),
+        vocab_size,
         spec.data.seq_len,
         m.hidden_size,
         m.num_layers,

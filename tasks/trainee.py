@@ -40,12 +40,17 @@ def check_capabilities(spec: PipelineSpec, name: str) -> None:
         raise ValueError(f"train.peft does not apply to {name} (it trains a small draft from scratch); unset it")
 
 
+def tiny_config(spec: PipelineSpec, vocab_size: int):
+    """The config of the tiny model `model:` describes, for a vocabulary of `vocab_size`."""
+    m = spec.model
+    return tiny_model_config(m.family, *tiny_shape(spec, vocab_size), m.tie_embeddings, m.attn_implementation)
+
+
 def backbone(spec: PipelineSpec, tokenizer):
     """The model `model:` describes: a tiny one built from its shape, or a pretrained checkpoint."""
     m = spec.model
     if m.kind == "tiny":
-        config = tiny_model_config(m.family, *tiny_shape(spec, tokenizer), m.tie_embeddings, m.attn_implementation)
-        return build_model(config, spec.train.seed)
+        return build_model(tiny_config(spec, len(tokenizer)), spec.train.seed)
     return load_pretrained(
         m.path,
         dtype=m.dtype,

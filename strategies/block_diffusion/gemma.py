@@ -83,7 +83,7 @@ class DiffusionGemmaCanvas(DiffusionGemmaForBlockDiffusion):
             ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
             ids["bos_token_id"] = tokenizer.bos_token_id
             config = tiny_diffusion_gemma_config(
-                *tiny_shape(spec, tokenizer),
+                *tiny_shape(spec, len(tokenizer)),
                 num_experts=options.num_experts,
                 top_k_experts=options.top_k_experts,
                 moe_intermediate_size=options.moe_intermediate_size,
