@@ -94,6 +94,8 @@ def spec_for(name: str, size: str, fused: bool, ckpt: bool, work: Path):
         },
         "dllm": {"mask_token_id": vocab - 1},
     }
+    if name == "block_diffusion":  # the plan models its stack shape, not DiffusionGemma yet (docs/planning.md)
+        raw["dllm"]["architecture"] = "stack"
     if name == "dflash":
         raw["model"]["num_layers"] = DRAFT_LAYERS
         raw["dflash"] = {

@@ -380,6 +380,10 @@ class _Builder:
         self.spec, self.name, self.tracer = spec, name, tracer
         self.cls = strategy_class(name)
         self.options = resolve_options(spec, name)
+        # block_diffusion's DiffusionGemma shape is not modelled yet: its causal-LM stack of the same size stands in
+        self.stand_in = getattr(self.options, "architecture", None) == "diffusion_gemma"
+        if self.stand_in:
+            self.options = self.options.model_copy(update={"architecture": "stack"})
         self.vocab = vocab_size(spec) if spec.model.kind == "tiny" or self.cls.trains == "draft" else None
         self.draft = self.cls.trains == "draft"
         self._config = None if self.draft else model_config(spec, self.vocab or 0)
@@ -747,6 +751,11 @@ def plan_strategy(
     for variant in VARIANTS if variants else ():
         activations(*variant)
     notes = []
+    if planner.builder.stand_in:
+        notes.append(
+            "planned as its `stack` shape (a causal LM of the same model: size): the DiffusionGemma shape "
+            "(dllm.architecture: diffusion_gemma, the default) is not modelled yet"
+        )
     if chosen[1] != t.activation_checkpointing:
         notes.append("train.activation_checkpointing does not apply to it: planned without")
     if chosen[0] != t.fused_head:
