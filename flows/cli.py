@@ -68,12 +68,13 @@ def _check_device(spec) -> None:
 GPU_MEMORY_ENV = "DLLM_FLOW_GPU_MEMORY"  # the training GPU's memory, e.g. 80GB (docs/planning.md)
 
 
-def _warn_if_too_big(spec, declared: str | None) -> None:
+def _warn_if_too_big(spec, declared: str | None, workdir: Path) -> None:
     """One warning line per strategy that the plan says will not fit the training GPU: the memory given by
     `--gpu-memory` or $DLLM_FLOW_GPU_MEMORY, else the visible CUDA device's; none for a CPU training."""
     declared = declared or os.environ.get(GPU_MEMORY_ENV) or None
     if declared is None and (spec.train.device == "cpu" or spec.pipeline.train_deployment is not None):
         return
+    prefect_env(workdir)  # tasks/ imports Prefect, which reads its (quiet) logging settings once, at import
     from tasks.plan import fit_warnings
 
     for line in fit_warnings(spec, declared):
@@ -104,7 +105,7 @@ def _check_tracking(uri: str | None, workdir: Path) -> None:
 def cmd_run(args) -> int:
     spec = load_config(args.config, args.set)
     _check_device(spec)  # fail fast, before any service starts
-    _warn_if_too_big(spec, args.gpu_memory)
+    _warn_if_too_big(spec, args.gpu_memory, Path(args.workdir))
     _check_tracking(spec.tracking.uri, Path(args.workdir))
     _verification(args)
     result = _run_pipeline(args, config_path=str(args.config), overrides=args.set)
