@@ -470,7 +470,7 @@ class _FakeFeatures:
 
     def __init__(self, draft_config, top_k: int, dtype: str):
         self.layer_ids, self.top_k = list(draft_config.target_layer_ids), top_k
-        self.width = draft_config.num_target_features * draft_config.target_hidden_size
+        self.width = draft_config.num_target_features * draft_config.hidden_size  # the draft is as wide as its target
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
     def __call__(self, mb: Microbatch, labels: bool = False) -> TargetOutputs:
