@@ -74,6 +74,10 @@ def _warn_if_too_big(spec, declared: str | None, workdir: Path) -> None:
     declared = declared or os.environ.get(GPU_MEMORY_ENV) or None
     if declared is None and (spec.train.device == "cpu" or spec.pipeline.train_deployment is not None):
         return
+    import torch  # already imported by the config's checks
+
+    if declared is None and not torch.cuda.is_available():  # nothing to plan for: Prefect is not imported yet
+        return
     prefect_env(workdir)  # tasks/ imports Prefect, which reads its (quiet) logging settings once, at import
     from tasks.plan import fit_warnings
 

@@ -192,6 +192,7 @@ def test_plan_prints_every_strategy_for_a_cluster(tmp_path, capsys):
 
 def test_run_warns_in_one_line_and_names_the_setting(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_run_pipeline", lambda args, **kwargs: {"run_id": "r", "report": "x"})
+    monkeypatch.setattr(cli, "prefect_env", lambda workdir: None)  # its settings would outlive the test
     cfg = _config_file(tmp_path, activation_checkpointing=False, global_batch_size=2)  # one micro-batch: quick
     spec = load_config(cfg)
     needs = plan.plan_strategy(spec, "idlm", plan.Cluster(1, None), variants=False, sizing=False).peak
@@ -210,6 +211,7 @@ def test_run_warns_in_one_line_and_names_the_setting(tmp_path, capsys, monkeypat
 
 def test_run_without_a_declared_gpu_plans_nothing_on_cpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_run_pipeline", lambda args, **kwargs: {"run_id": "r", "report": "x"})
+    monkeypatch.setattr(cli, "prefect_env", lambda workdir: None)  # its settings would outlive the test
     monkeypatch.delenv(cli.GPU_MEMORY_ENV, raising=False)
 
     def planned(*args):
@@ -222,6 +224,7 @@ def test_run_without_a_declared_gpu_plans_nothing_on_cpu(tmp_path, capsys, monke
 
 def test_the_environment_declares_the_gpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_run_pipeline", lambda args, **kwargs: {"run_id": "r", "report": "x"})
+    monkeypatch.setattr(cli, "prefect_env", lambda workdir: None)  # its settings would outlive the test
     monkeypatch.setenv(cli.GPU_MEMORY_ENV, "1GB")  # less than the CUDA context alone (1.61 GB): nothing fits
     cfg = _config_file(tmp_path, global_batch_size=2)  # one micro-batch: the settings tried are few and quick
     assert cli.main(["run", cfg, "--workdir", str(tmp_path / "w")]) == 0
