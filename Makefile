@@ -29,7 +29,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 DLLM_PREFECT_API ?= http://127.0.0.1:4200/api
 PREFECT := DLLM_FLOW_ROOT=$(CURDIR) PREFECT_API_URL=$(DLLM_PREFECT_API) $(VENV)/bin/prefect
 
-.PHONY: install quickstart compare test clean server deploy worker-cpu worker-gpu
+.PHONY: install chromium quickstart compare test clean server deploy worker-cpu worker-gpu
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,7 +47,23 @@ $(STAMP): pyproject.toml constraints-cpu.txt | $(PY)
 	fi
 	touch $@
 
-install: $(STAMP)
+install: $(STAMP) chromium
+
+# The browser tests (tests/test_ui.py) read what the MLflow and Prefect UIs show in a headless Chromium and are
+# skipped where there is none. Debian's `chromium` is installed here only in CI (CI=true) or when asked
+# (`make install CHROMIUM=1`), only as root with apt-get (never through sudo), and a failed install only says so.
+CHROMIUM ?= $(if $(filter true 1,$(CI)),1,)
+APT_CHROMIUM = DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+chromium:
+	@if [ "$(CHROMIUM)" = 1 ] && ! command -v chromium >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium for the browser tests"; \
+	    { $(APT_CHROMIUM) || { apt-get update -q && $(APT_CHROMIUM); }; } >/dev/null \
+	      || echo "chromium could not be installed: the browser tests will be skipped"; \
+	  else \
+	    echo "chromium is missing and needs root and apt-get to install: the browser tests will be skipped"; \
+	  fi; \
+	fi
 
 quickstart: install
 	$(VENV)/bin/dllm-flow run configs/quickstart.yaml --workdir $(WORKDIR)
