@@ -11,7 +11,6 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from urllib.parse import quote, urlencode
 
 from dllm_common.tracking import quiet_environment
 from flows.environment import prefect_env
@@ -22,17 +21,15 @@ def chart_view_url(host: str, port: int, experiment_id: str) -> str:
     return f"http://{host}:{port}/#/experiments/{experiment_id}/runs?compareRunsMode=CHART"
 
 
-def landing_url(host: str, port: int, experiment_id: str, run_ids: list[str]) -> str:
-    """The chart view in MLflow's model-training mode, on the strategies' runs of one pipeline run.
+def landing_url(host: str, port: int, experiment_id: str, share_key: str | None) -> str:
+    """The chart view in MLflow's model-training mode, opened on the saved view `share_key`
+    (dllm_common/landing.py: the latest pipeline run's strategies, learning curves and evaluation first).
 
-    The UI nests child runs under their (collapsed) parent, which has no metrics, so the charts would be
-    empty until a click; it nests only when runs are sorted by creation time, so sorting by run name lays
-    the strategies' runs out flat and every chart draws one line per strategy. `run_ids` (none: every run)
-    becomes the search filter, which the user clears in the search box to see all runs."""
-    params = {"workflowType": "machine_learning", "orderByKey": "tags.`mlflow.runName`", "orderByAsc": "true"}
-    if run_ids:
-        params["searchFilter"] = "attributes.run_id IN ({})".format(", ".join(f"'{r}'" for r in run_ids))
-    return chart_view_url(host, port, experiment_id) + "&" + urlencode(params, quote_via=quote)
+    The saved view carries the runs search and sort itself: MLflow ignores a saved view whose URL also
+    names a search (`searchFilter`, `orderByKey`, ...), so the URL names none. Without a view (no pipeline
+    run yet) the page is MLflow's own chart view of every run."""
+    url = chart_view_url(host, port, experiment_id) + "&workflowType=machine_learning"
+    return url + (f"&viewStateShareKey={share_key}" if share_key else "")
 
 
 def latest_experiment(uri: str) -> str:
@@ -94,6 +91,7 @@ def mlflow_ui_command(workdir: Path, host: str, port: int) -> tuple[list[str], d
 def cmd_ui(args) -> int:
     if args.prefect:
         return prefect_ui(args)
+    from dllm_common.landing import save_landing_view
     from dllm_common.tracking import Tracking, default_tracking_uri
 
     workdir = Path(args.workdir)
@@ -101,7 +99,8 @@ def cmd_ui(args) -> int:
     uri = default_tracking_uri(workdir)
     tracking = Tracking(workdir, uri, args.experiment or latest_experiment(uri))  # marks it a training experiment
     runs = latest_strategy_runs(tracking.client, tracking.experiment_id)
-    url = landing_url(args.host, args.port or 5000, tracking.experiment_id, runs)
+    key = save_landing_view(tracking.client, tracking.experiment_id, runs) if runs else None
+    url = landing_url(args.host, args.port or 5000, tracking.experiment_id, key)
     print(f"MLflow UI for {workdir.resolve()}: {url}", flush=True)
     cmd, env = mlflow_ui_command(workdir, args.host, args.port or 5000)
     return subprocess.call(cmd, env=env)

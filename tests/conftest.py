@@ -125,7 +125,9 @@ def prefect_api(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("prefect-server")
     port = free_port()
+    # the UI it serves calls this API (left unset, the UI would call the default port's)
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env["PREFECT_UI_API_URL"] = f"http://127.0.0.1:{port}/api"
     env.pop("PREFECT_API_URL", None)
     log = home / "server.log"
     proc = subprocess.Popen(
