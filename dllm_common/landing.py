@@ -1,13 +1,14 @@
-"""The MLflow UI's first screen for a pipeline run: a saved chart view of its strategies' runs.
+"""The MLflow UI's first screen for a pipeline run: a saved chart view of its strategies' runs
+(docs/architecture.md, the tracking contract: "The UI's first screen").
 
-MLflow's experiment page can open on a view someone saved with its "Share" button: the view (the runs
-search, the chart sections and cards) is an experiment tag `mlflow.sharedViewState.<key>` holding JSON,
-and `?viewStateShareKey=<key>` in the experiment page's URL opens it (MLflow's tracking UI, "Share" a view
-of the experiment page). Left to itself the chart view makes one section per metric prefix, sorted by
-name, so the one-off `eval/*` numbers (21 charts) came before `train/` and `val/`. The view written here
-puts the learning curves first, then one bar chart per headline evaluation number (a bar per strategy),
-and keeps every other metric in collapsed sections below, where the per-budget `eval_curve/*` and the rest
-stay one click away. Pure data: no MLflow import (the caller's client writes the tag)."""
+A view saved with the "Share" button of MLflow's experiment page is an experiment tag
+`mlflow.sharedViewState.<key>` holding the view as JSON (the runs search, the chart sections and their
+cards), and `viewStateShareKey=<key>` in the page's URL opens it. Left to itself the chart view makes one
+section per metric prefix, sorted by name, so the one-off `eval/*` numbers came before `train/` and `val/`.
+The view written here puts the learning curves first, then one bar chart per headline evaluation number
+(a bar per strategy), and keeps every other metric in collapsed sections below: the per-budget
+`eval_curve/*` curves and the rest stay one click away. Pure data and client calls: no MLflow import.
+"""
 
 from __future__ import annotations
 
@@ -77,11 +78,14 @@ def landing_view(run_ids: list[str], metric_steps: dict[str, int]) -> dict:
     nested under their collapsed parent), then the chart sections. `metric_steps`: every metric key of those
     runs → its most logged points in any one run (a key logged once is a number: a bar chart)."""
     first = _uuid("section", FIRST_SECTION)
-    sections = [
-        {"uuid": first, "name": FIRST_SECTION, "display": True, "isReordered": True, "columns": 4, "cardHeight": 270}
-    ]
     charts = [_line(k, first) for k in CURVE_KEYS if k in metric_steps]
     charts += [_bar(k, first) for k in HEADLINE_KEYS if k in metric_steps]
+    # two rows of cards 270 px high: below the page's header they fit a 1600 x 1000 window
+    columns = max(4, -(-len(charts) // 2))
+    sections = [
+        {"uuid": first, "name": FIRST_SECTION, "display": True, "isReordered": True, "columns": columns},
+    ]
+    sections[0]["cardHeight"] = 270
     shown = set(CURVE_KEYS + HEADLINE_KEYS)
     rest: dict[str, list[str]] = {}
     for key in sorted(metric_steps):

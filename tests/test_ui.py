@@ -249,6 +249,9 @@ def test_the_landing_view_puts_curves_then_numbers_first(two_pipeline_runs):
     assert ("eval_curve", "LINE", "eval_curve/gen_ppl") in charts  # per budget: still a curve
     assert ("eval", "BAR", "eval/ppl_bound") in charts  # measured once: a number, below
     assert [s["display"] for s in view["compareRunSections"]] == [True, False, False, False]  # the rest collapsed
+    assert (view["compareRunSections"][0]["columns"], view["compareRunSections"][0]["cardHeight"]) == (4, 270)
+    both = landing_view([], {"train/loss": 9, "val/loss": 3, "eval/ar_nll": 1} | {k: 1 for k in ONE_OFF})
+    assert both["compareRunSections"][0]["columns"] == 5  # nine charts: still two rows
     assert save_landing_view(tracking.client, tracking.experiment_id, ids) == key  # the same view, the same key
     assert landing_view([], {"train/loss": 3})["compareRunCharts"][0]["metricKey"] == "train/loss"
     assert "searchFilter" not in landing_view([], {})
