@@ -252,6 +252,11 @@ def test_the_landing_view_puts_curves_then_numbers_first(two_pipeline_runs):
     assert (view["compareRunSections"][0]["columns"], view["compareRunSections"][0]["cardHeight"]) == (4, 270)
     both = landing_view([], {"train/loss": 9, "val/loss": 3, "eval/ar_nll": 1} | {k: 1 for k in ONE_OFF})
     assert both["compareRunSections"][0]["columns"] == 5  # nine charts: still two rows
+    many = landing_view(["r"] * 3, {"train/loss": 9} | {f"lm_eval/t{i}/acc": 1 for i in range(200)})
+    assert len(json.dumps(many, separators=(",", ":"))) < 20000  # what MLflow keeps in an experiment tag
+    assert [c["metricKey"] for c in many["compareRunCharts"]] == ["train/loss"] and len(
+        many["compareRunSections"]
+    ) == 201
     assert save_landing_view(tracking.client, tracking.experiment_id, ids) == key  # the same view, the same key
     assert landing_view([], {"train/loss": 3})["compareRunCharts"][0]["metricKey"] == "train/loss"
     assert "searchFilter" not in landing_view([], {})
