@@ -47,12 +47,13 @@ $(STAMP): pyproject.toml constraints-cpu.txt | $(PY)
 	fi
 	touch $@
 
-install: $(STAMP) chromium
+install: $(STAMP)
 
 # The browser tests (tests/test_ui.py) read what the MLflow and Prefect UIs show in a headless Chromium and are
-# skipped where there is none. Debian's `chromium` is installed here only in CI (CI=true) or when asked
-# (`make install CHROMIUM=1`), only as root with apt-get (never through sudo), and a failed install only says so.
-CHROMIUM ?= $(if $(filter true 1,$(CI)),1,)
+# skipped where there is none. `make test` installs Debian's `chromium` when it is missing, only as root with
+# apt-get (never through sudo: as another user it only says what to install); a failed install only says so.
+# CHROMIUM=0 leaves the machine alone. `make install` and the quickstart never need it.
+CHROMIUM ?= 1
 APT_CHROMIUM = DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
 chromium:
 	@if [ "$(CHROMIUM)" = 1 ] && ! command -v chromium >/dev/null 2>&1; then \
@@ -61,7 +62,7 @@ chromium:
 	    { $(APT_CHROMIUM) || { apt-get update -q && $(APT_CHROMIUM); }; } >/dev/null \
 	      || echo "chromium could not be installed: the browser tests will be skipped"; \
 	  else \
-	    echo "chromium is missing and needs root and apt-get to install: the browser tests will be skipped"; \
+	    echo "chromium is missing (Debian: apt-get install chromium, as root): the browser tests will be skipped"; \
 	  fi; \
 	fi
 
@@ -71,7 +72,7 @@ quickstart: install
 compare: install  # mdlm, scdd, hybrid, idlm, block_diffusion on one prepared dataset (~16–21 min on 2 CPU cores)
 	$(VENV)/bin/dllm-flow run configs/compare.yaml --workdir work/compare
 
-test: install  # formatter and linter first (ruff, see pyproject.toml), then the suite
+test: install chromium  # formatter and linter first (ruff, see pyproject.toml), then the suite
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=25
