@@ -40,6 +40,7 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 STRATEGIES = ("mdlm", "scdd", "hybrid", "idlm", "block_diffusion")
 # dense bf16 peak TFLOP/s by device name (no sparsity); --peak-tflops overrides
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "4090": 165.0}
+PLAN_BAND = 0.15
 FLEX_TESTS = [
     "tests/test_masks.py::test_idlm_flex_attention_matches_sdpa_on_gpu",
     "tests/test_dflash.py::test_flex_block_mask_trains_like_the_dense_mask_on_gpu",
@@ -235,8 +236,12 @@ def throughput(report: Report, device: str, smoke: bool, work: Path, peak: float
         del trainee, opt, run
         if device == "cuda":
             torch.cuda.empty_cache()
-    worst = max(abs(r[4] / r[5] - 1) for r in rows)
-    report.add("throughput and plan", True, f"{len(rows)} strategies timed; plan vs measured memory within {worst:.0%}")
+    # the band docs/planning.md states for the plan's peak memory; outside it the plan misleads a user
+    outside = [f"{r[0]} {r[4] / r[5]:.2f}" for r in rows if abs(r[4] / r[5] - 1) > PLAN_BAND]
+    detail = f"{len(rows)} strategies timed; plan ÷ measured peak memory " + (
+        f"outside ±{PLAN_BAND:.0%}: {', '.join(outside)}" if outside else f"within ±{PLAN_BAND:.0%}"
+    )
+    report.add("throughput and plan", not outside, detail)
     return rows
 
 
