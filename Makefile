@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,lmeval,speculators
+EXTRAS ?= dev,lmeval,speculators,server
 # installed without their declared dependencies (see pyproject.toml): speculators + hs-connectors are the
 # independent DFlash implementation the tests check exported drafts against (its imports: the `speculators` extra;
 # they need Python 3.11+, so on 3.10 they are left out and those two tests skipped)
@@ -80,7 +80,7 @@ test: install chromium  # formatter and linter first (ruff, see pyproject.toml),
 	$(PY) -m pytest -q --durations=25
 
 # ---- operations: Prefect + MLflow servers, work pools, deployments, workers (see deployments/prefect.yaml)
-server: install  # Prefect server (:4200) and MLflow server (:5000) on 127.0.0.1, until Ctrl-C
+server: install  # Prefect server (:4200) and MLflow server (:5000) on 127.0.0.1, until Ctrl-C; DB=postgres [DB_URL=...], SERVER_HOST=
 	deployments/serve.sh
 
 # each gpu worker runs GPU_SLOTS trainings at a time (1: one per worker); the pool runs as many as it has

