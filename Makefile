@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,lmeval,speculators
+EXTRAS ?= dev,lmeval,speculators,server
 # installed without their declared dependencies (see pyproject.toml): speculators + hs-connectors are the
 # independent DFlash implementation the tests check exported drafts against (its imports: the `speculators` extra;
 # they need Python 3.11+, so on 3.10 they are left out and those two tests skipped)
@@ -29,7 +29,9 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 DLLM_PREFECT_API ?= http://127.0.0.1:4200/api
-PREFECT := DLLM_FLOW_ROOT=$(CURDIR) PREFECT_API_URL=$(DLLM_PREFECT_API) $(VENV)/bin/prefect
+# with the team server's credentials when they are set (DLLM_SERVER_USER/PASSWORD or DLLM_SERVER_AUTH_FILE)
+WITH_CREDENTIALS := $(PY) -m dllm_common.credentials exec
+PREFECT := DLLM_FLOW_ROOT=$(CURDIR) PREFECT_API_URL=$(DLLM_PREFECT_API) $(WITH_CREDENTIALS) $(VENV)/bin/prefect
 
 .PHONY: install chromium quickstart compare test clean server deploy worker-cpu worker-gpu
 
@@ -80,7 +82,7 @@ test: install chromium  # formatter and linter first (ruff, see pyproject.toml),
 	$(PY) -m pytest -q --durations=25
 
 # ---- operations: Prefect + MLflow servers, work pools, deployments, workers (see deployments/prefect.yaml)
-server: install  # Prefect server (:4200) and MLflow server (:5000) on 127.0.0.1, until Ctrl-C
+server: install  # Prefect server (:4200) and MLflow server (:5000) on 127.0.0.1, until Ctrl-C; DB=postgres [DB_URL=...], SERVER_HOST=
 	deployments/serve.sh
 
 # each gpu worker runs GPU_SLOTS trainings at a time (1: one per worker); the pool runs as many as it has
@@ -93,7 +95,7 @@ deploy: install  # work pools cpu + gpu (process), then every deployment
 	$(PREFECT) --no-prompt work-pool create gpu --type process --overwrite
 	$(if $(GPU_POOL_LIMIT),$(PREFECT) --no-prompt work-pool set-concurrency-limit gpu $(GPU_POOL_LIMIT),$(PREFECT) --no-prompt work-pool clear-concurrency-limit gpu)
 	$(PREFECT) --no-prompt deploy --all --prefect-file deployments/prefect.yaml
-	PREFECT_API_URL=$(DLLM_PREFECT_API) $(PY) deployments/zombie_automation.py
+	PREFECT_API_URL=$(DLLM_PREFECT_API) $(WITH_CREDENTIALS) $(PY) deployments/zombie_automation.py
 
 worker-cpu: install  # runs pipelines
 	$(PREFECT) worker start --pool cpu --type process

