@@ -98,6 +98,28 @@ def wait_http(url: str, proc, log: Path, seconds: int = 240) -> None:
         time.sleep(1)
 
 
+def stack_env(tmp_path: Path, prefect_port: int, mlflow_port: int, **extra: str) -> dict:
+    """The environment `make server`, `make deploy` and the workers run with in the operations tests: the
+    servers' state, ports and this venv's binaries under tmp_path, workers polling every 2 s, no PREFECT_API_URL
+    inherited from the caller."""
+    import os
+    import sys
+
+    env = {
+        **os.environ,
+        "DLLM_SERVER_DIR": str(tmp_path / "server"),
+        "PREFECT_PORT": str(prefect_port),
+        "MLFLOW_PORT": str(mlflow_port),
+        "VENV_BIN": str(Path(sys.executable).parent),
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_HOME": str(tmp_path / "client-prefect-home"),
+        "PREFECT_LOGGING_LEVEL": "INFO",
+        **extra,
+    }
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
 def stop_group(proc) -> None:
     """Stop a process started with start_new_session=True, and everything it spawned."""
     import os

@@ -15,7 +15,6 @@ and it has a login (DLLM_SERVER_USER/PASSWORD): requests without it are refused,
 and the pipelines, given the same variables, authenticate."""
 
 import json
-import os
 import secrets
 import shutil
 import subprocess
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port, stop_group, wait_http
+from conftest import ROOT, free_port, stack_env, stop_group, wait_http
 
 pytestmark = pytest.mark.slow
 
@@ -37,17 +36,7 @@ def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path, backend, monke
     prefect_port, mlflow_port = free_port(), free_port()
     api = f"http://127.0.0.1:{prefect_port}/api"
     mlflow_url = f"http://127.0.0.1:{mlflow_port}"
-    env = {
-        **os.environ,
-        "DLLM_SERVER_DIR": str(tmp_path / "server"),
-        "PREFECT_PORT": str(prefect_port),
-        "MLFLOW_PORT": str(mlflow_port),
-        "VENV_BIN": str(VENV / "bin"),
-        "PREFECT_WORKER_QUERY_SECONDS": "2",
-        "PREFECT_HOME": str(tmp_path / "client-prefect-home"),
-        "PREFECT_LOGGING_LEVEL": "INFO",
-    }
-    env.pop("PREFECT_API_URL", None)
+    env = stack_env(tmp_path, prefect_port, mlflow_port)
     pg_data = None
     if backend == "postgres":
         # not under tmp_path: as root PostgreSQL runs as `nobody`, who must be able to enter every parent folder

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, free_port, stop_group
+from conftest import ROOT, free_port, stack_env, stop_group
 
 pytestmark = pytest.mark.slow
 
@@ -166,18 +166,7 @@ def test_a_gpu_worker_on_another_host_trains_a_pipeline_submitted_here(hosts, tm
     A, B = hosts["A"], hosts["B"]
     prefect_port, mlflow_port = free_port(), free_port()
     api, mlflow_url = f"http://{A[1]}:{prefect_port}/api", f"http://{A[1]}:{mlflow_port}"
-    env = {
-        **os.environ,
-        **QUIET,
-        "DLLM_SERVER_DIR": str(tmp_path / "server"),
-        "PREFECT_PORT": str(prefect_port),
-        "MLFLOW_PORT": str(mlflow_port),
-        "VENV_BIN": str(VENV / "bin"),
-        "PREFECT_WORKER_QUERY_SECONDS": "2",
-        "PREFECT_HOME": str(tmp_path / "client-prefect-home"),
-        "PREFECT_LOGGING_LEVEL": "INFO",
-    }
-    env.pop("PREFECT_API_URL", None)
+    env = stack_env(tmp_path, prefect_port, mlflow_port, **QUIET)
     make = ["make", "-o", "install", f"VENV={VENV}", f"DLLM_PREFECT_API={api}"]
     procs = []
 
