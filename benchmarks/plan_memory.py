@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-STRATEGIES = ("mdlm", "scdd", "hybrid", "idlm", "block_diffusion", "dflash")
+# block_diffusion is transformers' DiffusionGemma (its default); `block_diffusion:stack` its shape over a causal LM
+STRATEGIES = ("mdlm", "scdd", "hybrid", "idlm", "block_diffusion", "block_diffusion:stack", "dflash")
 # (hidden, layers, heads, vocabulary, sequence, rows per micro-batch, micro-batches, precision); the planner traces a
 # model deeper than 4 layers with 3 and extends the timeline to its depth
 SIZES = {
@@ -75,7 +76,7 @@ def prepare(work: Path, size: str) -> None:
     word_tokenizer(vocab, work / "data" / "tokenizer")
 
 
-def spec_for(name: str, size: str, fused: bool, ckpt: bool, work: Path):
+def spec_for(name: str, size: str, fused: bool, ckpt: bool, work: Path, architecture: str = ""):
     from strategies.options import validate_config
 
     hidden, layers, heads, vocab, seq, rows, micro, precision = SIZES[size]
@@ -94,8 +95,8 @@ def spec_for(name: str, size: str, fused: bool, ckpt: bool, work: Path):
         },
         "dllm": {"mask_token_id": vocab - 1},
     }
-    if name == "block_diffusion":  # the plan models its stack shape, not DiffusionGemma yet (docs/planning.md)
-        raw["dllm"]["architecture"] = "stack"
+    if architecture:
+        raw["dllm"]["architecture"] = architecture
     if name == "dflash":
         raw["model"]["num_layers"] = DRAFT_LAYERS
         raw["dflash"] = {
@@ -157,8 +158,8 @@ def measure(spec, name: str, work: Path, inputs: dict) -> tuple[int, int, int]:
     run = LoopRun(trainee, trainee.model, opt, sched, None, None, "cpu")
     settings = LoopSettings.of(spec.train, name)
     t = spec.train
-    vocab = trainee.model.config.vocab_size if hasattr(trainee.model.config, "vocab_size") else None
-    vocab = vocab or trainee.strategy.target.config.vocab_size
+    config = getattr(trainee.strategy, "target", trainee.model).config  # a DFlash draft's vocabulary: its target's
+    vocab = config.get_text_config().vocab_size
     mbs = [
         synthetic_rows(spec, name, t.micro_batch_size, vocab, spec.train.seed)
         for _ in range(t.global_batch_size // t.micro_batch_size)
@@ -227,11 +228,12 @@ def main() -> None:
         )
         for size_name in args.sizes.split(","):
             prepare(work, size_name)
-            for name in args.strategies.split(","):
+            for case in args.strategies.split(","):
+                name, _, architecture = case.partition(":")
                 cls = strategy_class(name)
                 for fused in (True, False) if cls.trains == "denoiser" else (True,):
                     for ckpt in (False, True) if cls.supports_activation_checkpointing else (False,):
-                        spec = spec_for(name, size_name, fused, ckpt, work)
+                        spec = spec_for(name, size_name, fused, ckpt, work, architecture)
                         inputs = dflash_inputs(spec, size_name, work) if cls.trains == "draft" else {}
                         p = plan_strategy(spec, name, cpu, variants=False)
                         held_pred = p.resident.weights + p.resident.optimizer + p.resident.frozen
@@ -245,7 +247,7 @@ def main() -> None:
                         if cls.trains == "draft":
                             settings = "draft, cached features"
                         print(
-                            f"| {name} | {size_name} | {settings} | {size(p.peak)} | {size(held + step)} "
+                            f"| {case} | {size_name} | {settings} | {size(p.peak)} | {size(held + step)} "
                             f"| {total_ratio:.3f} | {size(p.peak - held_pred)} | {size(step)} | {step_ratio:.3f} "
                             f"| {flops_ratio:.4f} |",
                             flush=True,

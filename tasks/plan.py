@@ -52,7 +52,7 @@ from strategies.models import (
     resolve_model_path,
     wrap_for_architecture,
 )
-from strategies.options import resolve_options
+from strategies.options import model_shape, resolve_options
 from tasks import dflash_setup
 from tasks.common import StageRef
 from tasks.distributed import DistInfo
@@ -60,7 +60,7 @@ from tasks.loop import run_step, step_context
 from tasks.prepare_data import load_tokenizer
 from tasks.runtime import Trainee
 from tasks.target import _new_target
-from tasks.trainee import tiny_config
+from tasks.trainee import model_architecture, tiny_config
 
 aten = torch.ops.aten
 GB = 1e9
@@ -85,11 +85,21 @@ def _cpu_attention_backward_flops(grad_out, query, key, value, *args, out_shape=
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
-# PyTorch's counter knows the CUDA attention kernels; these are the same formulas for the CPU kernel the trace
-# (and a CPU training step) runs. `torch.utils.flop_counter.FlopCounterMode(custom_mapping=...)` takes them as is.
+def _grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
+    """A mixture of experts' grouped matmul: each group multiplies its own rows, so the work is that of one matmul
+    over all rows. 2-D × 2-D (a weight gradient, groups along the contracted dimension) gives one [K, N] per group."""
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * math.prod(out_shape) * a[-1]
+
+
+# PyTorch's counter knows the CUDA attention kernels but neither the CPU one the trace (and a CPU training step)
+# runs nor the experts' grouped matmul; these are their formulas. `torch.utils.flop_counter.FlopCounterMode(
+# custom_mapping=...)` takes them as is.
 CPU_ATTENTION_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+    aten._grouped_mm: _grouped_mm_flops,
 }
 
 
@@ -106,7 +116,7 @@ def _count_flops(func, args, kwargs, out) -> int:
     if own is None:
         return 0
     shapes = [_shape(a) for a in args]
-    return int(own(*shapes, out_shape=None))
+    return int(own(*shapes, out_shape=_shape(out)))
 
 
 # internal scratch an operator allocates and frees inside its kernel (invisible to a fake run): logsumexp
@@ -165,13 +175,24 @@ class _Tracer(FakeTensorMode):
             self._depth -= 1
 
     def _traced(self, func, types, args, kwargs):
-        if not any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs))):
+        # real work is an operator the step calls on real tensors; inside a fake operator's decomposition (depth > 1)
+        # its parts stay fake, or a tensor it allocates and fills from fake data would be real and uninitialized
+        if self._depth == 1 and not any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs))):
             return self._real_work(func, types, args, kwargs)
         if func is aten._local_scalar_dense.default:
             return self._scalar(args[0])
         if func in _INDEXED:
             args = (args[0], _index_list(args[1]), *args[2:])
+        if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            return self._grouped_mm(types, args, kwargs)
         return super().dispatch(func, types, args, kwargs)
+
+    def _grouped_mm(self, types, args, kwargs):
+        """The experts' grouped matmul in fp32: the CPU kernel runs it, but its fake kernel accepts bf16 only. Its
+        shape is found in bf16 (uncounted, inside this operator) and the result is in the inputs' dtype."""
+        dtype = args[0].dtype
+        low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        return super().dispatch(aten._grouped_mm.default, types, tuple(low), kwargs).to(dtype)
 
     def _real_work(self, func, types, args, kwargs):
         try:
@@ -348,6 +369,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The repeated layers of a backbone (in a strategy's wrapper or not) or of a DFlash draft."""
     lm = backbone_lm(model)
     layers = getattr(lm, "layers", None)
+    if layers is None and hasattr(lm.model, "decoder"):  # DiffusionGemma: the encoder's layers are the same ones
+        return lm.model.decoder.layers
     return layers if layers is not None else lm.model.layers
 
 
@@ -356,6 +379,7 @@ class _Stub:
 
     def __init__(self, size: int, mask_token_id: int | None):
         self.size, self.mask_token_id, self.pad_token_id, self.eos_token_id = size, mask_token_id, 0, 1
+        self.bos_token_id = None
 
     def __len__(self) -> int:
         return self.size
@@ -380,18 +404,41 @@ class _Builder:
         self.spec, self.name, self.tracer = spec, name, tracer
         self.cls = strategy_class(name)
         self.options = resolve_options(spec, name)
-        # block_diffusion's DiffusionGemma shape is not modelled yet: its causal-LM stack of the same size stands in
-        self.stand_in = getattr(self.options, "architecture", None) == "diffusion_gemma"
-        if self.stand_in:
-            self.options = self.options.model_copy(update={"architecture": "stack"})
+        # a shape that is a transformers model of its own (block_diffusion's DiffusionGemma) is built as training
+        # builds it, and traced at its full depth: its layers differ (sliding and full attention, wider global heads)
+        architecture = model_architecture(name, self.options)
+        shape = model_shape(architecture) if architecture is not None else None
+        self.own_model = shape if hasattr(shape, "from_model_spec") else None
         self.vocab = vocab_size(spec) if spec.model.kind == "tiny" or self.cls.trains == "draft" else None
         self.draft = self.cls.trains == "draft"
-        self._config = None if self.draft else model_config(spec, self.vocab or 0)
+        self._config = None
+        if self.own_model is not None:
+            self._config = self._own_config()
+        elif not self.draft:
+            self._config = model_config(spec, self.vocab or 0)
         if self._config is not None and self.vocab is None:
-            self.vocab = int(self._config.vocab_size)
-        self.depth = self._config.num_hidden_layers if self._config is not None else None
+            self.vocab = int(self._config.get_text_config().vocab_size)
+        full_depth = self._config is None or self.own_model is not None
+        self.depth = None if full_depth else self._config.num_hidden_layers
         self.deferrable = False  # whether the fused head applies: a plain linear LM head (a draft has none)
         self.frozen: nn.Module | None = None
+
+    def _own_config(self):
+        """The config of a model that builds itself: sized from `model:` (tiny), or a checkpoint's config.json."""
+        m = self.spec.model
+        if m.kind == "tiny":  # the module it sizes, built fake for its config
+            with self.tracer:
+                stub = _Stub(self.vocab, _mask_id(self.options, self.vocab))
+                return self.own_model.from_model_spec(self.spec, stub, self.options, 0).config
+        config = pretrained_config(m.path, "model.path", m.trust_remote_code)
+        expected = getattr(self.own_model, "config_class", None)
+        if expected is not None and config.model_type != expected.model_type:
+            raise ConfigError(
+                f"model.path {m.path!r} is a {config.model_type!r} checkpoint, not a {expected.model_type!r} one: "
+                "to turn a causal LM into a block-diffusion model set dllm.architecture: stack"
+            )
+        config._attn_implementation = m.attn_implementation
+        return config
 
     def supports(self, checkpointing: bool) -> bool:
         return not checkpointing or self.cls.supports_activation_checkpointing
@@ -405,7 +452,10 @@ class _Builder:
     def _denoiser(self, fused: bool, checkpointing: bool, layers: int | None) -> Trainee:
         spec, m = self.spec, self.spec.model
         config = self._config if layers is None else _truncated(self._config, layers)
-        if m.kind == "tiny":
+        if self.own_model is not None:
+            with _default_dtype(getattr(torch, m.dtype) if m.kind == "pretrained" else torch.float32):
+                model = self.own_model.from_config(config)
+        elif m.kind == "tiny":
             model = build_model(config, spec.train.seed)
         else:
             native = m.trust_remote_code and getattr(config, "auto_map", None)
@@ -419,7 +469,7 @@ class _Builder:
         if checkpointing:
             enable_activation_checkpointing(model)
         mask_id = _mask_id(self.options, self.vocab)
-        if getattr(model.config, "dllm_attention", None) != NATIVE:
+        if self.own_model is None and getattr(model.config, "dllm_attention", None) != NATIVE:
             model = wrap_for_architecture(model, self.cls.model_architecture, mask_token_id=mask_id)
         built = assemble_strategy(self.name, self.options, model, _Stub(self.vocab, mask_id))
         head = make_head_deferrable(model, spec.train.head_chunk_rows) if fused else False
@@ -671,7 +721,8 @@ class Resident:
             # module's weights unsharded (not resharded between forward and backward) and their gradients until the
             # end of backward, two decoder layers' all-gathered weights (the current one and the prefetched one)
             # and one layer's unsharded gradients before they are reduce-scattered
-            layers = list(decoder_layers(model))
+            # a model whose layers two modules run (`shares_layers`) is one root unit (`shard_fsdp2`): all of it
+            layers = [] if getattr(model, "shares_layers", False) else list(decoder_layers(model))
             layer_w = max((_nbytes(layer.parameters()) for layer in layers), default=0)
             layer_g = max((_nbytes(p for p in layer.parameters() if p.requires_grad) for layer in layers), default=0)
             root_w = weights - sum(_nbytes(layer.parameters()) for layer in layers)
@@ -751,11 +802,6 @@ def plan_strategy(
     for variant in VARIANTS if variants else ():
         activations(*variant)
     notes = []
-    if planner.builder.stand_in:
-        notes.append(
-            "planned as its `stack` shape (a causal LM of the same model: size): the DiffusionGemma shape "
-            "(dllm.architecture: diffusion_gemma, the default) is not modelled yet"
-        )
     if chosen[1] != t.activation_checkpointing:
         notes.append("train.activation_checkpointing does not apply to it: planned without")
     if chosen[0] != t.fused_head:

@@ -42,7 +42,8 @@ CASES = [
     ("scdd", False, False),
     ("hybrid", True, True),
     ("idlm", False, True),
-    ("block_diffusion", True, False),
+    ("block_diffusion", True, False),  # transformers' DiffusionGemma (its default), a routed expert per layer
+    ("block_diffusion:stack", False, False),
     ("dflash", True, False),
 ]
 
@@ -51,7 +52,8 @@ CASES = [
 def test_the_plan_is_what_a_real_cpu_step_allocates_and_counts(xs, name, fused, ckpt):
     """The predicted peak against the CPU allocator's events of a real step; the counted FLOPs against PyTorch's
     own counter over the real step's operations."""
-    spec = BENCH.spec_for(name, "xs", fused, ckpt, xs)
+    name, _, architecture = name.partition(":")
+    spec = BENCH.spec_for(name, "xs", fused, ckpt, xs, architecture)
     inputs = BENCH.dflash_inputs(spec, "xs", xs) if name == "dflash" else {}
     predicted = plan.plan_strategy(spec, name, CPU, variants=False, sizing=False)
     held, step, counted = BENCH.measure(spec, name, xs, inputs)
@@ -62,6 +64,25 @@ def test_the_plan_is_what_a_real_cpu_step_allocates_and_counts(xs, name, fused, 
     assert predicted.peak - (r.weights + r.optimizer + r.frozen) == pytest.approx(step, rel=0.05)
     tokens = spec.data.seq_len * spec.train.micro_batch_size
     assert predicted.flops_per_token * tokens == pytest.approx(counted, rel=1e-6)
+
+
+def test_an_experts_grouped_matmul_counts_as_the_matmul_it_replaces():
+    """One expert's grouped matmul is an ordinary matmul: forward and backward (input and weight gradients) count
+    the same FLOPs as `x @ w` under PyTorch's own counter (which has no formula for the grouped one)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w = torch.randn(12, 8, requires_grad=True), torch.randn(1, 8, 4, requires_grad=True)
+    offsets = torch.tensor([12], dtype=torch.int32)
+
+    def counted(fn) -> int:
+        counter = FlopCounterMode(display=False, custom_mapping=plan.CPU_ATTENTION_FLOPS)
+        with counter:
+            fn().backward(torch.ones(12, 4))  # a contiguous gradient (the kernel refuses stride 0)
+        return counter.get_total_flops()
+
+    grouped = counted(lambda: torch._grouped_mm(x, w, offs=offsets))
+    assert grouped == counted(lambda: x @ w[0]) == 3 * 2 * 12 * 8 * 4
+    torch.testing.assert_close(torch._grouped_mm(x, w, offs=offsets), x @ w[0])
 
 
 def test_mdlm_flops_follow_the_closed_form(xs):
@@ -147,6 +168,36 @@ def test_a_pretrained_config_is_read_without_its_weights():
     r = plan.Resident.of(model, None, plan.layout(spec, 8), "cuda")
     rotary = 2 * 4 * (4096 // 32 // 2)  # inv_freq and its original copy: fp32 buffers, whole on every rank
     assert r.weights == math.ceil(8_030_261_248 * 4 / 8) + rotary
+
+
+def test_a_diffusion_gemma_checkpoint_is_planned_from_its_config(tmp_path):
+    """block_diffusion's default model from a checkpoint folder holding config.json alone: the plan's module has the
+    real module's parameters, and under FSDP2 its working set is all of them (one root unit: `shard_fsdp2`). A
+    causal LM's folder is one error naming the shape that takes it."""
+    from strategies.block_diffusion.gemma import DiffusionGemmaCanvas
+    from strategies.models import tiny_diffusion_gemma_config
+
+    config = tiny_diffusion_gemma_config(
+        512, 64, 32, 3, 4, 2, None, num_experts=2, top_k_experts=1, moe_intermediate_size=None, canvas_length=8
+    )
+    config.save_pretrained(tmp_path / "dg")
+    real = sum(p.numel() for p in DiffusionGemmaCanvas(config).parameters())
+    raw = {
+        "pipeline": {"strategies": ["block_diffusion"]},
+        "model": {"kind": "pretrained", "path": str(tmp_path / "dg")},
+        "train": {"global_batch_size": 4, "micro_batch_size": 2, "parallel": "fsdp2"},
+        "dllm": {"mask_token_id": 511},
+    }
+    spec = validate_config(raw)
+    model, _ = plan._Planner(spec, "block_diffusion").full_model()
+    assert sum(p.numel() for p in model.parameters()) == real
+    r = plan.Resident.of(model, None, plan.layout(spec, 2), "cuda")
+    assert r.working == plan._nbytes(model.parameters()) + plan._nbytes(p for p in model.parameters() if p.requires_grad)
+    assert plan.plan_strategy(spec, "block_diffusion", plan.Cluster(2), variants=False).peak > r.working
+
+    spec = validate_config({**raw, "model": {"kind": "pretrained", "path": str(ROOT / "configs/models/llama-3-8b")}})
+    with pytest.raises(ConfigError, match="not a 'diffusion_gemma' one: .* set dllm.architecture: stack"):
+        plan._Planner(spec, "block_diffusion")
 
 
 def test_a_hub_id_not_in_the_local_cache_is_one_clear_error():
