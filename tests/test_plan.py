@@ -192,7 +192,8 @@ def test_a_diffusion_gemma_checkpoint_is_planned_from_its_config(tmp_path):
     model, _ = plan._Planner(spec, "block_diffusion").full_model()
     assert sum(p.numel() for p in model.parameters()) == real
     r = plan.Resident.of(model, None, plan.layout(spec, 2), "cuda")
-    assert r.working == plan._nbytes(model.parameters()) + plan._nbytes(p for p in model.parameters() if p.requires_grad)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert r.working == plan._nbytes(model.parameters()) + plan._nbytes(trained)
     assert plan.plan_strategy(spec, "block_diffusion", plan.Cluster(2), variants=False).peak > r.working
 
     spec = validate_config({**raw, "model": {"kind": "pretrained", "path": str(ROOT / "configs/models/llama-3-8b")}})
