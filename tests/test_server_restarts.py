@@ -46,7 +46,8 @@ class TeamServer:
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=check)
 
     def _start_postgres(self) -> subprocess.Popen:
-        cmd = [sys.executable, "deployments/postgres.py", "serve", "--data", str(self.data), "--port", str(self.pg_port)]
+        cmd = [sys.executable, "deployments/postgres.py", "serve", "--data", str(self.data)]
+        cmd += ["--port", str(self.pg_port)]
         log = open(self.tmp / "postgres.log", "a")
         return subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
 
