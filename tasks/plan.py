@@ -612,7 +612,11 @@ class _Planner:
         training), gradients freed as they are made unless `keep_grads`."""
         b = self.builder
         depth = b.depth
-        layers = TRACED_LAYERS if depth is not None and depth > TRACED_LAYERS + 1 else None
+        # a step of several micro-batches is traced at full depth: what a layer allocates and the end of the
+        # micro-batch frees all at once (bf16 autocast's weight casts) would be freed for 3 layers only, and the
+        # extended level would drift up by the other layers' share with every micro-batch
+        deep = depth is not None and depth > TRACED_LAYERS + 1
+        layers = TRACED_LAYERS if deep and micro_batches == 1 else None
         trainee = b.build(shape.fused_head, shape.checkpointing, layers)
         model, tracer = trainee.model, self.tracer
         params = [p for p in model.parameters() if p.requires_grad]

@@ -128,6 +128,15 @@ def test_three_traced_layers_extend_to_the_full_depth(monkeypatch, name, fused, 
     assert planner.trace(shape, keep_grads=keep) == extended
 
 
+def test_more_micro_batches_do_not_add_activations():
+    """Under bf16 autocast each micro-batch's weight casts are freed when it ends: four micro-batches peak where one
+    does (a 3-layer trace extended to 7 layers predicted 19 % more, the casts of 4 layers left over per micro-batch)."""
+    planner = plan._Planner(_tiny("idlm", global_batch_size=8, precision="bf16"), "idlm")
+    shape = plan.Shape(True, True, 2)
+    one, four = planner.trace(shape).peak, planner.trace(shape, micro_batches=4).peak
+    assert one <= four <= 1.01 * one
+
+
 def test_the_largest_micro_batch_is_the_last_that_fits():
     spec = _tiny("mdlm", layers=2)
     at_two = plan.plan_strategy(spec, "mdlm", CPU, variants=False)
