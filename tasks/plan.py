@@ -426,17 +426,13 @@ class _Builder:
     def _own_config(self):
         """The config of a model that builds itself: sized from `model:` (tiny), or a checkpoint's config.json."""
         m = self.spec.model
-        if m.kind == "tiny":  # the module it sizes, built fake for its config
-            with self.tracer:
-                stub = _Stub(self.vocab, _mask_id(self.options, self.vocab))
-                return self.own_model.from_model_spec(self.spec, stub, self.options, 0).config
+        if m.kind == "tiny":
+            return self.own_model.tiny_config(self.spec, _Stub(self.vocab, None), self.options)
         config = pretrained_config(m.path, "model.path", m.trust_remote_code)
-        expected = getattr(self.own_model, "config_class", None)
-        if expected is not None and config.model_type != expected.model_type:
-            raise ConfigError(
-                f"model.path {m.path!r} is a {config.model_type!r} checkpoint, not a {expected.model_type!r} one: "
-                "to turn a causal LM into a block-diffusion model set dllm.architecture: stack"
-            )
+        try:
+            self.own_model.check_checkpoint_config(config, m.path)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         config._attn_implementation = m.attn_implementation
         return config
 

@@ -206,7 +206,7 @@ def test_a_diffusion_gemma_checkpoint_is_planned_from_its_config(tmp_path):
     assert plan.plan_strategy(spec, "block_diffusion", plan.Cluster(2), variants=False).peak > r.working
 
     spec = validate_config({**raw, "model": {"kind": "pretrained", "path": str(ROOT / "configs/models/llama-3-8b")}})
-    with pytest.raises(ConfigError, match="not a 'diffusion_gemma' one: .* set dllm.architecture: stack"):
+    with pytest.raises(ConfigError, match="not a DiffusionGemma one: .* set dllm.architecture: stack"):
         plan._Planner(spec, "block_diffusion")
 
 

@@ -80,30 +80,39 @@ class DiffusionGemmaCanvas(DiffusionGemmaForBlockDiffusion):
         DiffusionGemma checkpoint at `model.path`."""
         m = spec.model
         if m.kind == "tiny":
-            ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-            ids["bos_token_id"] = tokenizer.bos_token_id
-            config = tiny_diffusion_gemma_config(
-                *tiny_shape(spec, len(tokenizer)),
-                num_experts=options.num_experts,
-                top_k_experts=options.top_k_experts,
-                moe_intermediate_size=options.moe_intermediate_size,
-                canvas_length=options.block_size,
-                token_ids={k: v for k, v in ids.items() if v is not None},
-                attn_implementation=m.attn_implementation,
-            )
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                return cls(config)
+                return cls(cls.tiny_config(spec, tokenizer, options))
         path = resolve_model_path(m.path)
         if m.gguf_file:
             raise ValueError("model.gguf_file: a DiffusionGemma checkpoint is read from safetensors; unset it")
-        found = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code).model_type
-        if found != "diffusion_gemma":
-            raise ValueError(
-                f"model.path {m.path!r} is a {found!r} checkpoint, not a DiffusionGemma one: to turn a causal LM "
-                "into a block-diffusion model set dllm.architecture: stack"
-            )
+        cls.check_checkpoint_config(AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code), m.path)
         return cls.from_pretrained(path, dtype=getattr(torch, m.dtype), attn_implementation=m.attn_implementation)
+
+    @classmethod
+    def tiny_config(cls, spec, tokenizer, options):
+        """The tiny DiffusionGemma `model:` sizes, with `options`' experts and `tokenizer`'s special ids (also what
+        `dllm-flow plan` builds from)."""
+        ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+        ids["bos_token_id"] = tokenizer.bos_token_id
+        return tiny_diffusion_gemma_config(
+            *tiny_shape(spec, len(tokenizer)),
+            num_experts=options.num_experts,
+            top_k_experts=options.top_k_experts,
+            moe_intermediate_size=options.moe_intermediate_size,
+            canvas_length=options.block_size,
+            token_ids={k: v for k, v in ids.items() if v is not None},
+            attn_implementation=spec.model.attn_implementation,
+        )
+
+    @staticmethod
+    def check_checkpoint_config(config, path: str) -> None:
+        """A checkpoint this shape loads is a DiffusionGemma one; another is one error naming the shape for it."""
+        if config.model_type != "diffusion_gemma":
+            raise ValueError(
+                f"model.path {path!r} is a {config.model_type!r} checkpoint, not a DiffusionGemma one: to turn a "
+                "causal LM into a block-diffusion model set dllm.architecture: stack"
+            )
 
     # ------------------------------------------------------------------ the canvas call
 
