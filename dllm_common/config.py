@@ -115,6 +115,7 @@ class TokenizerConfig(_Section):
     path: str | None = None  # local dir or hub id for kind=pretrained
     gguf_file: str | None = None  # a GGUF file inside `path` (transformers reads its tokenizer)
     trust_remote_code: bool = False
+    allow_mask_alias: bool = False  # true: a [MASK] id that is also the EOS or PAD id is trained with (mask_alias.py)
 
     @model_validator(mode="after")
     def _path_needed(self) -> TokenizerConfig:
@@ -487,6 +488,16 @@ class PipelineSpec(_Section):
                 "an imported DFlash draft to evaluate); that needs model.kind: pretrained and model.path, or set "
                 "train.steps to at least 1"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _mask_is_not_eos_or_pad(self) -> PipelineSpec:
+        from dllm_common.mask_alias import config_mask_alias_problem
+
+        d = self.dllm
+        problem = config_mask_alias_problem(self.tokenizer, d.shared(), d.overrides, self.pipeline.strategies)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

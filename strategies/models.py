@@ -150,6 +150,32 @@ def tiny_diffusion_gemma_config(
     return config
 
 
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def tokenizer_token_ids(tokenizer) -> dict[str, int | None]:
+    """The tokenizer's own BOS/EOS/PAD ids, None where it has none."""
+    return {k: getattr(tokenizer, k, None) for k in SPECIAL_TOKEN_IDS}
+
+
+def set_token_ids(config, tokenizer, mask_token_id: int | None = None) -> None:
+    """Name the tokenizer's BOS/EOS/PAD ids (None where it has none) on a built model's config and its text
+    config, and the [MASK] id where the strategy has one (`mask_token_id`), so every folder saved from the model
+    says what its tokenizer says (a tiny Llama config otherwise keeps transformers' defaults, BOS 1 and EOS 2).
+    A config that already lists several EOS ids, the tokenizer's among them (a pretrained model's), keeps its
+    list. Set after the model is built: a config's `pad_token_id` becomes the embedding's `padding_idx` (a row
+    initialized to zero and never trained), which must not change what trains."""
+    ids = tokenizer_token_ids(tokenizer)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for cfg in {id(c): c for c in (config, text)}.values():
+        for key, value in ids.items():
+            current = getattr(cfg, key, None)
+            if not (isinstance(current, list) and value in current):
+                setattr(cfg, key, value)
+        if mask_token_id is not None:
+            cfg.mask_token_id = int(mask_token_id)
+
+
 def build_model(config, seed: int, dllm_attention: str = BIDIRECTIONAL_MASK) -> nn.Module:
     """Instantiate a causal-LM module from a config with a deterministic init."""
 

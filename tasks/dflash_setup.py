@@ -24,11 +24,11 @@ from strategies.dflash.blocks import _build_target_layer_ids
 from strategies.dflash.config import DFlashDraftConfig, read_draft_config
 from strategies.dflash.draft import DFlashDraftModel
 from strategies.dflash.features import CachedFeatures, OnlineFeatures
-from strategies.models import model_from_config_dir, resolve_model_path
+from strategies.models import model_from_config_dir, resolve_model_path, tokenizer_token_ids
 from strategies.options import resolve_options
 from strategies.registry import AssembledStrategy, candidate_mask_token_id
 from tasks.common import StageRef
-from tasks.prepare_data import load_tokenizer
+from tasks.prepare_data import load_tokenizer, refuse_mask_alias
 from tasks.runtime import Trainee
 
 
@@ -252,6 +252,9 @@ def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, in
         mask_id = candidate_mask_token_id(options, tokenizer)
         _check_mask_row(mask_id, target)
         draft = _new_draft(spec, target, inputs["target"], options.block_size, mask_id, options.copy_hint)
+    refuse_mask_alias(spec, tokenizer, {f"the mask token id train[{name}] resolves": mask_id})
+    for key, value in tokenizer_token_ids(tokenizer).items():  # the tokenizer's, whatever the target's config says
+        setattr(draft.config, key, value)
     cache = CachedFeatures(features_dir(inputs["features"])) if "features" in inputs else None
     built = draft_strategy(name, options, draft, target, mask_token_id=mask_id, cache=cache)
     return Trainee(

@@ -61,7 +61,7 @@ from dllm_common.checkpoint import (
 from dllm_common.store import MANIFEST, StageEntry, Store, fsync_tree, refuse_published, sha256_file
 from strategies import strategy_class
 from strategies.dflash.config import LEGACY_CONFIG, is_draft_dir, read_draft_config
-from strategies.models import merge_lora, model_from_config_dir
+from strategies.models import merge_lora, model_from_config_dir, tokenizer_token_ids
 from strategies.options import model_shape
 from strategies.sampling import SamplerConfig
 from tasks.checkpoints import check_vocabulary, checkpoint_options
@@ -258,13 +258,15 @@ def _is_sharded(tensors: dict[str, torch.Tensor], max_shard_size: int | str) -> 
     return split_torch_state_dict_into_shards(dedupe_tensors(tensors), max_shard_size=max_shard_size).is_sharded
 
 
-def _token_ids(tokenizer) -> dict[str, int]:
-    ids = {
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    return {k: v for k, v in ids.items() if v is not None}
+def _token_ids(tokenizer) -> dict[str, int | None]:
+    """The tokenizer's BOS/EOS/PAD ids, null where it has none (a missing key reads as the config class's default)."""
+    return tokenizer_token_ids(tokenizer)
+
+
+def _mask_id(source: Source) -> dict[str, int]:
+    """`mask_token_id` for a strategy that writes [MASK] (the id its checkpoint records), else nothing."""
+    mask = source.meta.get("mask_token_id")
+    return {"mask_token_id": int(mask)} if mask is not None and strategy_class(source.strategy).uses_mask_token else {}
 
 
 def dllm_config(source: Source) -> dict:
@@ -273,7 +275,7 @@ def dllm_config(source: Source) -> dict:
     config = {k: v for k, v in source.config.items() if not (source.lora_merged and k == "dllm_lora")}
     if not config.get("architectures") and config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
-    return {**config, **_token_ids(source.tokenizer)}
+    return {**config, **_token_ids(source.tokenizer), **_mask_id(source)}
 
 
 def hf_config(source: Source) -> dict:

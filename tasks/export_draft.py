@@ -19,6 +19,7 @@ bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -38,6 +39,7 @@ from strategies.dflash.config import (
     parse_draft_config,
     write_json,
 )
+from strategies.models import tokenizer_token_ids
 
 DLLM_FLOW = "dllm-flow"
 FORMATS = (ZLAB, SPECULATORS, DLLM_FLOW)  # `dllm-flow export --format`; the first is a draft's default
@@ -90,6 +92,7 @@ def write_draft_export(dest: Path, source, meta: dict, fmt: str) -> dict:
     """The serving layout `fmt` plus the tokenizer and the dllm-flow record (dllm.json, digests.json over every
     file but the card and generation_config.json) into `dest`; returns the config.json written."""
     cfg = parse_draft_config(source.config, str(source.path)).config
+    cfg = dataclasses.replace(cfg, **tokenizer_token_ids(source.tokenizer))  # the ids of the tokenizer beside it
     files = write_serving_layout(dest, cfg, source.tensors, fmt, meta.get("target") or {})
     for name in source.tokenizer_files:
         shutil.copyfile(source.path / name, dest / name)

@@ -28,7 +28,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from dllm_common.config import DataConfig, PipelineSpec, TokenizerConfig
+from dllm_common.config import ConfigError, DataConfig, PipelineSpec, TokenizerConfig
+from dllm_common.mask_alias import mask_alias_problem
 from dllm_common.store import stage_key
 from strategies.models import resolve_model_path
 from tasks.common import StageRef, code_version, prefect_task, store_for
@@ -314,6 +315,30 @@ def train_tokenizer(texts: list[str], cfg: TokenizerConfig):
     return hf
 
 
+def refuse_mask_alias(spec: PipelineSpec, tokenizer, mask_ids: dict[str, int | None] | None = None) -> None:
+    """Refuse (`ConfigError`, one line) a [MASK] id equal to `tokenizer`'s EOS or PAD id unless
+    `tokenizer.allow_mask_alias`: by default the ids the pipeline's strategies that write [MASK] would take (the
+    config's `mask_token_id`, else the tokenizer's mask token); `mask_ids`: the config key or place that says
+    each id → the id. Checked once the tokenizer is prepared, before any row is written or model trained."""
+    if spec.tokenizer.allow_mask_alias:
+        return
+    if mask_ids is None:
+        from strategies import strategy_class
+        from strategies.options import resolve_options
+
+        mask_ids = {}
+        for name in spec.pipeline.strategies:
+            if strategy_class(name).uses_mask_token:
+                explicit = resolve_options(spec, name).mask_token_id
+                where = "dllm.mask_token_id" if explicit is not None else "the tokenizer's mask token id"
+                mask_ids[f"{where} ({name})"] = explicit if explicit is not None else tokenizer.mask_token_id
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    for where, mask_id in mask_ids.items():
+        problem = mask_alias_problem(mask_id, ids, where)
+        if problem:
+            raise ConfigError(problem)
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False, gguf_file: str | None = None):
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     return AutoTokenizer.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code, **extra)
@@ -421,7 +446,8 @@ class SplitRows:
 def data_slice(spec: PipelineSpec) -> dict:
     """What the prepared rows depend on (how many processes tokenize them is not part of it)."""
     data = spec.data.model_dump(mode="json", exclude={"num_proc"})
-    return {"data": data, "tokenizer": spec.tokenizer.model_dump(mode="json")}
+    tokenizer = spec.tokenizer.model_dump(mode="json", exclude={"allow_mask_alias"})  # checked, never tokenizes
+    return {"data": data, "tokenizer": tokenizer}
 
 
 def stage_of(spec: PipelineSpec, workdir: str, **_) -> tuple[str, str]:
@@ -458,6 +484,7 @@ def _build(spec: PipelineSpec, tmp: Path) -> dict:
         tokenizer = train_tokenizer(_doc_texts(train_docs), spec.tokenizer)
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no eos token; pick a tokenizer with one (tokenizer.path)")
+    refuse_mask_alias(spec, tokenizer)
     tokenizer.save_pretrained(tmp / "tokenizer")
     splits = {
         "train": SplitRows(tmp, "train", cfg, tokenizer, cfg.max_train_rows),

@@ -26,7 +26,7 @@ from dllm_common.checkpoint import checkpoint_digest, write_checkpoint
 from dllm_common.config import PipelineSpec
 from dllm_common.store import atomic_write_text, sha256_file, stage_key
 from strategies.causal import CausalLMObjective
-from strategies.models import build_model, resolve_model_path, tiny_model_config
+from strategies.models import build_model, resolve_model_path, set_token_ids, tiny_model_config
 from tasks.common import StageRef, code_version, prefect_task, store_for
 from tasks.loop import LoopRun, LoopSettings, train_loop
 from tasks.prepare_data import load_tokenizer
@@ -166,6 +166,7 @@ def _pretrain(spec: PipelineSpec, data: StageRef, workdir: str, parent_run_id: s
     device = stage_device(spec)
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
     model = _new_target(spec, len(tokenizer)).to(device)
+    set_token_ids(model.config, tokenizer)  # the draft's config takes its BOS/EOS from here (`target_facts`)
     settings, optim = _pretrain_settings(spec)
     opt, sched = make_optimizer(model, optim)
     tracker = _pretrain_tracker(spec, workdir, data, parent_run_id, key)

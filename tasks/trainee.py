@@ -19,6 +19,7 @@ from strategies.models import (
     build_model,
     enable_activation_checkpointing,
     load_pretrained,
+    set_token_ids,
     tiny_model_config,
     tiny_shape,
     wrap_for_architecture,
@@ -27,7 +28,7 @@ from strategies.options import model_shape, resolve_options
 from strategies.registry import candidate_mask_token_id
 from tasks import dflash_setup
 from tasks.common import StageRef
-from tasks.prepare_data import load_tokenizer
+from tasks.prepare_data import load_tokenizer, refuse_mask_alias
 from tasks.runtime import Trainee
 
 
@@ -85,6 +86,9 @@ def denoiser_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str)
         mask_id = candidate_mask_token_id(options, tokenizer)
         model = wrap_for_architecture(model, architecture, mask_token_id=mask_id)
     built = assemble_strategy(name, options, model, tokenizer)
+    mask_id = built.mask_token_id if strategy_class(name).uses_mask_token else None
+    refuse_mask_alias(spec, tokenizer, {f"the mask token id train[{name}] resolves": mask_id})
+    set_token_ids(model.config, tokenizer, mask_id)  # what every folder saved from it names
     fused = spec.train.fused_head and make_head_deferrable(model, spec.train.head_chunk_rows)
     if spec.train.compile:
         compile_layers(model)

@@ -73,6 +73,7 @@ class DFlashDraftConfig:
     attention_bias: bool = False
     bos_token_id: int | list[int] | None = None
     eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
     copy_hint: bool = False  # the draft also reads the context lookup's proposal (docs/strategies.md §10.9)
 
     def __post_init__(self) -> None:
@@ -152,8 +153,13 @@ class DFlashDraftConfig:
             "use_sliding_window": False,
             "vocab_size": self.vocab_size,
         }
-        special = {"bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id}
-        return {**out, **{k: v for k, v in special.items() if v is not None}}
+        # always named, null where the tokenizer has none: a missing key would read as Qwen3Config's default
+        return {
+            **out,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
 
     def to_zlab(self, dtype: str = "float32") -> dict:
         """config.json of the z-lab / SpecForge layout (what SGLang, vLLM and TensorRT-LLM read); dllm-flow's
@@ -335,6 +341,7 @@ def _parse_zlab(raw: dict, where: str) -> DFlashDraftConfig:
             attention_bias=bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
+            pad_token_id=raw.get("pad_token_id"),
             copy_hint=bool(raw.get(COPY_HINT_KEY, False)),
         )
     except ValueError as exc:
