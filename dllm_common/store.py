@@ -88,6 +88,45 @@ class DiskFullError(OSError):
         return str(self.strerror)
 
 
+def refuse_read_only(folder: Path, what: str, fix: str) -> None:
+    """Raise `PermissionError("<what> (<strerror>): <fix>")` where a file cannot be created in `folder` (a
+    read-only mount, permissions): one probe file written and removed, so it holds for root too."""
+    probe = Path(folder) / f".write-probe-{os.getpid()}"
+    try:
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise PermissionError(f"{what} ({exc.strerror}): {fix}") from None
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# what a write that failed on a full disk says where a library's error dropped the OSError: torch's zip writer
+# (`torch.save`, DCP's shards) finds its position short of what it wrote ("unexpected pos 704 vs 598"; a stream
+# whose write raised leaves the OSError as its context, a file path only an iostream error), safetensors' Rust
+# writer names the OS error, and an error sent from another rank or process keeps only its text
+DISK_FULL_TEXTS = ("unexpected pos ", "(os error 28)", "(os error 122)", "[Errno 28]", "[Errno 122]")
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc` is, wraps or was raised while handling a full disk (its `__cause__`/`__context__` chain, the
+    per-rank errors of DCP's `CheckpointException`, and the texts of `DISK_FULL_TEXTS`)."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, DiskFullError) or (isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS):
+            return True
+        if any(text in str(e) for text in DISK_FULL_TEXTS):
+            return True
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # DCP: {rank: (error, traceback)}
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return False
+
+
 @dataclass(frozen=True)
 class StageEntry:
     stage: str
@@ -214,18 +253,17 @@ class Store:
                 shutil.rmtree(tmp)
             else:
                 os.rename(tmp, final)
-        except OSError as exc:
+        except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            if exc.errno == errno.ENOSPC and not isinstance(exc, DiskFullError):  # one says what it was writing
+            # one line that says what it was writing (also where torch's or safetensors' error wraps the ENOSPC)
+            if not isinstance(exc, (DiskFullError, KeyboardInterrupt)) and is_disk_full(exc):
                 raise DiskFullError(
                     errno.ENOSPC,
-                    f"no space left on the device while writing {stage}/{key} under {self.root} ({exc}); nothing "
+                    f"no space left on the device while writing {stage}/{key} under {self.root} "
+                    f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); nothing "
                     "was published and its temp dir is removed: free space (or point --workdir at a larger disk) "
                     "and rerun",
                 ) from None
-            raise
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
             raise
         fd = os.open(final.parent, os.O_RDONLY)
         try:

@@ -8,6 +8,7 @@ workdir so a pipeline's whole history lives in one folder.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -15,9 +16,9 @@ from pathlib import Path
 
 from dllm_common import credentials
 from dllm_common.checkpoint import CorruptCheckpointError
-from dllm_common.config import ConfigError
+from dllm_common.config import ConfigError, TrainingDiverged
 from dllm_common.interrupt import Interrupted
-from dllm_common.store import DiskFullError, refuse_published
+from dllm_common.store import DiskFullError, is_disk_full, refuse_published
 from dllm_common.tracking import quiet_environment
 from flows.environment import DEBUG_ENV, prefect_env
 from flows.ui import cmd_ui
@@ -249,6 +250,8 @@ def cmd_generate(args) -> int:
     device = resolve_device(args.device)
     loaded = load_for_generation(ckpt, device, args.adapter)
     sampler = check_sampler(loaded.meta["strategy"], args.sampler, args.infill)
+    if args.checkpoint.startswith(("models:/", "runs:/")) and args.tracking_uri is None:
+        _check_registry_writable(Path(args.workdir))  # MLflow would retry a read-only store for ~2 minutes
     temperature = args.temperature if args.temperature is not None else default_temperature(sampler)
     config = SamplerConfig(
         steps=args.steps,
@@ -283,6 +286,24 @@ def _generate_one(loaded, request, device: str) -> None:
     from tasks.generate import generate
 
     out = generate(loaded, request, device, stream=lambda text: print(text, end="", flush=True))
+def _check_registry_writable(workdir: Path) -> None:
+    """A models:/ or runs:/ URI is looked up in the workdir's sqlite registry, which MLflow opens for writing
+    (its schema check, its journal): a read-only workdir is refused at once, naming what to do, instead of
+    MLflow's minutes of retries ending in "not found"."""
+    from dllm_common.store import refuse_read_only
+
+    workdir = workdir.resolve()
+    if not workdir.is_dir():
+        return  # no registry there: resolve_checkpoint says the model is not found
+    refuse_read_only(
+        workdir,
+        f"--workdir {workdir} is read-only",
+        "its MLflow registry (mlflow.db) cannot be opened there: pass the checkpoint folder instead "
+        f"(dllm-flow generate {workdir}/store/train/<key>/model ...; `dllm-flow runs --workdir {workdir}` lists "
+        "the runs), or copy the workdir somewhere writable (cp -a) and pass --workdir with the copy",
+    )
+
+
     print(flush=True)
     print(
         f"[dllm-flow] NFE {out.nfe:g}, {out.tokens} tokens in {out.seconds:.2f} s "
@@ -516,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
             f"dllm-flow: error: {type(exc).__name__}: {exc}{_log_hint(exc)}{_resume_hint(exc, args)}", file=sys.stderr
         )
         causes = getattr(exc, "errors", {}).values()  # several strategies failed: user errors all?
+        if is_disk_full(exc):  # a library's error over an ENOSPC (torch's "unexpected pos 704 vs 598"): exit 2
+            print(f"dllm-flow: error: {_disk_full_line(exc)}{_log_hint(exc)}", file=sys.stderr)
+            return 2
         return 2 if causes and all(isinstance(e, USER_ERRORS) for e in causes) else 1
     except Interrupted as exc:  # a signal outside the pipeline (while its services start or stop)
         print(f"dllm-flow: {exc}", file=sys.stderr)
@@ -523,9 +547,42 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _resume_hint(exc: BaseException, args) -> str:
-    """A pipeline run that failed: the command that resumes it (what completed is reused)."""
+    """A pipeline run that failed where a resume can fix it: the command that resumes it (what completed is
+    reused). None under errors the user must fix first: resuming would fail the same way."""
     run_id = getattr(exc, "run_id", None)
-    if not run_id or f"dllm-flow resume {run_id}" in str(exc):
+    if not run_id or f"dllm-flow resume {run_id}" in str(exc) or not _resumable(exc):
+def _disk_full_line(exc: BaseException) -> str:
+    """The disk-full line (docs/operations.md, "Faults") where the error that reached the command is a library's
+    over an ENOSPC: what the nearest `DiskFullError` of its chain says, else the generic line."""
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, DiskFullError):
+            return str(e)
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None and c is not e]
+        todo += list(getattr(e, "errors", {}).values())
+    return (
+        f"no space left on the device ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+        "nothing half-written was published: free space (or point --workdir at a larger disk) and rerun"
+    )
+
+
+def _resumable(exc: BaseException) -> bool:
+    """Whether resuming the run can fix `exc`: a stage that failed or was cut short mid-way (a crash, a lost
+    server, a diverged step `--set train.skip_nonfinite_steps` skips), not what the user must change first (a
+    config, a missing or damaged file, a read-only or full disk, a refused login)."""
+    errors = getattr(exc, "errors", None)
+    if isinstance(errors, dict) and errors:  # several strategies failed: any one a resume can fix
+        return any(_resumable(e) for e in errors.values())
+    if isinstance(exc, TrainingDiverged):
+        return True
+    read_only = isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+    if isinstance(exc, USER_ERRORS) or is_disk_full(exc) or read_only:
+        return False
+    text = str(exc)
+    return not any(word in text for word in ("401", "403", "Unauthorized", "Forbidden", "credentials"))
+
+
         return ""
     return f"\n  resume with: dllm-flow resume {run_id} --workdir {args.workdir}"
 

@@ -212,13 +212,19 @@ def load_pretrained(
 ) -> nn.Module:
     """Load a causal LM from a local dir or hub id (hub access only if the user has one)."""
 
-    path = resolve_model_path(path)
+    from strategies.model_files import check_model_folder, check_weights_cover
+
+    given, path = path, resolve_model_path(path)
+    check_model_folder(given, path, gguf_file)  # one line naming model.path, not the library's error
 
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "dtype": getattr(torch, dtype)}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k != "dtype"})
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation, **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation=attn_implementation, output_loading_info=True, **kwargs
+    )
+    check_weights_cover(given, path, sorted(info.get("missing_keys") or []))  # random weights are refused
     if dllm_attention is None:  # remote-code dLLMs (LLaDA, Dream) attend bidirectionally on their own
         dllm_attention = NATIVE if trust_remote_code and getattr(config, "auto_map", None) else BIDIRECTIONAL_MASK
     model.config.dllm_attention = dllm_attention

@@ -38,6 +38,7 @@ from strategies.idlm import options as idlm
 from strategies.idlm.options import IDLMOptions
 from strategies.mdlm import options as mdlm
 from strategies.mdlm.options import MDLMOptions
+from strategies.model_files import check_pretrained_paths
 from strategies.registration import Registration, SamplerInfo, StrategyOptions, load_object
 from strategies.scdd import options as scdd
 from strategies.scdd.options import SCDDOptions
@@ -161,6 +162,15 @@ def model_shapes() -> dict[str, type]:
     return {name: load_object(ref) for name, ref in _merged("model shape", _models_of(REGISTRY)).items()}
 
 
+def on_demand_modules(strategy: str) -> tuple[str, ...]:
+    """The modules a stage of `strategy` may load through the registry: its class's and its model shapes'
+    (`Registration.modules`), and every registered strategy's model shapes, since a checkpoint folder is offered
+    to each shape that recognizes folders (`models.model_from_config_dir`). The stages of one strategy key their
+    code by these (docs/architecture.md, "Stage keys")."""
+    shapes = (reg.modules(models_only=True) for reg in REGISTRY.values())
+    return tuple(dict.fromkeys([*registration(strategy).modules(), *(m for mods in shapes for m in mods)]))
+
+
 def model_shape(name: str) -> type:
     """The class of model shape `name` (a checkpoint's `config.dllm_architecture`)."""
     refs = _merged("model shape", _models_of(REGISTRY))
@@ -280,4 +290,5 @@ def validate_config(raw: dict, source: str = "<dict>") -> PipelineSpec:
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineSpec:
     raw = pipeline_config.apply_overrides(pipeline_config.read_yaml(path), overrides or [])
+    check_pretrained_paths(spec)  # a local model.path folder: config.json, weights, not a DFlash draft
     return validate_config(raw, str(path))

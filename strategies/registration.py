@@ -142,6 +142,12 @@ class Registration:
         if not self.samplers:
             raise ValueError("a Registration declares at least one sampler (name → SamplerInfo)")
 
+    def modules(self, models_only: bool = False) -> tuple[str, ...]:
+        """The modules this registration loads on demand — its class's and its model shapes' (`models_only`: the
+        shapes') — which the stages of the strategy key their code by (docs/architecture.md, "Stage keys")."""
+        refs = (*(() if models_only else (self.implementation,)), *self.models.values())
+        return tuple(dict.fromkeys(r.partition(":")[0] if isinstance(r, str) else r.__module__ for r in refs))
+
     def load(self) -> type:
         """The strategy class, checked against this registration (its options, samplers and evaluation)."""
         cls = load_object(self.implementation)

@@ -17,7 +17,7 @@ from dllm_common.config import PipelineSpec
 from dllm_common.store import stage_key
 from strategies.dflash.features import write_feature_cache
 from strategies.options import resolve_options
-from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.dflash_setup import features_dir, layer_ids_for, load_spec_target
 from tasks.prepare_data import load_split
 from tasks.runtime import stage_device
@@ -40,13 +40,7 @@ def stage_of(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str,
         STAGE,
         config,
         upstream,
-        code_version(
-            "strategies.dflash.features",
-            "strategies.dflash.blocks",
-            "strategies.dflash.loss",
-            "strategies.dflash.draft",
-            "tasks.cache_target",
-        ),
+        stage_code_version(__name__),
     )
 
 

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dllm_common import faults
 from dllm_common.checkpoint import DIGESTS, read_meta, swap_into, tied_groups
-from dllm_common.store import DiskFullError, fsync_tree, sha256_file
+from dllm_common.store import DiskFullError, fsync_tree, is_disk_full, sha256_file
 from strategies.base import global_sum
 from tasks.distributed import DistInfo, barrier
 
@@ -184,7 +184,7 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             kept = f"the step-{self.saved_step} checkpoint is kept" if self.saved_step else "no earlier checkpoint"
             causes = _causes(exc)
-            if any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes):
+            if is_disk_full(exc):  # also torch's zip writer's "unexpected pos" over a write that failed
                 raise DiskFullError(
                     errno.ENOSPC,
                     f"no space left on the device while writing the step-{step} checkpoint in {self.directory} "

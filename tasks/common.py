@@ -17,7 +17,7 @@ from typing import Any
 
 from prefect import task
 
-from dllm_common.store import Store
+from dllm_common.store import Store, refuse_read_only
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,14 @@ def check_workdir(workdir: str | Path) -> Path:
         raise PermissionError(
             f"workdir {p} is not writable ({exc.strerror}); pass --workdir DIR with a writable path"
         ) from None
+    for folder in (p / "store", p / "runs"):  # a read-only mount inside it: refused here, not by a stage's write
+        if folder.is_dir():
+            refuse_read_only(
+                folder,
+                f"{folder} is not writable",
+                "every stage publishes and every run records there; make it writable (remount it read-write) or "
+                "pass --workdir DIR with a writable path",
+            )
     return p
 
 

@@ -32,7 +32,7 @@ from strategies.models import resolve_model_path
 from strategies.options import SAMPLERS
 from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.checkpoints import checkpoint_tokenizer, load_trained_model
-from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.data_row import data_row_metrics
 from tasks.evaluation import (
     EvalResult,
@@ -69,14 +69,12 @@ def stage_of(
     settings = strategy_class(strategy).eval_settings(spec)  # e.g. DFlash's speculative decoding settings
     if settings:
         config["settings"] = settings
-    modules = ["strategies", "tasks.evaluate", "tasks.evaluation", "tasks.speculative_eval", "tasks.dflash_setup"]
     if harness is not None:
         config["lm_eval"] = harness_versions(harness.include_path)
-        modules.append("tasks.lm_eval_model")
     # the checkpoint's content digest: a training rebuilt bit for bit (a damaged entry) keeps its evaluations,
     # one rebuilt with other weights (another machine's numerics) is evaluated again
     upstream = {"train": trained.key, "checkpoint": checkpoint_digest(model_dir(trained)), "data": data.key}
-    return STAGE, stage_key(STAGE, config, upstream, code_version(*modules))
+    return STAGE, stage_key(STAGE, config, upstream, stage_code_version(__name__, strategy))
 
 
 def for_strategy(spec: PipelineSpec, strategy: str) -> PipelineSpec:

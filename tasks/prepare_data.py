@@ -32,7 +32,7 @@ from dllm_common.config import ConfigError, DataConfig, PipelineSpec, TokenizerC
 from dllm_common.mask_alias import mask_alias_problem
 from dllm_common.store import stage_key
 from strategies.models import resolve_model_path
-from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.rows import RowWriter, load_split  # noqa: F401  (evaluation and DFlash's stages read rows through here)
 
 STAGE = "prepare_data"
@@ -451,7 +451,7 @@ def data_slice(spec: PipelineSpec) -> dict:
 
 
 def stage_of(spec: PipelineSpec, workdir: str, **_) -> tuple[str, str]:
-    return STAGE, stage_key(STAGE, data_slice(spec), {}, code_version("tasks.prepare_data"))
+    return STAGE, stage_key(STAGE, data_slice(spec), {}, stage_code_version(__name__))
 
 
 def prepare_data(spec: PipelineSpec, workdir: str) -> StageRef:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from dllm_common.config import PipelineSpec, RegenerateConfig
 from dllm_common.store import stage_key
 from strategies.dflash.draft import sample_continuations
-from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.dflash_setup import load_spec_target
 from tasks.prepare_data import data_ref
 from tasks.rows import load_split, write_split
@@ -34,7 +34,7 @@ STAGE = "regenerate"
 def stage_of(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str, **_) -> tuple[str, str]:
     config = spec.dflash.regenerate.model_dump(mode="json") if spec.dflash.regenerate else None
     upstream = {"target_weights": target.info["weights_digest"], "data": data.key}
-    return STAGE, stage_key(STAGE, config, upstream, code_version("tasks.regenerate"))
+    return STAGE, stage_key(STAGE, config, upstream, stage_code_version(__name__))
 
 
 def regenerate(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str) -> StageRef:

@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 
 from dllm_common.store import MANIFEST, atomic_write_text, stage_key
 from dllm_common.tracking import Tracking
-from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.common import fmt_number as _fmt
 from tasks.data_row import data_row_table
 from tasks.evaluate import RESULT_FIELDS, eval_artifact_path
@@ -39,7 +39,7 @@ def stage_of(
     upstream = {r.stage: r.key for r in [*trained, *evaluated]}
     # the report renders from the trainings' MLflow runs: a training rebuilt in a new run is reported again
     config = {"pipeline": pipeline_name, "runs": [t.mlflow_run_id for t in trained]}
-    return STAGE, stage_key(STAGE, config, upstream, code_version("tasks.report"))
+    return STAGE, stage_key(STAGE, config, upstream, stage_code_version(__name__))
 
 
 # ---------------------------------------------------------------------------------------- collect

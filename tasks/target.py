@@ -27,7 +27,7 @@ from dllm_common.config import PipelineSpec
 from dllm_common.store import atomic_write_text, sha256_file, stage_key
 from strategies.causal import CausalLMObjective
 from strategies.models import build_model, resolve_model_path, set_token_ids, tiny_model_config
-from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.loop import LoopRun, LoopSettings, train_loop
 from tasks.prepare_data import load_tokenizer
 from tasks.runtime import OptimSettings, Split, Trainee, make_optimizer, stage_device, tracking_for
@@ -35,7 +35,6 @@ from tasks.scoring import load_causal_lm, save_dequantized
 
 PRETRAIN, EXTERNAL = "pretrain_target", "target"
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
-PRETRAIN_MODULES = ("tasks.target", "tasks.loop", "tasks.runtime", "strategies.causal")  # code that shapes it
 
 
 def _local_dir(target_id: str) -> Path:
@@ -99,11 +98,11 @@ def stage_of(spec: PipelineSpec, data: StageRef, workdir: str, **_) -> tuple[str
             "seq_len": spec.data.seq_len,
             "device": spec.train.device,
         }
-        return PRETRAIN, stage_key(PRETRAIN, config, {"data": data.key}, code_version(*PRETRAIN_MODULES))
+        return PRETRAIN, stage_key(PRETRAIN, config, {"data": data.key}, stage_code_version(__name__))
     local = _local_dir(d.target_model_id)
     config = {"id": d.target_model_id, "gguf_file": d.target_gguf_file, "trust_remote_code": d.target_trust_remote_code}
     digest = weights_digest(local, d.target_gguf_file, store_for(workdir).root / EXTERNAL)
-    return EXTERNAL, stage_key(EXTERNAL, config, {"weights": digest}, code_version(*PRETRAIN_MODULES))
+    return EXTERNAL, stage_key(EXTERNAL, config, {"weights": digest}, stage_code_version(__name__))
 
 
 # ------------------------------------------------------------------ the stage

@@ -28,23 +28,12 @@ from strategies.models import lora_state_dict, merge_lora
 from strategies.options import resolve_options, validate_config
 from tasks import distributed
 from tasks.checkpointing import Checkpointer, layout
-from tasks.common import StageRef, code_version, prefect_task, store_for
+from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.loop import LoopRun, LoopSettings, train_loop
 from tasks.runtime import OptimSettings, Split, make_optimizer, stage_device, tracking_for
 from tasks.trainee import build_trainee
 
 STAGE = "train"
-# the modules whose code shapes a trained model (editing them invalidates published trainings)
-TRAINING_MODULES = (
-    "tasks.train",
-    "tasks.loop",
-    "tasks.runtime",
-    "tasks.trainee",
-    "tasks.checkpointing",
-    "tasks.dflash_setup",
-    "tasks.distributed",
-)
-
 
 # how a training is laid out on hardware, not what it computes: left out of the stage key, so a rerun with
 # another layout reuses the published result or resumes its checkpoint (DCP reshards it); recorded instead
@@ -87,7 +76,7 @@ def stage_of(
         STAGE,
         train_slice(spec, strategy),
         upstream,
-        code_version("strategies", *TRAINING_MODULES, "dllm_common.checkpoint"),
+        stage_code_version(__name__, strategy),
     )
     return STAGE, key
 

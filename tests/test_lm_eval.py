@@ -120,7 +120,7 @@ def test_exact_causal_path_equals_the_models_own_logits(loaded):
 def test_a_dflash_draft_scores_and_generates_with_its_frozen_target(prepared):
     """A DFlash draft has no likelihood of its own: its target's exact NLL, and speculative decoding,
     which is the target's greedy text (an untrained draft only changes how many target forwards it takes)."""
-    from strategies import _build_target_layer_ids
+    from strategies.dflash.blocks import _build_target_layer_ids
     from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel, greedy_generate
     from strategies.models import build_model, tiny_model_config
     from strategies.sampling import trim_at_eos
