@@ -62,6 +62,12 @@ class _Section(BaseModel):
         return refuse_boolean_number(cls, value, info)
 
 
+# pipeline.name names the MLflow experiment (by default), runs, datasets and registered models (NAME-STRATEGY, which
+# MLflow refuses with '/' or ':', and `models:/NAME@ALIAS` URIs would misread with '@'): checked at load, not after
+# the training that registers the model
+PIPELINE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
 class PipelineConfig(_Section):
     name: str = "dllm"
     strategies: tuple[str, ...] = ("mdlm",)
@@ -72,6 +78,17 @@ class PipelineConfig(_Section):
     # in separate processes, with train_deployment as concurrent deployment runs (one GPU worker each)
     max_parallel: int = Field(1, ge=1)
 
+    @field_validator("name")
+    @classmethod
+    def _name_fits_everything_named_after_it(cls, name: str) -> str:
+        if not PIPELINE_NAME.fullmatch(name):
+            fixed = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:100] or "dllm"
+            raise ValueError(
+                f"pipeline.name {name!r} must be 1 to 100 letters, digits, '.', '_' or '-', starting with a letter or "
+                f"digit: it names the MLflow experiment, runs and registered models (NAME-STRATEGY); e.g. {fixed!r}"
+            )
+        return name
+
     @model_validator(mode="after")
     def _strategies(self) -> PipelineConfig:
         # which names exist is the strategy registry's to say (strategies/options.py checks them)
@@ -80,6 +97,14 @@ class PipelineConfig(_Section):
         if len(set(self.strategies)) != len(self.strategies):
             raise ValueError(f"strategies must be unique, got {list(self.strategies)}")
         return self
+
+
+# the longest training row dllm-flow accepts (2^20 positions): a tiny model is built with data.seq_len positions, so
+# without a bound `data.seq_len: 10000000` would validate and only fail once a stage allocates its rows
+MAX_SEQ_LEN = 1 << 20
+# a generous bound on a prompt's characters per token, whatever the tokenizer (English text averages about 4): a
+# prompt with more characters than its model's positions × this cannot fit, and is refused before it is tokenized
+MAX_CHARS_PER_TOKEN = 32
 
 
 class DataConfig(_Section):
@@ -100,6 +125,16 @@ class DataConfig(_Section):
     max_val_rows: int | None = Field(256, ge=1)
     seed: int = 0
     num_proc: int | None = Field(None, ge=1)  # tokenizing processes (None: every core, at most 8); not in the key
+
+    @field_validator("seq_len")
+    @classmethod
+    def _seq_len_bounded(cls, seq_len: int) -> int:
+        if seq_len > MAX_SEQ_LEN:
+            raise ValueError(
+                f"data.seq_len ({seq_len}) is more than {MAX_SEQ_LEN} positions, the longest training row dllm-flow "
+                f"accepts; lower data.seq_len"
+            )
+        return seq_len
 
     @model_validator(mode="after")
     def _path_needed(self) -> DataConfig:
@@ -481,6 +516,45 @@ class PipelineSpec(_Section):
         return self
 
     @model_validator(mode="after")
+    def _rows_fit_a_pretrained_model(self) -> PipelineSpec:
+        # a tiny model is built with data.seq_len positions; a pretrained one holds what its config says
+        if self.model.kind == "pretrained" and self.model.gguf_file is None:
+            context = local_max_positions(self.model.path)
+            if context is not None and self.data.seq_len > context:
+                raise ValueError(
+                    f"data.seq_len ({self.data.seq_len}) is more than model.path {self.model.path!r} holds (its "
+                    f"max_position_embeddings is {context}); lower data.seq_len to at most {context}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _prompts_can_fit(self) -> PipelineSpec:
+        # by characters, before any tokenizer sees them: the tokenized prompts are checked before training
+        # (tasks/evaluate.py), but a prompt of megabytes would exhaust the memory on its way there
+        context, what = self._sampling_context()
+        limit = context * MAX_CHARS_PER_TOKEN
+        for i, prompt in enumerate(self.eval.prompts):
+            if len(prompt) > limit:
+                raise ValueError(
+                    f"eval.prompts[{i}] is {len(prompt)} characters, more than {limit} ({what} of {context} positions "
+                    f"× {MAX_CHARS_PER_TOKEN} characters, more than any token holds): it cannot fit; shorten it"
+                )
+        return self
+
+    def _sampling_context(self) -> tuple[int, str]:
+        """(positions, what they are) of the longest context a sample's prompt may fill, read without loading
+        anything: data.seq_len for a tiny model, a local pretrained model's max_position_embeddings, else
+        MAX_SEQ_LEN."""
+        pretrained = [self.model.path] if self.model.kind == "pretrained" else []
+        pretrained += [self.dflash.target_model_id] if self.dflash.target_model_id is not None else []
+        if not pretrained:
+            return self.data.seq_len, "the model's context (data.seq_len)"
+        contexts = [local_max_positions(path) for path in pretrained]
+        if None in contexts:
+            return MAX_SEQ_LEN, "the longest context dllm-flow accepts"
+        return max(contexts), "the model's context (max_position_embeddings)"
+
+    @model_validator(mode="after")
     def _nothing_to_train_needs_a_model(self) -> PipelineSpec:
         if self.train.steps == 0 and self.model.kind != "pretrained":
             raise ValueError(
@@ -508,6 +582,33 @@ class PipelineSpec(_Section):
                 "0's rendezvous port; train the strategies one after another (pipeline.max_parallel: 1)"
             )
         return self
+
+
+def local_max_positions(path: str | None) -> int | None:
+    """`max_position_embeddings` from a local model folder's config.json (`package:NAME` is an installed package's
+    folder), read as JSON without importing anything; None for a hub id, a GGUF file or a config that has none."""
+    if not path:
+        return None
+    folder = Path(path).expanduser()
+    if path.startswith("package:"):
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(path.split(":", 1)[1])
+        except (ImportError, ValueError):
+            return None
+        if found is None or found.origin is None:
+            return None
+        folder = Path(found.origin).parent
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for section in (config, config.get("text_config") if isinstance(config, dict) else None):
+        positions = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0:
+            return positions
+    return None
 
 
 def context_overflow(
@@ -584,13 +685,82 @@ class DuplicateKeyError(ValueError):
         )
 
 
+# how much a document's aliases (*name) may add to what is written, in values and characters: a config repeats a
+# block or two, while nested anchors (a "billion laughs" document) expand 1 KB into gigabytes once copied
+ALIAS_EXPANSION_LIMIT = 1_000_000
+
+
+class AliasExpansionError(ValueError):
+    """A YAML document whose aliases would expand it past `ALIAS_EXPANSION_LIMIT` (or forever): refused before
+    anything is built or copied from it."""
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """yaml's SafeLoader, refusing a mapping that holds a key twice (`DuplicateKeyError` names its dotted path and
-    both lines) before anything is built from the document."""
+    both lines) and aliases that expand too far (`AliasExpansionError`) before anything is built from the
+    document."""
+
+    def compose_document(self):  # yaml's own, keeping the anchors' names for the error message
+        self.get_event()
+        node = self.compose_node(None, None)
+        self.get_event()
+        self.anchor_names = {id(n): name for name, n in self.anchors.items()}
+        self.anchors = {}
+        return node
 
     def construct_document(self, node):
         _refuse_duplicate_keys(node)
+        _refuse_alias_expansion(node, getattr(self, "anchor_names", {}))
         return super().construct_document(node)
+
+
+def _refuse_alias_expansion(root: yaml.Node, anchor_names: dict[int, str]) -> None:
+    """Size the document as it would be once every alias is copied out (values + scalar characters), counting
+    each node once (memoized), so a bomb is sized in microseconds and never expanded."""
+    size: dict[int, int] = {}  # expanded size of each node
+    nodes: dict[int, yaml.Node] = {}
+    busy: set[int] = set()
+
+    def children(node: yaml.Node) -> list[yaml.Node]:
+        if isinstance(node, yaml.SequenceNode):
+            return list(node.value)
+        if isinstance(node, yaml.MappingNode):
+            return [n for pair in node.value for n in pair]
+        return []
+
+    def expanded(node: yaml.Node) -> int:
+        key = id(node)
+        if key in size:
+            return size[key]
+        if key in busy:
+            name = anchor_names.get(key, "?")
+            raise AliasExpansionError(
+                f"the anchor &{name} (line {node.start_mark.line + 1}) holds an alias of itself (*{name}), which "
+                "would expand forever; write the value out"
+            )
+        busy.add(key)
+        own = 1 + (len(node.value) if isinstance(node, yaml.ScalarNode) else 0)
+        size[key] = own + sum(expanded(child) for child in children(node))
+        busy.discard(key)
+        nodes[key] = node
+        return size[key]
+
+    total = expanded(root)
+    written = sum(1 + (len(n.value) if isinstance(n, yaml.ScalarNode) else 0) for n in nodes.values())
+    if total - written <= ALIAS_EXPANSION_LIMIT:
+        return
+    uses: collections.Counter[int] = collections.Counter(id(c) for n in nodes.values() for c in children(n))
+    worst = max((k for k in anchor_names if uses[k] > 1), key=lambda k: size[k] * (uses[k] - 1), default=None)
+    which = (
+        f" (&{anchor_names[worst]} on line {nodes[worst].start_mark.line + 1}, {size[worst]} of them, is repeated by "
+        f"{uses[worst] - 1} aliases)"
+        if worst is not None
+        else ""
+    )
+    raise AliasExpansionError(
+        f"its YAML aliases would expand it to {total} values and characters, more than {ALIAS_EXPANSION_LIMIT} "
+        f"beyond what is written{which}; write the repeated parts out instead of nesting aliases"
+    )
 
 
 def _refuse_duplicate_keys(root: yaml.Node) -> None:
@@ -632,7 +802,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         return key.strip().split("."), ""
     try:
         return key.strip().split("."), load_yaml(raw)
-    except DuplicateKeyError as exc:
+    except (DuplicateKeyError, AliasExpansionError) as exc:
         raise ConfigError(f"override {item!r}: {exc}") from None
     except yaml.YAMLError as exc:
         where = f" ({exc.problem})" if getattr(exc, "problem", None) else ""
@@ -663,8 +833,12 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError(f"config file not found: {p} (pass the path of a YAML file, e.g. configs/quickstart.yaml)")
     try:
         raw = load_yaml(p.read_text(encoding="utf-8"))
-    except DuplicateKeyError as exc:
+    except (DuplicateKeyError, AliasExpansionError) as exc:
         raise ConfigError(f"config file {p}: {exc}") from None
+    except RecursionError:  # yaml's parser recurses once per level of nesting
+        raise ConfigError(
+            f"config file {p} nests its lists or mappings too deeply to read; a pipeline config is a few levels deep"
+        ) from None
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"config file {p} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "

@@ -32,6 +32,12 @@ def read(env: MutableMapping[str, str] = os.environ) -> tuple[str, str] | None:
             raise ConfigError(
                 f"{FILE}={path} cannot be read ({exc.strerror}); point it at a USER:PASSWORD file"
             ) from None
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:  # like ssh with a private key: a password others can read is refused, not used
+            raise ConfigError(
+                f"{FILE}={path} is open to group or others (mode {mode:04o}) and holds the server's password; "
+                f"chmod 600 {path}"
+            )
         user, _, password = line.strip().partition(":")
         where = f"the first line of {FILE} ({path})"
     elif env.get(USER) or env.get(PASSWORD):

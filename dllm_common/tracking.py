@@ -89,11 +89,31 @@ class UnreachableTrackingServer(ConfigError):
     instead of after MLflow's client has retried for minutes."""
 
 
+class TrackingLoginRefused(ConfigError):
+    """A tracking server that refuses the login (HTTP 401): said at once, naming the variables that hold the login
+    (docs/operations.md, "Credentials"), instead of MLflow's raw 401 after its client's retries."""
+
+
+def _login_headers() -> tuple[dict[str, str], str | None]:
+    """The Authorization header MLflow's client would send (basic auth from MLFLOW_TRACKING_USERNAME/PASSWORD,
+    which dllm-flow sets from DLLM_SERVER_* (dllm_common/credentials.py), else MLFLOW_TRACKING_TOKEN), and the
+    user it names."""
+    import base64
+
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}, user
+    if os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        return {"Authorization": f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}"}, None
+    return {}, None
+
+
 def check_tracking_server(uri: str | None, key: str = "tracking.uri", seconds: float = REACH_SECONDS) -> None:
-    """Refuse an http(s) tracking URI that does not answer within `seconds`. Any HTTP answer counts (an auth wall,
-    a proxy, a path prefix without MLflow's /health: something is there, and MLflow reports what it finds), and
-    so does a TLS handshake that failed (the port is open); only no answer at all (refused, unreachable, unknown
-    host, timed out) is refused. Other URIs (sqlite, file, databricks) are not servers to reach."""
+    """Refuse an http(s) tracking URI that does not answer within `seconds`, or whose server refuses the login
+    (HTTP 401 to an API request that carries it; MLflow's /health needs none). Any other HTTP answer counts (a
+    proxy, a path prefix: something is there, and MLflow reports what it finds), and so does a TLS handshake that
+    failed (the port is open); only no answer at all (refused, unreachable, unknown host, timed out) is refused.
+    Other URIs (sqlite, file, databricks) are not servers to reach."""
     if not uri or not uri.startswith(("http://", "https://")):
         return
     import socket
@@ -101,11 +121,28 @@ def check_tracking_server(uri: str | None, key: str = "tracking.uri", seconds: f
     import urllib.error
     import urllib.request
 
+    headers, user = _login_headers()
+    probe = urllib.request.Request(
+        uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1", headers=headers
+    )
     try:
-        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=seconds).close()
+        urllib.request.urlopen(probe, timeout=seconds).close()
         return
-    except urllib.error.HTTPError:
-        return
+    except urllib.error.HTTPError as exc:
+        if exc.code != 401:
+            return
+        who = (
+            f"of user {user!r} (a wrong password or an unknown user)"
+            if user
+            else "of MLFLOW_TRACKING_TOKEN"
+            if headers
+            else "(no credentials are set)"
+        )
+        raise TrackingLoginRefused(
+            f"{key} {uri}: the MLflow server refused the login {who}; set DLLM_SERVER_USER and "
+            "DLLM_SERVER_PASSWORD, or DLLM_SERVER_AUTH_FILE (one line USER:PASSWORD, mode 0600), to a login it "
+            'accepts (docs/operations.md, "Credentials")'
+        ) from None
     except urllib.error.URLError as exc:
         reason = exc.reason
     except (OSError, ValueError) as exc:  # a timeout while reading, an URL urllib cannot parse

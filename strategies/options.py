@@ -236,6 +236,11 @@ def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
     for name in spec.dllm.overrides:
         if name not in REGISTRY:
             raise ConfigError(f"dllm.overrides: unknown strategy {name!r}; allowed: {sorted(REGISTRY)}")
+        if name not in spec.pipeline.strategies:  # nothing would read it: a typo or a strategy dropped from the list
+            raise ConfigError(
+                f"dllm.overrides.{name}: {name!r} is not in pipeline.strategies {list(spec.pipeline.strategies)}; "
+                f"remove the entry or add the strategy"
+            )
     for name in spec.eval.overrides:
         if name not in spec.pipeline.strategies:
             raise ConfigError(

@@ -240,7 +240,10 @@ def test_eval_samples_beyond_the_context_are_refused_before_training_with_genera
     LlamaConfig(
         vocab_size=len(tokenizer), max_position_embeddings=24, hidden_size=32, num_attention_heads=2
     ).save_pretrained(model_dir)
-    pretrained = spec_with(model__kind="pretrained", model__path=str(model_dir), eval__sample_length=31)
+    # (rows no longer than its 24 positions: config load refuses a data.seq_len the model does not hold)
+    pretrained = spec_with(
+        model__kind="pretrained", model__path=str(model_dir), data__seq_len=24, eval__sample_length=31
+    )
     context_of = rf"more than the context of model\.path '{model_dir}' \(max_position_embeddings\) of 24"
     with pytest.raises(ConfigError, match=rf"{context_of}; lower eval\.sample_length to at most {24 - n}"):
         check_samples_fit(pretrained, data)
