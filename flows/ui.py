@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from dllm_common import interrupt
 from dllm_common.tracking import quiet_environment
 from flows.environment import prefect_env
 
@@ -103,7 +105,73 @@ def cmd_ui(args) -> int:
     url = landing_url(args.host, args.port or 5000, tracking.experiment_id, key)
     print(f"MLflow UI for {workdir.resolve()}: {url}", flush=True)
     cmd, env = mlflow_ui_command(workdir, args.host, args.port or 5000)
-    return subprocess.call(cmd, env=env)
+    return serve(cmd, env)
+
+
+def serve(cmd: list[str], env: dict[str, str] | None = None, watch=None) -> int:
+    """Run a server (`mlflow server`, `prefect server start`) until it exits or this command gets SIGINT or
+    SIGTERM; either way its whole process group (uvicorn and its workers) is gone before this returns.
+
+    The server runs in its own session, so a Ctrl-C to the terminal's group reaches this command alone, which
+    stops the server's group once; a SIGTERM to this command alone (`kill`, a service manager) does the same
+    instead of leaving the server to hold its port (docs/operations.md, "The local Prefect API, and no
+    orphans"). `watch(proc)` runs once it
+    has started. A signal ends the command with 128 + its number (dllm_common/interrupt.py)."""
+    interrupt.install()
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=interrupt.detach_and_die_with_parent)
+    try:
+        if watch is not None:
+            watch(proc)
+        return proc.wait()
+    finally:
+        stop_group(proc)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (its exited, unreaped members aside)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc: whether the group has any member at all
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                return True
+    return False
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop a child started in its own session and everything in its process group: SIGTERM, then SIGKILL to
+    what is left after `grace` seconds, or at once on another signal meanwhile."""
+
+    def signal_group(sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    done = False
+    try:
+        signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_alive(proc.pid):
+                done = True
+                return
+            time.sleep(0.1)
+    finally:
+        if not done:
+            signal_group(signal.SIGKILL)
+        proc.wait()
 
 
 def prefect_ui(args) -> int:
@@ -133,20 +201,18 @@ def prefect_ui(args) -> int:
     if configured:
         return 0
     server = Path(sys.executable).parent / "prefect"
-    with subprocess.Popen([str(server), "server", "start", "--host", args.host, "--port", str(port)]) as proc:
-        try:
-            if flow_run_missing(os.environ["PREFECT_API_URL"], record.prefect_flow_run_id, proc):
-                print(
-                    f"dllm-flow: warning: flow run {record.prefect_flow_run_id} is not in {workdir / '.prefect'}: "
-                    f"pipeline run {record.run_id} ran against another Prefect server; set PREFECT_API_URL to "
-                    "that server's API and run this again",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            return proc.wait()
-        except BaseException:
-            proc.terminate()
-            raise
+
+    def warn_if_missing(proc) -> None:
+        if flow_run_missing(os.environ["PREFECT_API_URL"], record.prefect_flow_run_id, proc):
+            print(
+                f"dllm-flow: warning: flow run {record.prefect_flow_run_id} is not in {workdir / '.prefect'}: "
+                f"pipeline run {record.run_id} ran against another Prefect server; set PREFECT_API_URL to "
+                "that server's API and run this again",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return serve([str(server), "server", "start", "--host", args.host, "--port", str(port)], watch=warn_if_missing)
 
 
 def flow_run_missing(api: str, flow_run_id: str, proc, seconds: float = 180) -> bool:
