@@ -36,6 +36,7 @@ export PREFECT_HOME="$STATE/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false DO_N
 unset PREFECT_API_URL PREFECT_API_DATABASE_CONNECTION_URL MLFLOW_BACKEND_STORE_URI PREFECT_SERVER_API_AUTH_STRING \
       MLFLOW_AUTH_CONFIG_PATH
 PIDS=()
+NAMES=()
 PG_PID=
 stop() {
   trap - EXIT INT TERM
@@ -44,7 +45,10 @@ stop() {
   # the database last, once nothing writes to it
   [ -z "$PG_PID" ] || { kill -INT "$PG_PID" 2>/dev/null || true; wait "$PG_PID" 2>/dev/null || true; }
 }
-trap stop EXIT INT TERM
+# Ctrl-C or SIGTERM: both servers stopped (the EXIT trap), exit 128 + the signal's number
+trap stop EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 case "$DB" in
   sqlite)
     export MLFLOW_BACKEND_STORE_URI="sqlite:///$STATE/mlflow.db" MLFLOW_AUTH_STORE_URI="sqlite:///$STATE/mlflow-auth.db" ;;
@@ -82,11 +86,38 @@ if [ -n "$AUTH" ]; then
 fi
 "$BIN/prefect" server database upgrade -y >"$STATE/migrate.log" 2>&1 || { tail -20 "$STATE/migrate.log"; exit 1; }
 "$BIN/prefect" server start --host "$HOST" --port "$PREFECT_PORT" &
-PIDS+=($!)
+PIDS+=($!) NAMES+=(Prefect)
 # the store URI comes from MLFLOW_BACKEND_STORE_URI (a password stays out of `ps`)
 "$BIN/mlflow" server --host "$HOST" --port "$MLFLOW_PORT" --workers 1 --artifacts-destination "$ARTIFACTS" \
     ${MLFLOW_APP[@]+"${MLFLOW_APP[@]}"} &
-PIDS+=($!)
+PIDS+=($!) NAMES+=(MLflow)
+# A server that exits (a port already taken, a setting it refuses) stops the other, and this script exits 1:
+# neither is left serving alone, and their URLs are printed only once both answer.
+DOWN=
+down() {  # true once a server has exited: DOWN names it and its exit status
+  local i status
+  for i in "${!PIDS[@]}"; do
+    if ! kill -0 "${PIDS[$i]}" 2>/dev/null; then
+      status=0
+      wait "${PIDS[$i]}" || status=$?
+      DOWN="the ${NAMES[$i]} server exited (status $status)"
+      return 0
+    fi
+  done
+  return 1
+}
+case "$HOST" in 0.0.0.0) PROBE=127.0.0.1 ;; ::) PROBE='[::1]' ;; *:*) PROBE="[$HOST]" ;; *) PROBE=$HOST ;; esac
+up() {
+  "$BIN/python" -c 'import sys, urllib.request as u
+for url in sys.argv[1:]: u.urlopen(url, timeout=2)' \
+      "http://$PROBE:$PREFECT_PORT/api/health" "http://$PROBE:$MLFLOW_PORT/health" >/dev/null 2>&1
+}
+until up; do
+  if down; then echo "serve.sh: $DOWN before it answered; stopping the other" >&2; exit 1; fi
+  sleep 1
+done
 echo "Prefect API  http://$HOST:$PREFECT_PORT/api   (export PREFECT_API_URL=http://$HOST:$PREFECT_PORT/api)   [$DB${AUTH:+, login required}]"
 echo "MLflow       http://$HOST:$MLFLOW_PORT        (pipelines: --set tracking.uri=http://$HOST:$MLFLOW_PORT)"
-wait "${PIDS[@]}"
+until down; do sleep 1; done
+echo "serve.sh: $DOWN; stopping the other" >&2
+exit 1

@@ -20,6 +20,8 @@ from pathlib import Path
 from dllm_common.config import ConfigError
 
 USER, PASSWORD, FILE = "DLLM_SERVER_USER", "DLLM_SERVER_PASSWORD", "DLLM_SERVER_AUTH_FILE"
+# MLflow's basic-auth app refuses a shorter admin password (it dies at start with a traceback): docs/operations.md
+MIN_SERVER_PASSWORD = 12
 
 
 def read(env: MutableMapping[str, str] = os.environ) -> tuple[str, str] | None:
@@ -62,10 +64,21 @@ def apply_to_client(env: MutableMapping[str, str] = os.environ) -> bool:
     return True
 
 
+def for_server(env: MutableMapping[str, str] = os.environ) -> tuple[str, str] | None:
+    """The credentials `make server` starts both servers with (`read`), refused unless MLflow will take them."""
+    creds = read(env)
+    if creds and len(creds[1]) < MIN_SERVER_PASSWORD:
+        raise ConfigError(
+            f"the server password has {len(creds[1])} characters; MLflow's login needs at least "
+            f"{MIN_SERVER_PASSWORD}: choose a longer one (e.g. openssl rand -base64 18)"
+        )
+    return creds
+
+
 def main(argv: list[str]) -> int:
     try:
         if argv[:1] == ["server"]:
-            creds = read()
+            creds = for_server()
             if creds:
                 print(":".join(creds))
             return 0
