@@ -60,9 +60,10 @@ def foreign_layout(config: dict) -> str | None:
     return None
 
 
-def check_model_folder(path: str, local: str | Path, gguf_file: str | None = None) -> None:
+def check_model_folder(path: str, local: str | Path, gguf_file: str | None = None, weights: bool = True) -> None:
     """Refuse a local `model.path` folder that is not a loadable model, in one line (`local`: the folder
-    `path` resolves to). A path that is not a local folder (a hub id) is left to the library."""
+    `path` resolves to). A path that is not a local folder (a hub id) is left to the library. `weights=False`:
+    a folder without weight files passes (`dllm-flow plan` needs only config.json), a damaged one still not."""
     local = Path(local)
     if not local.is_dir():
         return
@@ -85,13 +86,13 @@ def check_model_folder(path: str, local: str | Path, gguf_file: str | None = Non
     foreign = foreign_layout(config) if isinstance(config, dict) else None
     if foreign:
         raise ConfigError(f"{where} {foreign}")
-    weights = sorted({f for pattern in WEIGHT_PATTERNS for f in local.glob(pattern)})
-    if not weights:
+    files = sorted({f for pattern in WEIGHT_PATTERNS for f in local.glob(pattern)})
+    if not files and weights:
         raise ConfigError(
             f"{where} has config.json but no weights (no *.safetensors or pytorch_model*.bin); copy the weights "
             "beside it or point model.path at the complete folder"
         )
-    for file in (f for f in weights if f.suffix == ".safetensors"):
+    for file in (f for f in files if f.suffix == ".safetensors"):
         problem = safetensors_problem(file)
         if problem:
             raise ConfigError(f"{where}: {problem}; copy or download the model again")
@@ -99,7 +100,8 @@ def check_model_folder(path: str, local: str | Path, gguf_file: str | None = Non
 
 def check_pretrained_paths(spec) -> None:
     """At config validation: the `model.path` folder a backbone-training strategy loads (not a DFlash draft's:
-    that strategy's model.path is a draft by design)."""
+    that strategy's model.path is a draft by design) — its config; the weights are checked where they load
+    (`models.load_pretrained`, before training), so a folder of config.json alone still plans."""
     m = spec.model
     if m.kind != "pretrained" or not m.path:
         return
@@ -107,7 +109,7 @@ def check_pretrained_paths(spec) -> None:
     from strategies.models import resolve_model_path
 
     if any(strategy_class(name).trains == "denoiser" for name in spec.pipeline.strategies):
-        check_model_folder(m.path, resolve_model_path(m.path), m.gguf_file)
+        check_model_folder(m.path, resolve_model_path(m.path), m.gguf_file, weights=False)
 
 
 def check_weights_cover(path: str, local: str | Path, missing: list[str]) -> None:
