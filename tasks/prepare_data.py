@@ -323,15 +323,16 @@ def refuse_mask_alias(spec: PipelineSpec, tokenizer, mask_ids: dict[str, int | N
     if spec.tokenizer.allow_mask_alias:
         return
     if mask_ids is None:
-        from strategies import strategy_class
+        # from the options alone: loading the strategies' classes (to skip those that write no [MASK]) would make
+        # the data stage run, and be keyed by, every listed strategy's code (docs/architecture.md, "Stage keys");
+        # a strategy without [MASK] is checked only if its tokenizer has a mask token aliased to EOS or PAD
         from strategies.options import resolve_options
 
         mask_ids = {}
         for name in spec.pipeline.strategies:
-            if strategy_class(name).uses_mask_token:
-                explicit = resolve_options(spec, name).mask_token_id
-                where = "dllm.mask_token_id" if explicit is not None else "the tokenizer's mask token id"
-                mask_ids[f"{where} ({name})"] = explicit if explicit is not None else tokenizer.mask_token_id
+            explicit = resolve_options(spec, name).mask_token_id
+            where = "dllm.mask_token_id" if explicit is not None else "the tokenizer's mask token id"
+            mask_ids[f"{where} ({name})"] = explicit if explicit is not None else tokenizer.mask_token_id
     ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     for where, mask_id in mask_ids.items():
         problem = mask_alias_problem(mask_id, ids, where)
