@@ -11,6 +11,10 @@ for key, value in {
     "TOKENIZERS_PARALLELISM": "false",
 }.items():
     os.environ.setdefault(key, value)
+# every process this session starts inherits this mark, so the end-of-session check (pytest_sessionfinish below)
+# finds those that outlived their test even once reparented to init or inside a test's network namespace
+SESSION_MARK = "DLLM_TEST_SESSION"
+os.environ[SESSION_MARK] = f"{os.getpid()}-{os.urandom(6).hex()}"
 
 from pathlib import Path  # noqa: E402
 
@@ -120,19 +124,41 @@ def stack_env(tmp_path: Path, prefect_port: int, mlflow_port: int, **extra: str)
     return env
 
 
-def stop_group(proc) -> None:
-    """Stop a process started with start_new_session=True, and everything it spawned."""
-    import os
-    import signal
-    import subprocess
+def group_members(pgid: int) -> list[int]:
+    """The live processes (zombies aside) of process group `pgid`; a session leader's pid is also its group's."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                pids.append(int(entry))
+    return pids
 
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+
+def stop_group(proc, seconds: float = 30) -> None:
+    """Stop a process started with start_new_session=True, and everything in its process group, which outlives
+    the process itself when it does not wait for its children (make's prefect, mlflow's uvicorn): SIGTERM, then
+    SIGKILL to what is left after `seconds`."""
+    import signal
+    import time
+
+    def signal_group(sig) -> None:
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    if proc.poll() is None or group_members(proc.pid):
+        signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + seconds
+        while (proc.poll() is None or group_members(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if proc.poll() is None or group_members(proc.pid):
+            signal_group(signal.SIGKILL)
+    proc.wait()
 
 
 @pytest.fixture(scope="session")
@@ -177,3 +203,95 @@ def undisturbed(tmp_path_factory, prefect_api):
     code, _, err = run(workdir, api=prefect_api)
     assert code == 0, err[-3000:]
     return workdir
+
+
+# ---------------------------------------------------------------- no process outlives the session
+
+# helpers that live as long as the pytest process by design and exit with it
+LIFELONG = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "_inductor.compile_worker")
+NETNS_PREFIX = "dllm-"  # network namespaces tests make are named dllm-<host><pytest pid> (tests/test_hosts.py)
+_left_behind: list[str] = []
+
+
+def _netns_pids() -> set[int]:
+    """Processes inside the network namespaces this session made that still exist (none once deleted)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("ip") is None:
+        return set()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    names = [line.split()[0] for line in listed if line.strip()]
+    pids: set[int] = set()
+    for name in names:
+        if name.startswith(NETNS_PREFIX) and name.endswith(str(os.getpid())):
+            out = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
+            pids.update(int(pid) for pid in out.split())
+    return pids
+
+
+def left_behind() -> dict[int, str]:
+    """{pid: command line} of the processes this session started that still run: descendants of the pytest
+    process, processes carrying its SESSION_MARK (reparented to init once their parent exited), and processes
+    in its network namespaces; zombies and LIFELONG helpers aside."""
+    import psutil
+
+    me = psutil.Process()
+    skip = {me.pid} | {p.pid for p in me.parents()}
+    mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode() + b"\0"
+    pids = {p.pid for p in me.children(recursive=True)} | _netns_pids()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in skip:
+            try:
+                if mark in Path(f"/proc/{entry}/environ").read_bytes():
+                    pids.add(int(entry))
+            except OSError:
+                continue
+    found = {}
+    for pid in pids - skip:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            command = " ".join(proc.cmdline()) or proc.name()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if not any(helper in command for helper in LIFELONG):
+            found[pid] = command
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when a process a test started is still alive now, after every fixture's finalizer (the
+    session's servers included) has run; list and kill them. A process still stopping gets 10 s."""
+    import signal
+    import time
+
+    if hasattr(session.config, "workerinput"):  # an xdist worker: its controller's session checks
+        return
+    deadline = time.monotonic() + 10
+    while (found := left_behind()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not found:
+        return
+    import psutil
+
+    for pid, command in sorted(found.items()):
+        try:
+            parent = psutil.Process(pid).ppid()
+        except psutil.NoSuchProcess:
+            parent = "?"
+        _left_behind.append(f"pid {pid} (parent {parent}): {command[:300]}")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _left_behind:
+        terminalreporter.section("processes left behind (the run fails; they were killed)", red=True, bold=True)
+        for line in _left_behind:
+            terminalreporter.write_line(line)

@@ -15,6 +15,7 @@ Needs root and iproute2 (CI runs as root on these machines); elsewhere the tests
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -64,8 +65,30 @@ def hosts():
                 )
         yield {"A": (a, f"{net}.1", "dla"), "B": (b, f"{net}.2", "dlb")}
     finally:
+        stop_namespaces(a, b)  # deleting a namespace would leave its processes running, unreachable by name
         for ns in (a, b):
             _ip("netns", "del", ns)  # takes the veth pair with it
+
+
+def stop_namespaces(*names: str, seconds: float = 30) -> None:
+    """Stop every process still inside these namespaces: what a signal to a started process's group misses (a
+    worker's flow runs in sessions of their own, what a timed-out `subprocess.run` had started); SIGTERM, then
+    SIGKILL to what is left after `seconds`."""
+
+    def pids() -> set[int]:
+        return {int(pid) for ns in names for pid in _ip("netns", "pids", ns).stdout.split()}
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + seconds
+        while pids() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if not pids():
+            return
 
 
 def on(host, args):
@@ -144,6 +167,7 @@ def test_two_hosts_train_one_model_like_one_process(hosts, tmp_path):
     finally:
         for p in nodes:
             stop_group(p)
+        stop_namespaces(A[0], B[0])
     logs = "".join((tmp_path / f"node{r}.log").read_text()[-2500:] for r in (0, 1))
     assert codes == [0, 0], logs
     sent = tx_bytes(B) - before
@@ -255,5 +279,8 @@ print(json.dumps({{"state": run.state.type.value}}))
             "30 train/loss values in A's MLflow"
         )
     finally:
+        # the workers first (make's group: make and its prefect worker), then the servers; then anything left in
+        # either host, e.g. a flow run a worker started in a session of its own
         for proc in reversed(procs):
             stop_group(proc)
+        stop_namespaces(A[0], B[0])
