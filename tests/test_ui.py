@@ -72,15 +72,16 @@ def two_pipeline_runs(tmp_path):
     return tmp_path, tracking, {"mdlm": mdlm, "scdd": scdd}
 
 
-def _session_commands(session: int) -> list[str]:
-    """Command lines of the processes in a session (the `dllm-flow ui` process and what it started)."""
+def _session_commands(pid: int) -> list[str]:
+    """Command lines of the `dllm-flow ui` process and of everything it started (the server runs in a session of
+    its own, tests/test_ui_signals.py)."""
+    import psutil
+
     commands = []
-    for proc in Path("/proc").iterdir():
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
         try:
-            stat = (proc / "stat").read_text()
-            if proc.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[3]) == session:
-                commands.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except (OSError, ValueError, IndexError):
+            commands.append(" ".join(proc.cmdline()))
+        except psutil.Error:
             continue
     return commands
 
