@@ -33,7 +33,10 @@ _MODULE_STRING = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?::[A-Za-z_][\w
 @cache
 def _top_location(top: str) -> Path | None:
     """The folder that holds top-level package/module `top`, or None when it isn't importable from a folder."""
-    spec = importlib.util.find_spec(top)
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
     if spec is None or spec.origin in (None, "built-in", "frozen"):
         return None
     origin = Path(spec.origin).resolve()
@@ -99,13 +102,9 @@ def import_closure(entry: str, *on_demand: str) -> dict[str, Path]:
     root = _top_location(top)
     if root is None or module_file(entry, root) is None:
         raise ValueError(f"no first-party module named {entry!r}")
-    first_party: dict[str, bool] = {}
 
     def is_first_party(name: str) -> bool:
-        head = name.split(".")[0]
-        if head not in first_party:
-            first_party[head] = importlib.util.find_spec(head) is not None and _top_location(head) == root
-        return first_party[head]
+        return _top_location(name.split(".")[0]) == root
 
     closure: dict[str, Path] = {}
     refs: dict[str, _Refs] = {}
@@ -130,15 +129,15 @@ def import_closure(entry: str, *on_demand: str) -> dict[str, Path]:
             found += [f"{base}.{n}" for base, n in r.names if is_first_party(base)]
         return found
 
-    pending = [entry, *on_demand]
+    pending, pulled = [entry, *on_demand], set()
     while pending:
-        pending += visit(pending.pop())
+        while pending:
+            pending += visit(pending.pop())
         # a name imported from a package that loads it on demand pulls the module it comes from
-        for mod in list(closure):
-            for base, name in refs[mod].names:
-                lazy = refs[base].lazy.get(name) if base in refs else None
-                if lazy and is_first_party(lazy) and lazy not in closure:
-                    pending.append(lazy)
+        names = {pair for r in refs.values() for pair in r.names if pair[0] in refs}
+        lazy = {refs[base].lazy.get(name) for base, name in names} - {None} - pulled
+        pulled |= lazy
+        pending = [m for m in lazy if is_first_party(m)]
     return closure
 
 

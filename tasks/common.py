@@ -6,7 +6,6 @@ Stages exchange `StageRef`s (store paths, keys, run ids), never tensors or model
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -17,6 +16,7 @@ from typing import Any
 
 from prefect import task
 
+from dllm_common.lineage import code_digest, import_closure
 from dllm_common.store import Store, refuse_read_only
 
 
@@ -40,21 +40,21 @@ class StageRef:
         return cls(name or entry.stage, entry.key, str(entry.path), reused, merged.get(run_id_key), merged)
 
 
-def code_version(*modules: str) -> str:
-    """sha256 over the source of the named modules/packages: editing them invalidates the cache."""
-    h = hashlib.sha256()
-    for name in modules:
-        spec = importlib.util.find_spec(name)
-        if spec is None:
-            raise ValueError(f"no module named {name!r}")
-        if spec.submodule_search_locations:
-            files = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).rglob("*.py"))
-        else:
-            files = [Path(spec.origin)]
-        for f in files:
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+def stage_code_version(entry: str, strategy: str | None = None) -> str:
+    """The code version in a stage's key: a digest of every first-party module the stage module `entry` imports,
+    directly or not (`dllm_common.lineage`), and for a stage of one strategy, of the modules the registry loads
+    on demand for it (`strategies.options.on_demand_modules`) and their imports. Editing any of them rebuilds
+    the stage and everything downstream; no list of modules is kept by hand (docs/architecture.md, "Stage
+    keys")."""
+    if strategy is None:
+        return code_digest(entry)
+    from strategies.options import on_demand_modules
+
+    own, other = [], []  # a strategy registered from a package outside the project is keyed by its own closure
+    project = {name.split(".")[0] for name in import_closure(entry)}
+    for module in on_demand_modules(strategy):
+        (own if module.split(".")[0] in project else other).append(module)
+    return "-".join([code_digest(entry, *own), *(code_digest(m) for m in other)])
 
 
 def store_for(workdir: str | Path) -> Store:
