@@ -89,10 +89,14 @@ def _warn_if_too_big(spec, declared: str | None, workdir: Path) -> None:
 
 def cmd_plan(args) -> int:
     """Memory per GPU and time per step of each strategy of a config on a cluster, predicted without a GPU."""
-    from tasks.plan import cluster_for, plan, render
+    from tasks.plan import cluster_for, micro_batch_for, plan, render
 
     spec = load_config(args.config, args.set)
     cluster = cluster_for(spec, args.gpus, args.gpu_memory, args.gpu_flops, args.mfu)
+    if args.gpus is not None:  # "what would N GPUs need": a micro-batch the config chose for another world size
+        spec, chosen = micro_batch_for(spec, cluster.gpus)
+        if chosen:
+            print(f"dllm-flow plan: {chosen}", flush=True)
     print(render(spec, cluster, plan(spec, cluster), str(args.config)))
     return 0
 

@@ -310,8 +310,18 @@ def add_time_conditioning(model: nn.Module, seed: int = 0) -> TimeEmbedding:
     embed = lm.get_input_embeddings()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        module = TimeEmbedding(lm.config.hidden_size)
-    module.to(device=embed.weight.device, dtype=embed.weight.dtype)
+        module = TimeEmbedding(lm.config.hidden_size)  # initialized on the CPU in fp32 (the same values everywhere)
+    # placed beside the embedding tensor by tensor, not with `Module.to`: that swaps a fake or meta tensor in
+    # place, which fails for one made under a fake-tensor mode (`dllm-flow plan` builds its model fake)
+    device, dtype = embed.weight.device, embed.weight.dtype
+    for sub in module.modules():
+        for key, param in list(sub.named_parameters(recurse=False)):
+            if param.device != device or param.dtype != dtype:
+                setattr(sub, key, nn.Parameter(param.detach().to(device, dtype), param.requires_grad))
+        for key, buffer in list(sub.named_buffers(recurse=False)):
+            cast = dtype if buffer.is_floating_point() else buffer.dtype
+            if buffer.device != device or buffer.dtype != cast:
+                setattr(sub, key, buffer.to(device, cast))
     setattr(lm, TIME_MODULE, module)
     embed.register_forward_hook(module.add_to_embeddings)
     setattr(lm.config, TIME_CONDITIONING, True)

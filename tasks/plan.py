@@ -66,6 +66,10 @@ aten = torch.ops.aten
 GB = 1e9
 TRACED_LAYERS = 3  # a deeper model is traced with this many decoder layers (first, middle, last)
 REAL_LIMIT = 4 << 20  # an intermediate of the step's real (small) work larger than this stays fake
+# bytes a row's token the step's real work holds in one tensor, the most over the strategies: fp32 noise drawn per
+# token (mdlm), over a row and its clean copy side by side (block_diffusion). A micro-batch of rows × seq_len whose
+# work is larger than REAL_LIMIT would select by fake masks, which no fake tensor can size.
+TOKEN_BYTES = 8
 DEFAULT_MFU = 0.4
 # dense peak FLOP/s of one H100/H200 SXM: bf16 tensor cores, and plain fp32 (PyTorch leaves TF32 off for matmuls)
 DEFAULT_FLOPS = {"bf16": 989e12, "fp32": 67e12}
@@ -241,6 +245,27 @@ class _Tracer(FakeTensorMode):
         """A decoder layer's forward or backward starts: a new segment of the timeline."""
         if self.tracking:
             self.timeline.start(self.now, layer)
+
+
+class Untraceable(ConfigError):
+    """A step the planner cannot trace: its per-token work (noise draws, masks, selections), which runs for real
+    so that every data-dependent branch follows the data, is larger than `REAL_LIMIT` a tensor."""
+
+
+def traceable_rows(spec: PipelineSpec) -> int:
+    """The most rows of `data.seq_len` tokens whose per-token work the trace keeps real."""
+    return REAL_LIMIT // (TOKEN_BYTES * spec.data.seq_len)
+
+
+def too_long(spec: PipelineSpec, rows: int, why: str = "") -> str:
+    """One line that names `data.seq_len` as what makes a micro-batch of `rows` rows impossible to plan."""
+    length = spec.data.seq_len
+    longest = REAL_LIMIT // (TOKEN_BYTES * rows)
+    return (
+        f"data.seq_len {length} is too long to plan at {_n(rows, 'row')} per micro-batch{why}: the planner runs a "
+        f"step's per-token work (noise draws, masks) for real, at most {size(REAL_LIMIT)} a tensor, which is "
+        f"{longest} tokens a row at this micro-batch; lower data.seq_len (or train.micro_batch_size) to plan it"
+    )
 
 
 def _storage_bytes(out) -> int:
@@ -461,7 +486,8 @@ class _Builder:
             model.config.dllm_attention = NATIVE if native else BIDIRECTIONAL_MASK
         if spec.train.peft is not None:
             p = spec.train.peft
-            add_lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules)
+            with _moves_by_replacement():  # PEFT moves each new adapter beside its layer with `Module.to`
+                add_lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules)
         if checkpointing:
             enable_activation_checkpointing(model)
         mask_id = _mask_id(self.options, self.vocab)
@@ -480,7 +506,9 @@ class _Builder:
             if d.target_model_id is None:
                 target = _new_target(spec, self.vocab)
             else:
-                config = pretrained_config(d.target_model_id, "dflash.target_model_id", d.target_trust_remote_code)
+                config = pretrained_config(
+                    d.target_model_id, "dflash.target_model_id", d.target_trust_remote_code, d.target_gguf_file
+                )
                 target = AutoModelForCausalLM.from_config(config, trust_remote_code=d.target_trust_remote_code)
         target = target.eval().requires_grad_(False)
         self.vocab = int(target.config.vocab_size)
@@ -498,6 +526,33 @@ class _Builder:
         built = dflash_setup.draft_strategy(self.name, options, draft, target, mask_token_id=mask_id, cache=cache)
         self.frozen = target
         return Trainee(draft, None, built.strategy, built.loss_fn, built.mask_token_id, spec.train.precision)
+
+
+@contextlib.contextmanager
+def _moves_by_replacement() -> Iterator[None]:
+    """Inside this block `Module.to` (`_apply`) replaces each tensor it changes with the moved one. Torch swaps a
+    fake parameter in place instead, which a fake-tensor mode's weak reference to it makes fail ("Couldn't swap");
+    replacing is what a real module's `.to` amounts to. For modules that share no tensor with another (a new
+    adapter): a tied weight would be replaced on one side only."""
+    original = nn.Module._apply
+
+    def apply(module: nn.Module, fn, recurse: bool = True) -> nn.Module:
+        for child in module.children() if recurse else ():
+            apply(child, fn)
+        with torch.no_grad():
+            for key, param in module._parameters.items():
+                if param is not None and (moved := fn(param)) is not param:
+                    module._parameters[key] = nn.Parameter(moved, param.requires_grad)
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[key] = fn(buffer)
+        return module
+
+    nn.Module._apply = apply
+    try:
+        yield
+    finally:
+        nn.Module._apply = original
 
 
 @contextlib.contextmanager
@@ -629,7 +684,12 @@ class _Planner:
         try:
             with tracer, torch.random.fork_rng(devices=[]):
                 ctx = step_context(trainee, 0, self.spec.train.seed, model, DistInfo(), micro_batches)
-                run_step(trainee, ctx, rows, True)
+                try:
+                    run_step(trainee, ctx, rows, True)
+                except (DynamicOutputShapeException, DataDependentOutputException) as exc:
+                    # a selection by a mask too large to have stayed real: its size is unknown to a fake tensor
+                    why = f" (a data-dependent size in the trace: {exc.func})"
+                    raise Untraceable(too_long(self.spec, shape.rows, why)) from None
             del ctx
             for p in params:  # what the step leaves is the gradients: theirs, not the step's
                 p.grad = None
@@ -677,6 +737,26 @@ class Layout:
     parallel: str  # "single", "ddp" or "fsdp2"
     rows: int
     micro_batches: int
+
+
+def micro_batch_for(spec: PipelineSpec, gpus: int) -> tuple[PipelineSpec, str | None]:
+    """`spec` as it can be planned on `gpus` ranks: where `train.micro_batch_size` does not divide the rows each
+    rank gets of the global batch (the config was written for another world size), the largest micro-batch that
+    does, with one line that says so; else `spec` as it is (None). A global batch the ranks cannot share evenly is
+    left to `layout`, which refuses it."""
+    t = spec.train
+    if gpus < 1 or t.global_batch_size % gpus:
+        return spec, None
+    per_rank = t.global_batch_size // gpus
+    if per_rank % t.micro_batch_size == 0:
+        return spec, None
+    rows = max(r for r in range(1, min(t.micro_batch_size, per_rank) + 1) if per_rank % r == 0)
+    changed = spec.model_copy(update={"train": t.model_copy(update={"micro_batch_size": rows})})
+    return changed, (
+        f"on {gpus} GPUs each rank gets {per_rank} of the global batch of {t.global_batch_size} rows, which "
+        f"train.micro_batch_size ({t.micro_batch_size}) does not divide: planned with micro-batches of {rows} "
+        "(the largest that does; --set train.micro_batch_size=N plans another)"
+    )
 
 
 def layout(spec: PipelineSpec, gpus: int) -> Layout:
@@ -779,6 +859,10 @@ def plan_strategy(
     """Trace `name`'s step at the configured micro-batch (every memory setting with `variants`) and size it (the
     largest micro-batch that fits, with `sizing`)."""
     lay = layout(spec, cluster.gpus)
+    if lay.rows > traceable_rows(spec):  # refused before any model is built or row drawn
+        raise Untraceable(too_long(spec, lay.rows))
+    unsized = sizing and lay.rows + 1 > traceable_rows(spec)  # sizing traces one more row
+    sizing = sizing and not unsized
     planner = _Planner(spec, name)
     model, frozen = planner.full_model()
     res = Resident.of(model, frozen, lay, cluster.device)
@@ -806,6 +890,8 @@ def plan_strategy(
         notes.append("train.activation_checkpointing does not apply to it: planned without")
     if chosen[0] != t.fused_head:
         notes.append("its model has no plain linear LM head: planned with full logits")
+    if unsized:
+        notes.append(f"largest micro-batch not sized: {too_long(spec, lay.rows + 1)}")
     # the whole step (every micro-batch draws its own noise, so how many positions a strategy selects varies)
     shape = Shape(*chosen, lay.rows)
     step = traces[chosen] if lay.micro_batches == 1 else planner.trace(shape, micro_batches=lay.micro_batches)
@@ -993,7 +1079,11 @@ def fit_warnings(spec: PipelineSpec, memory: str | None) -> list[str]:
     cluster = Cluster(spec.train.world_size, total)
     lines = []
     for name in spec.pipeline.strategies:
-        p = plan_strategy(spec, name, cluster, variants=False, sizing=False)
+        try:
+            p = plan_strategy(spec, name, cluster, variants=False, sizing=False)
+        except Untraceable as exc:  # a warning that cannot be computed holds the run back no more than none
+            lines.append(f"train[{name}] is not planned: {exc}")
+            continue
         if p.peak > cluster.usable():
             fix = _fix(spec, name, cluster, p)
             lines.append(
