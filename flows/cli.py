@@ -250,12 +250,12 @@ def cmd_generate(args) -> int:
     )
     from tasks.runtime import resolve_device
 
+    if args.checkpoint.startswith(("models:/", "runs:/")) and args.tracking_uri is None:
+        _check_registry_writable(Path(args.workdir))  # MLflow would retry a read-only store for ~2 minutes
     ckpt = resolve_checkpoint(args.checkpoint, Path(args.workdir), args.tracking_uri)
     device = resolve_device(args.device)
     loaded = load_for_generation(ckpt, device, args.adapter)
     sampler = check_sampler(loaded.meta["strategy"], args.sampler, args.infill)
-    if args.checkpoint.startswith(("models:/", "runs:/")) and args.tracking_uri is None:
-        _check_registry_writable(Path(args.workdir))  # MLflow would retry a read-only store for ~2 minutes
     temperature = args.temperature if args.temperature is not None else default_temperature(sampler)
     config = SamplerConfig(
         steps=args.steps,
@@ -286,10 +286,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _generate_one(loaded, request, device: str) -> None:
-    from tasks.generate import generate
-
-    out = generate(loaded, request, device, stream=lambda text: print(text, end="", flush=True))
 def _check_registry_writable(workdir: Path) -> None:
     """A models:/ or runs:/ URI is looked up in the workdir's sqlite registry, which MLflow opens for writing
     (its schema check, its journal): a read-only workdir is refused at once, naming what to do, instead of
@@ -308,6 +304,10 @@ def _check_registry_writable(workdir: Path) -> None:
     )
 
 
+def _generate_one(loaded, request, device: str) -> None:
+    from tasks.generate import generate
+
+    out = generate(loaded, request, device, stream=lambda text: print(text, end="", flush=True))
     print(flush=True)
     print(
         f"[dllm-flow] NFE {out.nfe:g}, {out.tokens} tokens in {out.seconds:.2f} s "
@@ -537,24 +537,19 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
+        if is_disk_full(exc):  # a library's error over an ENOSPC (torch's "unexpected pos 704 vs 598"): exit 2
+            print(f"dllm-flow: error: {_disk_full_line(exc)}{_log_hint(exc)}", file=sys.stderr)
+            return 2
         print(
             f"dllm-flow: error: {type(exc).__name__}: {exc}{_log_hint(exc)}{_resume_hint(exc, args)}", file=sys.stderr
         )
         causes = getattr(exc, "errors", {}).values()  # several strategies failed: user errors all?
-        if is_disk_full(exc):  # a library's error over an ENOSPC (torch's "unexpected pos 704 vs 598"): exit 2
-            print(f"dllm-flow: error: {_disk_full_line(exc)}{_log_hint(exc)}", file=sys.stderr)
-            return 2
         return 2 if causes and all(isinstance(e, USER_ERRORS) for e in causes) else 1
     except Interrupted as exc:  # a signal outside the pipeline (while its services start or stop)
         print(f"dllm-flow: {exc}", file=sys.stderr)
         return exc.exit_code
 
 
-def _resume_hint(exc: BaseException, args) -> str:
-    """A pipeline run that failed where a resume can fix it: the command that resumes it (what completed is
-    reused). None under errors the user must fix first: resuming would fail the same way."""
-    run_id = getattr(exc, "run_id", None)
-    if not run_id or f"dllm-flow resume {run_id}" in str(exc) or not _resumable(exc):
 def _disk_full_line(exc: BaseException) -> str:
     """The disk-full line (docs/operations.md, "Faults") where the error that reached the command is a library's
     over an ENOSPC: what the nearest `DiskFullError` of its chain says, else the generic line."""
@@ -587,6 +582,11 @@ def _resumable(exc: BaseException) -> bool:
     return not any(word in text for word in ("401", "403", "Unauthorized", "Forbidden", "credentials"))
 
 
+def _resume_hint(exc: BaseException, args) -> str:
+    """A pipeline run that failed where a resume can fix it: the command that resumes it (what completed is
+    reused). None under errors the user must fix first: resuming would fail the same way."""
+    run_id = getattr(exc, "run_id", None)
+    if not run_id or f"dllm-flow resume {run_id}" in str(exc) or not _resumable(exc):
         return ""
     return f"\n  resume with: dllm-flow resume {run_id} --workdir {args.workdir}"
 

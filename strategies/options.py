@@ -290,10 +290,10 @@ def validate_config(raw: dict, source: str = "<dict>") -> PipelineSpec:
     """The pipeline config, schema and strategy options checked (what every entry point loads)."""
     spec = pipeline_config.validate_config(raw, source)
     check_spec(spec)
+    check_pretrained_paths(spec)  # a local model.path folder: config.json, weights, not a DFlash draft
     return spec
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineSpec:
     raw = pipeline_config.apply_overrides(pipeline_config.read_yaml(path), overrides or [])
-    check_pretrained_paths(spec)  # a local model.path folder: config.json, weights, not a DFlash draft
     return validate_config(raw, str(path))
