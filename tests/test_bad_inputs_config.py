@@ -293,3 +293,30 @@ def test_pipeline_names_that_are_safe_everywhere_are_kept(capsys):
         validate_config({**_spec(), "pipeline": {"name": name, "strategies": ["mdlm"]}})
     code, err = _cli(capsys, "validate", SMOKE, "--set", "pipeline.name=team/exp")
     assert code == 2 and "pipeline.name 'team/exp' must be 1 to 100 letters" in err, err
+
+
+def test_a_new_draft_too_deep_for_the_embedded_target_is_refused_at_load(capsys):
+    """Both depths are in the config: refused before the target is pretrained (it failed in cache_target)."""
+    code, err = _cli(
+        capsys,
+        "validate",
+        str(ROOT / "configs/dflash.yaml"),
+        "--set",
+        "model.num_layers=2",
+        "--set",
+        "dflash.pretrain.num_layers=2",
+    )
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("dllm-flow: error: model.num_layers (2) vs dflash.pretrain.num_layers: a 2-layer draft")
+    assert "needs a target with at least 5 layers (got 2)" in err and "dflash.target_layer_ids" in err
+    ok = ["--set", "model.num_layers=2", "--set", "dflash.pretrain.num_layers=5"]
+    assert _cli(capsys, "validate", str(ROOT / "configs/dflash.yaml"), *ok)[0] == 0
+    own = [
+        "--set",
+        "model.num_layers=2",
+        "--set",
+        "dflash.pretrain.num_layers=2",
+        "--set",
+        "dflash.target_layer_ids=[0,1]",
+    ]
+    assert _cli(capsys, "validate", str(ROOT / "configs/dflash.yaml"), *own)[0] == 0  # layers the user chose

@@ -19,6 +19,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from strategies.corruption import check_args
 from strategies.dflash.config import default_layer_ids
+from strategies.dflash.options import layer_count_problem
 from strategies.sampling import LOOKUP_MAX_NGRAM
 
 
@@ -29,14 +30,9 @@ def _build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> li
         "_build_target_layer_ids",
         integers={"num_target_layers": (num_target_layers, 1), "num_draft_layers": (num_draft_layers, 1)},
     )
-    if num_draft_layers == 1:
-        return default_layer_ids(num_target_layers, 1)
-    if num_target_layers < 4 or num_draft_layers > num_target_layers - 3:
-        raise ValueError(
-            f"a {num_draft_layers}-layer draft reads {num_draft_layers} distinct target layers among 1 … T − 3, so it "
-            f"needs a target with at least {max(4, num_draft_layers + 3)} layers (got {num_target_layers}); use fewer "
-            "draft layers, a deeper target, or dflash.target_layer_ids"
-        )
+    problem = layer_count_problem(num_target_layers, num_draft_layers)
+    if problem:
+        raise ValueError(problem)
     return default_layer_ids(num_target_layers, num_draft_layers)
 
 

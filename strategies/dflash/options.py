@@ -45,6 +45,15 @@ class DFlashOptions(StrategyOptions):
 
     def check_against(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
         super().check_against(spec, where)
+        d = spec.dflash
+        if d.target_model_id is None and d.target_layer_ids is None and spec.model.kind == "tiny":
+            # the embedded target and a new draft: both depths are in the config, so a draft too deep for its
+            # target is refused here, not after the target has been pretrained
+            problem = layer_count_problem(d.pretrain.num_layers, spec.model.num_layers)
+            if problem:
+                raise ConfigError(
+                    f"model.num_layers ({spec.model.num_layers}) vs dflash.pretrain.num_layers: {problem}"
+                )
         if not self.block_size:  # 0: the draft checkpoint's, known at run time
             return
         # an anchor block is kept only in a row with ≥ 2 × block_size supervised tokens
@@ -68,6 +77,18 @@ class DFlashOptions(StrategyOptions):
         """The draft writes through the target's head: the target is built from the config's tokenizer only
         when the `pretrain_target` stage trains it (no `dflash.target_model_id`)."""
         return super().config_vocab_known(spec) and spec.dflash.target_model_id is None
+
+
+def layer_count_problem(num_target_layers: int, num_draft_layers: int) -> str | None:
+    """What is wrong with a draft of `num_draft_layers` reading a target of `num_target_layers` by the default
+    layer choice (`strategies.dflash.blocks._build_target_layer_ids`: distinct layers among 1 … T − 3), or None."""
+    if num_draft_layers == 1 or (num_target_layers >= 4 and num_draft_layers <= num_target_layers - 3):
+        return None
+    return (
+        f"a {num_draft_layers}-layer draft reads {num_draft_layers} distinct target layers among 1 … T − 3, so it "
+        f"needs a target with at least {max(4, num_draft_layers + 3)} layers (got {num_target_layers}); use fewer "
+        "draft layers, a deeper target, or dflash.target_layer_ids"
+    )
 
 
 SAMPLERS = {
