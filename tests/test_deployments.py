@@ -1,4 +1,4 @@
-"""Integration: the operations stack exactly as the README runs it, on 127.0.0.1, on either backend.
+"""Integration: the operations stack exactly as docs/operations.md runs it, on 127.0.0.1, on either backend.
 
 `make server` (Prefect server + MLflow server, databases migrated first), `make deploy` (work pools
 cpu and gpu, every deployment of deployments/prefect.yaml, the dead-worker automation), `make worker-cpu`
