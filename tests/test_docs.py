@@ -45,3 +45,142 @@ def test_no_comment_cites_a_document_outside_the_repository():
 
 def test_the_check_would_catch_a_missing_section(tmp_path):
     assert "§999" not in _headings("strategies.md") and "§7.2" in _headings("strategies.md")
+
+
+# ---------------------------------------------------------------- the README's quickstart figures
+
+
+def _quickstart_paragraph() -> str:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("On 2 CPU cores a first run of the quickstart")
+    return readme[start : readme.index("\n\n", start)]
+
+
+def test_the_readme_quotes_the_last_measured_quickstart_run():
+    """README's quickstart figures are those of docs/results/quickstart.json (benchmarks/quickstart_figures.py,
+    a real run), and that file describes the quickstart config as it is: a config changed since (more steps,
+    another model) fails here until the figures are measured again."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from quickstart_figures import config_digest
+
+    figures = json.loads((ROOT / "docs" / "results" / "quickstart.json").read_text())
+    from flows.cli import load_config
+
+    assert figures["steps"] == load_config(str(ROOT / "configs" / "quickstart.yaml")).train.steps
+    assert figures["config_digest"] == config_digest(), "configs/quickstart.yaml changed: run quickstart_figures.py"
+    text = _quickstart_paragraph()
+    v, e = figures["val_loss"], figures["eval"]
+    for quoted in (
+        f"**{figures['steps']:,} steps**",
+        f"**{v['first']:.3f}** (step {v['first_step']:,})",
+        f"**{v['last']:.3f}** (step {v['last_step']:,})",
+        f"eval/nelbo **{e['nelbo']:.3f}**",
+        f"gen_ppl **{e['gen_ppl']:.1f}** and entropy **{e['entropy']:.2f}**",
+        f"data row's {e['data_gen_ppl']:.1f} / {e['data_entropy']:.2f}",
+        f"measured {figures['measured_on']}",
+    ):
+        assert quoted in text, (quoted, text)
+    low, high = map(float, re.search(r"takes (\d+(?:\.\d+)?)–(\d+(?:\.\d+)?) minutes", text).groups())
+    assert low * 60 <= figures["wall_seconds"] <= high * 60, (low, high, figures["wall_seconds"])
+    minutes = figures["wall_seconds"] // 60
+    seconds = round(figures["wall_seconds"] - 60 * minutes)
+    assert f"{int(minutes)} min {seconds:02d} s" in text
+    make_line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("make quickstart"))
+    assert f"{low:g}–{high:g} min" in make_line, make_line
+
+
+# ---------------------------------------------------------------- the README's length and its layout block
+
+PACKAGES = ("flows", "tasks", "strategies", "dllm_common")
+PATH_TOKEN = re.compile(r"[\w.-]+(?:/|\.\w+)")  # `name/` or `name.ext`
+
+
+def _layout_block(readme: str) -> list[str]:
+    """The lines of the first fenced block under the "Repository layout" heading."""
+    heading = re.search(r"^#+ Repository layout\s*$", readme, flags=re.MULTILINE)
+    assert heading, "README.md has no 'Repository layout' heading"
+    fence = re.compile(r"^\s*(```|~~~)")
+    lines = readme[heading.end() :].splitlines()
+    start = next(i for i, ln in enumerate(lines) if fence.match(ln))
+    end = next(i for i in range(start + 1, len(lines)) if fence.match(lines[i]))
+    return lines[start + 1 : end]
+
+
+def _layout_paths(readme: str) -> list[str]:
+    """Every path the layout block names, as a repository-relative path (folders end in `/`), in order.
+
+    A line names the path-like tokens it starts with (`name/`, `name.py`, ..., several on one line allowed), or
+    a bare first token set off from its description by two spaces (`Makefile   what it does`); a folder's
+    entries are the lines indented under it. Other lines (a description's continuation) name nothing."""
+    paths, stack = [], []  # stack: (indent, folder path)
+    for line in _layout_block(readme):
+        stripped = line.lstrip(" ")
+        if not stripped.strip():
+            continue
+        indent = len(line) - len(stripped)
+        names = []
+        for token in stripped.split(" "):
+            if not PATH_TOKEN.fullmatch(token):
+                break
+            names.append(token)
+        if not names:
+            bare = re.match(r"([\w.-]+)(?:\s{2,}|\s*$)", stripped)
+            if not bare:
+                continue
+            names = [bare.group(1)]
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        parent = stack[-1][1] if stack else ""
+        paths += [parent + name for name in names]
+        folders = [name for name in names if name.endswith("/")]
+        if len(folders) == 1 and len(names) == 1:
+            stack.append((indent, parent + folders[0]))
+    return paths
+
+
+def _modules_to_name(named: list[str]) -> list[str]:
+    """What the layout must name: every module of a first-party package but `__init__.py`, and every subpackage;
+    a subpackage's own modules too where the block lists any of them."""
+    required, folders = [], [ROOT / p for p in PACKAGES]
+    while folders:
+        folder = folders.pop()
+        for child in sorted(folder.iterdir()):
+            rel = child.relative_to(ROOT).as_posix()
+            if child.is_file() and child.suffix == ".py" and child.name != "__init__.py":
+                required.append(rel)
+            elif child.is_dir() and (child / "__init__.py").is_file():
+                required.append(rel + "/")
+                if any(p.startswith(rel + "/") and p != rel + "/" for p in named):
+                    folders.append(child)
+    return required
+
+
+def test_the_readme_has_at_most_250_lines():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+def test_the_readme_layout_names_every_package_and_module_exactly_once():
+    named = _layout_paths((ROOT / "README.md").read_text())
+    required = _modules_to_name(named)
+    assert len(required) > 50 and {p + "/" for p in PACKAGES} <= set(named)  # the parser reads the real block
+    missing = [p for p in required if p not in named]
+    repeated = sorted({p for p in named if named.count(p) > 1})
+    assert (missing, repeated) == ([], []), "README.md 'Repository layout': add the missing, name the repeated once"
+
+
+def test_every_name_in_the_readme_layout_exists():
+    named = _layout_paths((ROOT / "README.md").read_text())
+    absent = [p for p in named if not ((ROOT / p).is_dir() if p.endswith("/") else (ROOT / p).is_file())]
+    assert absent == []
+
+
+def test_the_layout_check_would_catch_a_missing_repeated_or_invented_name():
+    readme = (ROOT / "README.md").read_text()
+    block = "\n".join(_layout_block(readme))
+    edited = block.replace("  loop.py ", "  lop.py ", 1).replace("  mdlm/ ", "  mdlm/ scdd/ ", 1)
+    assert edited != block
+    named = _layout_paths(readme.replace(block, edited))
+    assert "tasks/loop.py" not in named and "tasks/lop.py" in named and named.count("strategies/scdd/") == 2
