@@ -1,7 +1,7 @@
 """Peak resident memory of rank 0 while checkpointing a ~100M-parameter model with its AdamW state,
 FSDP2 over 2 CPU processes (gloo): the previous path (full weights + optimizer state gathered onto rank 0,
 which writes them) against the sharded one (`torch.distributed.checkpoint`: each rank writes its own
-shards, `tasks/checkpointing.py`). Both in the same run, printed as ratios to the full state's bytes.
+shards, `tasks/training/resume.py`). Both in the same run, printed as ratios to the full state's bytes.
 
     python benchmarks/checkpoint_memory.py [--hidden 768 --layers 12]
 
@@ -70,7 +70,7 @@ def worker(hidden: int, layers: int, out: Path) -> None:
     )
 
     from strategies.models import build_model, tiny_model_config
-    from tasks.distributed import shard_fsdp2
+    from tasks.training.distributed import shard_fsdp2
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

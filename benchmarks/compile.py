@@ -2,7 +2,7 @@
 
 Each mode runs in its own subprocess: it builds a small Llama-shaped model, runs `--warmup` steps (the
 compiled mode compiles in them; its compile time is reported separately) and then times `--steps`
-steps of `tasks.loop.run_step` on fixed-shape batches. Prints the median step time of each mode, the
+steps of `tasks.training.loop.run_step` on fixed-shape batches. Prints the median step time of each mode, the
 ratio eager ÷ compiled (> 1: compile is faster), and the losses of both (they must agree).
 
     python benchmarks/compile.py [--strategy mdlm] [--hidden 256] [--layers 4] [--seq 256] [--batch 8]
@@ -25,10 +25,10 @@ def _child(args) -> None:
     from strategies import Microbatch, assemble_strategy, strategy_class
     from strategies.head import make_head_deferrable
     from strategies.models import build_model, tiny_model_config, wrap_for_architecture
-    from tasks.distributed import DistInfo
-    from tasks.loop import run_step, step_context
-    from tasks.runtime import Trainee
-    from tasks.trainee import compile_layers
+    from tasks.training.distributed import DistInfo
+    from tasks.training.loop import run_step, step_context
+    from tasks.training.runtime import Trainee
+    from tasks.training.trainee import compile_layers
 
     torch.set_num_threads(args.threads)
     vocab = args.vocab

@@ -13,7 +13,7 @@
    one-GPU run within bf16 noise.
 4. **Throughput and the plan**: tokens/s and model FLOPs utilization (6 · parameters · tokens/s ÷ the GPU's bf16
    peak) per strategy on a ~1B-parameter llama built from config, sequence 1024; beside each, what `dllm-flow plan`
-   predicts for the same step (`tasks.plan`): its peak memory against the measured one (`max_memory_allocated`;
+   predicts for the same step (`tasks.commands.plan`): its peak memory against the measured one (`max_memory_allocated`;
    on CPU the allocator's own events, benchmarks/plan_memory.py) and the utilization of the plan's counted FLOPs
    that the measured tokens/s imply, the number to give `dllm-flow plan --mfu` on this GPU (docs/planning.md).
 Exits non-zero if any check fails. Nothing is downloaded (the embedded Shakespeare corpus, models from config).
@@ -185,12 +185,12 @@ def throughput(report: Report, device: str, smoke: bool, work: Path, peak: float
     import torch
 
     from strategies.options import validate_config
-    from tasks.distributed import DistInfo
-    from tasks.loop import LoopRun, LoopSettings, step_context, train_step
-    from tasks.plan import Cluster, plan_strategy
+    from tasks.commands.plan import Cluster, plan_strategy
     from tasks.prepare_data import prepare_data
-    from tasks.runtime import OptimSettings, Split, make_optimizer
-    from tasks.trainee import build_trainee
+    from tasks.training.distributed import DistInfo
+    from tasks.training.loop import LoopRun, LoopSettings, step_context, train_step
+    from tasks.training.runtime import OptimSettings, Split, make_optimizer
+    from tasks.training.trainee import build_trainee
 
     shape = (
         {"hidden_size": 2048, "num_layers": 16, "num_heads": 16}

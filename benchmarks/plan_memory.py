@@ -2,11 +2,11 @@
 
     python benchmarks/plan_memory.py [--sizes s,m,l] [--strategies mdlm,...] [--threads 2]
 
-For each case the planner (`tasks.plan`, fake tensors, nothing allocated) predicts the peak of one training step,
-then the step really runs: the model built by the training code (`tasks.trainee.build_trainee`, weights
+For each case the planner (`tasks.commands.plan`, fake tensors, nothing allocated) predicts the peak of one training
+step, then the step really runs: the model built by the training code (`tasks.training.trainee.build_trainee`, weights
 initialized), AdamW, one warm-up step (the optimizer's moments come into being), then the measured step
-(`tasks.loop.train_step`: forward/backward of every micro-batch, clipping, the AdamW update) on the same rows and
-noise the planner traced.
+(`tasks.training.loop.train_step`: forward/backward of every micro-batch, clipping, the AdamW update) on the same rows
+and noise the planner traced.
 
 What is measured: CPU allocator events (`torch.profiler` with `profile_memory=True`: every allocation and free of
 PyTorch's CPU allocator, with its size). Their running sum over the step, at its highest, is the step's peak above
@@ -116,8 +116,8 @@ def dflash_inputs(spec, size: str, work: Path) -> dict:
     from strategies.dflash.blocks import _build_target_layer_ids
     from strategies.dflash.features import write_feature_cache
     from strategies.models import build_model, tiny_model_config
+    from tasks.commands.plan import synthetic_rows
     from tasks.common import StageRef
-    from tasks.plan import synthetic_rows
 
     hidden, _, heads, vocab, seq, rows, micro, _ = SIZES[size]
     target_dir, cache = work / f"target-{size}", work / f"features-{size}"
@@ -145,12 +145,12 @@ def measure(spec, name: str, work: Path, inputs: dict) -> tuple[int, int, int]:
     clipping have no matmuls)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from tasks.commands.plan import CPU_ATTENTION_FLOPS, synthetic_rows
     from tasks.common import StageRef
-    from tasks.distributed import DistInfo
-    from tasks.loop import LoopRun, LoopSettings, step_context, train_step
-    from tasks.plan import CPU_ATTENTION_FLOPS, synthetic_rows
-    from tasks.runtime import OptimSettings, make_optimizer
-    from tasks.trainee import build_trainee
+    from tasks.training.distributed import DistInfo
+    from tasks.training.loop import LoopRun, LoopSettings, step_context, train_step
+    from tasks.training.runtime import OptimSettings, make_optimizer
+    from tasks.training.trainee import build_trainee
 
     data = StageRef("prepare_data", "plan", str(work / "data"))
     trainee = build_trainee(spec, name, data, "cpu", inputs)
@@ -213,7 +213,7 @@ def main() -> None:
     import transformers
 
     from strategies import strategy_class
-    from tasks.plan import Cluster, plan_strategy, size
+    from tasks.commands.plan import Cluster, plan_strategy, size
 
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()

@@ -27,7 +27,7 @@ import torch
 
 from strategies.absorbing import absorbing_sample
 from strategies.sampling import SamplerConfig
-from tasks.scoring import generative_perplexity, mean_entropy
+from tasks.evaluation.scoring import generative_perplexity, mean_entropy
 
 PROMPTS = ["To be, or not to be", "My lord,", "What say you", "O", "Now is the winter", "Friends, Romans"]
 
@@ -61,7 +61,7 @@ def random_models():
 
 
 def loaded_models(paths: list[Path]):
-    from tasks.checkpoints import load_for_generation
+    from tasks.evaluation.trained_model import load_for_generation
 
     for path in paths:
         model, tokenizer, strategy, mask, meta = load_for_generation(path, "cpu")
@@ -174,7 +174,7 @@ def bench_scorer(workdir: Path, skip: bool):
     if skip:
         return None
     from dllm_common.config import ScorerConfig
-    from tasks.scoring import load_scorer
+    from tasks.evaluation.scoring import load_scorer
 
     try:
         return load_scorer(ScorerConfig(**SCORER), workdir)

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from strategies import MDLMStrategy
 from strategies.models import build_model, full_attention_mask, tiny_model_config
 from strategies.options import validate_config
-from tasks.distributed import DistInfo
-from tasks.loop import LoopRun, LoopSettings, step_context, train_step
-from tasks.runtime import OptimSettings, Split, Trainee, make_optimizer
+from tasks.training.distributed import DistInfo
+from tasks.training.loop import LoopRun, LoopSettings, step_context, train_step
+from tasks.training.runtime import OptimSettings, Split, Trainee, make_optimizer
 
 
 def bare_step(model, opt, ids, loss_mask, mask_id, eps, gen, clip):
@@ -43,7 +43,7 @@ def bare_step(model, opt, ids, loss_mask, mask_id, eps, gen, clip):
 
 
 def pipeline_step(run: LoopRun, settings: LoopSettings, step: int, rows) -> None:
-    """One step as `tasks.loop.train_loop` takes it (context, micro-batches, train_step)."""
+    """One step as `tasks.training.loop.train_loop` takes it (context, micro-batches, train_step)."""
     ctx = step_context(run.trainee, step, 0, run.stepper, DistInfo(), 1)
     train_step(run, settings, ctx, run.train.microbatches(rows, settings.micro_batch_size, "cpu"))
 

@@ -2,7 +2,7 @@
 
 Each (strategy, mode) runs in its own subprocess: it builds a small Llama-shaped model with a large
 vocabulary (the LM head then dominates activation memory, as it does in real models), prepares the
-batch, records its resident memory, runs one optimizer step's forward + backward (`tasks.loop.run_step`,
+batch, records its resident memory, runs one optimizer step's forward + backward (`tasks.training.loop.run_step`,
 what training runs) and reports the peak resident memory above that point. "full" is
 `train.fused_head: false` (the `[B, L, V]` logits built and kept for backward), "fused" is the default
 (docs/strategies.md §5.9). Ratios are fused ÷ full from the same run.
@@ -37,9 +37,9 @@ def _child(args) -> None:
     from strategies import Microbatch, assemble_strategy, strategy_class
     from strategies.head import make_head_deferrable
     from strategies.models import build_model, tiny_model_config, wrap_for_architecture
-    from tasks.distributed import DistInfo
-    from tasks.loop import run_step, step_context
-    from tasks.runtime import Trainee
+    from tasks.training.distributed import DistInfo
+    from tasks.training.loop import run_step, step_context
+    from tasks.training.runtime import Trainee
 
     torch.set_num_threads(args.threads)
     vocab, mask_id = args.vocab, args.vocab - 1

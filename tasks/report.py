@@ -24,8 +24,8 @@ from dllm_common.store import MANIFEST, atomic_write_text, stage_key
 from dllm_common.tracking import Tracking
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.common import fmt_number as _fmt
-from tasks.data_row import data_row_table
 from tasks.evaluate import RESULT_FIELDS, eval_artifact_path
+from tasks.evaluation.data_row import data_row_table
 
 STAGE = "report"
 RUNS_TAG = "dllm.report_runs"

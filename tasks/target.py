@@ -26,12 +26,13 @@ from dllm_common.checkpoint import checkpoint_digest, write_checkpoint
 from dllm_common.config import PipelineSpec
 from dllm_common.store import atomic_write_text, sha256_file, stage_key
 from strategies.causal import CausalLMObjective
-from strategies.models import build_model, resolve_model_path, set_token_ids, tiny_model_config
+from strategies.model_files import resolve_model_path
+from strategies.models import build_model, set_token_ids, tiny_model_config
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
-from tasks.loop import LoopRun, LoopSettings, train_loop
+from tasks.evaluation.scoring import load_causal_lm, save_dequantized
 from tasks.prepare_data import load_tokenizer
-from tasks.runtime import OptimSettings, Split, Trainee, make_optimizer, stage_device, tracking_for
-from tasks.scoring import load_causal_lm, save_dequantized
+from tasks.training.loop import LoopRun, LoopSettings, train_loop
+from tasks.training.runtime import OptimSettings, Split, Trainee, make_optimizer, stage_device, tracking_for
 
 PRETRAIN, EXTERNAL = "pretrain_target", "target"
 WEIGHT_SUFFIXES = (".safetensors", ".bin")

@@ -1,9 +1,9 @@
 """Stage `train[strategy]`: train one strategy on prepared data, or reuse or resume it.
 
 The stage goes through the store's one protocol (`Store.reuse_or_build`); building runs the training
-loop (`tasks.loop`) in this process, or on every rank under torchrun with `train.nproc_per_node > 1`.
+loop (`tasks.training.loop`) in this process, or on every rank under torchrun with `train.nproc_per_node > 1`.
 Resumable: every `train.checkpoint_every` steps the model, optimizer, scheduler, step and MLflow run id
-go to `store/train/<key>.work/checkpoint` (`tasks.checkpointing`). The finished model is published to
+go to `store/train/<key>.work/checkpoint` (`tasks.training.resume`). The finished model is published to
 `store/train/<key>/model`.
 """
 
@@ -26,12 +26,12 @@ from dllm_common.store import stage_key
 from strategies import strategy_class
 from strategies.models import lora_state_dict, merge_lora
 from strategies.options import resolve_options, validate_config
-from tasks import distributed
-from tasks.checkpointing import Checkpointer, layout
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
-from tasks.loop import LoopRun, LoopSettings, train_loop
-from tasks.runtime import OptimSettings, Split, make_optimizer, stage_device, tracking_for
-from tasks.trainee import build_trainee
+from tasks.training import distributed
+from tasks.training.loop import LoopRun, LoopSettings, train_loop
+from tasks.training.resume import Checkpointer, layout
+from tasks.training.runtime import OptimSettings, Split, make_optimizer, stage_device, tracking_for
+from tasks.training.trainee import build_trainee
 
 STAGE = "train"
 

@@ -101,8 +101,8 @@ def _generate_with_every_sampler(strategy, trained, cls) -> None:
     """The checkpoint alone rebuilds its strategy for `dllm-flow generate`; every sampler its registration
     declares decodes from it, streamed (the first is what `--sampler auto` picks)."""
     from strategies.sampling import SamplerConfig
-    from tasks.checkpoints import load_for_generation
-    from tasks.generate import Request, check_sampler, default_temperature, generate
+    from tasks.commands.generate import Request, check_sampler, default_temperature, generate
+    from tasks.evaluation.trained_model import load_for_generation
     from tasks.train import model_dir
 
     loaded = load_for_generation(model_dir(trained), "cpu")

@@ -291,7 +291,7 @@ def test_a_warmup_longer_than_the_training_is_refused_naming_both_keys():
         validate_config(_spec(["dflash"], dflash={"pretrain": {"steps": 20}}))
     # equal is allowed: the last step trains at train.lr (the schedule reaches 1 there; nothing is left to decay)
     from dllm_common.config import TrainConfig
-    from tasks.runtime import OptimSettings, lr_lambda
+    from tasks.training.runtime import OptimSettings, lr_lambda
 
     assert validate_config(_spec(["mdlm"], train={"steps": 10, "warmup_steps": 10})).train.warmup_steps == 10
     assert lr_lambda(9, OptimSettings.of(TrainConfig(steps=10, warmup_steps=10))) == 1.0

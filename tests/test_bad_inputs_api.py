@@ -179,7 +179,7 @@ def _loaded(context=64):
 
 
 def test_prompt_plus_new_tokens_beyond_the_context_is_refused():
-    from tasks.generate import Request, check_request, generate
+    from tasks.commands.generate import Request, check_request, generate
 
     request = Request("w " * 34, "llada", SamplerConfig(max_new_tokens=48))
     expected = (
@@ -256,7 +256,7 @@ def test_eval_samples_beyond_the_context_are_refused_before_training_with_genera
 
 
 def test_missing_checkpoint_path_says_it_does_not_exist(tmp_path):
-    from tasks.generate import resolve_checkpoint
+    from tasks.commands.generate import resolve_checkpoint
 
     missing = tmp_path / "no-such-run"
     with pytest.raises(FileNotFoundError) as err:
@@ -408,8 +408,8 @@ def _checkpoint(prepared, dest: Path, rows: int | None = None):
 def test_a_tokenizer_with_more_tokens_than_the_model_is_refused_at_load(prepared, tmp_path, capsys):
     from dllm_common.checkpoint import CorruptCheckpointError
     from flows.cli import main
-    from tasks.checkpoints import checkpoint_tokenizer, load_for_generation, load_trained_model
-    from tasks.export import export_checkpoint
+    from tasks.commands.export import export_checkpoint
+    from tasks.evaluation.trained_model import checkpoint_tokenizer, load_for_generation, load_trained_model
 
     data, _ = prepared
     n = 320
@@ -440,7 +440,7 @@ def test_export_of_a_store_entry_checks_it_against_the_entrys_manifest(prepared,
     """Weights and digests.json both edited: the checkpoint agrees with itself, the store's manifest does not."""
     from dllm_common.checkpoint import CorruptCheckpointError, verify_checkpoint
     from dllm_common.store import Store, sha256_file
-    from tasks.export import export_checkpoint
+    from tasks.commands.export import export_checkpoint
 
     key = "0123456789abcdef01234567"
     with Store(tmp_path / "store").publish("train", key, {"stage": "train"}) as tmp:

@@ -164,8 +164,8 @@ class _FullDisk(io.RawIOBase):
 def test_a_full_disk_under_torchs_zip_writer_is_the_disk_full_line(tmp_path, monkeypatch, room):
     from torch.distributed.checkpoint import filesystem
 
-    from tasks.checkpointing import Checkpointer
-    from tasks.distributed import DistInfo
+    from tasks.training.distributed import DistInfo
+    from tasks.training.resume import Checkpointer
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):

@@ -29,7 +29,7 @@ from strategies.losses import encoder_ar_loss, per_token_nll
 from strategies.models import DLLMOutput, build_model, model_from_config_dir, tiny_model_config
 from strategies.posteriors import own_token_log_likelihood, own_token_removed, reverse_step, uniform_posterior
 from strategies.sampling import SamplerConfig, SampleResult
-from tasks.evaluation import fixed_noise_nelbo
+from tasks.evaluation.likelihood import fixed_noise_nelbo
 
 V = 50
 

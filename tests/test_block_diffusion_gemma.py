@@ -20,7 +20,7 @@ from strategies.losses import nll_at
 from strategies.models import model_from_config_dir, tiny_diffusion_gemma_config
 from strategies.options import validate_config
 from strategies.sampling import SamplerConfig
-from tasks.trainee import build_trainee
+from tasks.training.trainee import build_trainee
 
 V, BS = 48, 4
 IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
@@ -364,7 +364,7 @@ def test_a_checkpoint_is_a_transformers_diffusion_gemma_and_rebuilds_in_dllm_flo
 @pytest.fixture(scope="module")
 def exported(prepared, tiny_spec, tmp_path_factory):
     """block_diffusion (DiffusionGemma, 8-token canvases) trained 6 steps, then exported."""
-    from tasks.export import export_checkpoint
+    from tasks.commands.export import export_checkpoint
     from tasks.train import train
 
     data, _ = prepared
@@ -387,7 +387,7 @@ def test_a_killed_training_resumes_to_the_uninterrupted_weights(exported, prepar
     from safetensors.torch import load_file
     from test_train import _metric_history
 
-    import tasks.loop as loop_mod
+    import tasks.training.loop as loop_mod
     from tasks.train import model_dir, train
 
     full, out = exported
@@ -482,8 +482,8 @@ def test_the_model_cards_snippet_samples_dllm_flows_tokens_with_transformers_alo
     import subprocess
     import sys
 
-    from tasks.checkpoints import load_for_generation
-    from tasks.generate import Request, generate
+    from tasks.commands.generate import Request, generate
+    from tasks.evaluation.trained_model import load_for_generation
 
     _, out = exported
     card = (out / "README.md").read_text()
@@ -510,7 +510,7 @@ def test_the_model_cards_snippet_samples_dllm_flows_tokens_with_transformers_alo
 def test_the_exported_folder_gives_transformers_logits_at_every_step_of_a_longer_schedule(exported):
     """K = 4 steps per block, float64: each step of dllm-flow's sampler on the exported folder replayed through
     transformers' own class loaded from it."""
-    from tasks.checkpoints import load_for_generation
+    from tasks.evaluation.trained_model import load_for_generation
 
     _, out = exported
     ours = _exact(load_for_generation(out, "cpu").model)

@@ -116,7 +116,7 @@ def test_jsonl_text_and_chat_messages(tmp_path):
     ids, loss, attn = load_split(ref.path, "train")
     assert 0 < loss.sum() < attn.sum()  # the prompt is not supervised
     assert ref.info["train_documents"] + ref.info["val_documents"] == 6
-    from tasks.runtime import Split
+    from tasks.training.runtime import Split
 
     assert Split.open(ref.path, "train").doc_starts is None  # a dialogue row is one conversation: no packing
 
@@ -208,7 +208,7 @@ def test_streamed_rows_are_packed_documents_in_parallel_or_not_and_read_memory_m
 
     from tasks.prepare_data import PARALLEL_FROM, iter_documents, load_tokenizer
     from tasks.rows import open_split
-    from tasks.runtime import Split
+    from tasks.training.runtime import Split
 
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(json.dumps({"text": f"doc {i}: " + "word " * (i % 17 + 3)}) for i in range(300)))

@@ -331,7 +331,7 @@ def pair():
 
 def _make_pair():
     """A frozen 5-layer target and a 2-layer draft (block 4), built the same in every process."""
-    # frozen as `tasks.dflash_setup.load_target` loads a target (the strategy holds it as given)
+    # frozen as `tasks.training.dflash_setup.load_target` loads a target (the strategy holds it as given)
     target = build_model(tiny_model_config("llama", 64, 128, 32, 5, 4, None, None, False), seed=0)
     target = target.eval().requires_grad_(False)
     ids = _build_target_layer_ids(5, 2)
@@ -427,7 +427,7 @@ def test_packed_rows_confine_each_block_to_its_document(pair):
 def test_packed_splits_reach_the_dflash_step_as_document_ids(pair):
     """`doc_starts` of a packed split become per-row document numbers on each micro-batch, which DFlash uses
     unless `dflash.document_mask` is off."""
-    from tasks.runtime import Split
+    from tasks.training.runtime import Split
 
     target, draft = pair
     ids = torch.randint(0, 60, (4, 24), generator=torch.Generator().manual_seed(3))
@@ -453,7 +453,7 @@ def test_teacher_forced_acceptance_keeps_blocks_inside_documents(pair):
     """Evaluation's τ_sim on packed validation rows scores each block inside its document, as training does:
     with a boundary every 3 tokens, a block whose first target lies in the next document is not scored."""
     from dllm_common.config import EvalConfig
-    from tasks.speculative_eval import teacher_forced_acceptance
+    from tasks.evaluation.speculative import teacher_forced_acceptance
 
     target, draft = pair
     built = _strategy(target, draft)

@@ -27,12 +27,12 @@ from strategies.dflash.config import (
 )
 from strategies.dflash.draft import DFlashDraftModel, draft_block_hidden, greedy_generate, target_features
 from strategies.options import validate_config
-from tasks.dflash_setup import check_draft_fits_target, draft_source, load_target
+from tasks.commands.export import export_checkpoint
+from tasks.commands.export_draft import FORMATS, write_serving_layout
 from tasks.evaluate import evaluate
-from tasks.export import export_checkpoint
-from tasks.export_draft import FORMATS, write_serving_layout
 from tasks.target import target as target_stage
 from tasks.train import model_dir, train
+from tasks.training.dflash_setup import check_draft_fits_target, draft_source, load_target
 
 BLOCK = 4
 # what says where a folder came from (lineage: stage keys, run ids, the evaluation its sampler settings came from)
@@ -179,7 +179,7 @@ def test_speculators_computes_what_dllm_flow_computes(exported, tmp_path, monkey
     and logits of dllm-flow's trained draft for the same target features, positions and anchors, on a row of
     two documents (speculators' own document mask): max |Δ| ≤ 1e-5 in fp32."""
     _, data, _, tgt, ckpt, _, folders = exported
-    from tasks.checkpoints import load_trained_model
+    from tasks.evaluation.trained_model import load_trained_model
     from tasks.prepare_data import load_split
 
     target = load_target(tgt.info["model_path"])
@@ -281,8 +281,8 @@ def test_the_export_decodes_with_dllm_flow_as_the_target(exported):
     from transformers import GenerationConfig
 
     from strategies.sampling import SamplerConfig
-    from tasks.checkpoints import load_for_generation
-    from tasks.generate import Request, check_sampler, generate
+    from tasks.commands.generate import Request, check_sampler, generate
+    from tasks.evaluation.trained_model import load_for_generation
 
     for folder in exported[-1].values():
         assert GenerationConfig.from_pretrained(folder).dllm_sampler == "speculative"
@@ -359,7 +359,7 @@ def test_an_imported_draft_must_fit_its_target(exported, tmp_path):
         with pytest.raises(ValueError, match=message):
             train(_imported(spec, folders["zlab"], **dflash), "dflash", data, workdir, inputs={"target": tgt})
     with pytest.raises(ValueError, match=r"dflash.target_layer_ids \[0, 2\] differ from the layers the draft"):
-        from tasks.dflash_setup import layer_ids_for
+        from tasks.training.dflash_setup import layer_ids_for
 
         layer_ids_for(_imported(spec, folders["zlab"], target_layer_ids=[0, 2]), tgt)
     old = tmp_path / "old-draft"

@@ -62,7 +62,7 @@ def test_pretrained_target_learns_and_is_a_frozen_causal_lm(dflash_run):
     assert tgt.stage == "pretrain_target" and tgt.info["num_layers"] == 4 and tgt.info["hidden_size"] == 32
     val = _history(workdir, tgt.mlflow_run_id, "val/loss")
     assert len(val) == 3 and val[-1] < val[0] - 0.5
-    from tasks.dflash_setup import load_target
+    from tasks.training.dflash_setup import load_target
 
     model = load_target(tgt.info["model_path"])
     assert not model.training and not any(p.requires_grad for p in model.parameters())
@@ -73,8 +73,8 @@ def test_cache_holds_the_selected_layers_of_every_row_and_is_reused(dflash_run, 
     from safetensors import safe_open
 
     from strategies.dflash.draft import target_features
-    from tasks.dflash_setup import load_target
     from tasks.prepare_data import load_split
+    from tasks.training.dflash_setup import load_target
 
     info = feats.info
     assert info["layer_ids"] == [2]  # one draft layer reads the middle of a 4-layer target
@@ -128,8 +128,8 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     # `dllm-flow generate` rebuilds draft + target from the checkpoint: the text is the target's greedy text
     from strategies.dflash.draft import greedy_generate
     from strategies.sampling import SamplerConfig
-    from tasks.checkpoints import load_for_generation
-    from tasks.generate import Request, check_sampler, generate
+    from tasks.commands.generate import Request, check_sampler, generate
+    from tasks.evaluation.trained_model import load_for_generation
 
     loaded = load_for_generation(ckpt, "cpu")
     model, tok, strat, mask, _ = loaded
@@ -235,8 +235,8 @@ def test_errors_name_what_to_change(dflash_run, tiny_spec):
 
 @pytest.mark.slow
 def test_the_draft_trains_the_same_sharded_by_fsdp2_on_two_processes(prepared, tiny_spec, tmp_path):
-    """FSDP2 over the draft (tasks/distributed.py shards each of its `layers`, then the whole draft; gloo, 2 CPU
-    processes): the same training losses and published weights as one process."""
+    """FSDP2 over the draft (tasks/training/distributed.py shards each of its `layers`, then the whole draft; gloo, 2
+    CPU processes): the same training losses and published weights as one process."""
     from test_distributed import _metric_history, compare_published
     from test_distributed import _spec as layout
 
@@ -366,9 +366,9 @@ def test_regenerated_rows_are_the_targets_own_text_and_reproduce(dflash_run, tmp
     """dflash.regenerate: prompts kept, continuations sampled by the target (greedy at T=0, seeded at
     T>0), only the continuation supervised, validation untouched; the draft trains on it."""
     from strategies.dflash.draft import greedy_generate
-    from tasks.dflash_setup import load_target
     from tasks.prepare_data import load_split
     from tasks.regenerate import regenerate
+    from tasks.training.dflash_setup import load_target
 
     spec, data, workdir, tgt, _, _ = dflash_run
     greedy = _dflash_spec_from(spec, regenerate={"prompt_len": 8, "temperature": 0.0, "max_rows": 16})

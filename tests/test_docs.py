@@ -183,4 +183,8 @@ def test_the_layout_check_would_catch_a_missing_repeated_or_invented_name():
     edited = block.replace("  loop.py ", "  lop.py ", 1).replace("  mdlm/ ", "  mdlm/ scdd/ ", 1)
     assert edited != block
     named = _layout_paths(readme.replace(block, edited))
-    assert "tasks/loop.py" not in named and "tasks/lop.py" in named and named.count("strategies/scdd/") == 2
+    assert (
+        "tasks/training/loop.py" not in named
+        and "tasks/training/lop.py" in named
+        and named.count("strategies/scdd/") == 2
+    )

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tasks.evaluation.scoring import generative_perplexity, mean_entropy, unigram_entropy
 from tasks.report import card_mismatches, render_markdown, render_plots
-from tasks.scoring import generative_perplexity, mean_entropy, unigram_entropy
 
 
 class CharTokenizer:
@@ -134,7 +134,7 @@ def test_markdown_table_and_plots_from_rows(tmp_path):
 
 
 def test_bits_per_byte_divides_total_nats_by_the_bytes_the_scored_tokens_spell():
-    from tasks.evaluation import bits_per_byte, supervised_bytes
+    from tasks.evaluation.likelihood import bits_per_byte, supervised_bytes
 
     class TwoByteTokens:  # every token spells "é" (2 UTF-8 bytes); token 0 is special and spells nothing
         def decode(self, ids, skip_special_tokens=False):
@@ -150,7 +150,7 @@ def test_bits_per_byte_divides_total_nats_by_the_bytes_the_scored_tokens_spell()
 
 
 def test_gen_ppl_interval_is_the_ratio_estimator_over_prompts():
-    from tasks.scoring import gen_ppl_with_interval
+    from tasks.evaluation.scoring import gen_ppl_with_interval
 
     out = gen_ppl_with_interval([1.0, 4.0], [1, 1])  # r = 2.5, se = sqrt(((1−2.5)² + (4−2.5)²)/2) = 1.5
     assert out["gen_ppl"] == pytest.approx(math.exp(2.5))
@@ -162,7 +162,7 @@ def test_gen_ppl_interval_is_the_ratio_estimator_over_prompts():
 def test_data_row_cuts_held_out_rows_like_the_prompts_and_is_reported_beside_every_strategy():
     from types import SimpleNamespace
 
-    from tasks.data_row import data_row_metrics
+    from tasks.evaluation.data_row import data_row_metrics
 
     ids = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 0, 0, 0], [1, 1, 2, 2, 3, 3]])
     attn = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1] * 6])
@@ -271,7 +271,7 @@ def test_report_and_model_card_take_an_evaluations_metrics_from_its_own_record_o
     the second evaluation's numbers; training-side metrics still come from the run."""
     from types import SimpleNamespace
 
-    from tasks.provenance import _mlflow_evaluation
+    from tasks.commands.provenance import _mlflow_evaluation
     from tasks.report import collect_rows
 
     latest = {"dflash/tau": 1.8, "dflash/tau_draft": 1.7, "eval/ar_nll": 5.0, "train/loss": 2.0}

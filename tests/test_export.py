@@ -14,10 +14,10 @@ from dllm_common.checkpoint import CorruptCheckpointError, verify_checkpoint, wr
 from dllm_common.config import flatten
 from dllm_common.tracking import default_tracking_uri
 from strategies.sampling import SamplerConfig
-from tasks.checkpoints import load_for_generation
-from tasks.export import export_checkpoint, write_weights
-from tasks.generate import Request, check_sampler, generate, resolve_checkpoint
-from tasks.model_card import base_model_license
+from tasks.commands.export import export_checkpoint, write_weights
+from tasks.commands.generate import Request, check_sampler, generate, resolve_checkpoint
+from tasks.commands.model_card import base_model_license
+from tasks.evaluation.trained_model import load_for_generation
 from tasks.train import model_dir
 
 PROMPT = "To be, or not to be"
@@ -96,7 +96,7 @@ def test_mdlm_export_loads_in_transformers_and_dllm_flow(trained, tmp_path):
     assert tok.mask_token_id == data.info["mask_token_id"]
     # the card's snippet (an all-visible 4-D mask) is dllm-flow's denoiser forward
     from strategies.models import model_logits
-    from tasks.checkpoints import load_trained_model
+    from tasks.evaluation.trained_model import load_trained_model
 
     ids = torch.tensor([tok(PROMPT)["input_ids"] + [tok.mask_token_id] * 8])
     visible = torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool)

@@ -1,5 +1,5 @@
-"""The program an export's model card shows under "Sampling without dllm-flow" (tasks/snippets/): taken from the
-exported README.md and run where dllm-flow's packages cannot be imported, it prints the tokens `dllm-flow generate
+"""The program an export's model card shows under "Sampling without dllm-flow" (tasks/commands/snippets/): taken from
+the exported README.md and run where dllm-flow's packages cannot be imported, it prints the tokens `dllm-flow generate
 --temperature 0` prints for the same prompt, steps, block size, length and seed, for mdlm, idlm, hybrid and scdd
 (plain, and time-conditioned with the other tempering and noise removal): several blocks, an EOS inside a later
 block, the threshold and random-remasking settings."""
@@ -25,9 +25,9 @@ from dllm_common.checkpoint import read_meta, write_checkpoint
 from dllm_common.config import DLLMSection
 from strategies.models import model_logits
 from strategies.scdd.schedule import scdd_schedule
-from tasks.checkpoints import checkpoint_tokenizer, load_trained_model
-from tasks.export import export_checkpoint
-from tasks.snippets import program
+from tasks.commands.export import export_checkpoint
+from tasks.commands.snippets import program
+from tasks.evaluation.trained_model import checkpoint_tokenizer, load_trained_model
 from tasks.train import model_dir, train
 
 PROMPT = "To be, or not to be"  # 10 tokens: with 12 new ones inside the tiny model's 32 positions
@@ -171,17 +171,17 @@ class Case:
 def dllm_flow_generate(folder: Path, case: Case) -> tuple[list[int], str]:
     """(ids, text) of `dllm-flow generate --checkpoint FOLDER --prompt PROMPT --temperature 0 ...`, run as the
     command line runs it."""
-    import tasks.checkpoints
+    import tasks.evaluation.trained_model
     from flows.cli import main
 
-    seen, real = {}, tasks.checkpoints.load_for_generation
+    seen, real = {}, tasks.evaluation.trained_model.load_for_generation
 
     def load(ckpt, device, adapter=None):
         loaded = real(ckpt, device, adapter)
         return loaded._replace(tokenizer=_Recording(loaded.tokenizer, case.eos, seen))
 
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()):
-        patch.setattr(tasks.checkpoints, "load_for_generation", load)
+        patch.setattr(tasks.evaluation.trained_model, "load_for_generation", load)
         assert main(generate_argv(folder, case)) == 0
     return seen["ids"], seen["text"]
 
@@ -327,7 +327,7 @@ def test_the_card_shows_the_strategys_program_self_contained(name, exports, tmp_
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module.partition(".")[0])
     assert imported - set(sys.stdlib_module_names) == {"torch", "transformers"}
-    # what the user copies is lint-clean under the repository's own settings, as tasks/snippets/ is
+    # what the user copies is lint-clean under the repository's own settings, as tasks/commands/snippets/ is
     path = tmp_path / f"{strategy}.py"
     path.write_text(text)
     ruff = Path(sys.executable).parent / "ruff"

@@ -416,7 +416,7 @@ def test_prepared_rows_deleted_under_a_run_name_the_entry_and_the_resume_that_re
     from dllm_common.runs import RunRecord
     from flows.pipeline import _record_end
     from tasks.rows import MissingRowsError, load_split
-    from tasks.runtime import Split
+    from tasks.training.runtime import Split
 
     data, _ = prepared
     entry = tmp_path / "store" / "prepare_data" / data.key

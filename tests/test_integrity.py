@@ -154,8 +154,8 @@ def test_a_repaired_entry_keeps_its_lineage_through_evaluate_report_and_export(
     """A published training damaged, set aside (`run --verify`) and trained again bit for bit in a new MLflow run:
     the content digest is unchanged, so the evaluation is reused and logged to the new run, the report renders
     from the new run, and `export` finds the evaluation."""
+    from tasks.commands.export import export_checkpoint
     from tasks.evaluate import evaluate
-    from tasks.export import export_checkpoint
     from tasks.report import report
 
     data, _ = prepared

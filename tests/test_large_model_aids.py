@@ -19,10 +19,10 @@ from strategies.models import (
     model_from_config_dir,
     tiny_model_config,
 )
-from tasks.checkpoints import load_for_generation
 from tasks.evaluate import evaluate
+from tasks.evaluation.trained_model import load_for_generation
 from tasks.train import model_dir, train
-from tasks.trainee import build_trainee
+from tasks.training.trainee import build_trainee
 
 V, M = 64, 63
 
@@ -150,7 +150,7 @@ def test_fused_head_trains_the_same_curve_as_full_logits(prepared, tiny_spec, tm
 
 
 def test_compiled_layers_give_the_eager_gradients():
-    from tasks.trainee import compile_layers
+    from tasks.training.trainee import compile_layers
 
     compiled = _tiny()
     assert compile_layers(compiled) == len(compiled.model.layers)

@@ -229,8 +229,11 @@ def test_editing_any_module_changes_the_keys_of_the_stages_that_run_it_and_no_ot
     for module, stages_changed in changed.items():
         assert stages_changed == sorted(s for s in stages if module in closures[s]), module
     # editing a module only a downstream stage runs leaves the upstream stages' code versions alone
-    assert changed["tasks.scoring"] and "tasks.prepare_data" not in changed["tasks.scoring"]
-    assert "tasks.train/mdlm" not in changed["tasks.scoring"] and "tasks.evaluate/mdlm" in changed["tasks.scoring"]
+    assert changed["tasks.evaluation.scoring"] and "tasks.prepare_data" not in changed["tasks.evaluation.scoring"]
+    assert (
+        "tasks.train/mdlm" not in changed["tasks.evaluation.scoring"]
+        and "tasks.evaluate/mdlm" in changed["tasks.evaluation.scoring"]
+    )
     assert set(changed["tasks.rows"]) == set(stages)  # the rows every stage reads
     assert "strategies.hybrid.loss" not in changed  # no stage here trains hybrid: no key holds its loss
     assert (
@@ -247,8 +250,8 @@ def test_editing_any_module_changes_the_keys_of_the_stages_that_run_it_and_no_ot
 @pytest.mark.slow
 def test_an_edited_metric_rebuilds_evaluate_and_report_and_reuses_the_rest(tmp_path, prefect_api):
     """The case that went stale before: run the smoke pipeline from a copy of the project, double how
-    `eval/entropy` is computed (`tasks/scoring.py`), run again: evaluate and report rebuild with the new value,
-    prepare_data and train are reused. Then edit the mdlm loss's module: train and what follows rebuild, the
+    `eval/entropy` is computed (`tasks/evaluation/scoring.py`), run again: evaluate and report rebuild with the new
+    value, prepare_data and train are reused. Then edit the mdlm loss's module: train and what follows rebuild, the
     data is reused."""
     copy = copy_of_the_project(tmp_path / "copy")
     workdir = tmp_path / "work"

@@ -20,7 +20,7 @@ from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.utils import make_table  # noqa: E402
 
 from dllm_common.config import LMEvalConfig  # noqa: E402
-from tasks.lm_eval_model import DLLMFlowLM, harness_metrics, pieces, run_tasks  # noqa: E402
+from tasks.evaluation.lm_eval_model import DLLMFlowLM, harness_metrics, pieces, run_tasks  # noqa: E402
 
 TASKS = ROOT / "tests" / "data" / "lm_eval"
 CONTEXT = "LEAR: Nothing will come of"
@@ -52,7 +52,7 @@ def trained(prepared, tiny_spec, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(trained):
-    from tasks.checkpoints import load_for_generation
+    from tasks.evaluation.trained_model import load_for_generation
     from tasks.train import model_dir
 
     return {s: load_for_generation(model_dir(ref), "cpu") for s, ref in trained[3].items()}
@@ -124,9 +124,9 @@ def test_a_dflash_draft_scores_and_generates_with_its_frozen_target(prepared):
     from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel, greedy_generate
     from strategies.models import build_model, tiny_model_config
     from strategies.sampling import trim_at_eos
-    from tasks.dflash_setup import draft_strategy
-    from tasks.lm_eval_model import Checkpoint
+    from tasks.evaluation.lm_eval_model import Checkpoint
     from tasks.prepare_data import load_tokenizer
+    from tasks.training.dflash_setup import draft_strategy
 
     tok = load_tokenizer(str(Path(prepared[0].path) / "tokenizer"))
     target = build_model(tiny_model_config("llama", len(tok), 32, 32, 2, 2, None, None, False), seed=0)
@@ -198,7 +198,7 @@ def test_generate_until_runs_the_strategys_sampler_and_stops_at_until(loaded):
     """Greedy generation equals `dllm-flow generate` with the same sampler settings (one token per step),
     then is cut at the first `until` string; a prompt longer than the model is left-truncated."""
     from strategies.sampling import SamplerConfig
-    from tasks.generate import Request, check_sampler, generate
+    from tasks.commands.generate import Request, check_sampler, generate
 
     for name, m in loaded.items():
         lm = DLLMFlowLM(loaded=m, block_size=4)

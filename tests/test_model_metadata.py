@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from dllm_common.config import ConfigError, validate_config
 from strategies import strategy_class
-from tasks.export import export_checkpoint
+from tasks.commands.export import export_checkpoint
 from tasks.train import model_dir, train
 
 IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -161,7 +161,7 @@ def test_a_mask_alias_seen_only_in_the_prepared_tokenizer_is_refused_before_any_
     tiny_spec, aliased_tokenizer, tmp_path
 ):
     from tasks.prepare_data import prepare_data
-    from tasks.trainee import build_trainee
+    from tasks.training.trainee import build_trainee
 
     allowed = validate_config(
         _raw(tiny_spec, tokenizer={"kind": "pretrained", "path": str(aliased_tokenizer), "allow_mask_alias": True})

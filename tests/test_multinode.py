@@ -11,7 +11,7 @@ import yaml
 from conftest import ROOT
 
 from dllm_common.config import ConfigError, TrainConfig, apply_overrides, read_yaml, validate_config
-from tasks.distributed import NODE_RANK_ENV, node_rank, rendezvous, torchrun_command
+from tasks.training.distributed import NODE_RANK_ENV, node_rank, rendezvous, torchrun_command
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_one_nodes_torchrun_command(clean_env):
         "--master_addr=h",
         "--master_port=29500",
         "-m",
-        "tasks.torchrun_entry",
+        "tasks.training.torchrun_entry",
         "a.json",
     ]
     assert "--standalone" in torchrun_command(

@@ -14,7 +14,10 @@ from conftest import ROOT
 from dllm_common.config import ConfigError
 from flows import cli
 from strategies.options import load_config, validate_config
-from tasks import plan
+from tasks.commands import plan
+from tasks.commands.plan import estimate as plan_estimate
+from tasks.commands.plan import step as plan_step
+from tasks.commands.plan import trace as plan_trace
 
 
 def _benchmark():
@@ -121,17 +124,17 @@ def _tiny(name: str, layers: int = 7, **train):
     ],
 )
 def test_three_traced_layers_extend_to_the_full_depth(monkeypatch, name, fused, ckpt, keep):
-    planner = plan._Planner(_tiny(name), name)
+    planner = plan_step._Planner(_tiny(name), name)
     shape = plan.Shape(fused, ckpt, 2)
     extended = planner.trace(shape, keep_grads=keep)
-    monkeypatch.setattr(plan, "TRACED_LAYERS", 99)  # trace all 7 layers
+    monkeypatch.setattr(plan_step, "TRACED_LAYERS", 99)  # trace all 7 layers
     assert planner.trace(shape, keep_grads=keep) == extended
 
 
 def test_more_micro_batches_do_not_add_activations():
     """Under bf16 autocast each micro-batch's weight casts are freed when it ends: four micro-batches peak where one
     does (a 3-layer trace extended to 7 layers predicted 19 % more, the casts of 4 layers left over per micro-batch)."""
-    planner = plan._Planner(_tiny("idlm", global_batch_size=8, precision="bf16"), "idlm")
+    planner = plan_step._Planner(_tiny("idlm", global_batch_size=8, precision="bf16"), "idlm")
     shape = plan.Shape(True, True, 2)
     one, four = planner.trace(shape).peak, planner.trace(shape, micro_batches=4).peak
     assert one <= four <= 1.01 * one
@@ -156,7 +159,7 @@ def test_parallelism_divides_and_adds_what_it_should():
     working set (the root's weights and gradients, two layers' weights, one layer's gradients); DDP keeps a second
     copy of the gradients (its buckets)."""
     spec = _tiny("mdlm", layers=4)
-    model, _ = plan._Planner(spec, "mdlm").full_model()
+    model, _ = plan_step._Planner(spec, "mdlm").full_model()
     h, inner, vocab, layers = 32, 96, 512, 4
     layer = 4 * h * h + 3 * h * inner + 2 * h  # attention, MLP, two norms
     root = vocab * h + h  # the (tied) embedding and the final norm
@@ -171,7 +174,7 @@ def test_parallelism_divides_and_adds_what_it_should():
 
 def test_a_pretrained_config_is_read_without_its_weights():
     spec = load_config(ROOT / "configs" / "plan-8b.yaml")
-    model, _ = plan._Planner(spec, "hybrid").full_model()
+    model, _ = plan_step._Planner(spec, "hybrid").full_model()
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Llama 3 8B
     assert not (ROOT / "configs" / "models" / "llama-3-8b" / "model.safetensors").exists()
     r = plan.Resident.of(model, None, plan.layout(spec, 8), "cuda")
@@ -187,7 +190,7 @@ def test_a_diffusion_gemma_checkpoint_is_planned_from_its_config(tmp_path):
     from strategies.models import tiny_diffusion_gemma_config
 
     config = tiny_diffusion_gemma_config(
-        512, 64, 32, 3, 4, 2, None, num_experts=2, top_k_experts=1, moe_intermediate_size=None, canvas_length=8
+        512, 128, 32, 3, 4, 2, None, num_experts=2, top_k_experts=1, moe_intermediate_size=None, canvas_length=8
     )
     config.save_pretrained(tmp_path / "dg")
     real = sum(p.numel() for p in DiffusionGemmaCanvas(config).parameters())
@@ -198,16 +201,16 @@ def test_a_diffusion_gemma_checkpoint_is_planned_from_its_config(tmp_path):
         "dllm": {"mask_token_id": 511},
     }
     spec = validate_config(raw)
-    model, _ = plan._Planner(spec, "block_diffusion").full_model()
+    model, _ = plan_step._Planner(spec, "block_diffusion").full_model()
     assert sum(p.numel() for p in model.parameters()) == real
     r = plan.Resident.of(model, None, plan.layout(spec, 2), "cuda")
     trained = [p for p in model.parameters() if p.requires_grad]
-    assert r.working == plan._nbytes(model.parameters()) + plan._nbytes(trained)
+    assert r.working == plan_estimate._nbytes(model.parameters()) + plan_estimate._nbytes(trained)
     assert plan.plan_strategy(spec, "block_diffusion", plan.Cluster(2), variants=False).peak > r.working
 
     spec = validate_config({**raw, "model": {"kind": "pretrained", "path": str(ROOT / "configs/models/llama-3-8b")}})
     with pytest.raises(ConfigError, match="not a DiffusionGemma one: .* set dllm.architecture: stack"):
-        plan._Planner(spec, "block_diffusion")
+        plan_step._Planner(spec, "block_diffusion")
 
 
 def test_a_hub_id_not_in_the_local_cache_is_one_clear_error():
@@ -295,7 +298,7 @@ def test_the_environment_declares_the_gpu(tmp_path, capsys, monkeypatch):
 
 def test_fake_scalars_and_real_masks_in_the_trace():
     """Inside a traced step a real mask selects as many fake rows as it holds, and a fake scalar reads as 1."""
-    tracer = plan._Tracer()
+    tracer = plan_trace._Tracer()
     with tracer:
         hidden = torch.empty(2, 5, 8)
     mask = torch.tensor([[True, False, True, False, False], [False, False, False, True, True]])

@@ -15,7 +15,7 @@ import torch
 from conftest import denoiser_strategies
 from transformers import AutoTokenizer
 
-import tasks.scoring as scoring
+import tasks.evaluation.scoring as scoring
 from dllm_common.config import ScorerConfig
 from strategies import Microbatch, StepContext, assemble_strategy, strategy_class
 from strategies.models import add_lora, enable_activation_checkpointing, load_pretrained, wrap_for_architecture

@@ -122,7 +122,7 @@ def test_nucleus_draws_follow_the_renormalized_distribution():
 
 
 def test_generate_and_evaluation_share_the_open_ended_defaults():
-    from tasks.generate import default_temperature, default_top_p
+    from tasks.commands.generate import default_temperature, default_top_p
 
     e = EvalConfig()
     assert e.temperature > 0 and 0 < e.top_p < 1 and e.greedy  # the main table samples, greedy is the second

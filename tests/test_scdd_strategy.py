@@ -17,7 +17,7 @@ from strategies import (
 from strategies.models import build_model, model_logits, time_embedding, tiny_model_config
 from strategies.sampling import SamplerConfig
 from strategies.seeding import seeded_generator as gen
-from tasks.checkpoints import load_trained_model
+from tasks.evaluation.trained_model import load_trained_model
 
 V, M = 64, 63
 

@@ -28,7 +28,9 @@ from runkit import environ
 from dllm_common.config import ConfigError
 from flows import cli
 from strategies.options import load_config
-from tasks import plan
+from tasks.commands import plan
+from tasks.commands.plan import estimate as plan_estimate
+from tasks.commands.plan import trace as plan_trace
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 PLAN_SET = {"plan-8b": ["train.micro_batch_size=8", "data.seq_len=512"]}
@@ -176,7 +178,7 @@ def test_plan_refuses_a_sequence_too_long_to_trace_in_one_line_naming_data_seq_l
 def test_a_trace_that_meets_a_data_dependent_size_names_data_seq_len(monkeypatch):
     """Past the up-front bound, a selection by a mask too large to have stayed real is the same refusal."""
     spec = load_config(ROOT / "configs" / "smoke.yaml", ["data.seq_len=4096"])
-    monkeypatch.setattr(plan, "REAL_LIMIT", 1024)  # every per-token tensor of the step stays fake
-    monkeypatch.setattr(plan, "traceable_rows", lambda spec: 1 << 20)  # and the up-front check lets it through
+    monkeypatch.setattr(plan_trace, "REAL_LIMIT", 1024)  # every per-token tensor of the step stays fake
+    monkeypatch.setattr(plan_estimate, "traceable_rows", lambda spec: 1 << 20)  # and the up-front check lets it through
     with pytest.raises(ConfigError, match=r"data\.seq_len 4096 is too long to plan at 8 rows .*aten\.nonzero"):
         plan.plan_strategy(spec, "mdlm", plan.Cluster(1, None), variants=False, sizing=False)

@@ -176,8 +176,8 @@ def _finalize_failing_on_rank0(rank: int, world: int, init_file: str, out_dir: s
 
     import torch.distributed as dist
 
-    import tasks.checkpointing as checkpointing
-    from tasks.distributed import DistInfo
+    import tasks.training.resume as checkpointing
+    from tasks.training.distributed import DistInfo
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

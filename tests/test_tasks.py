@@ -48,7 +48,7 @@ def test_a_strategy_with_an_invalid_normalization_mode_is_rejected(monkeypatch):
 
 def test_checkpoints_written_before_typed_options_still_rebuild_their_strategy():
     from strategies.options import DFlashOptions, MDLMOptions
-    from tasks.checkpoints import checkpoint_options
+    from tasks.evaluation.trained_model import checkpoint_options
 
     assert checkpoint_options({"options": {"eps": 0.02}}, MDLMOptions.model_fields) == {"eps": 0.02}
     legacy = {"dllm": {"mode": "mdlm", "eps": 0.01, "block_size": None, "loss_weighting": "flat"}}

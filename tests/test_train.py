@@ -7,12 +7,12 @@ import torch
 from conftest import ROOT
 from stagekit import through_the_stages
 
-import tasks.loop as loop_mod
 import tasks.train as train_mod
+import tasks.training.loop as loop_mod
 from dllm_common.checkpoint import verify_checkpoint
 from strategies.options import REGISTRY
-from tasks.runtime import DataOrder, OptimSettings, lr_lambda
 from tasks.train import train
+from tasks.training.runtime import DataOrder, OptimSettings, lr_lambda
 
 
 def _metric_history(workdir, run_id, key):

@@ -35,7 +35,8 @@ from transformers import AutoConfig, DiffusionGemmaForBlockDiffusion, DynamicCac
 
 from strategies.block_diffusion.options import DIFFUSION_GEMMA
 from strategies.head import HeadProjection, softcap_logits
-from strategies.models import DLLMOutput, resolve_model_path, tiny_diffusion_gemma_config, tiny_shape
+from strategies.model_files import resolve_model_path
+from strategies.models import DLLMOutput, tiny_diffusion_gemma_config, tiny_shape
 
 PUBLISHED = "DiffusionGemmaForBlockDiffusion"  # the class a checkpoint names: transformers' own
 
@@ -44,7 +45,9 @@ class DiffusionGemmaCanvas(DiffusionGemmaForBlockDiffusion):
     """`DiffusionGemmaForBlockDiffusion` with block_diffusion's canvas call (module docstring)."""
 
     softcap_in_head = True  # `strategies.head.SOFTCAP_IN_HEAD`: a deferred head may return capped projections
-    shares_layers = True  # encoder and decoder layers hold the same parameters (`tasks.distributed.shard_fsdp2`)
+    shares_layers = (
+        True  # encoder and decoder layers hold the same parameters (`tasks.training.distributed.shard_fsdp2`)
+    )
 
     def __init__(self, config):
         super().__init__(config)
@@ -63,8 +66,8 @@ class DiffusionGemmaCanvas(DiffusionGemmaForBlockDiffusion):
 
     @classmethod
     def exported_generation_config(cls, settings: dict, config: dict) -> dict:
-        """generation_config.json of an export (`tasks.export`): what DiffusionGemma's generation reads (it refuses
-        other keys), from dllm-flow's sampler `settings`: the token ids, the new tokens, and the sampler's steps
+        """generation_config.json of an export (`tasks.commands.export`): what DiffusionGemma's generation reads (it
+        refuses other keys), from dllm-flow's sampler `settings`: the token ids, the new tokens, and the sampler's steps
         per block as its most denoising steps per canvas. Its sampler is its own (docs/strategies.md §11.6)."""
         blocks = math.ceil(settings["max_new_tokens"] / min(config["canvas_length"], settings["dllm_block_size"]))
         ids = {k: settings[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in settings}

@@ -26,8 +26,8 @@ from strategies.dflash.options import SPECULATIVE
 from strategies.options import SAMPLERS
 from strategies.registration import ABSORBING
 from strategies.sampling import SamplerConfig, trim_at_eos
-from tasks.checkpoints import Loaded
-from tasks.evaluation import encode_prompts
+from tasks.evaluation.likelihood import encode_prompts
+from tasks.evaluation.trained_model import Loaded
 
 INFILL_SPAN = 20  # each [MASK] in an --infill prompt becomes this many mask tokens
 

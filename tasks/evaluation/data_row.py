@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from tasks.common import fmt_number as _fmt
-from tasks.scoring import gen_ppl_with_interval, mean_entropy, prompt_nll
+from tasks.evaluation.scoring import gen_ppl_with_interval, mean_entropy, prompt_nll
 
 
 def data_row_metrics(ev, prompts: list[list[int]]) -> dict:

@@ -24,12 +24,13 @@ from strategies.dflash.blocks import _build_target_layer_ids
 from strategies.dflash.config import DFlashDraftConfig, read_draft_config
 from strategies.dflash.draft import DFlashDraftModel
 from strategies.dflash.features import CachedFeatures, OnlineFeatures
-from strategies.models import model_from_config_dir, resolve_model_path, tokenizer_token_ids
+from strategies.model_files import resolve_model_path
+from strategies.models import model_from_config_dir, tokenizer_token_ids
 from strategies.options import resolve_options
 from strategies.registry import AssembledStrategy, candidate_mask_token_id
 from tasks.common import StageRef
 from tasks.prepare_data import load_tokenizer, refuse_mask_alias
-from tasks.runtime import Trainee
+from tasks.training.runtime import Trainee
 
 
 def load_target(model_path: str | Path, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):

@@ -21,8 +21,8 @@ export are written twice: the top level is the transformers backbone, `model/` t
 model (it reads a frozen target's hidden states, docs/strategies.md §10.1): the top level is its
 dllm-flow checkpoint and the card says which target it needs.
 
-The card (`tasks.model_card`) reports the checkpoint's evaluation, data digest and training config as
-`tasks.provenance` finds them in the stores and the training's MLflow run. Metric meanings:
+The card (`tasks.commands.model_card`) reports the checkpoint's evaluation, data digest and training config as
+`tasks.commands.provenance` finds them in the stores and the training's MLflow run. Metric meanings:
 docs/evaluation.md §4.
 """
 
@@ -64,12 +64,12 @@ from strategies.dflash.config import LEGACY_CONFIG, is_draft_dir, read_draft_con
 from strategies.models import merge_lora, model_from_config_dir, tokenizer_token_ids
 from strategies.options import model_shape
 from strategies.sampling import SamplerConfig
-from tasks.checkpoints import check_vocabulary, checkpoint_options
-from tasks.export_draft import DLLM_FLOW, draft_format, write_draft_export
-from tasks.generate import default_temperature, default_top_p, resolve_checkpoint
-from tasks.model_card import CARD, DLLM_SUBDIR, Layout, model_card
+from tasks.commands.export_draft import DLLM_FLOW, draft_format, write_draft_export
+from tasks.commands.generate import default_temperature, default_top_p, resolve_checkpoint
+from tasks.commands.model_card import CARD, DLLM_SUBDIR, Layout, model_card
+from tasks.commands.provenance import Evaluation, Provenance, find_provenance
+from tasks.evaluation.trained_model import check_vocabulary, checkpoint_options
 from tasks.prepare_data import load_tokenizer
-from tasks.provenance import Evaluation, Provenance, find_provenance
 
 CONFIG = "config.json"
 META = "dllm.json"
@@ -89,7 +89,7 @@ def export_checkpoint(
     fmt: str | None = None,
 ) -> Path:
     """Write CHECKPOINT as a Hugging Face folder at `out` (see the module doc); returns `out`. `fmt`: a DFlash
-    draft's layout (`tasks.export_draft.FORMATS`; None: the z-lab one)."""
+    draft's layout (`tasks.commands.export_draft.FORMATS`; None: the z-lab one)."""
     out = Path(out)
     refuse_published(out, workdir)
     _refuse_existing(out)
@@ -324,7 +324,8 @@ def write_dllm_checkpoint(dest: Path, source: Source, meta: dict) -> None:
 def write_export(
     dest: Path, source: Source, found: Provenance, name: str, max_shard_size: int | str, fmt: str | None = None
 ) -> str:
-    """Fill `dest`; returns the layout written ("shared", "separate", or a draft's: `tasks.export_draft.FORMATS`)."""
+    """Fill `dest`; returns the layout written ("shared", "separate", or a draft's:
+    `tasks.commands.export_draft.FORMATS`)."""
     backbone, extra = backbone_tensors(source)
     settings = generation_settings(source, found.evaluation)
     generation = transformers_generation(source, settings)

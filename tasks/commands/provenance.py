@@ -27,7 +27,7 @@ TRAIN_MODEL_DIR = "model"  # a train store entry keeps its checkpoint in `<store
 
 
 class Checkpoint(Protocol):
-    """What the look-ups read of the verified checkpoint (`tasks.export.Source` is one)."""
+    """What the look-ups read of the verified checkpoint (`tasks.commands.export.Source` is one)."""
 
     path: Path
     meta: dict

@@ -1,5 +1,5 @@
 """The model card (README.md) of an exported folder: model, files, loading, lineage, metrics, samples,
-repro card. What it reports about the checkpoint's evaluation and training comes from tasks/provenance.py;
+repro card. What it reports about the checkpoint's evaluation and training comes from tasks/commands/provenance.py;
 metric meanings: docs/evaluation.md §4.
 """
 
@@ -15,11 +15,11 @@ import torch
 
 from dllm_common.config import flatten
 from strategies import strategy_class
-from strategies.models import resolve_model_path
-from tasks.checkpoints import checkpoint_options
-from tasks.export_draft import draft_files_lines, draft_rows
-from tasks.provenance import Checkpoint, Provenance
-from tasks.snippets import program as sampling_program
+from strategies.model_files import resolve_model_path
+from tasks.commands.export_draft import draft_files_lines, draft_rows
+from tasks.commands.provenance import Checkpoint, Provenance
+from tasks.commands.snippets import program as sampling_program
+from tasks.evaluation.trained_model import checkpoint_options
 
 CARD = "README.md"
 DLLM_SUBDIR = "model"  # where `resolve_checkpoint` finds a checkpoint inside a folder
@@ -27,7 +27,7 @@ SNIPPETS = Path(__file__).parent / "snippets"  # <strategy>.py: sampling with to
 
 
 class CardSource(Checkpoint, Protocol):
-    """What the card reads of the verified checkpoint (`tasks.export.Source` is one)."""
+    """What the card reads of the verified checkpoint (`tasks.commands.export.Source` is one)."""
 
     ref: str
     config: dict
@@ -48,7 +48,7 @@ class CardSource(Checkpoint, Protocol):
 class Layout:
     """What the export wrote at the top level of the folder."""
 
-    name: str  # "shared", "separate", or a DFlash draft's layout (tasks/export_draft.py)
+    name: str  # "shared", "separate", or a DFlash draft's layout (tasks/commands/export_draft.py)
     config: dict  # its config.json
     weight_files: tuple[str, ...]
     extra: tuple[str, ...]  # the strategy wrapper's own tensors, left out of the backbone
@@ -196,8 +196,9 @@ def _model_specific(strategy: str) -> bool:
 
 
 def transformers_snippet(source: CardSource, name: str) -> str | None:
-    """`tasks/snippets/<strategy>.py` with `FOLDER` set to the folder's name: sampling with torch and transformers
-    alone. A snippet that declares `MODEL_TYPE` fits only checkpoints of that model type; None where none fits."""
+    """`tasks/commands/snippets/<strategy>.py` with `FOLDER` set to the folder's name: sampling with torch and
+    transformers alone. A snippet that declares `MODEL_TYPE` fits only checkpoints of that model type; None where none
+    fits."""
     path = SNIPPETS / f"{source.strategy}.py"
     if source.is_draft or not path.is_file():
         return None
@@ -263,8 +264,8 @@ logits = {call}"""
 
 
 def _sampling_section(source: CardSource) -> list[str]:
-    """The strategy's sampling program (tasks/snippets/<strategy>.py, shared parts inlined), which needs nothing
-    but torch and transformers; none for a strategy without one (a DFlash draft is no denoiser)."""
+    """The strategy's sampling program (tasks/commands/snippets/<strategy>.py, shared parts inlined), which needs
+    nothing but torch and transformers; none for a strategy without one (a DFlash draft is no denoiser)."""
     found = None if source.is_draft or _model_specific(source.strategy) else sampling_program(source.strategy)
     if found is None:
         return []

@@ -18,9 +18,9 @@ from dllm_common.config import EvalConfig
 from strategies import Microbatch, StepContext
 from strategies.dflash.draft import draft_block_logits, greedy_generate, speculative_generate
 from strategies.dflash.loss import acceptance_from_correct
-from tasks.dflash_setup import draft_strategy, load_spec_target
-from tasks.evaluation import CausalLM, EvalResult, Evaluation, ar_nll_metrics, encode_prompts, exact_ar_nll
-from tasks.scoring import generative_perplexity, mean_entropy
+from tasks.evaluation.likelihood import CausalLM, EvalResult, Evaluation, ar_nll_metrics, encode_prompts, exact_ar_nll
+from tasks.evaluation.scoring import generative_perplexity, mean_entropy
+from tasks.training.dflash_setup import draft_strategy, load_spec_target
 
 
 def teacher_forced_acceptance(

@@ -39,7 +39,7 @@ from dllm_common import faults
 from dllm_common.checkpoint import DIGESTS, read_meta, swap_into, tied_groups
 from dllm_common.store import DiskFullError, fsync_tree, is_disk_full, sha256_file
 from strategies.base import global_sum
-from tasks.distributed import DistInfo, barrier
+from tasks.training.distributed import DistInfo, barrier
 
 SHARDS = "shards"  # the DCP folder inside a checkpoint
 SCHEDULER = "scheduler.json"

@@ -8,8 +8,8 @@ EOS) token; `generate_until` through its own sampler. Texts longer than the chec
 scored in left-truncated pieces whose log-likelihoods add up.
 
 From Python: `simple_evaluate(model=DLLMFlowLM(checkpoint=DIR), ...)`, or `DLLMFlowLM(loaded=...)` with a
-`tasks.generate.Loaded`. From a shell, the harness CLI with the model registered:
-`python -m tasks.lm_eval_model run --model dllm-flow --model_args checkpoint=DIR,mc_samples=16 --tasks ...`.
+`tasks.commands.generate.Loaded`. From a shell, the harness CLI with the model registered:
+`python -m tasks.evaluation.lm_eval_model run --model dllm-flow --model_args checkpoint=DIR,mc_samples=16 --tasks ...`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from strategies import speculative_generate
 from strategies.losses import causal_nll_rows
 from strategies.sampling import SamplerConfig, trim_at_eos
 from strategies.seeding import seeded_generator
-from tasks.checkpoints import Loaded, load_for_generation
+from tasks.evaluation.trained_model import Loaded, load_for_generation
 
 NELBO, EXACT = "nelbo", "ar_nll"  # the names of `DLLMStrategy.likelihoods`
 
@@ -95,7 +95,7 @@ class HarnessSettings:
 @register_model("dllm-flow")
 class DLLMFlowLM(LM):
     """A dllm-flow checkpoint as an lm-evaluation-harness model (docs/evaluation.md §4.10): built from
-    `checkpoint=` (a directory) or `loaded=` (a `tasks.checkpoints.Loaded`), with the
+    `checkpoint=` (a directory) or `loaded=` (a `tasks.evaluation.trained_model.Loaded`), with the
     `HarnessSettings` as keyword arguments."""
 
     def __init__(self, checkpoint: str | None = None, loaded: Any = None, device: str | None = None, **settings):
@@ -232,7 +232,8 @@ class DLLMFlowLM(LM):
         if not torch.allclose(ref.float(), nll, rtol=1e-3, atol=1e-3):
             raise RuntimeError(
                 f"the {self.strategy.name} strategy's ar_nll_rows differs from the causal path the lm-eval "
-                "adapter uses (tasks/lm_eval_model.py: _causal_logits); teach it that strategy's causal forward"
+                "adapter uses (tasks/evaluation/lm_eval_model.py: _causal_logits); teach it that strategy's causal "
+                "forward"
             )
         self._causal_path_checked = True
 

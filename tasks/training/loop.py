@@ -24,9 +24,9 @@ from dllm_common import faults, interrupt
 from dllm_common.config import TrainingDiverged
 from strategies import StepContext
 from strategies.base import global_sum
-from tasks.checkpointing import Checkpointer
-from tasks.distributed import DistInfo
-from tasks.runtime import DataOrder, Split, Trainee
+from tasks.training.distributed import DistInfo
+from tasks.training.resume import Checkpointer
+from tasks.training.runtime import DataOrder, Split, Trainee
 
 VAL_SEED_OFFSET = 1_000_000_007  # validation noise: its own fixed stream, the same at every evaluation
 

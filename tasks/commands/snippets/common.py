@@ -1,6 +1,6 @@
 """What every sampling program of this folder shares: the exported folder's model, tokenizer and settings, the
 prompt's ids, the denoiser's bidirectional forward and the command line. The model card inlines it into each
-program (`tasks.snippets.program`), so what a user copies needs nothing but torch and transformers."""
+program (`tasks.commands.snippets.program`), so what a user copies needs nothing but torch and transformers."""
 
 import argparse
 import json

@@ -2,7 +2,7 @@
 
 A strategy that trains the backbone (`trains == "denoiser"`) gets a tiny model built from `model:`
 or a pretrained checkpoint, optional LoRA adapters and activation checkpointing, wrapped in the
-strategy's model shape. A strategy that trains a draft (DFlash) is assembled in `tasks.dflash_setup`.
+strategy's model shape. A strategy that trains a draft (DFlash) is assembled in `tasks.training.dflash_setup`.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from strategies.models import (
 )
 from strategies.options import model_shape, resolve_options
 from strategies.registry import candidate_mask_token_id
-from tasks import dflash_setup
 from tasks.common import StageRef
 from tasks.prepare_data import load_tokenizer, refuse_mask_alias
-from tasks.runtime import Trainee
+from tasks.training import dflash_setup
+from tasks.training.runtime import Trainee
 
 
 def check_capabilities(spec: PipelineSpec, name: str) -> None:

@@ -1,7 +1,7 @@
 """Data-parallel training on torch.distributed, launched with torchrun.
 
 `train.nproc_per_node > 1` makes the train stage launch
-`python -m torch.distributed.run --standalone --nproc_per_node N -m tasks.torchrun_entry ...`; every
+`python -m torch.distributed.run --standalone --nproc_per_node N -m tasks.training.torchrun_entry ...`; every
 rank runs the same training loop (gloo on CPU, NCCL on GPU; the model wrapped in DDP). The batch
 is a *global* batch: rank r takes rows r, r + N, r + 2N, ... of it, which is exactly the strided
 layout the per-sample noise seeds assume (docs/strategies.md §3), so each sample gets the same noise for any N.
@@ -145,7 +145,7 @@ def torchrun_command(train, args_file: Path) -> list[str]:
     rank 0 (the one that writes the result) is always on node 0. One process in all: a plain child process
     (a training fanned out beside others, `pipeline.max_parallel`)."""
     if train.world_size == 1:
-        return [sys.executable, "-m", "tasks.torchrun_entry", str(args_file)]
+        return [sys.executable, "-m", "tasks.training.torchrun_entry", str(args_file)]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={train.nproc_per_node}"]
     if train.nnodes == 1:
         cmd.append("--standalone")
@@ -153,7 +153,7 @@ def torchrun_command(train, args_file: Path) -> list[str]:
         host, port = rendezvous(train)
         cmd += [f"--nnodes={train.nnodes}", f"--node_rank={node_rank(train)}"]
         cmd += [f"--master_addr={host}", f"--master_port={port}"]
-    return cmd + ["-m", "tasks.torchrun_entry", str(args_file)]
+    return cmd + ["-m", "tasks.training.torchrun_entry", str(args_file)]
 
 
 CHILD_ERROR = "child-error.txt"  # a lone training process's traceback, for the launching process to report
@@ -168,8 +168,8 @@ def terminate_children() -> None:
 
 
 def child_error(strategy: str, record: dict) -> Exception:
-    """The exception rank 0 of a training process recorded (`tasks.torchrun_entry`), raised again here: the errors a
-    user can act on keep their type, so the command reports them as such (exit 2, one line); others become a
+    """The exception rank 0 of a training process recorded (`tasks.training.torchrun_entry`), raised again here: the
+    errors a user can act on keep their type, so the command reports them as such (exit 2, one line); others become a
     RuntimeError with the child's message."""
     from dllm_common.checkpoint import CorruptCheckpointError
     from dllm_common.store import DiskFullError
@@ -215,7 +215,7 @@ def launch(job, out: Path) -> None:
     proc = subprocess.Popen(
         cmd,
         env=env,
-        cwd=str(Path(__file__).resolve().parents[1]),
+        cwd=str(Path(__file__).resolve().parents[2]),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         preexec_fn=interrupt.detach_and_die_with_parent,

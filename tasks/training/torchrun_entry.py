@@ -1,4 +1,4 @@
-"""The per-rank entry point of a torchrun-launched training: `python -m tasks.torchrun_entry ARGS.json`.
+"""The per-rank entry point of a torchrun-launched training: `python -m tasks.training.torchrun_entry ARGS.json`.
 
 Every rank joins the process group and runs the training loop; rank 0 writes the result into the
 launching process's temp dir and leaves the manifest fields beside the checkpoint, for the launcher
@@ -14,10 +14,10 @@ from pathlib import Path
 
 from dllm_common import interrupt
 from dllm_common.store import atomic_write_text
-from tasks import distributed
-from tasks.distributed import CHILD_ERROR
-from tasks.runtime import resolve_device
 from tasks.train import TrainJob, run_training
+from tasks.training import distributed
+from tasks.training.distributed import CHILD_ERROR
+from tasks.training.runtime import resolve_device
 
 
 def main(args_path: str) -> None:

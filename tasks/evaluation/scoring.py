@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dllm_common.config import ScorerConfig
 from dllm_common.store import sha256_file, stage_key
-from strategies.models import resolve_model_path
+from strategies.model_files import resolve_model_path
 from tasks.common import store_for
-from tasks.evaluation import ratio_with_se
+from tasks.evaluation.likelihood import ratio_with_se
 
 STAGE = "scorer"
 

@@ -1,6 +1,6 @@
 """What the absorbing programs share (mdlm, idlm, hybrid): dllm-flow's [MASK] filling at temperature 0, the most
 confident proposals first, window by window (dllm-flow's docs/strategies.md §11.2). The model card inlines it into
-each program (`tasks.snippets.program`)."""
+each program (`tasks.commands.snippets.program`)."""
 
 import math
 
