@@ -15,6 +15,8 @@ from strategies.options import validate_config
 
 
 def _spec(strategies, dllm=None, **sections):
+    if "dflash" in strategies:  # a 1-layer draft: the default 4 layers need a target of 7, deeper than the default 6
+        sections.setdefault("model", {"num_layers": 1})
     return {"pipeline": {"strategies": strategies}, "data": {"seq_len": 64}, "dllm": dllm or {}, **sections}
 
 

@@ -200,7 +200,12 @@ def test_a_shared_key_reaches_only_the_strategies_that_declare_it():
 
 def test_dflash_options_come_from_its_section_over_the_shared_values():
     spec = validate_config(
-        {"pipeline": {"strategies": ["dflash"]}, "dllm": {"mask_token_id": 5}, "dflash": {"block_size": 8}}
+        {
+            "pipeline": {"strategies": ["dflash"]},
+            "model": {"num_layers": 1},
+            "dllm": {"mask_token_id": 5},
+            "dflash": {"block_size": 8},
+        }
     )
     opts = resolve_options(spec, "dflash")
     assert opts.block_size == 8 and opts.mask_token_id == 5 and opts.num_blocks_per_sample == 1
