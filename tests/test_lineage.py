@@ -278,7 +278,7 @@ def test_an_edited_metric_rebuilds_evaluate_and_report_and_reuses_the_rest(tmp_p
 
     assert set(run().values()) == {"COMPLETED"}
     first = entropy()
-    scoring = copy / "tasks" / "scoring.py"
+    scoring = copy / "tasks" / "evaluation" / "scoring.py"
     text = scoring.read_text()
     old = 'return sum(values) / len(values) if values else float("nan")'
     assert old in text
