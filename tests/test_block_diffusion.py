@@ -48,8 +48,10 @@ def _strategy(own_token="analytic", **cfg):
 def test_registered_supervised_normalization_and_loss():
     s = get_dllm_strategy("block_diffusion")
     assert isinstance(s, BlockDiffusionStrategy) and s.normalization_mode == "supervised"
-    assert s.own_token_evidence == "analytic" and isinstance(s.create_loss_fn({}), OwnTokenCanvasLoss)
-    assert isinstance(_strategy("learned").create_loss_fn(), BlockDiffusionCrossEntropyLoss)  # the reference's
+    # DiffusionGemma (the default architecture) trains the reference's logits; the stack the analytic ones (issue 42)
+    assert s.own_token_evidence == "learned" and isinstance(s.create_loss_fn({}), BlockDiffusionCrossEntropyLoss)
+    assert isinstance(_strategy("analytic").create_loss_fn(), OwnTokenCanvasLoss)
+    assert get_dllm_strategy("block_diffusion", {"architecture": "stack"}).own_token_evidence == "analytic"
     assert s.block_size == 256 and s.self_conditioning_p == 0.5 and s.encoder_loss_weight == 1.0
     # uniform noise, no [MASK]: nothing to resolve, and assembling asks for no mask id (a given one is only recorded)
     assert not s.uses_mask_token and s.setup_extra(SetupContext(None, None, None)) is None
@@ -59,12 +61,12 @@ def test_registered_supervised_normalization_and_loss():
     assert (tuned.vocab_size, tuned.block_size) == (V, 4)
     assert (tuned.self_conditioning_p, tuned.encoder_loss_weight) == (0.2, 0.3)
     # create_loss_fn is pure: it checks the options it is given and leaves the strategy's own alone
-    assert isinstance(s.create_loss_fn({"block_size": 8}), OwnTokenCanvasLoss) and s.block_size == 256
-    learned = s.create_loss_fn({"own_token_evidence": "learned"})
-    assert isinstance(learned, BlockDiffusionCrossEntropyLoss) and s.own_token_evidence == "analytic"
+    assert isinstance(s.create_loss_fn({"block_size": 8}), BlockDiffusionCrossEntropyLoss) and s.block_size == 256
+    analytic = s.create_loss_fn({"own_token_evidence": "analytic"})
+    assert isinstance(analytic, OwnTokenCanvasLoss) and s.own_token_evidence == "learned"
     with pytest.raises(ValueError, match="Extra inputs are not permitted"):
         s.create_loss_fn({"block_length": 2})
-    built = assemble_strategy("block_diffusion", {"block_size": 4}, _model(), None)
+    built = assemble_strategy("block_diffusion", {"block_size": 4, "architecture": "stack"}, _model(), None)
     assert built.mask_token_id is None and built.strategy.vocab_size == V and built.strategy.block_size == 4
     assert isinstance(built.loss_fn, OwnTokenCanvasLoss)
 

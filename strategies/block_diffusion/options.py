@@ -36,13 +36,23 @@ class BlockDiffusionOptions(StrategyOptions):
     block_size: int = Field(256, ge=1)
     self_conditioning_p: float = Field(0.5, ge=0, le=1)
     encoder_loss_weight: float = Field(1.0, ge=0)
-    # how a canvas token's own evidence enters the prediction (docs/strategies.md §5.4); "learned": the reference
-    own_token_evidence: Literal["analytic", "learned"] = "analytic"
+    # how a canvas token's own evidence enters the prediction (docs/strategies.md §5.4); "learned": the reference's,
+    # the default for diffusion_gemma (whose canvas barely learns its context under "analytic", §9.5); "analytic":
+    # the default for stack
+    own_token_evidence: Literal["analytic", "learned"] = "learned"
     architecture: Literal["diffusion_gemma", "stack"] = "diffusion_gemma"
     # a tiny DiffusionGemma's mixture of experts (it has no dense option: 1 expert for every token is the smallest)
     num_experts: int = Field(1, ge=1)
     top_k_experts: int = Field(1, ge=1)
     moe_intermediate_size: int | None = Field(None, ge=1)  # None: a third of the dense MLP's width
+
+    @model_validator(mode="before")
+    @classmethod
+    def _evidence_default(cls, data):
+        """An unset `own_token_evidence` is "analytic" for `stack` (docs/strategies.md §5.4)."""
+        if isinstance(data, dict) and data.get("architecture") == "stack":
+            return {"own_token_evidence": "analytic", **data}
+        return data
 
     @model_validator(mode="after")
     def _experts(self) -> BlockDiffusionOptions:

@@ -10,11 +10,12 @@ head adds an AR loss. `eval/nelbo` is the blockwise bound of the uniform-noise p
 Own-token evidence (`own_token_evidence`, docs/strategies.md §5.4). A canvas token z_i is the clean token
 with probability α_t + (1 − α_t)/V and any other given token with (1 − α_t)/V, so the posterior over the
 clean token is π(x) ∝ x̂(x)·q(z_i | x), where x̂ is the prediction from everything *but* z_i. With
-"analytic" (the default) the model's logits are log x̂ and the known log q(z_i | x) is added to them
-wherever the posterior is needed (canvas loss at the training level t, sampler at its own level); the
-bound and the reverse step take x̂ as it is. With "learned" (the reference, DiffusionGemma) the logits
-are log π: the model must learn how far to trust z_i without being told t, and the bound and the
-sampler divide q(z_i | x) out again (`own_token_removed`).
+"analytic" (the default of architecture "stack") the model's logits are log x̂ and the known log q(z_i | x)
+is added to them wherever the posterior is needed (canvas loss at the training level t, sampler at its own
+level); the bound and the reverse step take x̂ as it is. With "learned" (the reference, DiffusionGemma, and
+the default of architecture "diffusion_gemma", whose canvas barely learns its context under "analytic":
+docs/strategies.md §5.4) the logits are log π: the model must learn how far to trust z_i without being told
+t, and the bound and the sampler divide q(z_i | x) out again (`own_token_removed`).
 
 Randomness: corruption, block choice and the self-conditioning coin are drawn per sample from
 the sample's own seed (docs/strategies.md §3), so they are identical across resume and any data-parallel layout.
