@@ -4,7 +4,7 @@ A bound says little about samples: on DiffusionGemma, `own_token_evidence: analy
 eval/nelbo and its worst samples (commas and fragments, entropy 0.6–0.7× the data row's), because its canvas barely
 learned to read its context. This trains a small block_diffusion model on Shakespeare with the strategy's defaults,
 samples it with the evaluation's sampler settings and reads the samples against held-out text cut and scored the
-same way (`tasks.data_row`): the unigram entropy of the samples, and their perplexity under a frozen scorer.
+same way (`tasks.evaluation.data_row`): the unigram entropy of the samples, and their perplexity under a frozen scorer.
 
 `BD_SAMPLES_EVIDENCE=analytic` trains the earlier default instead (it fails the bounds below).
 """
@@ -54,16 +54,16 @@ def _spec():
 
 def measure(spec, data, ckpt, work) -> dict:
     """The trained model at `ckpt` sampled at the eval settings for PROMPTS, and the data row (held-out rows cut
-    like `tasks.data_row`: a prompt as long as the median prompt, the next `eval.sample_length` tokens), both
+    like `tasks.evaluation.data_row`: a prompt as long as the median prompt, the next `eval.sample_length` tokens), both
     scored by SmolLM2 (gen_ppl) and by their unigram entropy."""
     from dllm_common.config import ScorerConfig
     from strategies import assemble_strategy
     from strategies.options import resolve_options
     from strategies.sampling import SamplerConfig, trim_at_eos
-    from tasks.checkpoints import checkpoint_tokenizer, load_trained_model
-    from tasks.evaluation import encode_prompts
+    from tasks.evaluation.likelihood import encode_prompts
+    from tasks.evaluation.scoring import gen_ppl_with_interval, load_scorer, mean_entropy, prompt_nll
+    from tasks.evaluation.trained_model import checkpoint_tokenizer, load_trained_model
     from tasks.prepare_data import load_split
-    from tasks.scoring import gen_ppl_with_interval, load_scorer, mean_entropy, prompt_nll
 
     model = load_trained_model(ckpt, "cpu")
     tokenizer = checkpoint_tokenizer(ckpt, model)
