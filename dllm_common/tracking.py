@@ -278,7 +278,17 @@ class MlflowTracker:
             source = resolve_dataset_source(Path(path).resolve().as_uri())
         ds = MetaDataset(source=source, name=name, digest=digest[:36])
         entity = DatasetInput(dataset=ds._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
-        self.client.log_inputs(self.run_id, datasets=[entity])
+        try:
+            self.client.log_inputs(self.run_id, datasets=[entity])
+        except Exception as exc:
+            # two trainings of one pipeline on two workers log the same dataset at once: the server looks it up,
+            # finds none, and both insert it; the second insert breaks the unique key (PostgreSQL's
+            # UniqueViolation on dataset_pk, sqlite's UNIQUE constraint). Logged again, the dataset now exists
+            # and only this run's input is added.
+            if not any(word in str(exc) for word in ("UniqueViolation", "UNIQUE constraint", "duplicate key")):
+                raise
+            time.sleep(0.5)
+            self.client.log_inputs(self.run_id, datasets=[entity])
 
     def register_model(self, name: str, artifact_path: str) -> str:
         """Register `runs:/<run>/<artifact_path>`; MLflow resolves the reserved alias `latest` to it."""

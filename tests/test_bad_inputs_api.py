@@ -467,3 +467,27 @@ def test_export_of_a_store_entry_checks_it_against_the_entrys_manifest(prepared,
     assert (
         not (tmp_path / "out").exists() and sha256_file(weights) == json.loads(digests.read_text())["model.safetensors"]
     )
+
+
+def test_a_dataset_two_concurrent_trainings_log_at_once_is_logged_once_more(tmp_path):
+    """Two trainings on two workers log the pipeline's dataset together: the server's unique key refuses the
+    second insert (PostgreSQL: UniqueViolation on dataset_pk). The tracker logs it again (the dataset now exists);
+    any other error still raises."""
+    from dllm_common.tracking import MlflowTracker
+
+    class Client:
+        def __init__(self, errors):
+            self.errors, self.logged = list(errors), []
+
+        def log_inputs(self, run_id, datasets):
+            if self.errors:
+                raise RuntimeError(self.errors.pop(0))
+            self.logged.append((run_id, datasets[0].dataset.digest))
+
+    raced = Client(['BAD_REQUEST: (psycopg.errors.UniqueViolation) duplicate key value violates "dataset_pk"'])
+    MlflowTracker(raced, "r1").log_dataset(tmp_path, "rows", "d" * 40)
+    assert raced.logged == [("r1", "d" * 36)]
+    other = Client(["RESOURCE_DOES_NOT_EXIST: run r1"])
+    with pytest.raises(RuntimeError, match="RESOURCE_DOES_NOT_EXIST"):
+        MlflowTracker(other, "r1").log_dataset(tmp_path, "rows", "d" * 40)
+    assert other.logged == []
