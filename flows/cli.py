@@ -537,14 +537,15 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        if is_disk_full(exc):  # a library's error over an ENOSPC (torch's "unexpected pos 704 vs 598"): exit 2
+        causes = getattr(exc, "errors", {}).values()  # several strategies failed: their summary says which finished
+        if not causes and is_disk_full(exc):  # a library's error over an ENOSPC (torch's "unexpected pos 704 vs 598")
             print(f"dllm-flow: error: {_disk_full_line(exc)}{_log_hint(exc)}", file=sys.stderr)
             return 2
         print(
             f"dllm-flow: error: {type(exc).__name__}: {exc}{_log_hint(exc)}{_resume_hint(exc, args)}", file=sys.stderr
         )
-        causes = getattr(exc, "errors", {}).values()  # several strategies failed: user errors all?
-        return 2 if causes and all(isinstance(e, USER_ERRORS) for e in causes) else 1
+        # exit 2 when every failure is one the user changes: a config, a file, a full disk
+        return 2 if causes and all(isinstance(e, USER_ERRORS) or is_disk_full(e) for e in causes) else 1
     except Interrupted as exc:  # a signal outside the pipeline (while its services start or stop)
         print(f"dllm-flow: {exc}", file=sys.stderr)
         return exc.exit_code
