@@ -71,7 +71,7 @@ def test_the_readme_quotes_the_last_measured_quickstart_run():
 
     assert figures["steps"] == load_config(str(ROOT / "configs" / "quickstart.yaml")).train.steps
     assert figures["config_digest"] == config_digest(), "configs/quickstart.yaml changed: run quickstart_figures.py"
-    text = _quickstart_paragraph()
+    text = " ".join(_quickstart_paragraph().split())  # as read, whatever the line breaks
     v, e = figures["val_loss"], figures["eval"]
     for quoted in (
         f"**{figures['steps']:,} steps**",
