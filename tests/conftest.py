@@ -32,6 +32,23 @@ def denoiser_strategies() -> list[str]:
     return [name for name in sorted(REGISTRY) if strategy_class(name).trains == "denoiser"]
 
 
+# what `dllm-flow`'s main() sets in its own process from a team server's login (credentials.apply_to_client):
+# a test that runs the command in this process must not hand its login to every later test (a leaked
+# PREFECT_API_AUTH_STRING made the deployment tests' `make deploy` send a stale login: 401)
+CLIENT_LOGIN = ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+
+@pytest.fixture(autouse=True)
+def _no_login_outlives_its_test():
+    before = {key: os.environ.get(key) for key in CLIENT_LOGIN}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def tiny_spec():
     """A config small enough to prepare and train in seconds."""
