@@ -24,7 +24,7 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["code_digest", "import_closure", "module_file"]
+__all__ = ["code_digest", "import_closure", "module_file", "same_project"]
 
 # a dotted name, optionally followed by ":attribute" (the registry's lazy "module:Class" form)
 _MODULE_STRING = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?::[A-Za-z_][\w.]*)?$")
@@ -41,6 +41,11 @@ def _top_location(top: str) -> Path | None:
         return None
     origin = Path(spec.origin).resolve()
     return origin.parent.parent if spec.submodule_search_locations else origin.parent
+
+
+def same_project(entry: str, module: str) -> bool:
+    """Whether `module` belongs to the project `entry` belongs to (their top-level packages share a folder)."""
+    return _top_location(module.split(".")[0]) == _top_location(entry.split(".")[0])
 
 
 def module_file(name: str, root: Path) -> Path | None:

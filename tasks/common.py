@@ -16,7 +16,7 @@ from typing import Any
 
 from prefect import task
 
-from dllm_common.lineage import code_digest, import_closure
+from dllm_common.lineage import code_digest, same_project
 from dllm_common.store import Store, refuse_read_only
 
 
@@ -51,9 +51,8 @@ def stage_code_version(entry: str, strategy: str | None = None) -> str:
     from strategies.options import on_demand_modules
 
     own, other = [], []  # a strategy registered from a package outside the project is keyed by its own closure
-    project = {name.split(".")[0] for name in import_closure(entry)}
     for module in on_demand_modules(strategy):
-        (own if module.split(".")[0] in project else other).append(module)
+        (own if same_project(entry, module) else other).append(module)
     return "-".join([code_digest(entry, *own), *(code_digest(m) for m in other)])
 
 
