@@ -22,20 +22,24 @@ from strategies.options import on_demand_modules
 from tasks.common import stage_code_version
 
 PACKAGES = ("flows", "tasks", "strategies", "dllm_common")
-# every stage's module, and the stages upstream of it (the DAG of docs/architecture.md)
-STAGES = {
-    "tasks.prepare_data": (),
-    "tasks.target": ("tasks.prepare_data",),
-    "tasks.regenerate": ("tasks.prepare_data", "tasks.target"),
-    "tasks.cache_target": ("tasks.prepare_data", "tasks.target"),
-    "tasks.train": ("tasks.prepare_data", "tasks.target", "tasks.cache_target"),
-    "tasks.evaluate": ("tasks.prepare_data", "tasks.target", "tasks.cache_target", "tasks.train"),
-    "tasks.report": ("tasks.prepare_data", "tasks.train", "tasks.evaluate"),
-}
+# every stage's module: the modules of tasks/ that define a stage key (`stage_of`), found, not listed
+STAGES = sorted(f"tasks.{path.stem}" for path in (ROOT / "tasks").glob("*.py") if "\ndef stage_of(" in path.read_text())
 
 
 def first_party(name: str) -> bool:
     return name.split(".")[0] in PACKAGES
+
+
+def test_every_stage_of_the_dag_is_found():
+    assert STAGES == [
+        "tasks.cache_target",
+        "tasks.evaluate",
+        "tasks.prepare_data",
+        "tasks.regenerate",
+        "tasks.report",
+        "tasks.target",
+        "tasks.train",
+    ]
 
 
 def strategy_closure(entry: str, strategy: str) -> set[str]:
@@ -45,7 +49,7 @@ def strategy_closure(entry: str, strategy: str) -> set[str]:
 # ---------------------------------------------------------------- the closure, against modulefinder
 
 
-@pytest.mark.parametrize("entry", sorted(STAGES))
+@pytest.mark.parametrize("entry", STAGES)
 def test_every_module_a_stage_imports_is_in_its_key(entry):
     """Python's modulefinder follows every import statement (functions included) of the project's modules."""
     finder = modulefinder.ModuleFinder(path=[str(ROOT)])
@@ -298,3 +302,17 @@ def test_an_edited_metric_rebuilds_evaluate_and_report_and_reuses_the_rest(tmp_p
         "evaluate[mdlm]": "COMPLETED",
         "report": "COMPLETED",
     }
+
+
+def test_every_name_strategies_loads_on_demand_resolves():
+    """`strategies/__init__.py` keeps the names it exported before it became lazy: each resolves to the object
+    its module defines, and an unknown one is an AttributeError."""
+    import importlib
+
+    import strategies
+
+    for name, where in strategies._ON_DEMAND.items():
+        module, _, attr = where.partition(":")
+        assert attr == name and getattr(strategies, name) is getattr(importlib.import_module(module), attr)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        strategies.Nope  # noqa: B018
