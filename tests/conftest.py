@@ -32,20 +32,20 @@ def denoiser_strategies() -> list[str]:
     return [name for name in sorted(REGISTRY) if strategy_class(name).trains == "denoiser"]
 
 
-# what `dllm-flow`'s main() sets in its own process from a team server's login (credentials.apply_to_client):
-# a test that runs the command in this process must not hand its login to every later test (a leaked
-# PREFECT_API_AUTH_STRING made the deployment tests' `make deploy` send a stale login: 401)
-CLIENT_LOGIN = ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
-
-
+# A test that runs `dllm-flow` in this process gets the environment main() sets up for itself: a team server's
+# login (credentials.apply_to_client), PREFECT_HOME under that test's workdir, Prefect's logging levels
+# (flows/environment.prefect_env). None of it may outlive the test: every later test's subprocesses inherit
+# os.environ. Leaked, a stale PREFECT_API_AUTH_STRING made `make deploy` answer 401, PREFECT_LOGGING_LEVEL=WARNING
+# silenced the workers' "submitted to infrastructure" lines the deployment tests read, and a dead test's
+# PREFECT_HOME sent a later test's client to a database without its flow run (whole-suite runs only).
 @pytest.fixture(autouse=True)
-def _no_login_outlives_its_test():
-    before = {key: os.environ.get(key) for key in CLIENT_LOGIN}
+def _environment_does_not_outlive_its_test():
+    before = dict(os.environ)
     yield
+    for key in set(os.environ) - set(before):
+        os.environ.pop(key, None)
     for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
+        if os.environ.get(key) != value:
             os.environ[key] = value
 
 
