@@ -53,7 +53,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt | $(PY)
 
 install: $(STAMP)
 
-# The browser tests (tests/test_ui.py) read what the MLflow and Prefect UIs show in a headless Chromium and are
+# The browser tests (tests/servers/test_ui.py) read what the MLflow and Prefect UIs show in a headless Chromium and are
 # skipped where there is none. `make test` installs Debian's `chromium` when it is missing, only as root with
 # apt-get (never through sudo: as another user it only says what to install); a failed install only says so.
 # CHROMIUM=0 leaves the machine alone. `make install` and the quickstart never need it.

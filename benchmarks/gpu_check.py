@@ -42,8 +42,8 @@ STRATEGIES = ("mdlm", "scdd", "hybrid", "idlm", "block_diffusion")
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "4090": 165.0}
 PLAN_BAND = 0.15
 FLEX_TESTS = [
-    "tests/test_masks.py::test_idlm_flex_attention_matches_sdpa_on_gpu",
-    "tests/test_dflash.py::test_flex_block_mask_trains_like_the_dense_mask_on_gpu",
+    "tests/unit/test_masks.py::test_idlm_flex_attention_matches_sdpa_on_gpu",
+    "tests/unit/test_dflash.py::test_flex_block_mask_trains_like_the_dense_mask_on_gpu",
 ]
 
 

@@ -47,7 +47,7 @@ SIZES = {
     "l": (256, 8, 8, 16384, 256, 2, 2, "fp32"),
     "m-bf16": (128, 6, 4, 8192, 256, 4, 1, "bf16"),
     "l-bf16": (256, 8, 8, 16384, 256, 2, 2, "bf16"),
-    "xs": (32, 5, 2, 1024, 64, 2, 1, "fp32"),  # the test suite's (tests/test_plan.py)
+    "xs": (32, 5, 2, 1024, 64, 2, 1, "fp32"),  # the test suite's (tests/pipeline/test_plan.py)
 }
 DRAFT_LAYERS, TARGET_LAYERS = 1, 6
 

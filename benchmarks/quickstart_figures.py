@@ -1,7 +1,7 @@
 """The quickstart's documented figures, measured: runs `dllm-flow run configs/quickstart.yaml` in a fresh workdir
 (or reads one that ran) and writes docs/results/quickstart.json — steps, wall time per stage, the fixed-noise
 val/loss first → last, eval/nelbo, and the samples' gen_ppl and entropy beside the data row's. The README quotes
-these numbers and tests/test_docs.py holds them to this file and the file to configs/quickstart.yaml, so the
+these numbers and tests/unit/test_docs.py holds them to this file and the file to configs/quickstart.yaml, so the
 README says what a newcomer's run prints.
 
     .venv/bin/python benchmarks/quickstart_figures.py              # run the quickstart, write the JSON

@@ -1,4 +1,4 @@
-"""Named fault-injection points, for the fault suite (tests/test_faults.py) and for anyone who wants to see
+"""Named fault-injection points, for the fault suite (tests/pipeline/test_faults.py) and for anyone who wants to see
 what a crash at a given moment leaves behind (docs/operations.md, "Faults").
 
 `DLLM_FLOW_FAULT="<point>=<action>[@<n>][,...]"` makes the n-th time (default: the first) this process

@@ -226,7 +226,7 @@ def undisturbed(tmp_path_factory, prefect_api):
 
 # helpers that live as long as the pytest process by design and exit with it
 LIFELONG = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "_inductor.compile_worker")
-NETNS_PREFIX = "dllm-"  # network namespaces tests make are named dllm-<host><pytest pid> (tests/test_hosts.py)
+NETNS_PREFIX = "dllm-"  # network namespaces tests make are named dllm-<host><pytest pid> (tests/servers/test_hosts.py)
 _left_behind: list[str] = []
 
 

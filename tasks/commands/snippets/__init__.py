@@ -1,7 +1,7 @@
 """Sampling programs that need only torch and transformers: one per strategy whose export is a denoiser
 (`<strategy>.py`), each a complete program (`python mdlm.py EXPORT_DIR "PROMPT"`) that reproduces the strategy's
 default `dllm-flow generate` sampler at temperature 0 (docs/strategies.md §11.9). The model card of an export
-shows its strategy's program ("Sampling without dllm-flow"); tests/test_export_snippets.py runs that text with
+shows its strategy's program ("Sampling without dllm-flow"); tests/pipeline/test_export_snippets.py runs that text with
 dllm-flow's packages blocked.
 
 The programs share parts (`common.py`, `absorbing.py`), imported as `from common import ...` so that each file

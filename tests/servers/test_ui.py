@@ -74,7 +74,7 @@ def two_pipeline_runs(tmp_path):
 
 def _session_commands(pid: int) -> list[str]:
     """Command lines of the `dllm-flow ui` process and of everything it started (the server runs in a session of
-    its own, tests/test_ui_signals.py)."""
+    its own, tests/servers/test_ui_signals.py)."""
     import psutil
 
     commands = []

@@ -141,7 +141,7 @@ def test_each_strategy_trains_evaluates_and_reports_through_the_stages(prepared,
     spec = _stage_spec(tiny_spec)
     upstream = strategy_class(strategy).upstream_stages(spec)
     if upstream:
-        own = ROOT / "tests" / f"test_{strategy}_stages.py"
+        own = ROOT / "tests" / "pipeline" / f"test_{strategy}_stages.py"
         assert own.is_file() and "through_the_stages(" in own.read_text(), f"{strategy} needs {list(upstream)}"
         return
     data, _ = prepared

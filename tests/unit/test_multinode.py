@@ -1,6 +1,6 @@
 """Multi-node placement: which node this is and where node 0 waits, from the config or the scheduler's
 environment, the torchrun command of one node, and the Kubernetes / Slurm examples that use them. The
-two-node training itself is tests/test_distributed.py::test_two_nodes_of_one_process_train_like_one_process."""
+two-node training itself is tests/pipeline/test_distributed.py::test_two_nodes_of_one_process_train_like_one_process."""
 
 import re
 import subprocess
