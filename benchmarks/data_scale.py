@@ -24,10 +24,10 @@ WORDS = "thou thee thy shall would love death king lord night day sweet fair hea
 
 STAGE = """
 import json, resource, sys
-from dllm_common.config import validate_config
+from dllm_common.config import validate_schema
 from tasks.prepare_data import prepare_data
 from tasks.train import train
-spec = validate_config(json.loads(sys.argv[1]))
+spec = validate_schema(json.loads(sys.argv[1]))
 data = prepare_data(spec, sys.argv[2])
 peak = {"prepare_data": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "tokenizer workers": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}

@@ -32,7 +32,7 @@ OUT = ROOT / "docs" / "results" / "quickstart.json"
 def config_digest(path: Path = CONFIG) -> str:
     """sha256 of the validated quickstart config: a changed config (steps, model, data, eval) needs new figures."""
     from dllm_common.config import canonical_json
-    from flows.cli import load_config
+    from strategies.options import load_config
 
     spec = load_config(str(path))
     return hashlib.sha256(canonical_json(spec.model_dump(mode="json")).encode()).hexdigest()[:16]
@@ -52,7 +52,7 @@ def figures(workdir: Path, wall_seconds: float | None) -> dict:
     from mlflow.tracking import MlflowClient
 
     from dllm_common.tracking import default_tracking_uri
-    from flows.cli import load_config
+    from strategies.options import load_config
 
     spec = load_config(str(CONFIG))
     record = json.loads(sorted((workdir / "runs").glob("*.json"))[-1].read_text())

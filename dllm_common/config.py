@@ -1,7 +1,8 @@
 """The declarative pipeline config: YAML → typed, frozen models with every default in one place.
 
 Unknown keys are rejected; every error names the dotted key path, the bad value and what is
-allowed (see `ConfigError`). `load_config(path, overrides)` is the single entry point.
+allowed (see `ConfigError`). A pipeline file is read by `strategies.options.load_config`, which adds
+the strategies' checks.
 """
 
 from __future__ import annotations
@@ -855,16 +856,13 @@ def read_yaml(path: str | Path) -> dict:
     return raw
 
 
-def validate_config(raw: dict, source: str = "<dict>") -> PipelineSpec:
+def validate_schema(raw: dict, source: str = "<dict>") -> PipelineSpec:
+    """`raw` checked against the schema alone; `strategies.options.validate_config` also checks every strategy's
+    options, and `strategies.options.load_config` reads a pipeline file."""
     try:
         return PipelineSpec.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, source)) from None
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineSpec:
-    raw = apply_overrides(read_yaml(path), overrides or [])
-    return validate_config(raw, str(path))
 
 
 def canonical_json(obj: Any) -> str:

@@ -31,18 +31,6 @@ class _session:
     log_file: Path | None = None  # this command's log file (`run`, `resume`), named in error messages
 
 
-def load_config(path, overrides: list[str] | None = None):
-    """The pipeline config with every strategy's options checked against the strategy registry."""
-    from strategies.options import load_config as load_checked  # the registry imports torch: not at import time
-
-    spec = load_checked(path, overrides)
-    if spec.eval.lm_eval is not None:  # task names the harness does not know fail here, not after training
-        from tasks.evaluate import check_harness_tasks
-
-        check_harness_tasks(spec.eval.lm_eval)
-    return spec
-
-
 VERIFY_HELP = "re-hash every reused stage's files (default: sizes only); a damaged stage is set aside and rebuilt"
 
 
@@ -89,6 +77,7 @@ def _warn_if_too_big(spec, declared: str | None, workdir: Path) -> None:
 
 def cmd_plan(args) -> int:
     """Memory per GPU and time per step of each strategy of a config on a cluster, predicted without a GPU."""
+    from strategies.options import load_config  # the strategy registry imports torch: not at import time
     from tasks.commands.plan import cluster_for, micro_batch_for, plan, render
 
     spec = load_config(args.config, args.set)
@@ -113,6 +102,8 @@ def _check_tracking(uri: str | None, workdir: Path) -> None:
 
 
 def cmd_run(args) -> int:
+    from strategies.options import load_config  # the strategy registry imports torch: not at import time
+
     spec = load_config(args.config, args.set)
     _check_device(spec)  # fail fast, before any service starts
     _warn_if_too_big(spec, args.gpu_memory, Path(args.workdir))
@@ -204,7 +195,7 @@ def cmd_validate(args) -> int:
     """One JSON document: the resolved config, and each strategy's options exactly as training uses them
     (`null` there is resolved when the model is built: mask_token_id → the tokenizer's [MASK],
     vocab_size → the model's vocabulary; a DFlash block_size of 0 → the draft checkpoint's)."""
-    from strategies.options import check_spec
+    from strategies.options import check_spec, load_config
 
     spec = load_config(args.config, args.set)
     options = {name: opts.model_dump(mode="json") for name, opts in check_spec(spec).items()}

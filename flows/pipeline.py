@@ -300,6 +300,7 @@ def cancel_flow_run(flow_run_id: str | None, message: str) -> None:
 def _stage_tasks() -> SimpleNamespace:
     """The task layer's Prefect tasks and the strategy registry, imported when a flow runs (they import
     torch), not when flows/ is imported."""
+    from dllm_common.harness_tasks import check_harness_tasks
     from strategies import strategy_class
     from tasks import cache_target, evaluate, prepare_data, regenerate, report, target, train
     from tasks.training import distributed
@@ -315,7 +316,7 @@ def _stage_tasks() -> SimpleNamespace:
         train_remote=train.train_remote_task,
         evaluate=evaluate.evaluate_task,
         check_samples_fit=evaluate.check_samples_fit,
-        check_harness_tasks=evaluate.check_harness_tasks,
+        check_harness_tasks=check_harness_tasks,
         report=report.report_task,
         publish_report=report.publish_report,
         ParentRun=report.ParentRun,

@@ -1,7 +1,7 @@
 """dLLM math and the strategy registry: one package per strategy, and the maths they share.
 
 Each strategy lives in `strategies/<name>/` (options, samplers and registration in `options.py`, its class in
-`strategy.py`, what only it computes beside them); `strategies.options.REGISTRY` lists them. The shared maths
+`strategy.py`, what only it computes beside them); `strategies.registry.REGISTRY` lists them. The shared maths
 sit in modules named for what they compute: `corruption` (noise kernels), `losses` (losses and bounds),
 `posteriors` (reverse steps of the uniform kernel), `masks` (attention masks), `absorbing` (the absorbing
 sampler), `sampling` (what every sampler shares). Pure of Prefect and MLflow; the math in `docs/strategies.md`.
@@ -18,9 +18,10 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
+from strategies.assembly import DLLM_STRATEGIES, AssembledStrategy, assemble_strategy, get_dllm_strategy, strategy_class
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext
-from strategies.options import REGISTRY, SAMPLERS, Registration, SamplerInfo, register, registered
-from strategies.registry import DLLM_STRATEGIES, AssembledStrategy, assemble_strategy, get_dllm_strategy, strategy_class
+from strategies.registration import Registration, SamplerInfo
+from strategies.registry import REGISTRY, SAMPLERS, register, registered
 
 # name → "module:name" (a literal string each, which is how docs/architecture.md's stage keys see code loaded on
 # demand), imported on first access (PEP 562 module __getattr__)

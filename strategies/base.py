@@ -12,7 +12,7 @@ declares what the pipeline's tasks need from it: what it trains (`trains`), how 
 capabilities.
 
 To add a strategy: a package `strategies/<name>/` with its options, samplers and registration
-(`options.py`) and its class (a subclass overriding what differs), listed in `strategies.options.REGISTRY`
+(`options.py`) and its class (a subclass overriding what differs), listed in `strategies.registry.REGISTRY`
 (docs/architecture.md, "How a strategy plugs in").
 """
 

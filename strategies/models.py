@@ -33,7 +33,7 @@ from transformers import (
 )
 
 from strategies.model_files import check_model_folder, check_weights_cover, resolve_model_path
-from strategies.options import model_shape, model_shapes
+from strategies.registry import model_shape, model_shapes
 
 BIDIRECTIONAL_MASK = "bidirectional_4d"
 NATIVE = "native"

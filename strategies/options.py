@@ -1,10 +1,4 @@
-"""The registry's one list of strategies (`REGISTRY`) and the resolution of their options (torch-free).
-
-Each strategy package declares its typed options, its samplers and its registration in its own
-`options.py` (`strategies/<name>/options.py`); `REGISTRY` lists them, and everything else that names
-strategies is derived from it: the strategy classes (`strategies.registry.DLLM_STRATEGIES`), the sampler
-table (`SAMPLERS`), the model shapes (`model_shape`). `register` / `registered` add a strategy at run time
-(a test, a notebook) without editing the package.
+"""A pipeline's config checked against the registered strategies, and each strategy's options resolved (torch-free).
 
 A pipeline's values reach a strategy by one route, resolved once (`resolve_options`):
 
@@ -13,14 +7,14 @@ A pipeline's values reach a strategy by one route, resolved once (`resolve_optio
 
 A shared `dllm:` key that no strategy of the pipeline declares is an error, and so is an override
 key that the named strategy does not declare. `dllm-flow validate` prints the resolved values:
-exactly what training uses. See docs/architecture.md ("How a strategy plugs in").
+exactly what training uses. `load_config` is the one way a pipeline file is read: YAML, overrides, the
+schema (`dllm_common.config`), the strategies' options (the list of strategies is `strategies.registry`),
+a local `model.path` folder and the lm-eval task names. See docs/architecture.md ("How a strategy plugs in").
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,163 +22,30 @@ from pydantic import ValidationError
 
 from dllm_common import config as pipeline_config
 from dllm_common.config import ConfigError, PipelineSpec
-from strategies.block_diffusion import options as block_diffusion
+from dllm_common.harness_tasks import check_harness_tasks
 from strategies.block_diffusion.options import BlockDiffusionOptions
-from strategies.dflash import options as dflash
 from strategies.dflash.options import DFlashOptions
-from strategies.hybrid import options as hybrid
 from strategies.hybrid.options import HybridOptions
-from strategies.idlm import options as idlm
 from strategies.idlm.options import IDLMOptions
-from strategies.mdlm import options as mdlm
 from strategies.mdlm.options import MDLMOptions
 from strategies.model_files import check_model_folder, resolve_model_path
-from strategies.registration import Registration, SamplerInfo, StrategyOptions, load_object
-from strategies.scdd import options as scdd
+from strategies.registration import Registration, StrategyOptions
+from strategies.registry import REGISTRY, registration
 from strategies.scdd.options import SCDDOptions
 
 __all__ = [
-    "REGISTRY",
-    "SAMPLERS",
     "BlockDiffusionOptions",
     "DFlashOptions",
     "HybridOptions",
     "IDLMOptions",
     "MDLMOptions",
-    "Registration",
     "SCDDOptions",
-    "SamplerInfo",
-    "StrategyOptions",
     "check_spec",
     "load_config",
-    "model_shape",
-    "model_shapes",
     "option_source",
-    "register",
-    "registered",
-    "registration",
     "resolve_options",
     "validate_config",
 ]
-
-# The one list of strategies: config validation, the strategy classes, the sampler table, the model shapes,
-# `dllm-flow validate` and the stages all read it.
-REGISTRY: dict[str, Registration] = {
-    "mdlm": mdlm.REGISTRATION,
-    "scdd": scdd.REGISTRATION,
-    "hybrid": hybrid.REGISTRATION,
-    "idlm": idlm.REGISTRATION,
-    "dflash": dflash.REGISTRATION,
-    "block_diffusion": block_diffusion.REGISTRATION,
-}
-
-
-def registration(name: str) -> Registration:
-    """The registration of strategy `name`; an unknown name lists the registered ones."""
-    if not isinstance(name, str):
-        raise TypeError(f"a strategy name is a string (one of {sorted(REGISTRY)}), got {type(name).__name__} {name!r}")
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown strategy {name!r}: pipeline.strategies takes registered strategies, {sorted(REGISTRY)}"
-        ) from None
-
-
-def register(name: str, reg: Registration) -> Registration:
-    """Add a strategy to `REGISTRY` at run time (a built-in one is listed there instead); a name already
-    registered is refused. Everything derived from the registry sees it from now on."""
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"a strategy name is an identifier (it names MLflow runs and store stages), got {name!r}")
-    if not isinstance(reg, Registration):
-        raise TypeError(f"register({name!r}, …) takes a Registration, got {type(reg).__name__}")
-    if name in REGISTRY:
-        raise ValueError(f"strategy {name!r} is already registered")
-    candidate = {**REGISTRY, name: reg}
-    _merged("sampler", _samplers_of(candidate))  # names that clash with another strategy's are refused here
-    _merged("model shape", _models_of(candidate))
-    REGISTRY[name] = reg
-    return reg
-
-
-@contextmanager
-def registered(name: str, reg: Registration) -> Iterator[Registration]:
-    """`register` for the duration of a `with` block: the strategy is removed again when it ends."""
-    register(name, reg)
-    try:
-        yield reg
-    finally:
-        REGISTRY.pop(name, None)
-
-
-def _merged(kind: str, declared: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """name → value over every registration's table of `kind`; one name declared twice must mean one thing."""
-    table: dict[str, Any] = {}
-    owners: dict[str, str] = {}
-    for strategy, entries in declared.items():
-        for key, value in entries.items():
-            if key in table and table[key] != value:
-                raise ValueError(
-                    f"{kind} {key!r} is declared by {owners[key]!r} and, differently, by {strategy!r}; "
-                    "give one of them another name"
-                )
-            table.setdefault(key, value)
-            owners.setdefault(key, strategy)
-    return table
-
-
-class SamplerTable(Mapping[str, SamplerInfo]):
-    """Every registered strategy's samplers by name, derived from `REGISTRY` on each use (so a strategy
-    registered at run time brings its samplers along). A name several strategies declare (the absorbing
-    sampler, "llada") must carry one `SamplerInfo`."""
-
-    def _table(self) -> dict[str, SamplerInfo]:
-        return _merged("sampler", _samplers_of(REGISTRY))
-
-    def __getitem__(self, name: str) -> SamplerInfo:
-        table = self._table()
-        if name not in table:
-            raise KeyError(f"unknown sampler {name!r}; registered samplers: {sorted(table)}")
-        return table[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._table())
-
-    def __len__(self) -> int:
-        return len(self._table())
-
-
-SAMPLERS = SamplerTable()
-
-
-def model_shapes() -> dict[str, type]:
-    """Every model shape a registered strategy declares (`Registration.models`), by name, its class imported."""
-    return {name: load_object(ref) for name, ref in _merged("model shape", _models_of(REGISTRY)).items()}
-
-
-def on_demand_modules(strategy: str) -> tuple[str, ...]:
-    """The modules a stage of `strategy` may load through the registry: its class's and its model shapes'
-    (`Registration.modules`), and every registered strategy's model shapes, since a checkpoint folder is offered
-    to each shape that recognizes folders (`models.model_from_config_dir`). The stages of one strategy key their
-    code by these (docs/architecture.md, "Stage keys")."""
-    shapes = (reg.modules(models_only=True) for reg in REGISTRY.values())
-    return tuple(dict.fromkeys([*registration(strategy).modules(), *(m for mods in shapes for m in mods)]))
-
-
-def model_shape(name: str) -> type:
-    """The class of model shape `name` (a checkpoint's `config.dllm_architecture`)."""
-    refs = _merged("model shape", _models_of(REGISTRY))
-    if name not in refs:
-        raise ValueError(f"unknown model shape {name!r}; registered strategies declare {sorted(refs)}")
-    return load_object(refs[name])
-
-
-def _samplers_of(registry: Mapping[str, Registration]) -> dict[str, Mapping[str, SamplerInfo]]:
-    return {name: reg.samplers for name, reg in registry.items()}
-
-
-def _models_of(registry: Mapping[str, Registration]) -> dict[str, Mapping[str, str | type]]:
-    return {name: reg.models for name, reg in registry.items()}
 
 
 def _section_values(spec: PipelineSpec, reg: Registration) -> dict[str, Any]:
@@ -299,12 +160,17 @@ def check_pretrained_paths(spec) -> None:
 
 def validate_config(raw: dict, source: str = "<dict>") -> PipelineSpec:
     """The pipeline config, schema and strategy options checked (what every entry point loads)."""
-    spec = pipeline_config.validate_config(raw, source)
+    spec = pipeline_config.validate_schema(raw, source)
     check_spec(spec)
     check_pretrained_paths(spec)  # a local model.path folder: config.json, weights, not a DFlash draft
     return spec
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineSpec:
+    """The pipeline file at `path` with `overrides` (`key=value`) applied, checked as a whole: the schema, every
+    strategy's options, a local model.path folder, and the lm-eval task names (`eval.lm_eval`), so a name the
+    harness does not know fails here, not after training. The one loader every entry point uses."""
     raw = pipeline_config.apply_overrides(pipeline_config.read_yaml(path), overrides or [])
-    return validate_config(raw, str(path))
+    spec = validate_config(raw, str(path))
+    check_harness_tasks(spec.eval.lm_eval)
+    return spec

@@ -2,7 +2,7 @@
 descriptions and the `Registration` that ties them to its class.
 
 Each strategy package (`strategies/<name>/`) has an `options.py` that defines its options model, describes
-its samplers (`SamplerInfo`) and builds its `REGISTRATION` from them; `strategies.options.REGISTRY` lists the
+its samplers (`SamplerInfo`) and builds its `REGISTRATION` from them; `strategies.registry.REGISTRY` lists the
 registrations. None of this imports torch or the strategy's class: config validation reads it alone, and
 the class is imported on first use (`Registration.load`). See docs/architecture.md ("How a strategy plugs in").
 """

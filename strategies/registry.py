@@ -1,125 +1,153 @@
-"""The strategy classes by name, and the one way to build a strategy for a model.
+"""The registry: the one list of strategies (`REGISTRY`) and what is derived from it (torch-free).
 
-`DLLM_STRATEGIES` is a view of `strategies.options.REGISTRY` (the one list of strategies): a class is
-imported and checked against its registration on first use, and a strategy registered at run time
-(`strategies.options.register`) appears in it. `assemble_strategy` resolves everything a strategy needs
-once (the mask id, the values the model decides) and returns the strategy, a freshly built loss and the
-mask id: nothing is patched into a loss or a model afterwards.
+Each strategy package declares its typed options, its samplers and its registration in its own
+`options.py` (`strategies/<name>/options.py`); `REGISTRY` lists them, and everything else that names
+strategies is derived from it: the strategy classes (`strategies.assembly.DLLM_STRATEGIES`), the sampler
+table (`SAMPLERS`), the model shapes (`model_shape`), the code a strategy's stages load on demand
+(`on_demand_modules`). `register` / `registered` add a strategy at run time (a test, a notebook) without
+editing the package. How a pipeline's values reach a strategy is `strategies.options`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
-from torch import nn
+from strategies.block_diffusion import options as block_diffusion
+from strategies.dflash import options as dflash
+from strategies.hybrid import options as hybrid
+from strategies.idlm import options as idlm
+from strategies.mdlm import options as mdlm
+from strategies.registration import Registration, SamplerInfo, load_object
+from strategies.scdd import options as scdd
 
-from strategies.base import DLLMStrategy, SetupContext
-from strategies.options import REGISTRY, StrategyOptions, registration
+__all__ = [
+    "REGISTRY",
+    "SAMPLERS",
+    "model_shape",
+    "model_shapes",
+    "on_demand_modules",
+    "register",
+    "registered",
+    "registration",
+]
+
+# The one list of strategies: config validation, the strategy classes, the sampler table, the model shapes,
+# `dllm-flow validate` and the stages all read it.
+REGISTRY: dict[str, Registration] = {
+    "mdlm": mdlm.REGISTRATION,
+    "scdd": scdd.REGISTRATION,
+    "hybrid": hybrid.REGISTRATION,
+    "idlm": idlm.REGISTRATION,
+    "dflash": dflash.REGISTRATION,
+    "block_diffusion": block_diffusion.REGISTRATION,
+}
 
 
-class StrategyClasses(MutableMapping[str, type[DLLMStrategy]]):
-    """name → strategy class for every registered strategy, following `REGISTRY`; each class is imported on
-    first use (`Registration.load`, which checks it against its registration). Setting an entry puts another
-    class in the place of a name (a test's stand-in); deleting it restores the registered one."""
+def registration(name: str) -> Registration:
+    """The registration of strategy `name`; an unknown name lists the registered ones."""
+    if not isinstance(name, str):
+        raise TypeError(f"a strategy name is a string (one of {sorted(REGISTRY)}), got {type(name).__name__} {name!r}")
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown strategy {name!r}: pipeline.strategies takes registered strategies, {sorted(REGISTRY)}"
+        ) from None
 
-    def __init__(self) -> None:
-        self._loaded: dict[str, tuple[object, type[DLLMStrategy]]] = {}  # name → (registration, class)
-        self._replaced: dict[str, type[DLLMStrategy]] = {}
 
-    def __getitem__(self, name: str) -> type[DLLMStrategy]:
-        if name in self._replaced:
-            return self._replaced[name]
-        reg = REGISTRY[name]
-        loaded = self._loaded.get(name)
-        if loaded is None or loaded[0] is not reg:  # first use, or the name was registered anew
-            loaded = self._loaded[name] = (reg, reg.load())
-        return loaded[1]
+def register(name: str, reg: Registration) -> Registration:
+    """Add a strategy to `REGISTRY` at run time (a built-in one is listed there instead); a name already
+    registered is refused. Everything derived from the registry sees it from now on."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a strategy name is an identifier (it names MLflow runs and store stages), got {name!r}")
+    if not isinstance(reg, Registration):
+        raise TypeError(f"register({name!r}, …) takes a Registration, got {type(reg).__name__}")
+    if name in REGISTRY:
+        raise ValueError(f"strategy {name!r} is already registered")
+    candidate = {**REGISTRY, name: reg}
+    _merged("sampler", _samplers_of(candidate))  # names that clash with another strategy's are refused here
+    _merged("model shape", _models_of(candidate))
+    REGISTRY[name] = reg
+    return reg
 
-    def __setitem__(self, name: str, cls: type[DLLMStrategy]) -> None:
-        self._replaced.pop(name, None)
-        if name not in REGISTRY or self[name] is not cls:  # putting the registered class back is no stand-in
-            self._replaced[name] = cls
 
-    def __delitem__(self, name: str) -> None:
-        del self._replaced[name]
+@contextmanager
+def registered(name: str, reg: Registration) -> Iterator[Registration]:
+    """`register` for the duration of a `with` block: the strategy is removed again when it ends."""
+    register(name, reg)
+    try:
+        yield reg
+    finally:
+        REGISTRY.pop(name, None)
+
+
+def _merged(kind: str, declared: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """name → value over every registration's table of `kind`; one name declared twice must mean one thing."""
+    table: dict[str, Any] = {}
+    owners: dict[str, str] = {}
+    for strategy, entries in declared.items():
+        for key, value in entries.items():
+            if key in table and table[key] != value:
+                raise ValueError(
+                    f"{kind} {key!r} is declared by {owners[key]!r} and, differently, by {strategy!r}; "
+                    "give one of them another name"
+                )
+            table.setdefault(key, value)
+            owners.setdefault(key, strategy)
+    return table
+
+
+class SamplerTable(Mapping[str, SamplerInfo]):
+    """Every registered strategy's samplers by name, derived from `REGISTRY` on each use (so a strategy
+    registered at run time brings its samplers along). A name several strategies declare (the absorbing
+    sampler, "llada") must carry one `SamplerInfo`."""
+
+    def _table(self) -> dict[str, SamplerInfo]:
+        return _merged("sampler", _samplers_of(REGISTRY))
+
+    def __getitem__(self, name: str) -> SamplerInfo:
+        table = self._table()
+        if name not in table:
+            raise KeyError(f"unknown sampler {name!r}; registered samplers: {sorted(table)}")
+        return table[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(dict.fromkeys([*REGISTRY, *self._replaced]))
+        return iter(self._table())
 
     def __len__(self) -> int:
-        return len(set(REGISTRY) | set(self._replaced))
-
-    def __contains__(self, name: object) -> bool:
-        return name in REGISTRY or name in self._replaced
+        return len(self._table())
 
 
-DLLM_STRATEGIES = StrategyClasses()
+SAMPLERS = SamplerTable()
 
 
-def strategy_class(name: str) -> type[DLLMStrategy]:
-    """The class registered under `name`; an unknown name lists the registered ones."""
-    if not isinstance(name, str) or name not in DLLM_STRATEGIES:
-        registration(name)  # raises: a TypeError for a name that is not a string, else a ValueError listing them
-    return DLLM_STRATEGIES[name]
+def model_shapes() -> dict[str, type]:
+    """Every model shape a registered strategy declares (`Registration.models`), by name, its class imported."""
+    return {name: load_object(ref) for name, ref in _merged("model shape", _models_of(REGISTRY)).items()}
 
 
-def get_dllm_strategy(name: str, options: StrategyOptions | dict | None = None) -> DLLMStrategy:
-    """Instantiate the strategy registered under `name` (default options unless given)."""
-    return strategy_class(name)(options)
+def on_demand_modules(strategy: str) -> tuple[str, ...]:
+    """The modules a stage of `strategy` may load through the registry: its class's and its model shapes'
+    (`Registration.modules`), and every registered strategy's model shapes, since a checkpoint folder is offered
+    to each shape that recognizes folders (`models.model_from_config_dir`). The stages of one strategy key their
+    code by these (docs/architecture.md, "Stage keys")."""
+    shapes = (reg.modules(models_only=True) for reg in REGISTRY.values())
+    return tuple(dict.fromkeys([*registration(strategy).modules(), *(m for mods in shapes for m in mods)]))
 
 
-@dataclass(frozen=True)
-class AssembledStrategy:
-    strategy: DLLMStrategy
-    loss_fn: nn.Module
-    mask_token_id: int | None  # None only for a strategy that uses no [MASK] token and was given none
+def model_shape(name: str) -> type:
+    """The class of model shape `name` (a checkpoint's `config.dllm_architecture`)."""
+    refs = _merged("model shape", _models_of(REGISTRY))
+    if name not in refs:
+        raise ValueError(f"unknown model shape {name!r}; registered strategies declare {sorted(refs)}")
+    return load_object(refs[name])
 
 
-def candidate_mask_token_id(options: StrategyOptions, tokenizer: Any, explicit: int | None = None) -> int | None:
-    """The mask id before the strategy's checks: an explicit one (a checkpoint's), the options', the tokenizer's."""
-    if explicit is not None:
-        return int(explicit)
-    if options.mask_token_id is not None:
-        return int(options.mask_token_id)
-    return getattr(tokenizer, "mask_token_id", None)
+def _samplers_of(registry: Mapping[str, Registration]) -> dict[str, Mapping[str, SamplerInfo]]:
+    return {name: reg.samplers for name, reg in registry.items()}
 
 
-def assemble_strategy(
-    name: str,
-    options: StrategyOptions | dict | None,
-    model: nn.Module,
-    tokenizer: Any,
-    *,
-    mask_token_id: int | None = None,
-    resources: dict | None = None,
-) -> AssembledStrategy:
-    """Strategy + loss + resolved mask id for a model/tokenizer pair (training, evaluation, generation).
-    `resources`: runtime objects a strategy holds besides its options (DFlash: `target`, `features`).
-
-    A strategy that uses a [MASK] token (`uses_mask_token`) must end up with one (config, tokenizer or
-    `setup_extra`), checked against the model (`check_mask_token`). One that uses none keeps whatever id
-    was given or the tokenizer has (it is recorded, never read), and None when there is none."""
-    cls = strategy_class(name)
-    resources = dict(resources or {})
-    opts = cls.complete_options(cls.coerce_options(options), model)
-    candidate = candidate_mask_token_id(opts, tokenizer, mask_token_id)
-    provisional = cls(opts, **resources)
-    if provisional.normalization_mode not in ("supervised", "noise"):
-        raise ValueError(
-            f"Invalid normalization_mode {provisional.normalization_mode!r} for strategy {name!r}. "
-            "Must be 'supervised' or 'noise'."
-        )
-    resolved = provisional.setup_extra(SetupContext(model, tokenizer, candidate, extras=resources))
-    mask = resolved if resolved is not None else candidate
-    if cls.uses_mask_token:
-        if mask is None:
-            raise ValueError(
-                "dllm.mask_token_id must be set in config, resolved by the tokenizer, or set by strategy.setup_extra()."
-            )
-        provisional.check_mask_token(int(mask), model)
-    mask = None if mask is None else int(mask)
-    final = opts.model_copy(update={"mask_token_id": mask})
-    strategy = cls(final, **resources)
-    return AssembledStrategy(strategy, strategy.create_loss_fn(final), mask)
+def _models_of(registry: Mapping[str, Registration]) -> dict[str, Mapping[str, str | type]]:
+    return {name: reg.models for name, reg in registry.items()}

@@ -3,7 +3,7 @@
 
 The samplers themselves: the absorbing [MASK] sampler in `strategies.absorbing`, each strategy's own in its
 package (`strategies/<name>/sampling.py`); which strategy offers which is declared in its registration
-(`strategies.options.SAMPLERS` is the table derived from them). Pure of Prefect and MLflow.
+(`strategies.registry.SAMPLERS` is the table derived from them). Pure of Prefect and MLflow.
 """
 
 from __future__ import annotations

@@ -43,12 +43,12 @@ class StageRef:
 def stage_code_version(entry: str, strategy: str | None = None) -> str:
     """The code version in a stage's key: a digest of every first-party module the stage module `entry` imports,
     directly or not (`dllm_common.lineage`), and for a stage of one strategy, of the modules the registry loads
-    on demand for it (`strategies.options.on_demand_modules`) and their imports. Editing any of them rebuilds
+    on demand for it (`strategies.registry.on_demand_modules`) and their imports. Editing any of them rebuilds
     the stage and everything downstream; no list of modules is kept by hand (docs/architecture.md, "Stage
     keys")."""
     if strategy is None:
         return code_digest(entry)
-    from strategies.options import on_demand_modules
+    from strategies.registry import on_demand_modules
 
     own, other = [], []  # a strategy registered from a package outside the project is keyed by its own closure
     for module in on_demand_modules(strategy):

@@ -8,7 +8,6 @@ acceptance instead (`evaluation == "speculative"`, DFlash) goes through `tasks.e
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import hashlib
 import importlib.metadata
@@ -16,7 +15,6 @@ import importlib.util
 import json
 import math
 import platform
-import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,11 +23,12 @@ import torch
 import transformers
 
 from dllm_common.checkpoint import DIGESTS, checkpoint_digest, read_meta
-from dllm_common.config import ConfigError, LMEvalConfig, PipelineSpec, context_overflow
+from dllm_common.config import ConfigError, PipelineSpec, context_overflow
+from dllm_common.harness_tasks import LMEVAL_MISSING
 from dllm_common.store import stage_key
 from strategies import assemble_strategy, strategy_class
 from strategies.model_files import resolve_model_path
-from strategies.options import SAMPLERS
+from strategies.registry import SAMPLERS
 from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.evaluation.data_row import data_row_metrics
@@ -54,7 +53,6 @@ from tasks.training.runtime import resolve_device, tracking_for
 __all__ = ["encode_prompts", "evaluate", "evaluate_task", "stage_of"]
 
 STAGE = "evaluate"
-LMEVAL_MISSING = "eval.lm_eval needs the lmeval extra: pip install 'dllm-flow[lmeval]'"
 
 
 def stage_of(
@@ -97,9 +95,6 @@ def harness_versions(include_path: str | None) -> dict:
     return versions
 
 
-# ---------------------------------------------------------------- checked before any training
-
-
 def check_samples_fit(spec: PipelineSpec, data: StageRef) -> None:
     """Each eval prompt, tokenized as evaluation will, plus `eval.sample_length` fits the context of the model that
     samples it (the rule and wording of `dllm-flow generate`'s own check). Run once the data's tokenizer exists and
@@ -120,70 +115,6 @@ def check_samples_fit(spec: PipelineSpec, data: StageRef) -> None:
             )
             if problem:
                 raise ConfigError(f"{problem} (evaluate[{strategy}]'s samples)")
-
-
-def check_harness_tasks(settings: LMEvalConfig | None) -> None:
-    """`eval.lm_eval`: the harness is installed, `include_path` is a folder and every task name is one the harness
-    knows (a task, group or tag; or a task YAML file), checked before any training instead of after it. A name
-    found by a quick scan of the task YAMLs costs about a second; any other is looked up in the harness's own
-    index (~20 s) before it is refused with the closest names."""
-    if settings is None:
-        return
-    if importlib.util.find_spec("lm_eval") is None:
-        raise ConfigError(f"{LMEVAL_MISSING}, or remove eval.lm_eval")
-    if settings.include_path is not None and not Path(settings.include_path).is_dir():
-        raise ConfigError(
-            f"eval.lm_eval.include_path {settings.include_path!r} is not a directory; give the folder of your task "
-            "YAML files, or remove the key"
-        )
-    unknown = _unknown_harness_tasks(settings.tasks, settings.include_path)
-    if unknown:
-        named = "; ".join(
-            f"{name!r}" + (f" (did you mean {', '.join(close)}?)" if close else "") for name, close in unknown
-        )
-        raise ConfigError(
-            f"eval.lm_eval.tasks: unknown lm-eval task{'s' if len(unknown) > 1 else ''} {named}; `lm-eval ls tasks` "
-            "lists the harness's tasks, and eval.lm_eval.include_path adds a folder of your own"
-        )
-
-
-# a top-level `task:`, `group:` or `tag:` of a task YAML, with a block list of tags under it
-_DECLARED = re.compile(r"^(task|group|tag):[ \t]*([^\n#]*)((?:\n[ \t]*-[ \t]*[^\n]*)*)", re.M)
-
-
-def _declared_names(root: Path) -> set[str]:
-    """The task, group and tag names the YAML files under `root` declare themselves (what `include:` brings in is
-    missed: a name not found here is looked up in the harness's index)."""
-    names: set[str] = set()
-    for path in root.rglob("*.yaml"):
-        for key, value, items in _DECLARED.findall(path.read_text(encoding="utf-8", errors="replace")):
-            value = value.strip()
-            if value.startswith("["):
-                values = value.strip("[]").split(",")
-            elif value:
-                values = [value]
-            else:
-                values = [line.strip()[1:] for line in items.splitlines() if line.strip()] if key == "tag" else []
-            names.update(v.strip().strip("'\"") for v in values if v.strip())
-    return names
-
-
-@functools.lru_cache(maxsize=8)
-def _unknown_harness_tasks(tasks: tuple[str, ...], include_path: str | None) -> list[tuple[str, list[str]]]:
-    """(name, closest known names) of each task name the harness would not find; cached for the process (the
-    CLI checks before the flow starts, the flow again for a deployment or a resumed run)."""
-    missing = [t for t in tasks if not (t.endswith(".yaml") and Path(t).is_file())]
-    builtin = Path(importlib.util.find_spec("lm_eval").submodule_search_locations[0]) / "tasks"
-    roots = [builtin] if include_path is None else [Path(include_path), builtin]  # your own folder first
-    for root in roots:
-        declared = _declared_names(root)
-        missing = [t for t in missing if t not in declared]
-        if not missing:
-            return []
-    from tasks.evaluation.lm_eval_model import task_manager  # imports the harness (and builds its whole index: seconds)
-
-    known = task_manager(tuple(missing), include_path).all_tasks
-    return [(t, difflib.get_close_matches(t, known, n=3)) for t in missing if t not in known]
 
 
 def sampling_context(spec: PipelineSpec, strategy: str) -> tuple[int | None, str]:

@@ -27,7 +27,7 @@ def denoiser_strategies() -> list[str]:
     """The registered strategies whose trained model is the (wrapped) backbone itself (`trains == "denoiser"`),
     for tests that parametrize over every such strategy (a draft trains against a frozen target instead)."""
     from strategies import strategy_class
-    from strategies.options import REGISTRY
+    from strategies.registry import REGISTRY
 
     return [name for name in sorted(REGISTRY) if strategy_class(name).trains == "denoiser"]
 
@@ -52,9 +52,9 @@ def _environment_does_not_outlive_its_test():
 @pytest.fixture(scope="session")
 def tiny_spec():
     """A config small enough to prepare and train in seconds."""
-    from dllm_common.config import validate_config
+    from dllm_common.config import validate_schema
 
-    return validate_config(
+    return validate_schema(
         {
             "pipeline": {"name": "t", "strategies": ["mdlm"]},
             "data": {"seq_len": 32, "max_documents": 4, "max_train_rows": 128, "max_val_rows": 16},

@@ -42,7 +42,7 @@ def through_the_stages(spec, strategy, data, workdir, inputs=None, *, val_drop=0
     generate with every sampler it declares; assert what its declarations promise. `val_drop`: how far (nats)
     the fixed-noise val/loss must fall over the run."""
     from strategies import strategy_class
-    from strategies.options import SAMPLERS, registration
+    from strategies.registry import SAMPLERS, registration
     from tasks.evaluate import evaluate
     from tasks.report import report
     from tasks.train import train

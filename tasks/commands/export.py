@@ -62,7 +62,7 @@ from dllm_common.store import MANIFEST, StageEntry, Store, fsync_tree, refuse_pu
 from strategies import strategy_class
 from strategies.dflash.config import LEGACY_CONFIG, is_draft_dir, read_draft_config
 from strategies.models import merge_lora, model_from_config_dir, tokenizer_token_ids
-from strategies.options import model_shape
+from strategies.registry import model_shape
 from strategies.sampling import SamplerConfig
 from tasks.commands.export_draft import DLLM_FLOW, draft_format, write_draft_export
 from tasks.commands.generate import default_temperature, default_top_p, resolve_checkpoint

@@ -2,7 +2,7 @@
 MLflow registry), rebuild its strategy from the checkpoint's own record, and stream text.
 
 Samplers (`--sampler`): `auto` runs the strategy's own; the others are accepted where the strategy's
-registration lists them (`DLLMStrategy.samplers`); `strategies.options.SAMPLERS`, derived from the
+registration lists them (`DLLMStrategy.samplers`); `strategies.registry.SAMPLERS`, derived from the
 registrations, says what each one does and which settings it reads.
 """
 
@@ -23,8 +23,8 @@ from strategies import strategy_class
 from strategies.absorbing import absorbing_sample, infill_sample
 from strategies.dflash.draft import speculative_generate
 from strategies.dflash.options import SPECULATIVE
-from strategies.options import SAMPLERS
 from strategies.registration import ABSORBING
+from strategies.registry import SAMPLERS
 from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.evaluation.likelihood import encode_prompts
 from tasks.evaluation.trained_model import Loaded

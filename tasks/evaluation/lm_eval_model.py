@@ -26,10 +26,10 @@ import torch
 from lm_eval import simple_evaluate
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
 
 from dllm_common.config import LMEvalConfig
+from dllm_common.harness_tasks import task_manager
 from strategies import speculative_generate
 from strategies.losses import causal_nll_rows
 from strategies.sampling import SamplerConfig, trim_at_eos
@@ -309,18 +309,6 @@ class DLLMFlowLM(LM):
 
 
 # ---------------------------------------------------------------------- running tasks (the evaluate stage)
-
-
-def task_manager(tasks: tuple[str, ...], include_path: str | None) -> TaskManager:
-    """The harness's task index: only `include_path` when it holds every listed task (indexing the
-    built-in tasks takes seconds), otherwise the built-in tasks too."""
-    if include_path is not None:
-        if not Path(include_path).is_dir():
-            raise FileNotFoundError(f"eval.lm_eval.include_path {include_path!r} is not a directory")
-        local = TaskManager(include_path=include_path, include_defaults=False)
-        if all(t in local.all_tasks for t in tasks):
-            return local
-    return TaskManager(include_path=include_path)
 
 
 def run_tasks(lm: DLLMFlowLM, settings: LMEvalConfig, seed: int, chat: bool = False) -> dict:

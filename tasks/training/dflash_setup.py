@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from dllm_common.checkpoint import DIGESTS, load_weights_into
 from dllm_common.config import PipelineSpec
 from strategies import assemble_strategy
+from strategies.assembly import AssembledStrategy, candidate_mask_token_id
 from strategies.dflash.blocks import _build_target_layer_ids
 from strategies.dflash.config import DFlashDraftConfig, read_draft_config
 from strategies.dflash.draft import DFlashDraftModel
@@ -27,7 +28,6 @@ from strategies.dflash.features import CachedFeatures, OnlineFeatures
 from strategies.model_files import resolve_model_path
 from strategies.models import model_from_config_dir, tokenizer_token_ids
 from strategies.options import resolve_options
-from strategies.registry import AssembledStrategy, candidate_mask_token_id
 from tasks.common import StageRef
 from tasks.prepare_data import load_tokenizer, refuse_mask_alias
 from tasks.training.runtime import Trainee

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dllm_common.config import PipelineSpec
 from strategies import assemble_strategy, strategy_class
+from strategies.assembly import candidate_mask_token_id
 from strategies.head import make_head_deferrable
 from strategies.models import (
     NATIVE,
@@ -24,8 +25,8 @@ from strategies.models import (
     tiny_shape,
     wrap_for_architecture,
 )
-from strategies.options import model_shape, resolve_options
-from strategies.registry import candidate_mask_token_id
+from strategies.options import resolve_options
+from strategies.registry import model_shape
 from tasks.common import StageRef
 from tasks.prepare_data import load_tokenizer, refuse_mask_alias
 from tasks.training import dflash_setup

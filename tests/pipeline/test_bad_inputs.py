@@ -111,7 +111,7 @@ def test_mask_id_against_a_pretrained_vocabulary_waits_for_run_time():
 
 @pytest.mark.parametrize("strategy", denoiser_strategies())
 def test_mask_id_outside_the_model_vocabulary_is_refused_where_it_is_resolved(strategy):
-    from strategies.registry import assemble_strategy
+    from strategies.assembly import assemble_strategy
 
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=100))
     with pytest.raises(ConfigError) as err:

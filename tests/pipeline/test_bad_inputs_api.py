@@ -329,7 +329,7 @@ def test_workdir_that_is_a_file_is_named_as_such(tmp_path):
 
 
 def _data_spec(path: Path, **data):
-    from dllm_common.config import validate_config as validate_pipeline
+    from dllm_common.config import validate_schema as validate_pipeline
 
     return validate_pipeline(
         {

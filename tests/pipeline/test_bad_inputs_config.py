@@ -15,7 +15,7 @@ from conftest import ROOT
 
 from dllm_common import config as pipeline_config
 from dllm_common.config import ALIAS_EXPANSION_LIMIT, MAX_CHARS_PER_TOKEN, MAX_SEQ_LEN, ConfigError
-from strategies.options import validate_config
+from strategies.options import load_config, validate_config
 
 SMOKE = str(ROOT / "configs/smoke.yaml")  # data.seq_len 64, a tiny model
 
@@ -49,7 +49,7 @@ def test_a_yaml_alias_bomb_is_refused_in_milliseconds_without_expanding_it(tmp_p
     tracemalloc.start()
     started = time.perf_counter()
     with pytest.raises(ConfigError) as err:
-        pipeline_config.load_config(bomb)
+        load_config(bomb)
     took = time.perf_counter() - started
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
@@ -91,7 +91,7 @@ def test_anchors_a_config_reuses_still_load(tmp_path):
         "    mdlm: *hot\n"
         "data: {seq_len: 64}\n"
     )
-    spec = pipeline_config.load_config(reused)
+    spec = load_config(reused)
     assert spec.eval.overrides["mdlm"].temperature == 1.3 and spec.eval.prompts == ("To be", "My lord")
 
 
@@ -122,19 +122,19 @@ def test_a_pretrained_models_context_bounds_the_prompts_and_the_rows(tmp_path):
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 128}))
     pretrained = {"kind": "pretrained", "path": str(folder)}
     with pytest.raises(ConfigError) as err:
-        pipeline_config.validate_config({"model": pretrained, "eval": {"prompts": ["z" * (128 * 32 + 1)]}})
+        pipeline_config.validate_schema({"model": pretrained, "eval": {"prompts": ["z" * (128 * 32 + 1)]}})
     assert "eval.prompts[0] is 4097 characters, more than 4096 (the model's context (max_position_embeddings)" in str(
         err.value
     )
     with pytest.raises(ConfigError) as err:
-        pipeline_config.validate_config({"model": pretrained, "data": {"seq_len": 256}})
+        pipeline_config.validate_schema({"model": pretrained, "data": {"seq_len": 256}})
     assert str(err.value).splitlines()[1] == (
         f"  data.seq_len (256) is more than model.path {str(folder)!r} holds (its max_position_embeddings is 128); "
         "lower data.seq_len to at most 128"
     )
-    pipeline_config.validate_config({"model": pretrained, "data": {"seq_len": 128}})
+    pipeline_config.validate_schema({"model": pretrained, "data": {"seq_len": 128}})
     hub = {"kind": "pretrained", "path": "some/hub-model"}  # not readable here: bounded by MAX_SEQ_LEN
-    pipeline_config.validate_config({"model": hub, "data": {"seq_len": 4096}, "eval": {"prompts": ["z" * 100_000]}})
+    pipeline_config.validate_schema({"model": hub, "data": {"seq_len": 4096}, "eval": {"prompts": ["z" * 100_000]}})
 
 
 # ---------------------------------------------------------------- 3. a tracking server that refuses the login
@@ -252,7 +252,7 @@ def test_a_seq_len_no_model_holds_is_refused_by_validate(capsys):
         "lower data.seq_len"
     ), err
     assert len(err.splitlines()) == 2, err
-    pipeline_config.validate_config({"data": {"seq_len": MAX_SEQ_LEN}})
+    pipeline_config.validate_schema({"data": {"seq_len": MAX_SEQ_LEN}})
 
 
 # ---------------------------------------------------------------- 5. overrides of a strategy the pipeline lacks

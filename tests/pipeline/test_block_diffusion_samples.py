@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from dllm_common.config import validate_config
+from dllm_common.config import validate_schema
 
 STEPS = 300
 # measured at this config (300 steps, one run each, seed 0): the default ("learned") gen_ppl 5.73x, entropy 0.87x
@@ -28,7 +28,7 @@ PROMPTS += ["Let me", "Why, then", "Speak", "The king", "Nay, but", "Is it", "An
 
 def _spec():
     dllm = {"block_size": 16} | ({"own_token_evidence": EVIDENCE} if EVIDENCE else {})
-    return validate_config(
+    return validate_schema(
         {
             "pipeline": {"name": "bd-samples", "strategies": ["block_diffusion"]},
             "data": {"source": "shakespeare", "shape": "pretrain", "seq_len": 64, "max_val_rows": 64},

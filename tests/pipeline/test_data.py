@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_common.config import validate_config
+from dllm_common.config import validate_schema
 from tasks.prepare_data import (
     DataError,
     Document,
@@ -66,7 +66,7 @@ def test_pretrain_rows_all_supervised_and_split_by_play(prepared):
 def tokenizer():
     return train_tokenizer(
         ["Good morrow, friend. How fare you? Well, I thank you."] * 20,
-        validate_config({}).tokenizer.model_copy(update={"vocab_size": 300}),
+        validate_schema({}).tokenizer.model_copy(update={"vocab_size": 300}),
     )
 
 
@@ -89,7 +89,7 @@ def test_dialogue_row_supervises_only_the_response(tokenizer):
 
 
 def _spec(tmp_path, **data):
-    return validate_config(
+    return validate_schema(
         {
             "data": {"seq_len": 16, "val_fraction": 0.5, **data},
             "tokenizer": {"vocab_size": 300},

@@ -170,10 +170,10 @@ def test_layout_settings_stay_out_of_the_training_key(prepared, tiny_spec):
 CHILD = """
 import sys, json
 from dataclasses import asdict
-from dllm_common.config import validate_config
+from dllm_common.config import validate_schema
 from tasks.common import StageRef
 from tasks.train import train
-spec = validate_config(json.loads(sys.argv[1]))
+spec = validate_schema(json.loads(sys.argv[1]))
 ref = train(spec, "mdlm", StageRef(**json.loads(sys.argv[2])), sys.argv[3])
 print(json.dumps(asdict(ref)))
 """

@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT
 
 from dllm_common.lineage import code_digest, import_closure
-from strategies.options import on_demand_modules
+from strategies.registry import on_demand_modules
 from tasks.common import stage_code_version
 
 PACKAGES = ("flows", "tasks", "strategies", "dllm_common")
@@ -185,7 +185,7 @@ import json, sys
 from pathlib import Path
 from dllm_common.lineage import import_closure
 from tasks.common import stage_code_version
-from strategies.options import on_demand_modules
+from strategies.registry import on_demand_modules
 
 stages = json.loads(sys.argv[1])
 keys = lambda: {s: stage_code_version(*s.split("/")) for s in stages}

@@ -15,8 +15,9 @@ from torch import nn
 from strategies import DLLM_STRATEGIES, SAMPLERS, DLLMStrategy, registered
 from strategies.corruption import mask_at_level
 from strategies.losses import DLLMLossOutput, nll_at
-from strategies.options import REGISTRY, validate_config
+from strategies.options import validate_config
 from strategies.registration import Registration, SamplerInfo, StrategyOptions
+from strategies.registry import REGISTRY
 from strategies.sampling import SampleResult, prompt_canvas, truncate
 
 # ---------------------------------------------------------------- step 1: the options

@@ -10,7 +10,7 @@ from stagekit import through_the_stages
 import tasks.train as train_mod
 import tasks.training.loop as loop_mod
 from dllm_common.checkpoint import verify_checkpoint
-from strategies.options import REGISTRY
+from strategies.registry import REGISTRY
 from tasks.train import train
 from tasks.training.runtime import DataOrder, OptimSettings, lr_lambda
 
@@ -102,7 +102,7 @@ def test_rerun_reuses_the_published_stage(prepared, tiny_spec, tmp_path):
 
 def test_pretrained_model_and_tokenizer_from_local_paths(prepared, tiny_spec, tmp_path):
     """`model.kind: pretrained` / `tokenizer.kind: pretrained` load from a local dir (no hub)."""
-    from dllm_common.config import validate_config
+    from dllm_common.config import validate_schema
     from strategies.models import build_model, tiny_model_config
     from tasks.prepare_data import load_tokenizer, prepare_data
 
@@ -116,7 +116,7 @@ def test_pretrained_model_and_tokenizer_from_local_paths(prepared, tiny_spec, tm
     raw["tokenizer"] = {"kind": "pretrained", "path": tok_dir}
     raw["model"] = {"kind": "pretrained", "path": str(model_dir)}
     raw["train"].update(steps=3, val_every=3, checkpoint_every=10)
-    spec = validate_config(raw)
+    spec = validate_schema(raw)
     own = prepare_data(spec, str(tmp_path / "w"))
     ref = train(spec, "mdlm", own, str(tmp_path / "w"))
     from transformers import AutoConfig

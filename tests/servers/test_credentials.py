@@ -20,7 +20,9 @@ def test_credentials_come_from_the_environment_or_a_file(tmp_path):
     assert credentials.read({"DLLM_SERVER_USER": "team", "DLLM_SERVER_PASSWORD": "p:w"}) == ("team", "p:w")
     secret = tmp_path / "login"
     secret.write_text("alice:s3cret:with:colons\nignored\n")
-    secret.chmod(0o600)  # docs/operations.md: a file others can read is refused (tests/pipeline/test_bad_inputs_config.py)
+    secret.chmod(
+        0o600
+    )  # docs/operations.md: a file others can read is refused (tests/pipeline/test_bad_inputs_config.py)
     assert credentials.read({"DLLM_SERVER_AUTH_FILE": str(secret)}) == ("alice", "s3cret:with:colons")
     env = {"DLLM_SERVER_AUTH_FILE": str(secret), "MLFLOW_TRACKING_USERNAME": "already-set"}
     assert credentials.apply_to_client(env)

@@ -5,7 +5,8 @@ from conftest import ROOT
 from pydantic import ValidationError
 
 from dllm_common.config import ConfigError, PipelineSpec, apply_overrides, flatten
-from strategies.options import REGISTRY, load_config, resolve_options, validate_config
+from strategies.options import load_config, resolve_options, validate_config
+from strategies.registry import REGISTRY
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
@@ -170,7 +171,7 @@ def test_per_strategy_eval_sampler_overrides_apply_to_that_strategy_alone():
 
 
 def test_registrations_know_which_strategies_sample_with_the_eval_settings():
-    from strategies.registry import strategy_class
+    from strategies.assembly import strategy_class
 
     for name, reg in REGISTRY.items():
         assert reg.samples == (strategy_class(name).evaluation != "speculative"), name

@@ -67,7 +67,7 @@ def test_the_readme_quotes_the_last_measured_quickstart_run():
     from quickstart_figures import config_digest
 
     figures = json.loads((ROOT / "docs" / "results" / "quickstart.json").read_text())
-    from flows.cli import load_config
+    from strategies.options import load_config
 
     assert figures["steps"] == load_config(str(ROOT / "configs" / "quickstart.yaml")).train.steps
     assert figures["config_digest"] == config_digest(), "configs/quickstart.yaml changed: run quickstart_figures.py"

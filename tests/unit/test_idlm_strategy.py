@@ -209,7 +209,7 @@ def _greedy_causal(model, prompt, n, mask_id, eos=None):
 
 
 def test_isd_is_listed_after_the_default_sampler_and_runs_through_sample():
-    from strategies.options import SAMPLERS
+    from strategies.registry import SAMPLERS
     from strategies.sampling import SamplerConfig
 
     assert IDLMStrategy.samplers[0] == "idlm" and "isd" in IDLMStrategy.samplers and "isd" in SAMPLERS

@@ -12,7 +12,7 @@ from conftest import denoiser_strategies
 from test_dflash_stages import _dflash_spec
 from transformers import AutoConfig, AutoTokenizer
 
-from dllm_common.config import ConfigError, validate_config
+from dllm_common.config import ConfigError, validate_schema
 from strategies import strategy_class
 from tasks.commands.export import export_checkpoint
 from tasks.train import model_dir, train
@@ -23,7 +23,7 @@ IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 def _short(spec, steps: int = 2):
     raw = spec.model_dump(mode="json")
     raw["train"].update(steps=steps, val_every=steps, checkpoint_every=steps, warmup_steps=1)
-    return validate_config(raw)
+    return validate_schema(raw)
 
 
 def _agrees(folder: Path, mask: int | None) -> dict:
@@ -91,7 +91,7 @@ def test_the_dflash_target_a_draft_and_its_exports_name_the_tokenizers_ids(prepa
     raw = _dflash_spec(tiny_spec, target_layer_ids=[1, 2], target_features="online").model_dump(mode="json")
     raw["train"].update(steps=2, val_every=2, checkpoint_every=2, warmup_steps=1)
     raw["dflash"]["pretrain"].update(steps=4, val_every=2, warmup_steps=1)
-    spec = validate_config(raw)
+    spec = validate_schema(raw)
     tgt = target_stage(spec, data, str(tmp_path))
     _agrees(Path(tgt.info["model_path"]), None)
     trained = train(spec, "dflash", data, str(tmp_path), inputs={"target": tgt})
@@ -127,12 +127,12 @@ def _raw(tiny_spec, **sections):
 )
 def test_an_explicit_mask_id_on_eos_or_pad_is_refused_at_config_load(tiny_spec, dllm, key, what):
     with pytest.raises(ConfigError) as err:
-        validate_config(_raw(tiny_spec, dllm=dllm))
+        validate_schema(_raw(tiny_spec, dllm=dllm))
     problem = str(err.value).splitlines()[1:]
     assert len(problem) == 1 and problem[0].strip().startswith(key), str(err.value)
     assert f"tokenizer's {what} token id" in problem[0] and "tokenizer.allow_mask_alias: true" in problem[0]
-    validate_config(_raw(tiny_spec, dllm=dllm, tokenizer={"allow_mask_alias": True}))
-    validate_config(_raw(tiny_spec, dllm={"mask_token_id": 5}))  # a special id of its own
+    validate_schema(_raw(tiny_spec, dllm=dllm, tokenizer={"allow_mask_alias": True}))
+    validate_schema(_raw(tiny_spec, dllm={"mask_token_id": 5}))  # a special id of its own
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +152,9 @@ def test_a_local_tokenizer_whose_mask_is_eos_is_refused_at_config_load(tiny_spec
     with pytest.raises(
         ConfigError, match=r"the mask token of tokenizer.path .* is 1, which is also the tokenizer's EOS"
     ):
-        validate_config(_raw(tiny_spec, tokenizer=tokenizer))
-    validate_config(_raw(tiny_spec, tokenizer={**tokenizer, "allow_mask_alias": True}))
-    validate_config(_raw(tiny_spec, tokenizer=tokenizer, dllm={"mask_token_id": 5}))  # its own id instead
+        validate_schema(_raw(tiny_spec, tokenizer=tokenizer))
+    validate_schema(_raw(tiny_spec, tokenizer={**tokenizer, "allow_mask_alias": True}))
+    validate_schema(_raw(tiny_spec, tokenizer=tokenizer, dllm={"mask_token_id": 5}))  # its own id instead
 
 
 def test_a_mask_alias_seen_only_in_the_prepared_tokenizer_is_refused_before_any_row(
@@ -163,7 +163,7 @@ def test_a_mask_alias_seen_only_in_the_prepared_tokenizer_is_refused_before_any_
     from tasks.prepare_data import prepare_data
     from tasks.training.trainee import build_trainee
 
-    allowed = validate_config(
+    allowed = validate_schema(
         _raw(tiny_spec, tokenizer={"kind": "pretrained", "path": str(aliased_tokenizer), "allow_mask_alias": True})
     )
     # what config load cannot see (e.g. a hub tokenizer): the same config without the opt-in, unvalidated

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from dllm_common.config import ConfigError, TrainConfig, apply_overrides, read_yaml, validate_config
+from dllm_common.config import ConfigError, TrainConfig, apply_overrides, read_yaml, validate_schema
 from tasks.training.distributed import NODE_RANK_ENV, node_rank, rendezvous, torchrun_command
 
 
@@ -97,7 +97,7 @@ def test_the_kubernetes_template_is_one_pod_per_node_with_a_rendezvous_at_pod_ze
     # the overrides are valid against a real pipeline config
     raw = apply_overrides(read_yaml(ROOT / "configs/compare.yaml"), [f"{k}={v}" for k, v in sets.items()])
     raw["train"]["global_batch_size"] = nodes * gpus * raw["train"]["micro_batch_size"]
-    assert validate_config(raw).train.world_size == nodes * gpus
+    assert validate_schema(raw).train.world_size == nodes * gpus
 
 
 def test_the_slurm_example_is_valid_bash_reading_the_allocation():
@@ -112,4 +112,4 @@ def test_multi_node_trainings_are_not_fanned_out():
     raw = apply_overrides(read_yaml(ROOT / "configs/smoke.yaml"), ["train.nnodes=2", "pipeline.max_parallel=2"])
     raw["train"]["global_batch_size"] = 16
     with pytest.raises(ConfigError, match="would share node 0's rendezvous port"):
-        validate_config(raw)
+        validate_schema(raw)

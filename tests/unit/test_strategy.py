@@ -16,8 +16,9 @@ from strategies import (
     strategy_class,
 )
 from strategies.models import build_model, tiny_model_config
-from strategies.options import REGISTRY, SAMPLERS, MDLMOptions, model_shapes, register, registered
+from strategies.options import MDLMOptions
 from strategies.registration import ABSORBING, ABSORBING_SAMPLER, Registration, SamplerInfo, StrategyOptions
+from strategies.registry import REGISTRY, SAMPLERS, model_shapes, register, registered
 
 
 def test_an_unknown_strategy_is_refused_naming_pipeline_strategies_and_the_registered_ones():

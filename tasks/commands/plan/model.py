@@ -28,7 +28,8 @@ from strategies.models import (
     resolve_model_path,
     wrap_for_architecture,
 )
-from strategies.options import model_shape, resolve_options
+from strategies.options import resolve_options
+from strategies.registry import model_shape
 from tasks.commands.plan.trace import _Tracer
 from tasks.common import StageRef
 from tasks.prepare_data import load_tokenizer
