@@ -3,32 +3,42 @@
 Unknown keys are rejected; every error names the dotted key path, the bad value and what is
 allowed (see `ConfigError`). A pipeline file is read by `strategies.options.load_config`, which adds
 the strategies' checks.
+
+Its modules, each importing only those above it:
+
+- `errors`: `ConfigError` and `TrainingDiverged`;
+- `context`: context lengths read without loading a model (`MAX_SEQ_LEN`, `local_max_positions`,
+  `context_overflow`);
+- `sections`: what every section shares, and the pipeline, data, tokenizer, model, train, tracking and dllm
+  sections;
+- `evaluation`: the eval section (sampling settings per strategy, the scorer, lm-eval tasks);
+- `dflash`: the dflash section (the draft's target, its features, regenerated rows);
+- `spec`: `PipelineSpec`, the whole pipeline, and the checks across its sections;
+- `yaml_loading`: YAML read with its defences, `--set` overrides, `validate_schema` and its error messages;
+- `digest`: `canonical_json`, `config_sha256` and `flatten`.
+
+The names below are those the rest of the project imports from here.
 """
 
+from dllm_common.config.context import MAX_CHARS_PER_TOKEN, MAX_SEQ_LEN, context_overflow
+from dllm_common.config.dflash import RegenerateConfig
+from dllm_common.config.digest import canonical_json, config_sha256, flatten
+from dllm_common.config.errors import ConfigError, TrainingDiverged
+from dllm_common.config.evaluation import EvalConfig, LMEvalConfig, ScorerConfig
 from dllm_common.config.sections import (
-    ALIAS_EXPANSION_LIMIT,
-    MAX_CHARS_PER_TOKEN,
-    MAX_SEQ_LEN,
-    ConfigError,
     DataConfig,
     DLLMSection,
-    EvalConfig,
-    LMEvalConfig,
     PeftConfig,
-    PipelineSpec,
-    RegenerateConfig,
-    ScorerConfig,
     TokenizerConfig,
     TrainConfig,
-    TrainingDiverged,
+    refuse_boolean_number,
+)
+from dllm_common.config.spec import PipelineSpec
+from dllm_common.config.yaml_loading import (
+    ALIAS_EXPANSION_LIMIT,
     apply_overrides,
-    canonical_json,
-    config_sha256,
-    context_overflow,
-    flatten,
     parse_override,
     read_yaml,
-    refuse_boolean_number,
     validate_schema,
 )
 

@@ -1,0 +1,79 @@
+"""The dflash section: a DFlash draft's target (given, or pretrained by the `pretrain_target` stage), its
+features, the regenerated training rows, and the speculative decoding it is judged by."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from dllm_common.config.sections import _Section, refuse_long_warmup
+
+
+class PretrainTargetConfig(_Section):
+    """The embedded default's DFlash target: a small causal LM trained on the prepared data by the
+    `pretrain_target` stage. Its hidden size is the draft's (`model.hidden_size`): the draft reads
+    the target's embeddings and writes through its LM head."""
+
+    family: Literal["llama", "qwen3"] = "llama"
+    num_layers: int = Field(6, ge=1)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int | None = Field(None, ge=1)  # None: 3 × model.hidden_size
+    steps: int = Field(600, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(30, ge=0)
+    seed: int = 0
+    val_every: int = Field(100, ge=1)
+    val_rows: int = Field(128, ge=1)
+    log_every: int = Field(10, ge=1)
+
+    @model_validator(mode="after")
+    def _warmup_within_steps(self) -> PretrainTargetConfig:
+        refuse_long_warmup("dflash.pretrain", self.warmup_steps, self.steps)
+        return self
+
+
+class RegenerateConfig(_Section):
+    """Train the draft on the target's own text (DFlash paper §5.1): each training row keeps its first
+    `prompt_len` tokens and the target samples the rest at `temperature`; only the continuation is
+    supervised. Validation rows stay real text."""
+
+    prompt_len: int = Field(16, ge=1)
+    temperature: float = Field(0.8, ge=0)
+    max_rows: int | None = Field(None, ge=1)  # None → every training row
+    batch_size: int = Field(64, ge=1)
+    seed: int = 0
+
+
+class DFlashConfig(_Section):
+    """Where a DFlash draft's target and features come from, and how it is judged. The draft's
+    training options (`block_size`, `loss_decay_gamma`, …) may be written here too: they belong to
+    the strategy (`strategies.options.DFlashOptions`), which validates them."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    # local dir, hub id (with hub access) or `package:NAME`; None → the `pretrain_target` stage trains one
+    target_model_id: str | None = None
+    target_gguf_file: str | None = None  # a GGUF file inside target_model_id, converted once into the store
+    target_torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    target_trust_remote_code: bool = False
+    pretrain: PretrainTargetConfig = PretrainTargetConfig()
+    regenerate: RegenerateConfig | None = None  # None → train on the prepared rows as they are
+    target_layer_ids: tuple[int, ...] | None = None  # None → _build_target_layer_ids(target, draft layers)
+    # cached: the cache_target stage; online: a target forward per step
+    target_features: Literal["cached", "online"] = "cached"
+    cache_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # speculative decoding at evaluation: held-out prompts = the first `eval_prompt_len` tokens of val rows
+    eval_prompts: int = Field(16, ge=1)
+    eval_prompt_len: int = Field(16, ge=1)
+    eval_max_new_tokens: int = Field(48, ge=1)
+    # speculative decoding: when the last n…4 tokens recur in the prompt or output, the tokens that followed
+    # them there are proposed before the draft's (0: the draft alone); docs/strategies.md §10.8
+    lookup_ngram: int = Field(0, ge=0, le=4)  # ≤ strategies.dflash_draft.LOOKUP_MAX_NGRAM
+
+    @model_validator(mode="after")
+    def _target(self) -> DFlashConfig:
+        if self.target_gguf_file and not self.target_model_id:
+            raise ValueError("dflash.target_gguf_file needs dflash.target_model_id (the directory that holds it)")
+        return self
