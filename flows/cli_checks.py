@@ -1,0 +1,73 @@
+"""What `dllm-flow`'s commands check before they start anything: the training device, the tracking store, a
+read-only registry, a report folder that is a file; and `--verify`'s setting, which workers inherit.
+
+Torch-free at import: torch is imported by the check that needs it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dllm_common.config import ConfigError
+
+
+def set_verification(args) -> None:
+    """`--verify`: every reused store entry is re-hashed, not only size-checked (workers inherit the setting)."""
+    if getattr(args, "verify", False):
+        from dllm_common.store import VERIFY_ENV
+
+        os.environ[VERIFY_ENV] = "full"
+
+
+def check_device(spec) -> None:
+    """train.device: cuda on a machine without one fails here, not inside the first stage (a remote
+    train_deployment trains on its own worker's GPU)."""
+    if spec.train.device == "cuda" and spec.pipeline.train_deployment is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "train.device is 'cuda' but this machine has no CUDA device; use train.device: auto (cuda when "
+                "present) or cpu, or train on a GPU work pool (pipeline.train_deployment)"
+            )
+
+
+def check_tracking(uri: str | None, workdir: Path) -> None:
+    """The tracking store a run will write to, checked before any service starts: the workdir's sqlite store is
+    readable, or the tracking server `tracking.uri` names answers."""
+    from dllm_common.tracking import check_local_store, check_tracking_server
+
+    if uri is None:
+        check_local_store(workdir / "mlflow.db", workdir)
+    else:
+        check_tracking_server(uri)
+
+
+def check_registry_writable(workdir: Path) -> None:
+    """A models:/ or runs:/ URI is looked up in the workdir's sqlite registry, which MLflow opens for writing
+    (its schema check, its journal): a read-only workdir is refused at once, naming what to do, instead of
+    MLflow's minutes of retries ending in "not found"."""
+    from dllm_common.store import refuse_read_only
+
+    workdir = workdir.resolve()
+    if not workdir.is_dir():
+        return  # no registry there: resolve_checkpoint says the model is not found
+    refuse_read_only(
+        workdir,
+        f"--workdir {workdir} is read-only",
+        "its MLflow registry (mlflow.db) cannot be opened there: pass the checkpoint folder instead "
+        f"(dllm-flow generate {workdir}/store/train/<key>/model ...; `dllm-flow runs --workdir {workdir}` lists "
+        "the runs), or copy the workdir somewhere writable (cp -a) and pass --workdir with the copy",
+    )
+
+
+def refuse_file_as_folder(out: Path, flag: str) -> None:
+    """The report's folder (or a folder above it) must not be an existing file: said before MLflow is opened."""
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        where = "is a file" if blocker == out else f"is inside {blocker}, which is a file"
+        what = f"--out {out}" if flag == "--out" else f"folder {out} (under --workdir)"
+        raise FileExistsError(
+            f"report {what} {where}, not a directory; nothing was written. Give {flag} a directory (new or "
+            "existing) for report.md, report.json and the plots"
+        )
