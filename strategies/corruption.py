@@ -228,12 +228,17 @@ def corrupt_uniform_random(
     block_size: int | None = None,
     eps: float = 1e-3,
     generator: torch.Generator | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    return_level: bool = False,
+) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, Tensor]:
     """D3PM-uniform kernel (DiffusionGemma, docs/strategies.md §4.4): replace with uniform random tokens, no [MASK].
 
     One level t ~ eps + (1−eps)·U per row (or per block of `block_size`); n = (u < t) ∧ ℓ;
     replacement r ~ Uniform{0..V−1} (may equal the clean token). p_mask is all ones (flat loss).
-    Draw order: t, u (B·L), r (B·L).
+    Draw order: t, u (B·L), r (B·L); the draws after t are `replace_at_level`'s.
+
+    Returns (noisy_ids [B,L], noise_mask [B,L] bool, p_mask [B,L] float32 ones); with `return_level` also the
+    levels t it drew, `[B]` (or `[B, n_blocks]` with `block_size`), for a loss that is weighted by t or
+    conditioned on it: the same values, from the same draws, as without it.
     """
     check_rows(
         input_ids,
@@ -246,16 +251,42 @@ def corrupt_uniform_random(
     batch, length = input_ids.shape
     device = input_ids.device
     if block_size is None:
-        t = (eps + (1 - eps) * torch.rand(batch, generator=generator, device=device))[:, None].expand(batch, length)
+        level = eps + (1 - eps) * torch.rand(batch, generator=generator, device=device)
+        t = level[:, None].expand(batch, length)
     else:
         n_blocks = math.ceil(length / block_size)
-        t = eps + (1 - eps) * torch.rand(batch, n_blocks, generator=generator, device=device)
-        t = t.repeat_interleave(block_size, dim=1)[:, :length]
+        level = eps + (1 - eps) * torch.rand(batch, n_blocks, generator=generator, device=device)
+        t = level.repeat_interleave(block_size, dim=1)[:, :length]
+    noisy, noise_mask = _replace_where_below(input_ids, loss_mask, vocab_size, t, generator)
+    p_mask = torch.ones(batch, length, dtype=torch.float32, device=device)
+    return (noisy, noise_mask, p_mask, level) if return_level else (noisy, noise_mask, p_mask)
+
+
+def replace_at_level(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    vocab_size: int,
+    t: Tensor | float,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Uniform-replacement corruption at given per-row levels t [B] in [0, 1] (or one level for all rows: a
+    scalar or [1]): the uniform counterpart of `mask_at_level`, used by the fixed-noise bound of the uniform
+    process. n = (u < t) ∧ ℓ, z = where(n, r, x) with r ~ Uniform{0..V−1}; draw order u (B·L), r (B·L), as
+    in `corrupt_uniform_random` after its levels. Returns (noisy_ids [B,L], noise_mask [B,L] bool)."""
+    check_rows(input_ids, loss_mask, vocab_size=vocab_size, levels={"t": t}, caller="replace_at_level")
+    return _replace_where_below(input_ids, loss_mask, vocab_size, as_rows(t, input_ids)[:, None], generator)
+
+
+def _replace_where_below(
+    input_ids: Tensor, loss_mask: Tensor, vocab_size: int, t: Tensor, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """The draws of the uniform kernel after its levels: u (B·L), then r (B·L); `t` broadcasts to [B, L]."""
+    batch, length = input_ids.shape
+    device = input_ids.device
     u = torch.rand(batch, length, generator=generator, device=device)
     r = torch.randint(0, vocab_size, (batch, length), generator=generator, device=device, dtype=input_ids.dtype)
     noise_mask = (u < t) & loss_mask.bool()
-    noisy = torch.where(noise_mask, r, input_ids)
-    return noisy, noise_mask, torch.ones(batch, length, dtype=torch.float32, device=device)
+    return torch.where(noise_mask, r, input_ids), noise_mask
 
 
 def corrupt_all_masked(

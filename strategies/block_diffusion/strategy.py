@@ -33,7 +33,7 @@ from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, StepContex
 from strategies.block_diffusion.loss import MIN_LEVEL, OwnTokenCanvasLoss
 from strategies.block_diffusion.options import ARCHITECTURES, BLOCK_DIFFUSION, SAMPLERS, BlockDiffusionOptions
 from strategies.block_diffusion.sampling import block_canvas_sample
-from strategies.corruption import check_rows, corrupt_uniform_random
+from strategies.corruption import check_rows, corrupt_uniform_random, replace_at_level
 from strategies.losses import DLLMLossOutput, FlatCrossEntropyLoss, encoder_ar_loss, uniform_diffusion_nelbo_terms
 from strategies.masks import build_block_diffusion_training_mask
 from strategies.posteriors import own_token_removed
@@ -214,18 +214,10 @@ class BlockDiffusionStrategy(DLLMStrategy):
                 "BlockDiffusionStrategy requires dllm.vocab_size (replacement tokens are drawn "
                 "uniformly from it); set dllm.vocab_size or assemble the strategy for a model"
             )
-        level = None
-        if self.own_token_evidence == "analytic":  # the loss needs the row's level t: draw it as the kernel will
-            if generator is None:
-                seed = int(torch.randint(0, 2**62, (1,)))
-                generator = torch.Generator(device=input_ids.device).manual_seed(seed)
-            fork = torch.Generator(device=generator.device)
-            fork.set_state(generator.get_state())
-            level = eps + (1 - eps) * torch.rand(input_ids.shape[0], generator=fork, device=input_ids.device)
-        noisy, noise, p_mask = corrupt_uniform_random(
-            input_ids, loss_mask, self.vocab_size, block_size=None, eps=eps, generator=generator
+        noisy, noise, p_mask, level = corrupt_uniform_random(
+            input_ids, loss_mask, self.vocab_size, block_size=None, eps=eps, generator=generator, return_level=True
         )
-        if level is not None:
+        if self.own_token_evidence == "analytic":  # the loss needs each row's level t, the one the kernel drew
             p_mask = level[:, None].expand_as(p_mask).to(p_mask.dtype).contiguous()
         return noisy, noise, p_mask
 
@@ -352,18 +344,14 @@ class BlockDiffusionStrategy(DLLMStrategy):
         vocab = self.vocab_size or model.config.vocab_size
         batch, length = clean_ids.shape
         t = t.clamp(MIN_LEVEL, 1 - MIN_LEVEL)
-        u = torch.rand(batch, length, generator=generator, device=clean_ids.device)
-        r = torch.randint(
-            0, vocab, (batch, length), generator=generator, device=clean_ids.device, dtype=clean_ids.dtype
-        )
-        noise = (u < t[:, None]) & loss_mask.bool()
-        noisy = torch.where(noise, r, clean_ids)
+        noisy, noise = replace_at_level(clean_ids, loss_mask, vocab, t, generator)
+        ones = torch.ones(batch, length, device=clean_ids.device)
         window = build_response_window(
             clean_ids,
             noisy,
             noise,
             loss_mask,
-            torch.ones_like(u),
+            ones,
             attention_mask,
             self.block_size,
             None,
@@ -373,7 +361,7 @@ class BlockDiffusionStrategy(DLLMStrategy):
             clean_ids,
             noisy,
             noise,
-            torch.ones_like(u),
+            ones,
             loss_mask,
             attention_mask if attention_mask is not None else torch.ones_like(loss_mask),
         )

@@ -24,6 +24,7 @@ from strategies.block_diffusion.loss import OwnTokenCanvasLoss
 from strategies.block_diffusion.model import BlockDiffusionLM
 from strategies.block_diffusion.sampling import block_canvas_sample
 from strategies.block_diffusion.strategy import CanvasExtras, batched_block_mask, supervised_runs
+from strategies.corruption import corrupt_uniform_random
 from strategies.head import HeadProjection
 from strategies.losses import encoder_ar_loss, per_token_nll
 from strategies.models import DLLMOutput, build_model, model_from_config_dir, tiny_model_config
@@ -589,3 +590,51 @@ def test_low_confidence_canvas_never_settles_its_own_noise():
     assert sum(a != b for a, b in zip(greedy("random"), expected)) >= 4
     with pytest.raises(NotImplementedError, match="unknown remasking"):
         greedy("top_k_margin")
+
+
+def _old_analytic_corruption(strategy, ids, loss, eps, generator):
+    """`apply_corruption` under "analytic" evidence as it was before the uniform kernel returned its level
+    (kept verbatim): the level re-drawn from a fork of the generator, then the kernel run on the generator."""
+    fork = torch.Generator(device=generator.device)
+    fork.set_state(generator.get_state())
+    level = eps + (1 - eps) * torch.rand(ids.shape[0], generator=fork, device=ids.device)
+    noisy, noise, p_mask = corrupt_uniform_random(ids, loss, strategy.vocab_size, eps=eps, generator=generator)
+    return noisy, noise, level[:, None].expand_as(p_mask).to(p_mask.dtype).contiguous()
+
+
+@pytest.mark.parametrize("eps", [1e-3, 0.2])
+def test_corruption_takes_the_kernels_level_and_equals_the_forked_redraw(eps):
+    """The level the analytic loss reads is the one the kernel returns (no fork of the generator re-drawing it),
+    and the corruption is bit for bit what the fork gave: same seeds, same noise, same p_mask."""
+    ids = torch.randint(0, 40, (6, 20), generator=torch.Generator().manual_seed(1))
+    loss = torch.ones(6, 20)
+    loss[:, :5] = 0
+    s = _strategy("analytic")
+    for seed in range(4):
+        new = s.apply_corruption(
+            ids,
+            loss,
+            None,
+            eps=eps,
+            block_size=None,
+            half_life_ratio=None,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        old = _old_analytic_corruption(s, ids, loss, eps, torch.Generator().manual_seed(seed))
+        assert all(torch.equal(a, b) for a, b in zip(new, old))
+
+
+def test_analytic_and_learned_draw_the_same_noise_from_the_global_rng():
+    """Without a generator both evidence modes draw from the global RNG the same way (the analytic mode used
+    to draw a seed from it first, for its fork, and so corrupted differently)."""
+    ids, loss = torch.randint(0, 40, (3, 16)), torch.ones(3, 16)
+    draws = {}
+    for own in ("analytic", "learned"):
+        torch.manual_seed(11)
+        draws[own] = _strategy(own).apply_corruption(ids, loss, None, eps=1e-3, block_size=None, half_life_ratio=None)
+    assert torch.equal(draws["analytic"][0], draws["learned"][0]) and torch.equal(
+        draws["analytic"][1], draws["learned"][1]
+    )
+    torch.manual_seed(11)
+    level = 1e-3 + (1 - 1e-3) * torch.rand(3)
+    assert torch.equal(draws["analytic"][2], level[:, None].expand(3, 16))

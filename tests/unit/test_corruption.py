@@ -12,6 +12,7 @@ from strategies.corruption import (
     corrupt_uniform_random,
     gumbel_topk,
     gumbel_topk_rows,
+    replace_at_level,
 )
 from strategies.scdd.schedule import scdd_grid_times
 from strategies.seeding import seeded_generator as gen
@@ -264,3 +265,67 @@ def test_kernels_check_their_arguments_by_name():
         with pytest.raises(ValueError, match=message):
             call()
     assert corrupt_uniform(ids, lm.bool(), 11, eps=0.0)[0].shape == ids.shape  # a bool mask and eps 0 are fine
+
+
+# ------------------------------------------------------------------ the uniform kernel's level, given or drawn
+
+
+def _old_uniform_random(ids, loss, vocab, eps, seed, block_size=None):
+    """`corrupt_uniform_random` as it was written before it could return its level (kept here verbatim, so
+    the kernel's draws can be held to it bit for bit): t, then u, then r."""
+    g = gen(seed)
+    batch, length = ids.shape
+    if block_size is None:
+        t = (eps + (1 - eps) * torch.rand(batch, generator=g))[:, None].expand(batch, length)
+    else:
+        n_blocks = -(-length // block_size)
+        t = eps + (1 - eps) * torch.rand(batch, n_blocks, generator=g)
+        t = t.repeat_interleave(block_size, dim=1)[:, :length]
+    u = torch.rand(batch, length, generator=g)
+    r = torch.randint(0, vocab, (batch, length), generator=g, dtype=ids.dtype)
+    noise = (u < t) & loss.bool()
+    return torch.where(noise, r, ids), noise, torch.ones(batch, length), t
+
+
+@pytest.mark.parametrize("block_size", [None, 8, 5])
+def test_uniform_kernel_returns_the_level_it_drew_with_the_same_draws(batch, block_size):
+    ids, loss = batch
+    kw = {"eps": 0.01, "block_size": block_size}
+    old_noisy, old_noise, old_p, old_t = _old_uniform_random(ids, loss, 100, 0.01, 21, block_size)
+    noisy, noise, p = corrupt_uniform_random(ids, loss, 100, generator=gen(21), **kw)
+    *same, level = corrupt_uniform_random(ids, loss, 100, generator=gen(21), return_level=True, **kw)
+    for a, b, c in zip((noisy, noise, p), same, (old_noisy, old_noise, old_p)):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    if block_size is None:
+        assert level.shape == (4,) and torch.equal(level[:, None].expand(4, 32), old_t)
+    else:
+        assert level.shape == (4, -(-32 // block_size))
+        assert torch.equal(level.repeat_interleave(block_size, dim=1)[:, :32], old_t)
+
+
+def test_replace_at_level_is_the_uniform_counterpart_of_mask_at_level(batch):
+    ids, loss = batch
+    t = torch.tensor([0.0, 0.3, 0.7, 1.0])
+    noisy, noise = replace_at_level(ids, loss, 100, t, gen(22))
+    # the block-diffusion bound's inline draws before `replace_at_level` existed: u, then r
+    g = gen(22)
+    u = torch.rand(4, 32, generator=g)
+    r = torch.randint(0, 100, (4, 32), generator=g, dtype=ids.dtype)
+    old_noise = (u < t[:, None]) & loss.bool()
+    assert torch.equal(noise, old_noise) and torch.equal(noisy, torch.where(old_noise, r, ids))
+    assert not noise[0].any() and torch.equal(noise[3], loss[3].bool())  # t = 0: clean; t = 1: every supervised one
+    # after the kernel's own level draw, the same draws: the kernel is its levels + `replace_at_level`
+    g = gen(23)
+    level = 0.01 + 0.99 * torch.rand(4, generator=g)
+    at_level = replace_at_level(ids, loss, 100, level, g)
+    drawn = corrupt_uniform_random(ids, loss, 100, eps=0.01, generator=gen(23))
+    assert torch.equal(at_level[0], drawn[0]) and torch.equal(at_level[1], drawn[1])
+    # one level for all rows, as a scalar or [1]
+    assert torch.equal(
+        replace_at_level(ids, loss, 100, 0.5, gen(24))[1],
+        replace_at_level(ids, loss, 100, torch.tensor([0.5]), gen(24))[1],
+    )
+    with pytest.raises(ValueError, match=r"replace_at_level: t must be a probability in \[0, 1\], got 1.5"):
+        replace_at_level(ids, loss, 100, 1.5)
+    with pytest.raises(ValueError, match="replace_at_level: vocab_size must be an integer >= 1, got 0"):
+        replace_at_level(ids, loss, 0, 0.5)
