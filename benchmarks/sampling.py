@@ -45,7 +45,8 @@ def random_models():
     from dllm_common.config import TokenizerConfig
     from strategies import assemble_strategy, strategy_class
     from strategies.models import build_model, tiny_model_config, wrap_for_architecture
-    from tasks.prepare_data import shakespeare_documents, train_tokenizer
+    from tasks.data.documents import shakespeare_documents
+    from tasks.data.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(
         [d.text for d in shakespeare_documents("pretrain")[:20]], TokenizerConfig(vocab_size=2048)

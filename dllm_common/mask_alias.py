@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 ALLOW = "tokenizer.allow_mask_alias"
-# the ids of the tokenizer trained here (tasks/prepare_data.py `SPECIAL`, added in that order: pad, eos, mask)
+# the ids of the tokenizer trained here (tasks/data/tokenizer.py `SPECIAL`, added in that order: pad, eos, mask)
 TRAIN_BPE_IDS = {"pad_token_id": 0, "eos_token_id": 1, "mask_token_id": 2, "bos_token_id": None}
 _NAMES = {"eos_token_id": "EOS", "pad_token_id": "PAD"}
 

@@ -18,7 +18,7 @@ from dllm_common.store import stage_key
 from strategies.dflash.features import write_feature_cache
 from strategies.options import resolve_options
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
-from tasks.prepare_data import load_split
+from tasks.rows import load_split
 from tasks.training.dflash_setup import features_dir, layer_ids_for, load_spec_target
 from tasks.training.runtime import stage_device
 

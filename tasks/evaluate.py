@@ -45,8 +45,8 @@ from tasks.evaluation.likelihood import (
 from tasks.evaluation.scoring import gen_ppl_with_interval, load_scorer, mean_entropy, prompt_nll
 from tasks.evaluation.speculative import dflash_evaluation
 from tasks.evaluation.trained_model import checkpoint_tokenizer, load_trained_model
-from tasks.prepare_data import load_split, load_tokenizer
-from tasks.rows import document_ids, open_doc_starts
+from tasks.prepare_data import load_tokenizer
+from tasks.rows import document_ids, load_split, open_doc_starts
 from tasks.train import model_dir
 from tasks.training.runtime import resolve_device, tracking_for
 

@@ -63,7 +63,7 @@ def measure(spec, data, ckpt, work) -> dict:
     from tasks.evaluation.likelihood import encode_prompts
     from tasks.evaluation.scoring import gen_ppl_with_interval, load_scorer, mean_entropy, prompt_nll
     from tasks.evaluation.trained_model import checkpoint_tokenizer, load_trained_model
-    from tasks.prepare_data import load_split
+    from tasks.rows import load_split
 
     model = load_trained_model(ckpt, "cpu")
     tokenizer = checkpoint_tokenizer(ckpt, model)

@@ -7,16 +7,11 @@ import pytest
 import torch
 
 from dllm_common.config import validate_schema
-from tasks.prepare_data import (
-    DataError,
-    Document,
-    dialogue_row,
-    load_split,
-    parse_play,
-    prepare_data,
-    split_documents,
-    train_tokenizer,
-)
+from tasks.data.documents import DataError, Document, parse_play, split_documents
+from tasks.data.tokenizer import train_tokenizer
+from tasks.data.tokenizing import dialogue_row
+from tasks.prepare_data import prepare_data
+from tasks.rows import load_split
 
 PLAY = """# A Play
 
@@ -206,7 +201,9 @@ def test_streamed_rows_are_packed_documents_in_parallel_or_not_and_read_memory_m
     documents, byte for byte whatever the number of processes; training reads them memory-mapped."""
     import numpy as np
 
-    from tasks.prepare_data import PARALLEL_FROM, iter_documents, load_tokenizer
+    from tasks.data.documents import iter_documents
+    from tasks.data.tokenizer import load_tokenizer
+    from tasks.data.tokenizing import PARALLEL_FROM
     from tasks.rows import open_split
     from tasks.training.runtime import Split
 

@@ -180,7 +180,7 @@ def test_speculators_computes_what_dllm_flow_computes(exported, tmp_path, monkey
     two documents (speculators' own document mask): max |Δ| ≤ 1e-5 in fp32."""
     _, data, _, tgt, ckpt, _, folders = exported
     from tasks.evaluation.trained_model import load_trained_model
-    from tasks.prepare_data import load_split
+    from tasks.rows import load_split
 
     target = load_target(tgt.info["model_path"])
     ids = load_split(data.path, "val")[0][:1].long()

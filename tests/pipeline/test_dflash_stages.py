@@ -73,7 +73,7 @@ def test_cache_holds_the_selected_layers_of_every_row_and_is_reused(dflash_run, 
     from safetensors import safe_open
 
     from strategies.dflash.draft import target_features
-    from tasks.prepare_data import load_split
+    from tasks.rows import load_split
     from tasks.training.dflash_setup import load_target
 
     info = feats.info
@@ -366,8 +366,8 @@ def test_regenerated_rows_are_the_targets_own_text_and_reproduce(dflash_run, tmp
     """dflash.regenerate: prompts kept, continuations sampled by the target (greedy at T=0, seeded at
     T>0), only the continuation supervised, validation untouched; the draft trains on it."""
     from strategies.dflash.draft import greedy_generate
-    from tasks.prepare_data import load_split
     from tasks.regenerate import regenerate
+    from tasks.rows import load_split
     from tasks.training.dflash_setup import load_target
 
     spec, data, workdir, tgt, _, _ = dflash_run
