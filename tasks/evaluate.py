@@ -31,6 +31,7 @@ from strategies.model_files import resolve_model_path
 from strategies.registry import SAMPLERS
 from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
+from tasks.data.tokenizer import load_tokenizer
 from tasks.evaluation.data_row import data_row_metrics
 from tasks.evaluation.likelihood import (
     EvalResult,
@@ -45,7 +46,6 @@ from tasks.evaluation.likelihood import (
 from tasks.evaluation.scoring import gen_ppl_with_interval, load_scorer, mean_entropy, prompt_nll
 from tasks.evaluation.speculative import dflash_evaluation
 from tasks.evaluation.trained_model import checkpoint_tokenizer, load_trained_model
-from tasks.prepare_data import load_tokenizer
 from tasks.rows import document_ids, load_split, open_doc_starts
 from tasks.train import model_dir
 from tasks.training.runtime import resolve_device, tracking_for

@@ -20,10 +20,17 @@ import numpy as np
 from dllm_common.config import DataConfig, PipelineSpec
 from dllm_common.store import stage_key
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
-from tasks.data.documents import DataError, _where, check_documents, document_score, iter_documents, val_threshold
+from tasks.data.documents import (
+    DataError,
+    check_documents,
+    data_source_name,
+    document_score,
+    iter_documents,
+    val_threshold,
+)
 from tasks.data.split_rows import SplitRows
-from tasks.data.tokenizer import _doc_texts, load_tokenizer, refuse_mask_alias, train_tokenizer
-from tasks.data.tokenizing import _tokenized
+from tasks.data.tokenizer import document_texts, load_tokenizer, refuse_mask_alias, train_tokenizer
+from tasks.data.tokenizing import tokenized_documents
 
 STAGE = "prepare_data"
 
@@ -62,7 +69,7 @@ def _build(spec: PipelineSpec, tmp: Path) -> dict:
         tokenizer = load_tokenizer(spec.tokenizer.path, spec.tokenizer.trust_remote_code, spec.tokenizer.gguf_file)
     else:  # pass 2: the tokenizer, from the training documents' text
         train_docs = (d for i, d in enumerate(iter_documents(cfg)) if not held_out(i))
-        tokenizer = train_tokenizer(_doc_texts(train_docs), spec.tokenizer)
+        tokenizer = train_tokenizer(document_texts(train_docs), spec.tokenizer)
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no eos token; pick a tokenizer with one (tokenizer.path)")
     refuse_mask_alias(spec, tokenizer)
@@ -73,7 +80,7 @@ def _build(spec: PipelineSpec, tmp: Path) -> dict:
     }
     val_ids = []
     try:
-        for i, doc, units in _tokenized(
+        for i, doc, units in tokenized_documents(
             cfg, tokenizer, tmp / "tokenizer", len(scores), spec.tokenizer.trust_remote_code
         ):  # pass 3: the rows
             side = "val" if held_out(i) else "train"
@@ -108,8 +115,8 @@ def _summarize(train: dict, val: dict, val_ids: list[str], tokenizer, cfg: DataC
     n_sup = train["supervised_tokens"]
     if train["rows"] == 0 and cfg.shape == "pretrain":  # packed rows are all supervised: too few tokens for one row
         raise DataError(
-            f"{_where(cfg)}: the training documents hold {train['tokens']} tokens (with an eos after each), fewer "
-            f"than one row of data.seq_len ({cfg.seq_len}) tokens, so the prepared training set has no rows; add "
+            f"{data_source_name(cfg)}: the training documents hold {train['tokens']} tokens (with an eos after each), "
+            f"fewer than one row of data.seq_len ({cfg.seq_len}) tokens, so the prepared training set has no rows; add "
             "text or lower data.seq_len"
         )
     if n_sup == 0:

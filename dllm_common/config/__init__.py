@@ -17,26 +17,43 @@ Its modules, each importing only those above it:
 - `yaml_loading`: YAML read with its defences, `--set` overrides, `validate_schema` and its error messages;
 - `digest`: `canonical_json`, `config_sha256` and `flatten`.
 
-The names below are those the rest of the project imports from here.
+Every public name of these modules is importable from the package itself.
 """
 
-from dllm_common.config.context import MAX_CHARS_PER_TOKEN, MAX_SEQ_LEN, context_overflow
-from dllm_common.config.dflash import RegenerateConfig
+from dllm_common.config.context import MAX_CHARS_PER_TOKEN, MAX_SEQ_LEN, context_overflow, local_max_positions
+from dllm_common.config.dflash import DFlashConfig, PretrainTargetConfig, RegenerateConfig
 from dllm_common.config.digest import canonical_json, config_sha256, flatten
 from dllm_common.config.errors import ConfigError, TrainingDiverged
-from dllm_common.config.evaluation import EvalConfig, LMEvalConfig, ScorerConfig
+from dllm_common.config.evaluation import (
+    OPEN_ENDED_TEMPERATURE,
+    OPEN_ENDED_TOP_P,
+    EvalConfig,
+    LMEvalConfig,
+    SamplerSettings,
+    ScorerConfig,
+)
 from dllm_common.config.sections import (
+    PIPELINE_NAME,
+    ConfigSection,
     DataConfig,
     DLLMSection,
+    ModelConfig,
     PeftConfig,
+    PipelineConfig,
     TokenizerConfig,
+    TrackingConfig,
     TrainConfig,
     refuse_boolean_number,
+    refuse_long_warmup,
 )
 from dllm_common.config.spec import PipelineSpec
 from dllm_common.config.yaml_loading import (
     ALIAS_EXPANSION_LIMIT,
+    AliasExpansionError,
+    DuplicateKeyError,
+    UniqueKeyLoader,
     apply_overrides,
+    load_yaml,
     parse_override,
     read_yaml,
     validate_schema,
@@ -46,25 +63,41 @@ __all__ = [
     "ALIAS_EXPANSION_LIMIT",
     "MAX_CHARS_PER_TOKEN",
     "MAX_SEQ_LEN",
+    "OPEN_ENDED_TEMPERATURE",
+    "OPEN_ENDED_TOP_P",
+    "PIPELINE_NAME",
+    "AliasExpansionError",
     "ConfigError",
+    "ConfigSection",
+    "DFlashConfig",
     "DLLMSection",
     "DataConfig",
+    "DuplicateKeyError",
     "EvalConfig",
     "LMEvalConfig",
+    "ModelConfig",
     "PeftConfig",
+    "PipelineConfig",
     "PipelineSpec",
+    "PretrainTargetConfig",
     "RegenerateConfig",
+    "SamplerSettings",
     "ScorerConfig",
     "TokenizerConfig",
+    "TrackingConfig",
     "TrainConfig",
     "TrainingDiverged",
+    "UniqueKeyLoader",
     "apply_overrides",
     "canonical_json",
     "config_sha256",
     "context_overflow",
     "flatten",
+    "load_yaml",
+    "local_max_positions",
     "parse_override",
     "read_yaml",
     "refuse_boolean_number",
+    "refuse_long_warmup",
     "validate_schema",
 ]

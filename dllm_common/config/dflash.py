@@ -7,10 +7,10 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from dllm_common.config.sections import _Section, refuse_long_warmup
+from dllm_common.config.sections import ConfigSection, refuse_long_warmup
 
 
-class PretrainTargetConfig(_Section):
+class PretrainTargetConfig(ConfigSection):
     """The embedded default's DFlash target: a small causal LM trained on the prepared data by the
     `pretrain_target` stage. Its hidden size is the draft's (`model.hidden_size`): the draft reads
     the target's embeddings and writes through its LM head."""
@@ -34,7 +34,7 @@ class PretrainTargetConfig(_Section):
         return self
 
 
-class RegenerateConfig(_Section):
+class RegenerateConfig(ConfigSection):
     """Train the draft on the target's own text (DFlash paper §5.1): each training row keeps its first
     `prompt_len` tokens and the target samples the rest at `temperature`; only the continuation is
     supervised. Validation rows stay real text."""
@@ -46,7 +46,7 @@ class RegenerateConfig(_Section):
     seed: int = 0
 
 
-class DFlashConfig(_Section):
+class DFlashConfig(ConfigSection):
     """Where a DFlash draft's target and features come from, and how it is judged. The draft's
     training options (`block_size`, `loss_decay_gamma`, …) may be written here too: they belong to
     the strategy (`strategies.options.DFlashOptions`), which validates them."""

@@ -7,10 +7,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_serializer, model_validator
 
-from dllm_common.config.sections import _Section
+from dllm_common.config.sections import ConfigSection
 
 
-class ScorerConfig(_Section):
+class ScorerConfig(ConfigSection):
     """Frozen causal LM that scores samples (generative perplexity); samples are retokenized for it."""
 
     path: str  # local dir, hub id (when the user has hub access) or `package:NAME`
@@ -18,7 +18,7 @@ class ScorerConfig(_Section):
     trust_remote_code: bool = False
 
 
-class LMEvalConfig(_Section):
+class LMEvalConfig(ConfigSection):
     """lm-evaluation-harness tasks run by the evaluate stage on the trained model (docs/evaluation.md §4.10);
     needs the `lmeval` extra. Hub tasks need hub access; `include_path` adds a folder of local task YAMLs."""
 
@@ -35,7 +35,7 @@ OPEN_ENDED_TEMPERATURE = 1.0
 OPEN_ENDED_TOP_P = 0.95
 
 
-class SamplerSettings(_Section):
+class SamplerSettings(ConfigSection):
     """One strategy's own sampling settings for the report's samples (`eval.overrides.<strategy>`): the keys
     set here replace `eval:`'s for that strategy alone; the rest are `eval:`'s."""
 
@@ -60,7 +60,7 @@ class SamplerSettings(_Section):
         return self.model_dump(mode="json", include=self.model_fields_set)
 
 
-class EvalConfig(_Section):
+class EvalConfig(ConfigSection):
     val_rows: int = Field(128, ge=1)  # validation rows scored by the NELBO
     t_samples: int = Field(8, ge=1)  # stratified diffusion times per row
     batch_size: int = Field(32, ge=1)

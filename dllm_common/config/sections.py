@@ -1,5 +1,5 @@
 """The config's sections (pipeline, data, tokenizer, model, train with its peft, tracking, dllm) and what every
-section shares (`_Section`: unknown keys, infinities and booleans for numbers refused; `refuse_long_warmup`).
+section shares (`ConfigSection`: unknown keys, infinities and booleans for numbers refused; `refuse_long_warmup`).
 The eval and dflash sections are `evaluation` and `dflash`; the whole pipeline is `spec.PipelineSpec`."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def refuse_boolean_number(model: type[BaseModel], value: Any, info: ValidationIn
     return value
 
 
-class _Section(BaseModel):
+class ConfigSection(BaseModel):
     # no config value is infinite or NaN: `train.lr: .inf` would train on NaN weights from the second step
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -45,7 +45,7 @@ class _Section(BaseModel):
 PIPELINE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
-class PipelineConfig(_Section):
+class PipelineConfig(ConfigSection):
     name: str = "dllm"
     strategies: tuple[str, ...] = ("mdlm",)
     # "<flow>/<deployment>" that trains one strategy (e.g. "dllm-train/train-gpu" on the gpu work pool);
@@ -76,7 +76,7 @@ class PipelineConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(ConfigSection):
     """Where text comes from and how it becomes fixed-length training rows."""
 
     source: Literal["shakespeare", "jsonl", "parquet", "hf"] = "shakespeare"
@@ -112,7 +112,7 @@ class DataConfig(_Section):
         return self
 
 
-class TokenizerConfig(_Section):
+class TokenizerConfig(ConfigSection):
     kind: Literal["train_bpe", "pretrained"] = "train_bpe"
     vocab_size: int = Field(2048, ge=300)
     min_frequency: int = Field(2, ge=1)
@@ -128,7 +128,7 @@ class TokenizerConfig(_Section):
         return self
 
 
-class ModelConfig(_Section):
+class ModelConfig(ConfigSection):
     kind: Literal["tiny", "pretrained"] = "tiny"
     family: Literal["llama", "qwen3"] = "llama"
     hidden_size: int = Field(128, ge=8)
@@ -166,7 +166,7 @@ class ModelConfig(_Section):
         return self
 
 
-class PeftConfig(_Section):
+class PeftConfig(ConfigSection):
     """Parameter-efficient fine-tuning of the backbone (peft). Strategy-owned modules stay trainable."""
 
     method: Literal["lora"] = "lora"
@@ -177,7 +177,7 @@ class PeftConfig(_Section):
     merge: bool = False  # publish merged weights (a plain checkpoint) instead of base + adapter
 
 
-class TrainConfig(_Section):
+class TrainConfig(ConfigSection):
     # 0: nothing is trained; the train stage publishes model.path's model as it is (model.kind: pretrained), e.g.
     # an imported DFlash draft, to evaluate (docs/strategies.md §10.10)
     steps: int = Field(200, ge=0)
@@ -267,14 +267,14 @@ def refuse_long_warmup(section: str, warmup_steps: int, steps: int) -> None:
         )
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(ConfigSection):
     uri: str | None = None  # None → sqlite database inside the workdir
     experiment: str | None = None  # None → pipeline.name
     register_model: bool = True
     log_checkpoints: bool = True
 
 
-class DLLMSection(_Section):
+class DLLMSection(ConfigSection):
     """Strategy options shared by the pipeline's strategies, plus per-strategy `overrides`, e.g.
     `{block_diffusion: {block_size: 16}}`. Each strategy declares its own typed options
     (strategies/options.py), which validate these values; `shared()` is what was set here."""

@@ -9,6 +9,7 @@ from dllm_common.config.context import MAX_CHARS_PER_TOKEN, MAX_SEQ_LEN, context
 from dllm_common.config.dflash import DFlashConfig
 from dllm_common.config.evaluation import EvalConfig
 from dllm_common.config.sections import (
+    ConfigSection,
     DataConfig,
     DLLMSection,
     ModelConfig,
@@ -16,11 +17,10 @@ from dllm_common.config.sections import (
     TokenizerConfig,
     TrackingConfig,
     TrainConfig,
-    _Section,
 )
 
 
-class PipelineSpec(_Section):
+class PipelineSpec(ConfigSection):
     """A whole pipeline: what `dllm-flow run CONFIG` executes."""
 
     pipeline: PipelineConfig = PipelineConfig()

@@ -68,8 +68,8 @@ from tasks.commands.export_draft import DLLM_FLOW, draft_format, write_draft_exp
 from tasks.commands.generate import default_temperature, default_top_p, resolve_checkpoint
 from tasks.commands.model_card import CARD, DLLM_SUBDIR, Layout, model_card
 from tasks.commands.provenance import Evaluation, Provenance, find_provenance
+from tasks.data.tokenizer import load_tokenizer
 from tasks.evaluation.trained_model import check_vocabulary, checkpoint_options
-from tasks.prepare_data import load_tokenizer
 
 CONFIG = "config.json"
 META = "dllm.json"

@@ -226,13 +226,13 @@ def check_documents(cfg: DataConfig, n_docs: int, any_text: bool) -> None:
         raise DataError(f"need at least 2 documents to split train/val by document, found {n_docs} in data.path")
     if cfg.shape == "pretrain" and not any_text:
         raise DataError(
-            f"{_where(cfg)}: the text of every document is empty (data.text_field {cfg.text_field!r}, "
+            f"{data_source_name(cfg)}: the text of every document is empty (data.text_field {cfg.text_field!r}, "
             f"{n_docs} documents), so there is nothing to train on; point data.path at documents with text, "
             "or set data.text_field to the field that holds it"
         )
 
 
-def _where(cfg: DataConfig) -> str:
+def data_source_name(cfg: DataConfig) -> str:
     """The data a message is about: `data.path '…' (data.source jsonl)`, or the embedded corpus."""
     if cfg.source == "shakespeare":
         return "data.source shakespeare"

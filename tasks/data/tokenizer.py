@@ -83,7 +83,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, gguf_file: str | 
     return AutoTokenizer.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code, **extra)
 
 
-def _doc_texts(docs) -> Iterator[str]:
+def document_texts(docs) -> Iterator[str]:
     for d in docs:
         if d.text:
             yield d.text

@@ -46,7 +46,7 @@ def tokenize_documents(docs: list[Document], tokenizer, seq_len: int, shape: str
     return [dialogue_row(list(dlg), tokenizer, seq_len) for d in docs for dlg in d.dialogues]
 
 
-def _tokenized(
+def tokenized_documents(
     cfg: DataConfig, tokenizer, tokenizer_dir: Path, n_docs: int, trust_remote_code: bool = False
 ) -> Iterator[tuple[int, Document, list]]:
     """(index, document, its tokenized units) in document order, with a progress bar. Large inputs are

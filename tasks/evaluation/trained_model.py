@@ -11,7 +11,7 @@ import torch
 from dllm_common.checkpoint import CorruptCheckpointError, load_weights_into, read_meta
 from strategies import assemble_strategy, strategy_class
 from strategies.models import apply_adapter, backbone_lm, model_from_config_dir
-from tasks.prepare_data import load_tokenizer
+from tasks.data.tokenizer import load_tokenizer
 from tasks.training.dflash_setup import draft_strategy, load_target
 
 

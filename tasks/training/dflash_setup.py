@@ -29,7 +29,7 @@ from strategies.model_files import resolve_model_path
 from strategies.models import model_from_config_dir, tokenizer_token_ids
 from strategies.options import resolve_options
 from tasks.common import StageRef
-from tasks.prepare_data import load_tokenizer, refuse_mask_alias
+from tasks.data.tokenizer import load_tokenizer, refuse_mask_alias
 from tasks.training.runtime import Trainee
 
 

@@ -28,7 +28,7 @@ from strategies.models import (
 from strategies.options import resolve_options
 from strategies.registry import model_shape
 from tasks.common import StageRef
-from tasks.prepare_data import load_tokenizer, refuse_mask_alias
+from tasks.data.tokenizer import load_tokenizer, refuse_mask_alias
 from tasks.training import dflash_setup
 from tasks.training.runtime import Trainee
 

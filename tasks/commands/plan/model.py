@@ -32,7 +32,7 @@ from strategies.options import resolve_options
 from strategies.registry import model_shape
 from tasks.commands.plan.trace import _Tracer
 from tasks.common import StageRef
-from tasks.prepare_data import load_tokenizer
+from tasks.data.tokenizer import load_tokenizer
 from tasks.target import _new_target
 from tasks.training import dflash_setup
 from tasks.training.runtime import Trainee
