@@ -73,7 +73,9 @@ class CorruptedBatch:
 @dataclass(frozen=True)
 class StepContext:
     """What one optimizer step needs. `loss_scale` multiplies backward (= data-parallel size,
-    docs/strategies.md §7.2)."""
+    docs/strategies.md §7.2). `mask_token_id` is the resolved [MASK] id; it is None only for a strategy whose
+    `uses_mask_token` is False (uniform noise: block_diffusion) when no id was configured or found in the
+    tokenizer, so a strategy that uses a [MASK] token always gets an int."""
 
     model: nn.Module
     loss_fn: nn.Module
@@ -92,7 +94,9 @@ class StepContext:
 
 @dataclass(frozen=True)
 class SetupContext:
-    """What `setup_extra` validates: the model/tokenizer pair and the candidate mask id."""
+    """What `setup_extra` validates: the model/tokenizer pair and the candidate mask id (the configured one,
+    else the tokenizer's). `mask_token_id` is None when neither gives one: `setup_extra` may then return one it
+    resolves, and a strategy that uses no [MASK] token (`uses_mask_token` False) keeps None."""
 
     model: nn.Module
     tokenizer: Any
@@ -151,7 +155,8 @@ class DLLMStrategy:
     # first is what `sample` runs); a registered class sets `samplers = tuple(<its package's sampler table>)`
     samplers: tuple[str, ...] = (ABSORBING,)
     # the strategy's kernel or sampler writes a [MASK] token: its id must be resolved (config, tokenizer or
-    # `setup_extra`) and be a row of the model's embedding; False (uniform noise): nothing needs one
+    # `setup_extra`) and be a row of the model's embedding; False (uniform noise): nothing needs one, and the
+    # `mask_token_id` its hooks get (StepContext, SetupContext, apply_corruption, sample, nelbo_rows) may be None
     uses_mask_token: bool = True
     supports_activation_checkpointing: bool = True
     supports_peft: bool = True
@@ -223,20 +228,23 @@ class DLLMStrategy:
 
     def check_mask_token(self, mask_token_id: int, model: nn.Module) -> None:
         """Refuse a resolved [MASK] id that is not a row of `model`'s embedding (`check_mask_token_id`). A
-        strategy whose trained model writes through another model's embedding checks it there instead."""
+        strategy whose trained model writes through another model's embedding checks it there instead.
+        Called only where `uses_mask_token` is True, with the resolved id: never None."""
         check_mask_token_id(mask_token_id, model)
 
     def apply_corruption(
         self,
         input_ids: Tensor,
         loss_mask: Tensor,
-        mask_token_id: int,
+        mask_token_id: int | None,
         *,
         eps: float,
         block_size: int | None,
         half_life_ratio: float | None,
         generator: torch.Generator | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        """The forward kernel on rows `[b, L]` → (noisy ids, noise mask, p_mask), drawing only from `generator`.
+        `mask_token_id` is `StepContext.mask_token_id`: None only where `uses_mask_token` is False."""
         raise NotImplementedError
 
     @staticmethod
@@ -311,7 +319,7 @@ class DLLMStrategy:
         model: nn.Module,
         prompts: list[list[int]],
         *,
-        mask_token_id: int,
+        mask_token_id: int | None,
         pad_token_id: int,
         config,
         generator: torch.Generator | None,
@@ -319,7 +327,8 @@ class DLLMStrategy:
         on_block=None,
     ):
         """Generate continuations of `prompts` (default: the absorbing sampler over `denoiser`);
-        `on_block(canvas)` is called after each finished block (streaming)."""
+        `on_block(canvas)` is called after each finished block (streaming). `mask_token_id` is the checkpoint's
+        resolved id: None only where `uses_mask_token` is False and none was recorded."""
 
         return absorbing_sample(
             self.denoiser(model),
@@ -337,12 +346,13 @@ class DLLMStrategy:
         model: nn.Module,
         clean_ids: Tensor,
         loss_mask: Tensor,
-        mask_token_id: int,
+        mask_token_id: int | None,
         t: Tensor,
         generator: torch.Generator,
     ) -> Tensor:
         """One-sample NELBO estimate per row at masking level t [B] (read where `likelihoods` has "nelbo").
-        Default: the absorbing kernel's bound over `denoiser` (`strategies.losses.absorbing_nelbo_rows`)."""
+        Default: the absorbing kernel's bound over `denoiser` (`strategies.losses.absorbing_nelbo_rows`).
+        `mask_token_id`: as in `sample`, None only where `uses_mask_token` is False."""
         return absorbing_nelbo_rows(self.denoiser(model), clean_ids, loss_mask, mask_token_id, t, generator)
 
     def denoiser(self, model: nn.Module):

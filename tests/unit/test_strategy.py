@@ -206,3 +206,30 @@ def test_a_stand_in_class_takes_a_registered_name_until_it_is_removed():
     DLLM_STRATEGIES["mdlm"] = MDLMStrategy  # what monkeypatch.setitem's undo does: no stand-in is left behind
     with pytest.raises(KeyError):
         del DLLM_STRATEGIES["mdlm"]
+
+
+MASK_ID_HOOKS = ("apply_corruption", "sample", "nelbo_rows")
+
+
+def _admits_none(annotated) -> bool:
+    """`annotated`'s `mask_token_id` may be None (or is not annotated)."""
+    import typing
+
+    hint = typing.get_type_hints(annotated).get("mask_token_id")
+    return hint is None or type(None) in typing.get_args(hint)
+
+
+@pytest.mark.parametrize("mode", sorted(REGISTRY))
+def test_the_mask_id_a_hook_gets_is_typed_none_where_it_can_be(mode):
+    """`mask_token_id` is None in the step and setup contexts and in the hooks of a strategy that uses no [MASK]
+    token (`uses_mask_token` False): the base hooks and the contexts say `int | None` and when it is None, and
+    such a strategy's own overrides do too (block_diffusion's `sample` and `nelbo_rows` said `int`)."""
+    from strategies.base import DLLMStrategy, SetupContext
+
+    for carrier in (StepContext, SetupContext, *(getattr(DLLMStrategy, hook) for hook in MASK_ID_HOOKS)):
+        assert _admits_none(carrier), carrier.__qualname__
+        assert "None" in (carrier.__doc__ or ""), f"{carrier.__qualname__} does not say when the mask id is None"
+    cls = DLLM_STRATEGIES[mode]
+    if not cls.uses_mask_token:
+        for hook in MASK_ID_HOOKS:
+            assert _admits_none(getattr(cls, hook)), f"{cls.__name__}.{hook} types mask_token_id as never None"
