@@ -19,7 +19,7 @@ To add a strategy: a package `strategies/<name>/` with its options, samplers and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,62 @@ class CorruptedBatch:
     extras: Any = None  # a strategy's typed sidecar (DFlash anchor blocks, the block-diffusion canvas window)
 
 
+class DiffusionLoss(Protocol):
+    """The loss call contract: what `DLLMStrategy.forward_backward` passes to the loss module `create_loss_fn`
+    built (`ctx.loss_fn`), and the one place it is written down (docs/architecture.md, "How a strategy plugs in",
+    points here; `tests/unit/test_loss_contract.py` holds every registered strategy's loss and
+    `LOSS_ARGUMENTS` / `LOSS_KEYWORDS` to it).
+
+    Positional, always passed (`B` rows, `L` positions the loss scores, `V` the vocabulary):
+
+    - `logits` `[B, L, V]`, floating (any precision: the cross-entropy upcasts to fp32), or a deferred
+      `strategies.head.HeadProjection` that `nll_at` projects only at the positions it scores. Row p
+      predicts `target_ids[:, p]`; a loss that shifts (I-DLM) says so.
+    - `target_ids` `[B, L]` integer: the clean ids x (block diffusion: the canvas window's).
+    - `noise_mask` `[B, L]` bool: the positions the forward kernel actually corrupted (n).
+    - `p_mask` `[B, L]` float32: the corruption level of each position (MDLM: p; SCDD: the time t; block
+      diffusion: t, or ones for the flat loss), constant per row or per block.
+    - `loss_mask` `[B, L]`, float 0/1 or bool: the supervised positions (ℓ); nothing else is scored.
+
+    Keyword-only, each optional (None: the strategy has no such value, or the loss needs none):
+
+    - `num_diffusion_tokens` int: the step's global denominator of the diffusion term (`loss_denominators`,
+      summed over every micro-batch and data-parallel rank, docs/strategies.md §7.2); None: the local count.
+    - `noisy_input_ids` `[B, L]` integer: z, the ids the model saw (a loss that scores visible tokens or
+      the canvas token's own evidence reads it: SCDD, block diffusion's analytic canvas loss).
+    - `loss_mask_ar` `[B, L]`: the positions an autoregressive term supervises (hybrid); None: no AR term.
+    - `num_ar_tokens` int: the global denominator of that AR term; None with `loss_mask_ar` None.
+    - `causal_logits` `[B, L, V]`: the causal branch's logits (hybrid); None when the model has none.
+
+    Returns `DLLMLossOutput(total_loss, dllm_loss, …)`: `total_loss` is what `forward_backward`
+    backpropagates (× `ctx.loss_scale`), `dllm_loss` the detached diffusion part, logged. A loss accepts
+    every keyword (declared with default None, or swallowed by `**_`) and reads the ones it needs; the base
+    `forward_backward` passes the five positionals, `num_diffusion_tokens` and `noisy_input_ids`; the
+    hybrid's adds the AR three. A strategy that calls its loss another way (I-DLM's two-half loss, DFlash's
+    block loss, docs/strategies.md §5.6, §5.7) overrides `forward_backward` and documents that call on its loss.
+    """
+
+    def __call__(
+        self,
+        logits: Tensor,
+        target_ids: Tensor,
+        noise_mask: Tensor,
+        p_mask: Tensor,
+        loss_mask: Tensor,
+        *,
+        loss_mask_ar: Tensor | None = None,
+        num_diffusion_tokens: int | None = None,
+        num_ar_tokens: int | None = None,
+        causal_logits: Tensor | None = None,
+        noisy_input_ids: Tensor | None = None,
+    ) -> DLLMLossOutput: ...
+
+
+# the contract's argument names, in its order (`DiffusionLoss`)
+LOSS_ARGUMENTS = ("logits", "target_ids", "noise_mask", "p_mask", "loss_mask")
+LOSS_KEYWORDS = ("loss_mask_ar", "num_diffusion_tokens", "num_ar_tokens", "causal_logits", "noisy_input_ids")
+
+
 @dataclass(frozen=True)
 class StepContext:
     """What one optimizer step needs. `loss_scale` multiplies backward (= data-parallel size,
@@ -78,7 +134,7 @@ class StepContext:
     tokenizer, so a strategy that uses a [MASK] token always gets an int."""
 
     model: nn.Module
-    loss_fn: nn.Module
+    loss_fn: nn.Module  # what `create_loss_fn` built, called as `DiffusionLoss` documents
     mask_token_id: int | None  # None: a strategy that uses no [MASK] token was given none
     step: int
     base_seed: int
@@ -218,7 +274,8 @@ class DLLMStrategy:
         return "supervised"
 
     def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
-        """A new loss module built from the options (these, or the strategy's own when None)."""
+        """A new loss module built from the options (these, or the strategy's own when None); called by
+        `forward_backward` as `DiffusionLoss` says."""
         raise NotImplementedError
 
     def setup_extra(self, setup: SetupContext) -> int | None:
@@ -362,7 +419,8 @@ class DLLMStrategy:
     def forward_backward(
         self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int, num_ar_tokens: int, is_train: bool
     ) -> DLLMLossOutput:
-        """Default micro-batch step: prepare inputs, forward, loss, backward × loss_scale."""
+        """Default micro-batch step: prepare inputs, forward, loss, backward × loss_scale. The loss is called
+        as `DiffusionLoss` documents (the five positionals, `num_diffusion_tokens`, `noisy_input_ids`)."""
         inputs = self.prepare_batch(
             {"attention_mask": batch.attention_mask}, batch.noisy_ids, batch.noise_mask, batch.clean_ids
         )

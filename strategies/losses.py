@@ -1,6 +1,7 @@
 """The losses and bounds more than one strategy computes, and the pieces every loss is built from.
 
-A loss module has the common call contract of docs/strategies.md §5.1:
+A loss module has the common call contract (`strategies.base.DiffusionLoss`, which says what each argument
+is; docs/strategies.md §5.1):
 `loss(logits, target_ids, noise_mask, p_mask, loss_mask, *, loss_mask_ar=None,
 num_diffusion_tokens=None, num_ar_tokens=None, causal_logits=None, noisy_input_ids=None)`
 returns `DLLMLossOutput(total_loss, dllm_loss, ...)`. Denominators are the *global* token counts
