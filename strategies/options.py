@@ -7,8 +7,8 @@ A pipeline's values reach a strategy by one route, resolved once (`resolve_optio
 
 A shared `dllm:` key that no strategy of the pipeline declares is an error, and so is an override
 key that the named strategy does not declare. `dllm-flow validate` prints the resolved values:
-exactly what training uses. `load_config` is the one way a pipeline file is read: YAML, overrides, the
-schema (`dllm_common.config`), the strategies' options (the list of strategies is `strategies.registry`),
+exactly what training uses (`printed_options`). `load_config` is the one way a pipeline file is read: YAML,
+overrides, the schema (`dllm_common.config`), the strategies' options (the list of strategies is `strategies.registry`),
 a local `model.path` folder and the lm-eval task names. See docs/architecture.md ("How a strategy plugs in").
 """
 
@@ -43,6 +43,7 @@ __all__ = [
     "check_spec",
     "load_config",
     "option_source",
+    "printed_options",
     "resolve_options",
     "validate_config",
 ]
@@ -145,6 +146,19 @@ def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
     for name, options in resolved.items():
         options.check_against(spec, lambda key, name=name: option_source(spec, name, key))
     return resolved
+
+
+def printed_options(spec: PipelineSpec) -> dict[str, dict[str, Any]]:
+    """Each strategy's options as `dllm-flow validate` prints them: checked (`check_spec`) and resolved, exactly as
+    training uses them, as JSON values. A strategy that never reads a [MASK] id (its class's `uses_mask_token` is
+    False: uniform noise, block_diffusion) gets no `mask_token_id`, which would only look like a setting it uses."""
+    printed = {}
+    for name, options in check_spec(spec).items():
+        values = options.model_dump(mode="json")
+        if not registration(name).load().uses_mask_token:
+            values.pop("mask_token_id", None)
+        printed[name] = values
+    return printed
 
 
 def check_pretrained_paths(spec) -> None:
