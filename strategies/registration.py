@@ -79,24 +79,31 @@ def refuse_longer_than_rows(spec: PipelineSpec, key: str, value: int | None, hin
 # `dllm-flow generate` flags); a sampler declares the ones it reads (`SamplerInfo.settings`).
 TEMPERATURE_AND_CUTS = ("temperature", "top_k", "top_p")
 USER_SETTINGS = (*TEMPERATURE_AND_CUTS, "remasking", "threshold", "lookup_ngram")
+# The `SamplerConfig` fields that set how a denoising sampler spends its forwards (`dllm-flow generate --steps`,
+# `--block-size`, `--cache`; evaluation's step budgets); a sampler declares the ones it reads
+# (`SamplerInfo.decoding`): one with no K/V cache leaves out "cache", a speculative decoder all three.
+DECODING_SETTINGS = ("steps", "block_size", "cache")
 
 
 @dataclass(frozen=True)
 class SamplerInfo:
     """What the pipeline needs to know of a sampler: what it does (`dllm-flow generate` lists it), whether it
     fills [MASK] spans anywhere in a prompt (`infill_sample`), its own default temperature (None: evaluation's
-    open-ended one, docs/strategies.md §11.7) and which user settings it reads (the report names exactly these
-    when it says how a strategy's samples were drawn; `generate` refuses a flag the sampler ignores)."""
+    open-ended one, docs/strategies.md §11.7), which user settings it reads (`settings`: the report names exactly
+    these when it says how a strategy's samples were drawn; `generate` refuses a flag the sampler ignores) and
+    which decoding settings it reads (`decoding`: `generate` shows only these; every other one it ignores)."""
 
     summary: str
     infills: bool = False
     default_temperature: float | None = None
     settings: tuple[str, ...] = TEMPERATURE_AND_CUTS
+    decoding: tuple[str, ...] = DECODING_SETTINGS
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.settings) - set(USER_SETTINGS))
-        if unknown:
-            raise ValueError(f"SamplerInfo.settings: unknown setting(s) {unknown}; known: {list(USER_SETTINGS)}")
+        for field_name, known in (("settings", USER_SETTINGS), ("decoding", DECODING_SETTINGS)):
+            unknown = sorted(set(getattr(self, field_name)) - set(known))
+            if unknown:
+                raise ValueError(f"SamplerInfo.{field_name}: unknown setting(s) {unknown}; known: {list(known)}")
 
 
 # The absorbing [MASK] sampler (`strategies.absorbing.absorbing_sample`) over a strategy's bidirectional

@@ -97,6 +97,7 @@ SAMPLERS = {
         "DFlash: the draft proposes, the target verifies; the target's own text",
         default_temperature=0.0,
         settings=("temperature", "lookup_ngram"),
+        decoding=(),  # the draft's own block size, the target's forwards: no step budget, no sampler cache
     ),
 }
 

@@ -31,7 +31,10 @@ class IDLMOptions(StrategyOptions):
 SAMPLERS = {
     # the absorbing sampler over the causal denoiser, reading row p from the model's row p − 1
     "idlm": SamplerInfo("absorbing sampler with logit shift 1 (idlm)", True, settings=ABSORBING_SAMPLER.settings),
-    "isd": SamplerInfo("introspective strided decoding: propose with the diffusion half, verify causally (idlm)"),
+    # `block_length` proposals per forward until the continuation is done: no step budget, no sampler blocks
+    "isd": SamplerInfo(
+        "introspective strided decoding: propose with the diffusion half, verify causally (idlm)", decoding=("cache",)
+    ),
 }
 
 REGISTRATION = Registration(IDLMOptions, "strategies.idlm.strategy:IDLMStrategy", SAMPLERS)

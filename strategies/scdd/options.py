@@ -40,6 +40,7 @@ SAMPLERS = {
     "scdd": SamplerInfo(
         "ancestral posterior sampler with the final noise-removal pass (scdd)",
         settings=(*TEMPERATURE_AND_CUTS, "remasking"),
+        decoding=("steps",),  # the whole canvas at every step: no blocks, nothing cached (docs/decoding.md §2)
     ),
     ABSORBING: ABSORBING_SAMPLER,
 }

@@ -3,7 +3,7 @@ MLflow registry), rebuild its strategy from the checkpoint's own record, and str
 
 Samplers (`--sampler`): `auto` runs the strategy's own; the others are accepted where the strategy's
 registration lists them (`DLLMStrategy.samplers`); `strategies.registry.SAMPLERS`, derived from the
-registrations, says what each one does and which settings it reads.
+registrations, says what each one does and which settings it reads (`settings_line` echoes only those).
 """
 
 from __future__ import annotations
@@ -100,6 +100,21 @@ def default_temperature(sampler: str) -> float:
 def default_top_p(temperature: float) -> float:
     """Evaluation's nucleus when sampling; irrelevant (1.0) at temperature 0."""
     return EvalConfig().top_p if temperature > 0 else 1.0
+
+
+def settings_line(sampler: str, config: SamplerConfig, seed: int) -> str:
+    """The settings `dllm-flow generate` echoes before it decodes: only those the sampler reads (its
+    `SamplerInfo.decoding` and `.settings`), so a setting it ignores is not shown as if it applied (no cache for
+    a sampler that caches nothing, no steps or cuts for the speculative decoder); the sampler and seed always."""
+    info = SAMPLERS[sampler]
+    shown = {
+        "steps": ("steps" in info.decoding, config.steps),
+        "temperature": ("temperature" in info.settings, config.temperature),
+        "top-p": ("top_p" in info.settings, config.top_p),
+        "top-k": ("top_k" in info.settings, config.top_k),
+        "cache": ("cache" in info.decoding, config.cache),
+    }
+    return ", ".join([f"sampler {sampler}", *(f"{k} {v}" for k, (read, v) in shown.items() if read), f"seed {seed}"])
 
 
 @dataclass(frozen=True)
