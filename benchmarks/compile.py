@@ -40,7 +40,15 @@ def _child(args) -> None:
     fused = make_head_deferrable(model)
     if args.mode == "compiled":
         compile_layers(model)
-    trainee = Trainee(model, tokenizer, built.strategy, built.loss_fn, built.mask_token_id, "fp32", fused)
+    trainee = Trainee(
+        model=model,
+        tokenizer=tokenizer,
+        strategy=built.strategy,
+        loss_fn=built.loss_fn,
+        mask_token_id=built.mask_token_id,
+        precision="fp32",
+        fused_head=fused,
+    )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, vocab - 1, (args.batch, args.seq), generator=g)
     mbs = [Microbatch(ids, torch.ones_like(ids), torch.ones_like(ids))]

@@ -213,7 +213,9 @@ def throughput(report: Report, device: str, smoke: bool, work: Path, peak: float
         params = sum(p.numel() for p in trainee.model.parameters())
         opt, sched = make_optimizer(trainee.model, OptimSettings.of(spec.train))
         split = Split.open(data.path, "train")
-        run = LoopRun(trainee, trainee.model, opt, sched, split, split, device)
+        run = LoopRun(
+            trainee=trainee, stepper=trainee.model, opt=opt, sched=sched, train=split, val=split, device=device
+        )
         settings = LoopSettings.of(spec.train, name)
         times, measured = [], None
         for step in range(8):

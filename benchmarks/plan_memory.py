@@ -155,7 +155,7 @@ def measure(spec, name: str, work: Path, inputs: dict) -> tuple[int, int, int]:
     data = StageRef("prepare_data", "plan", str(work / "data"))
     trainee = build_trainee(spec, name, data, "cpu", inputs)
     opt, sched = make_optimizer(trainee.model, OptimSettings.of(spec.train))
-    run = LoopRun(trainee, trainee.model, opt, sched, None, None, "cpu")
+    run = LoopRun(trainee=trainee, stepper=trainee.model, opt=opt, sched=sched, train=None, val=None, device="cpu")
     settings = LoopSettings.of(spec.train, name)
     t = spec.train
     config = getattr(trainee.strategy, "target", trainee.model).config  # a DFlash draft's vocabulary: its target's

@@ -78,10 +78,14 @@ def main() -> None:
 
     pipe_model = copy.deepcopy(base)
     strategy = MDLMStrategy()
-    trainee = Trainee(pipe_model, None, strategy, strategy.create_loss_fn(), mask_id)
+    trainee = Trainee(
+        model=pipe_model, tokenizer=None, strategy=strategy, loss_fn=strategy.create_loss_fn(), mask_token_id=mask_id
+    )
     pipe_opt, pipe_sched = make_optimizer(pipe_model, OptimSettings.of(spec.train))
     split = Split(data, loss_mask, attn)
-    run = LoopRun(trainee, pipe_model, pipe_opt, pipe_sched, split, split, "cpu")
+    run = LoopRun(
+        trainee=trainee, stepper=pipe_model, opt=pipe_opt, sched=pipe_sched, train=split, val=split, device="cpu"
+    )
     settings = LoopSettings.of(spec.train, "benchmark")
     bare_model = copy.deepcopy(base)
     bare_opt, _ = make_optimizer(bare_model, OptimSettings.of(spec.train))

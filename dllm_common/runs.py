@@ -32,7 +32,7 @@ class StageStatus:
     error: str | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunRecord:
     run_id: str
     pipeline: str

@@ -159,12 +159,12 @@ def dllm_pipeline(
     )
     wd = check_workdir(workdir)
     record = RunRecord(
-        run_id or RunRecord.new_id(),
-        spec.pipeline.name,
-        str(config_path),
-        overrides,
-        spec.model_dump(mode="json"),
-        config_sha256(spec),
+        run_id=run_id or RunRecord.new_id(),
+        pipeline=spec.pipeline.name,
+        config_path=str(config_path),
+        overrides=overrides,
+        config=spec.model_dump(mode="json"),
+        config_sha256=config_sha256(spec),
         prefect_flow_run_id=str(flow_run.id or ""),
         resumed_from=resumed_from,
     )

@@ -357,16 +357,16 @@ def evaluate(spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRe
         val = tuple(t[: spec.eval.val_rows].to(device) for t in load_split(data.path, "val"))
         model = load_trained_model(ckpt, device)
         ev = Evaluation(
-            spec,
-            strategy,
-            model,
-            checkpoint_tokenizer(ckpt, model),
-            read_meta(ckpt)["mask_token_id"],
-            ckpt,
-            val,
-            device,
-            scorer,
-            val_documents(data, spec.eval.val_rows, device),
+            spec=spec,
+            strategy=strategy,
+            model=model,
+            tokenizer=checkpoint_tokenizer(ckpt, model),
+            mask_id=read_meta(ckpt)["mask_token_id"],
+            ckpt=ckpt,
+            val=val,
+            device=device,
+            scorer=scorer,
+            val_documents=val_documents(data, spec.eval.val_rows, device),
         )
         run = dflash_evaluation if strategy_class(strategy).evaluation == "speculative" else _dllm_evaluation
         result = run(ev)

@@ -124,9 +124,18 @@ def _pretrain_settings(spec: PipelineSpec) -> tuple[LoopSettings, OptimSettings]
     """`dflash.pretrain:` as the training loop's settings (no checkpoints) and its optimizer's."""
     p = spec.dflash.pretrain
     loop = LoopSettings(
-        p.steps, p.batch_size, p.batch_size, p.seed, 1.0, p.log_every, p.val_every, p.val_rows, None, "pretrain_target"
+        steps=p.steps,
+        global_batch_size=p.batch_size,
+        micro_batch_size=p.batch_size,
+        seed=p.seed,
+        grad_clip=1.0,
+        log_every=p.log_every,
+        val_every=p.val_every,
+        val_rows=p.val_rows,
+        checkpoint_every=None,
+        name="pretrain_target",
     )
-    return loop, OptimSettings(p.steps, p.lr, p.warmup_steps)
+    return loop, OptimSettings(steps=p.steps, lr=p.lr, warmup_steps=p.warmup_steps)
 
 
 def _new_target(spec: PipelineSpec, vocab_size: int):
@@ -171,15 +180,17 @@ def _pretrain(spec: PipelineSpec, data: StageRef, workdir: str, parent_run_id: s
     opt, sched = make_optimizer(model, optim)
     tracker = _pretrain_tracker(spec, workdir, data, parent_run_id, key)
     objective = CausalLMObjective()
-    trainee = Trainee(model, tokenizer, objective, objective.create_loss_fn(), 0)
+    trainee = Trainee(
+        model=model, tokenizer=tokenizer, strategy=objective, loss_fn=objective.create_loss_fn(), mask_token_id=0
+    )
     run = LoopRun(
-        trainee,
-        model,
-        opt,
-        sched,
-        Split.open(data.path, "train"),
-        Split.open(data.path, "val"),
-        device,
+        trainee=trainee,
+        stepper=model,
+        opt=opt,
+        sched=sched,
+        train=Split.open(data.path, "train"),
+        val=Split.open(data.path, "val"),
+        device=device,
         tracker=tracker,
     )
     t0 = time.perf_counter()

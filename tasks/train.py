@@ -93,7 +93,7 @@ def check_inputs(spec: PipelineSpec, strategy: str, inputs: dict | None) -> dict
     return inputs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainJob:
     """What one training needs, as small descriptors (what crosses to torchrun ranks and workers)."""
 
@@ -124,7 +124,13 @@ class TrainJob:
         inputs = {name: StageRef(**ref) for name, ref in raw["inputs"].items()}
         spec = validate_config(raw["spec"], "torchrun args")
         return cls(
-            spec, raw["strategy"], StageRef(**raw["data"]), raw["workdir"], raw["parent_run_id"], raw["key"], inputs
+            spec=spec,
+            strategy=raw["strategy"],
+            data=StageRef(**raw["data"]),
+            workdir=raw["workdir"],
+            parent_run_id=raw["parent_run_id"],
+            key=raw["key"],
+            inputs=inputs,
         )
 
     @property
@@ -225,21 +231,21 @@ def setup_run(job: TrainJob, dist: distributed.DistInfo) -> LoopRun:
         where = layout(dist.world, cfg.parallel, device, cfg.nnodes)
         tracker.set_tags({f"dllm.layout.{k}": v for k, v in where.items()})
     return LoopRun(
-        trainee,
-        stepper,
-        opt,
-        sched,
-        train_split,
-        val_split,
-        device,
-        dist,
-        tracker,
-        checkpointer,
-        checkpoint_meta(job, trainee, tracker.run_id if tracker else None),
-        start,
-        tracker.last_step("train/loss") if (start and tracker) else -1,
-        checkpointer.pending_metrics() if resuming else [],
-        skipped,
+        trainee=trainee,
+        stepper=stepper,
+        opt=opt,
+        sched=sched,
+        train=train_split,
+        val=val_split,
+        device=device,
+        dist=dist,
+        tracker=tracker,
+        checkpointer=checkpointer,
+        checkpoint_meta=checkpoint_meta(job, trainee, tracker.run_id if tracker else None),
+        start=start,
+        logged_upto=tracker.last_step("train/loss") if (start and tracker) else -1,
+        pending=checkpointer.pending_metrics() if resuming else [],
+        skipped=skipped,
     )
 
 
@@ -353,7 +359,9 @@ def train(
     With `train.nproc_per_node > 1` this launches torchrun and every rank runs the training loop."""
     inputs = check_inputs(spec, strategy, inputs)
     stage, key = stage_of(spec, strategy, data, workdir, inputs)
-    job = TrainJob(spec, strategy, data, workdir, parent_run_id, key, inputs)
+    job = TrainJob(
+        spec=spec, strategy=strategy, data=data, workdir=workdir, parent_run_id=parent_run_id, key=key, inputs=inputs
+    )
     if distributed.node_rank(spec.train) > 0:
         return _follow(job)
     entry, reused = store_for(workdir).reuse_or_build(stage, key, lambda out: _build(job, out))

@@ -168,7 +168,7 @@ def _publish(staging: Path, out: Path) -> None:
 # ------------------------------------------------------------------ the checkpoint
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Source:
     """The verified checkpoint: its record, config, tokenizer and weights (LoRA merged)."""
 
@@ -212,16 +212,16 @@ class Source:
         check_vocabulary(ckpt, tokenizer, None if draft else config.get("vocab_size"))
         tensors, verbatim, merged = _checkpoint_tensors(ckpt, config)
         return cls(
-            ckpt,
-            ref,
-            meta,
-            config,
-            tokenizer,
-            tokenizer_files,
-            tensors,
-            verbatim,
-            merged,
-            checkpoint_digest(ckpt),
+            path=ckpt,
+            ref=ref,
+            meta=meta,
+            config=config,
+            tokenizer=tokenizer,
+            tokenizer_files=tokenizer_files,
+            tensors=tensors,
+            verbatim=verbatim,
+            lora_merged=merged,
+            digest=checkpoint_digest(ckpt),
         )
 
 

@@ -21,7 +21,7 @@ from strategies.options import resolve_options
 from strategies.seeding import seeded_generator
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Evaluation:
     """What an evaluation reads: the trained model and its tokenizer, the validation rows, the scorer."""
 

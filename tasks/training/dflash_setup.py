@@ -259,5 +259,10 @@ def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, in
     cache = CachedFeatures(features_dir(inputs["features"])) if "features" in inputs else None
     built = draft_strategy(name, options, draft, target, mask_token_id=mask_id, cache=cache)
     return Trainee(
-        draft.to(device), tokenizer, built.strategy, built.loss_fn, built.mask_token_id, spec.train.precision
+        model=draft.to(device),
+        tokenizer=tokenizer,
+        strategy=built.strategy,
+        loss_fn=built.loss_fn,
+        mask_token_id=built.mask_token_id,
+        precision=spec.train.precision,
     )

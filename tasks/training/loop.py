@@ -31,7 +31,7 @@ from tasks.training.runtime import DataOrder, Split, Trainee
 VAL_SEED_OFFSET = 1_000_000_007  # validation noise: its own fixed stream, the same at every evaluation
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoopSettings:
     steps: int
     global_batch_size: int
@@ -51,23 +51,23 @@ class LoopSettings:
     def of(cls, train, name: str) -> LoopSettings:
         """From a `TrainConfig`."""
         return cls(
-            train.steps,
-            train.global_batch_size,
-            train.micro_batch_size,
-            train.seed,
-            train.grad_clip,
-            train.log_every,
-            train.val_every,
-            train.val_rows,
-            train.checkpoint_every,
-            name,
-            train.skip_nonfinite_steps,
-            train.lr,
-            train.warmup_steps,
+            steps=train.steps,
+            global_batch_size=train.global_batch_size,
+            micro_batch_size=train.micro_batch_size,
+            seed=train.seed,
+            grad_clip=train.grad_clip,
+            log_every=train.log_every,
+            val_every=train.val_every,
+            val_rows=train.val_rows,
+            checkpoint_every=train.checkpoint_every,
+            name=name,
+            skip_nonfinite_steps=train.skip_nonfinite_steps,
+            lr=train.lr,
+            warmup_steps=train.warmup_steps,
         )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoopRun:
     """What the loop runs on. `stepper` is the module the step calls (the DDP wrapper under DDP)."""
 

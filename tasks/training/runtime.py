@@ -40,7 +40,7 @@ def tracking_for(spec: PipelineSpec, workdir: str | Path) -> Tracking:
 # ------------------------------------------------------------------ optimization
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimSettings:
     """AdamW and its warmup + decay schedule; `train:` and `dflash.pretrain:` both reduce to this."""
 
@@ -57,14 +57,14 @@ class OptimSettings:
     def of(cls, train) -> OptimSettings:
         """From a `TrainConfig`."""
         return cls(
-            train.steps,
-            train.lr,
-            train.warmup_steps,
-            train.schedule,
-            train.min_lr_ratio,
-            tuple(train.betas),
-            train.weight_decay,
-            train.grad_clip,
+            steps=train.steps,
+            lr=train.lr,
+            warmup_steps=train.warmup_steps,
+            schedule=train.schedule,
+            min_lr_ratio=train.min_lr_ratio,
+            betas=tuple(train.betas),
+            weight_decay=train.weight_decay,
+            grad_clip=train.grad_clip,
         )
 
 
@@ -142,7 +142,7 @@ class Split:
 # ------------------------------------------------------------------ the trained bundle
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Trainee:
     """Everything a run of the loop holds: model, tokenizer, strategy, loss and resolved mask id."""
 

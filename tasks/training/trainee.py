@@ -94,7 +94,13 @@ def denoiser_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str)
     if spec.train.compile:
         compile_layers(model)
     return Trainee(
-        model.to(device), tokenizer, built.strategy, built.loss_fn, built.mask_token_id, spec.train.precision, fused
+        model=model.to(device),
+        tokenizer=tokenizer,
+        strategy=built.strategy,
+        loss_fn=built.loss_fn,
+        mask_token_id=built.mask_token_id,
+        precision=spec.train.precision,
+        fused_head=fused,
     )
 
 

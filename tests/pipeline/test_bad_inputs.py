@@ -389,7 +389,15 @@ def test_a_recorded_run_resumes_only_where_its_tracking_server_answers(tmp_path,
     from flows.cli import main
 
     uri = f"http://127.0.0.1:{free_port()}"
-    record = RunRecord("20261201-000000-bbbbbb", "p", "c.yaml", [], {"tracking": {"uri": uri}}, "0" * 64, pid=None)
+    record = RunRecord(
+        run_id="20261201-000000-bbbbbb",
+        pipeline="p",
+        config_path="c.yaml",
+        overrides=[],
+        config={"tracking": {"uri": uri}},
+        config_sha256="0" * 64,
+        pid=None,
+    )
     record.status = "FAILED"
     record.save(tmp_path)
     capsys.readouterr()

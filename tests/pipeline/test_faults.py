@@ -190,7 +190,8 @@ def test_sigkill_while_saving_a_run_record_keeps_the_previous_one(tmp_path):
     code = f"""
     from pathlib import Path
     from dllm_common.runs import RunRecord
-    r = RunRecord("20261201-000000-aaaaaa", "p", "c.yaml", [], {{}}, "0" * 64, pid=None)
+    r = RunRecord(run_id="20261201-000000-aaaaaa", pipeline="p", config_path="c.yaml", overrides=[], config={{}},
+                  config_sha256="0" * 64, pid=None)
     r.save(Path({str(tmp_path)!r}))
     r.stage("train[mdlm]").status = "RUNNING"
     r.save(Path({str(tmp_path)!r}))
@@ -435,7 +436,15 @@ def test_prepared_rows_deleted_under_a_run_name_the_entry_and_the_resume_that_re
         "`dllm-flow run` again, sets what is left of it aside and rebuilds it"
     )
     # the pipeline that hits it names its own run, and the name survives a trip through another process
-    record = RunRecord("20261201-000000-cccccc", "p", "c.yaml", [], {}, "0" * 64, pid=None)
+    record = RunRecord(
+        run_id="20261201-000000-cccccc",
+        pipeline="p",
+        config_path="c.yaml",
+        overrides=[],
+        config={},
+        config_sha256="0" * 64,
+        pid=None,
+    )
     _record_end(err.value, record, tmp_path, SimpleNamespace(close=lambda status: None))
     resumable = pickle.loads(pickle.dumps(err.value))
     assert f"`dllm-flow resume {record.run_id}`, or the same `dllm-flow run` again" in str(resumable)

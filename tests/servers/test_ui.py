@@ -290,7 +290,15 @@ def test_an_existing_experiment_is_marked_a_training_experiment(tmp_path):
 def _record(workdir: Path, run_id: str, flow_run_id: str, started_at: float) -> None:
     from dllm_common.runs import RunRecord
 
-    record = RunRecord(run_id, "tiny", "configs/smoke.yaml", [], {}, "0" * 64, prefect_flow_run_id=flow_run_id)
+    record = RunRecord(
+        run_id=run_id,
+        pipeline="tiny",
+        config_path="configs/smoke.yaml",
+        overrides=[],
+        config={},
+        config_sha256="0" * 64,
+        prefect_flow_run_id=flow_run_id,
+    )
     record.started_at, record.status, record.pid = started_at, "COMPLETED", None
     record.save(workdir)
 

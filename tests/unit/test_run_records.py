@@ -10,7 +10,16 @@ from flows.cli import main
 
 
 def _record(workdir, run_id, status="COMPLETED"):
-    record = RunRecord(run_id, "smoke", "configs/smoke.yaml", [], {}, "0" * 64, status=status, pid=None)
+    record = RunRecord(
+        run_id=run_id,
+        pipeline="smoke",
+        config_path="configs/smoke.yaml",
+        overrides=[],
+        config={},
+        config_sha256="0" * 64,
+        status=status,
+        pid=None,
+    )
     record.stage("train[mdlm]").status = "COMPLETED"
     record.save(workdir)
     return record
@@ -40,7 +49,16 @@ def test_a_late_save_from_another_thread_never_overwrites_a_newer_state(tmp_path
 
     import dllm_common.runs as runs
 
-    record = RunRecord("r1", "smoke", "configs/smoke.yaml", [], {}, "0" * 64, status="RUNNING", pid=None)
+    record = RunRecord(
+        run_id="r1",
+        pipeline="smoke",
+        config_path="configs/smoke.yaml",
+        overrides=[],
+        config={},
+        config_sha256="0" * 64,
+        status="RUNNING",
+        pid=None,
+    )
     first, release, write = threading.Event(), threading.Event(), runs.atomic_write_text
 
     def slow_first_write(path, text):

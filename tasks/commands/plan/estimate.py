@@ -87,7 +87,7 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Resident:
     """Bytes one rank holds besides the step's activations."""
 
@@ -124,18 +124,36 @@ class Resident:
             working = root_w + root_g + 2 * layer_w + layer_g
             update = shard(grads) if device == "cuda" else 2 * shard(largest)
             sharded = shard(weights) + buffers
-            return cls(count, count_trained, sharded, shard(grads), 2 * shard(grads), frozen_bytes, working, update)
+            return cls(
+                parameters=count,
+                trainable=count_trained,
+                weights=sharded,
+                gradients=shard(grads),
+                optimizer=2 * shard(grads),
+                frozen=frozen_bytes,
+                working=working,
+                update=update,
+            )
         # AdamW on CUDA updates every tensor at once (foreach): one temporary the size of the moments' square root;
         # on CPU one tensor at a time, with two temporaries of it
         update = grads if device == "cuda" else 2 * largest
         working = grads if lay.parallel == "ddp" else 0  # DDP's buckets are a second copy of the gradients
-        return cls(count, count_trained, weights + buffers, grads, 2 * grads, frozen_bytes, working, update)
+        return cls(
+            parameters=count,
+            trainable=count_trained,
+            weights=weights + buffers,
+            gradients=grads,
+            optimizer=2 * grads,
+            frozen=frozen_bytes,
+            working=working,
+            update=update,
+        )
 
 
 VARIANTS = ((True, False), (False, False), (True, True), (False, True))  # (fused head, activation checkpointing)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StrategyPlan:
     """One strategy's plan: per rank, at the configured micro-batch unless noted."""
 
@@ -224,19 +242,19 @@ def plan_strategy(
     seconds = flops / rate
     tokens = spec.data.seq_len
     return StrategyPlan(
-        name,
-        lay,
-        res,
-        acts,
-        chosen,
-        act,
-        max(during, update),
-        more,
-        max_rows,
-        flops / (tokens * lay.rows * lay.micro_batches),
-        seconds,
-        t.global_batch_size * tokens / seconds,
-        notes,
+        strategy=name,
+        layout=lay,
+        resident=res,
+        activations=acts,
+        configured=chosen,
+        step_activations=act,
+        peak=max(during, update),
+        per_row=more,
+        max_rows=max_rows,
+        flops_per_token=flops / (tokens * lay.rows * lay.micro_batches),
+        step_seconds=seconds,
+        tokens_per_second=t.global_batch_size * tokens / seconds,
+        notes=notes,
     )
 
 
