@@ -33,10 +33,10 @@ def cmd_validate(args) -> int:
     """One JSON document: the resolved config, and each strategy's options exactly as training uses them
     (`null` there is resolved when the model is built: mask_token_id → the tokenizer's [MASK],
     vocab_size → the model's vocabulary; a DFlash block_size of 0 → the draft checkpoint's)."""
-    from strategies.options import check_spec, load_config
+    from strategies.options import load_config, printed_options
 
     spec = load_config(args.config, args.set)
-    options = {name: opts.model_dump(mode="json") for name, opts in check_spec(spec).items()}
+    options = printed_options(spec)  # no mask_token_id for a strategy that never reads one
     print(json.dumps({"config": spec.model_dump(mode="json"), "strategy_options": options}, indent=2))
     return 0
 
