@@ -29,8 +29,8 @@ from strategies.causal import CausalLMObjective
 from strategies.model_files import resolve_model_path
 from strategies.models import build_model, set_token_ids, tiny_model_config
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
+from tasks.data.tokenizer import load_tokenizer
 from tasks.evaluation.scoring import load_causal_lm, save_dequantized
-from tasks.prepare_data import load_tokenizer
 from tasks.training.loop import LoopRun, LoopSettings, train_loop
 from tasks.training.runtime import OptimSettings, Split, Trainee, make_optimizer, stage_device, tracking_for
 
