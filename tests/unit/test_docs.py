@@ -188,3 +188,89 @@ def test_the_layout_check_would_catch_a_missing_repeated_or_invented_name():
         and "tasks/training/lop.py" in named
         and named.count("strategies/scdd/") == 2
     )
+
+
+# ---------------------------------------------------------------- the strategy lists, derived from the registry
+
+STRATEGY_DOCS = ("README.md", "docs/strategies.md", "docs/architecture.md")
+NUMBER_WORDS = "one two three four five six seven eight nine ten eleven twelve".split()
+# "all six train…", "the six strategies", "of the six strategies": the registry's count, written as a word
+REGISTRY_COUNT = re.compile(r"\b(?:all|the|of the) (\w+)\s+(?:strategies|train)\b", re.IGNORECASE)
+COMPARE_COUNT = re.compile(r"\bthe (\w+) dLLM strategies\b")  # configs/compare.yaml's list
+SAMPLER_CHOICES = re.compile(r"--sampler auto((?:\|[\w-]+)+)")
+
+
+def _registry():
+    from strategies.registry import REGISTRY, SAMPLERS
+
+    return list(REGISTRY), sorted(SAMPLERS)
+
+
+def _first_column(table_start: str, text: str) -> list[str]:
+    """The backticked name opening each row of the markdown table after the line that contains `table_start`."""
+    lines = text.split(table_start, 1)[1].splitlines()[1:]
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return [m.group(1) for m in (re.match(r"\| `(\w+)`", row) for row in rows[2:]) if m]
+
+
+def test_the_strategy_tables_list_the_registered_strategies_in_order():
+    names, _ = _registry()
+    readme = (ROOT / "README.md").read_text()
+    listed = _first_column("Strategies plug in behind one API", readme)
+    assert listed == names, f"README.md's strategy table lists {listed}; the registry has {names}"
+    strategies_md = (ROOT / "docs/strategies.md").read_text()
+    listed = _first_column("strategies at a glance", strategies_md)
+    assert listed == names, f"docs/strategies.md's table at a glance lists {listed}; the registry has {names}"
+    # every config the README's table names ships
+    table = readme.split("Strategies plug in behind one API", 1)[1].split("\n\n", 2)[1]
+    assert all((ROOT / "configs" / config).is_file() for config in re.findall(r"`([\w-]+\.yaml)`", table))
+    # one §8 section per strategy, and the package listing of "How a strategy plugs in"
+    sections = re.findall(r"^### §8\.\d+ `(\w+)`", strategies_md, re.MULTILINE)
+    assert sections == names, f"docs/strategies.md §8 has sections for {sections}; the registry has {names}"
+    architecture = (ROOT / "docs/architecture.md").read_text()
+    listing = re.search(r"^  ((?:\w+/ )+\w+/)$", architecture, re.MULTILINE)
+    packages = listing.group(1).replace("/", "").split() if listing else []
+    assert packages == names, f"docs/architecture.md's package listing has {packages}; the registry has {names}"
+
+
+def test_the_strategy_counts_are_the_registrys():
+    import yaml
+
+    names, _ = _registry()
+    compared = yaml.safe_load((ROOT / "configs/compare.yaml").read_text())["pipeline"]["strategies"]
+    found = 0
+    for doc in STRATEGY_DOCS:
+        text = (ROOT / doc).read_text()
+        for pattern, count in ((REGISTRY_COUNT, len(names)), (COMPARE_COUNT, len(compared))):
+            for match in pattern.finditer(text):
+                word = match.group(1).lower()
+                if word in NUMBER_WORDS:
+                    found += 1
+                    assert NUMBER_WORDS.index(word) + 1 == count, f"{doc}: {match.group(0)!r}, but there are {count}"
+    assert found >= 4  # README's "all six" and "of the six", strategies.md's two, the compare counts
+
+
+def test_the_sampler_choices_are_the_registered_samplers():
+    _, samplers = _registry()
+    found = 0
+    for doc in STRATEGY_DOCS:
+        for match in SAMPLER_CHOICES.finditer((ROOT / doc).read_text()):
+            found += 1
+            assert sorted(match.group(1).strip("|").split("|")) == samplers, f"{doc}: --sampler auto{match.group(1)}"
+    assert found >= 1
+
+
+def test_the_samplers_by_strategy_table_is_the_registrations():
+    """docs/strategies.md §11.3: each strategy's samplers, its own first, as its registration declares them."""
+    from strategies.registry import REGISTRY
+
+    section = (ROOT / "docs/strategies.md").read_text().split("### §11.3", 1)[1].split("\n### ", 1)[0]
+    rows = re.findall(r"^\| (\w+) \| ((?:`[\w-]+`(?:, )?)+) \|", section, re.MULTILINE)
+    table = {name: re.findall(r"`([\w-]+)`", samplers) for name, samplers in rows}
+    declared = {name: list(reg.samplers) for name, reg in REGISTRY.items()}
+    assert table == declared, f"docs/strategies.md §11.3 says {table}; the registrations declare {declared}"
