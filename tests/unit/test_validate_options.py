@@ -21,3 +21,14 @@ def test_validate_prints_a_mask_id_only_for_strategies_that_read_one(config):
             assert "mask_token_id" not in values and values == {k: v for k, v in full.items() if k != "mask_token_id"}
     if config == "compare.yaml":
         assert printed["mdlm"]["mask_token_id"] == 7 and "mask_token_id" not in printed["block_diffusion"]
+
+
+def test_dllm_flow_validate_prints_them(capsys):
+    import json
+
+    from flows.cli import main
+
+    assert main(["validate", str(ROOT / "configs/compare.yaml"), "--set", "dllm.mask_token_id=7"]) == 0
+    printed = json.loads(capsys.readouterr().out)["strategy_options"]
+    assert printed == printed_options(load_config(ROOT / "configs/compare.yaml", ["dllm.mask_token_id=7"]))
+    assert "mask_token_id" not in printed["block_diffusion"] and printed["mdlm"]["mask_token_id"] == 7
