@@ -75,6 +75,7 @@ def cmd_generate(args) -> int:
         default_temperature,
         default_top_p,
         resolve_checkpoint,
+        settings_line,
     )
     from tasks.evaluation.trained_model import load_for_generation
     from tasks.training.runtime import resolve_device
@@ -102,13 +103,9 @@ def cmd_generate(args) -> int:
     chat = (loaded.meta.get("chat", False) or args.chat) and not args.raw
     for prompt in args.prompt:  # refuse a prompt that does not fit before echoing any
         check_request(loaded, Request(prompt, sampler, config, args.seed, chat, args.infill))
-    print(
-        f"[dllm-flow] {ckpt} ({loaded.meta['strategy']}, sampler {sampler}, steps {args.steps}, "
-        f"temperature {temperature}, top-p {config.top_p}, top-k {config.top_k}, cache {config.cache}, "
-        f"seed {args.seed})",
-        file=sys.stderr,
-        flush=True,
-    )
+    # only the settings the sampler reads (no cache for a cacheless sampler)
+    shown = settings_line(sampler, config, args.seed)
+    print(f"[dllm-flow] {ckpt} ({loaded.meta['strategy']}, {shown})", file=sys.stderr, flush=True)
     for i, prompt in enumerate(args.prompt):
         print(f"[Prompt {i}] {prompt}", flush=True)
         _generate_one(loaded, Request(prompt, sampler, config, args.seed, chat, args.infill), device)

@@ -78,3 +78,29 @@ def unverified_entries(workdir) -> list[str]:
         entry = StageEntry(entry_dir.parent.name, entry_dir.name, entry_dir)
         problems += [f"{entry_dir}: {p}" for p in store.verify(entry)]
     return problems
+
+
+def cli(*args, workdir=None, timeout=600, api=None):
+    """`dllm-flow ARGS` in a fresh interpreter; `api` points it at a running Prefect server (the
+    `prefect_api` fixture) instead of letting it boot a temporary one."""
+    import os
+
+    cmd = [sys.executable, "-m", "flows.cli", *args] + (["--workdir", str(workdir)] if workdir else [])
+    env = {**os.environ, "PREFECT_API_URL": api} if api else None
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def latest_record(workdir):
+    """The newest run record a `dllm-flow run` left in `workdir`."""
+    records = sorted((workdir / "runs").glob("*.json"))
+    return json.loads(records[-1].read_text())
+
+
+def metric_history(workdir, run_id, key):
+    """[(step, value)] of metric `key` of MLflow run `run_id` in a workdir's own tracking store."""
+    from mlflow.tracking import MlflowClient
+
+    from dllm_common.tracking import default_tracking_uri
+
+    client = MlflowClient(default_tracking_uri(workdir))
+    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]

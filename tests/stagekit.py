@@ -115,3 +115,23 @@ def _generate_with_every_sampler(strategy, trained, cls) -> None:
         )
         out = generate(loaded, Request("O", check_sampler(strategy, sampler, False), config), "cpu", pieces.append)
         assert out.nfe >= 1 and "".join(pieces) == out.text, sampler
+
+
+def dflash_spec(tiny_spec, **dflash):
+    """The tests' tiny pipeline as a DFlash one: a 1-layer draft over a small pretrained target."""
+    from strategies.options import validate_config
+
+    raw = tiny_spec.model_dump(mode="json")
+    raw["pipeline"]["strategies"] = ["dflash"]
+    raw["model"].update(hidden_size=32, num_layers=1, num_heads=2)
+    raw["train"].update(steps=16, val_every=4)
+    raw["dflash"] = {
+        "pretrain": {"num_layers": 4, "num_heads": 2, "steps": 30, "batch_size": 8, "val_every": 10, "val_rows": 8},
+        "block_size": 4,
+        "num_blocks_per_sample": 2,
+        "eval_prompts": 2,
+        "eval_prompt_len": 8,
+        "eval_max_new_tokens": 8,
+        **dflash,
+    }
+    return validate_config(raw)

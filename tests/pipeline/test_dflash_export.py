@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dflash_stages import _dflash_spec
+from stagekit import dflash_spec
 
 from dllm_common.checkpoint import write_checkpoint
 from strategies.dflash.config import (
@@ -41,7 +41,7 @@ RECORDS = {"dllm.json", "digests.json", "README.md", "generation_config.json"}
 
 def _spec(tiny_spec, **changes):
     """A 2-layer GQA draft (4 query heads, 2 key/value heads) reading target layers 1 and 2, online features."""
-    raw = _dflash_spec(tiny_spec, target_layer_ids=[1, 2], target_features="online").model_dump(mode="json")
+    raw = dflash_spec(tiny_spec, target_layer_ids=[1, 2], target_features="online").model_dump(mode="json")
     raw["model"].update(num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48)
     raw["train"].update(steps=6, val_every=3)
     for key, value in changes.items():

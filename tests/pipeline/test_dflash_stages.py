@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from stagekit import through_the_stages
+from runkit import metric_history
+from stagekit import dflash_spec, through_the_stages
 
 from dllm_common.config import ConfigError
 from strategies.options import validate_config
@@ -19,29 +20,12 @@ from tasks.target import target
 from tasks.train import model_dir, train
 
 
-def _dflash_spec(tiny_spec, **dflash):
-    raw = tiny_spec.model_dump(mode="json")
-    raw["pipeline"]["strategies"] = ["dflash"]
-    raw["model"].update(hidden_size=32, num_layers=1, num_heads=2)
-    raw["train"].update(steps=16, val_every=4)
-    raw["dflash"] = {
-        "pretrain": {"num_layers": 4, "num_heads": 2, "steps": 30, "batch_size": 8, "val_every": 10, "val_rows": 8},
-        "block_size": 4,
-        "num_blocks_per_sample": 2,
-        "eval_prompts": 2,
-        "eval_prompt_len": 8,
-        "eval_max_new_tokens": 8,
-        **dflash,
-    }
-    return validate_config(raw)
-
-
 @pytest.fixture(scope="module")
 def dflash_run(prepared, tiny_spec, tmp_path_factory):
     """One chain of stages in a fresh workdir (the prepared data is shared with the other tests)."""
     data, _ = prepared
     workdir = str(tmp_path_factory.mktemp("dflash"))
-    spec = _dflash_spec(tiny_spec)
+    spec = dflash_spec(tiny_spec)
     tgt = target(spec, data, workdir)
     feats = cache_target(spec, tgt, data, workdir)
     trained = train(spec, "dflash", data, workdir, inputs={"target": tgt, "features": feats})
@@ -49,12 +33,7 @@ def dflash_run(prepared, tiny_spec, tmp_path_factory):
 
 
 def _history(workdir, run_id, key):
-    from mlflow.tracking import MlflowClient
-
-    from dllm_common.tracking import default_tracking_uri
-
-    client = MlflowClient(default_tracking_uri(workdir))
-    return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+    return [v for _, v in metric_history(workdir, run_id, key)]
 
 
 def test_pretrained_target_learns_and_is_a_frozen_causal_lm(dflash_run):
@@ -172,7 +151,7 @@ def test_a_copy_hint_draft_trains_evaluates_and_keeps_its_setting(dflash_run):
 def test_cached_and_online_features_train_the_same_draft(prepared, tiny_spec, tmp_path):
     """fp32 cache vs a target forward every step: the same loss curve and the same weights."""
     data, _ = prepared
-    spec = _dflash_spec(tiny_spec, cache_dtype="fp32")
+    spec = dflash_spec(tiny_spec, cache_dtype="fp32")
     spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": 6, "val_every": 3})})
     wd = str(tmp_path)
     tgt = target(spec, data, wd)
@@ -209,9 +188,9 @@ def test_two_workers_never_build_the_same_cache(dflash_run, tmp_path):
 def test_errors_name_what_to_change(dflash_run, tiny_spec):
     spec, data, workdir, tgt, feats, _ = dflash_run
     with pytest.raises(ConfigError, match="dflash.block_size must be at least 2"):
-        _dflash_spec(tiny_spec, block_size=1)
+        dflash_spec(tiny_spec, block_size=1)
     with pytest.raises(ConfigError, match="target_features"):
-        _dflash_spec(tiny_spec, target_features="disk")
+        dflash_spec(tiny_spec, target_features="disk")
     with pytest.raises(ValueError, match="needs its target stage"):
         train(spec, "dflash", data, workdir)
     wide = validate_config(
@@ -237,11 +216,11 @@ def test_errors_name_what_to_change(dflash_run, tiny_spec):
 def test_the_draft_trains_the_same_sharded_by_fsdp2_on_two_processes(prepared, tiny_spec, tmp_path):
     """FSDP2 over the draft (tasks/training/distributed.py shards each of its `layers`, then the whole draft; gloo, 2
     CPU processes): the same training losses and published weights as one process."""
-    from test_distributed import _metric_history, compare_published
     from test_distributed import _spec as layout
+    from test_distributed import compare_published
 
     data, _ = prepared
-    raw = _dflash_spec(tiny_spec, target_layer_ids=[1, 2]).model_dump(mode="json")
+    raw = dflash_spec(tiny_spec, target_layer_ids=[1, 2]).model_dump(mode="json")
     raw["model"].update(num_layers=2, num_heads=4, num_kv_heads=2)
     base = validate_config(raw)
     shared = str(tmp_path / "shared")
@@ -251,8 +230,8 @@ def test_the_draft_trains_the_same_sharded_by_fsdp2_on_two_processes(prepared, t
     for nproc, parallel in ((1, "ddp"), (2, "fsdp2")):
         spec = base.model_copy(update={"train": layout(base, nproc, parallel).train})
         runs[nproc] = train(spec, "dflash", data, str(tmp_path / str(nproc)), inputs=inputs)
-    a = _metric_history(tmp_path / "1", runs[1].mlflow_run_id, "train/loss")
-    b = _metric_history(tmp_path / "2", runs[2].mlflow_run_id, "train/loss")
+    a = metric_history(tmp_path / "1", runs[1].mlflow_run_id, "train/loss")
+    b = metric_history(tmp_path / "2", runs[2].mlflow_run_id, "train/loss")
     assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 6
     assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 1e-5
     weights = compare_published(runs[1], runs[2])
@@ -264,7 +243,7 @@ def test_the_draft_trains_the_same_sharded_by_fsdp2_on_two_processes(prepared, t
 def test_dflash_pipeline_runs_and_a_second_draft_reuses_target_and_cache(tmp_path, prefect_api):
     """`dllm-flow run configs/dflash.yaml` (shrunk): pretrain_target → regenerate → cache_target → train →
     evaluate → report; a rerun with another draft learning rate reuses the target, its text and the cache."""
-    from test_pipeline import cli
+    from runkit import cli
 
     shrink = [
         "--set",
@@ -352,7 +331,7 @@ def test_a_local_target_is_keyed_by_the_digest_of_its_weights(prepared, tiny_spe
     vocab = len(load_tokenizer(f"{data.path}/tokenizer"))
     local = tmp_path / "my-target"
     build_model(tiny_model_config("qwen3", vocab, 32, 32, 4, 2, None, None, False), 0).save_pretrained(local)
-    spec = _dflash_spec(tiny_spec, target_model_id=str(local))
+    spec = dflash_spec(tiny_spec, target_model_id=str(local))
     wd = str(tmp_path / "w")
     ref = target(spec, data, wd)
     assert ref.stage == "target" and ref.info["model_path"] == str(local.resolve()) and ref.info["num_layers"] == 4

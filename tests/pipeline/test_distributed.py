@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_train import _metric_history
+from runkit import metric_history
 
 from tasks.train import model_dir, train
 
@@ -115,8 +115,8 @@ def test_every_layout_publishes_what_evaluation_loads(
     assert not two.reused and two.mlflow_run_id
     label = f"{strategy}/{'tied' if tied else 'untied'}/{nproc}x{parallel}/{'async' if asynchronous else 'sync'}"
     for key in ("train/loss", "val/loss"):
-        a = _metric_history(one_dir, one.mlflow_run_id, key)
-        b = _metric_history(tmp_path, two.mlflow_run_id, key)
+        a = metric_history(one_dir, one.mlflow_run_id, key)
+        b = metric_history(tmp_path, two.mlflow_run_id, key)
         assert [s for s, _ in a] == [s for s, _ in b] and len(a) >= 2
         diff = max(abs(x - y) for (_, x), (_, y) in zip(a, b))
         print(f"[measured] {label} {key}: max |1 proc − layout| = {diff:.2e} over {len(a)} steps")
@@ -132,13 +132,13 @@ def test_every_layout_publishes_what_evaluation_loads(
 
 def test_dflash_draft_under_two_gloo_processes_matches_one_process(prepared, tiny_spec, tmp_path):
     """DDP over the DFlash draft (target frozen on every rank, cached features read per global row)."""
-    from test_dflash_stages import _dflash_spec
+    from stagekit import dflash_spec
 
     from tasks.cache_target import cache_target
     from tasks.target import target
 
     data, _ = prepared
-    base = _dflash_spec(tiny_spec)
+    base = dflash_spec(tiny_spec)
     shared = str(tmp_path / "shared")
     tgt = target(base, data, shared)
     inputs = {"target": tgt, "features": cache_target(base, tgt, data, shared)}
@@ -146,8 +146,8 @@ def test_dflash_draft_under_two_gloo_processes_matches_one_process(prepared, tin
     for nproc in (1, 2):
         spec = base.model_copy(update={"train": _spec(base, nproc).train})
         runs[nproc] = train(spec, "dflash", data, str(tmp_path / str(nproc)), inputs=inputs)
-    a = _metric_history(tmp_path / "1", runs[1].mlflow_run_id, "train/loss")
-    b = _metric_history(tmp_path / "2", runs[2].mlflow_run_id, "train/loss")
+    a = metric_history(tmp_path / "1", runs[1].mlflow_run_id, "train/loss")
+    b = metric_history(tmp_path / "2", runs[2].mlflow_run_id, "train/loss")
     assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 6
     assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 1e-5
 
@@ -221,7 +221,7 @@ def test_two_nodes_of_one_process_train_like_one_process(prepared, tiny_spec, tm
 
 
 def _losses(workdir, ref):
-    return _metric_history(workdir, ref.mlflow_run_id, "train/loss")
+    return metric_history(workdir, ref.mlflow_run_id, "train/loss")
 
 
 @pytest.mark.parametrize(

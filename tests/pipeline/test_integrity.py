@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from test_train import _metric_history
+from runkit import metric_history
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dllm_common import faults
@@ -73,7 +73,7 @@ def test_a_nan_loss_stops_the_training_at_that_step_and_resume_can_skip_it(prepa
     assert "resuming from the step-2 checkpoint" in out
     assert "the loss is nan at step 4; step skipped, no update (1 of at most 1: train.skip_nonfinite_steps)" in out
     assert json.loads((model_dir(ref) / "dllm.json").read_text())["skipped_steps"] == 1
-    assert [v for _, v in _metric_history(work, ref.mlflow_run_id, "train/skipped_steps")][-1] == 1
+    assert [v for _, v in metric_history(work, ref.mlflow_run_id, "train/skipped_steps")][-1] == 1
     assert _registered(work) == ["t-mdlm"]
 
 

@@ -141,7 +141,7 @@ def code_that_runs():
 def test_every_module_whose_code_runs_in_a_stage_is_in_its_key(tiny_spec, tmp_path):
     """The mdlm chain (prepare_data → train → evaluate → report) and the DFlash chain (pretrain_target →
     cache_target → train[dflash]) on tiny data: what each stage ran is in its key."""
-    from test_dflash_stages import _dflash_spec
+    from stagekit import dflash_spec
 
     from tasks.cache_target import cache_target
     from tasks.evaluate import evaluate
@@ -160,7 +160,7 @@ def test_every_module_whose_code_runs_in_a_stage_is_in_its_key(tiny_spec, tmp_pa
         evaluated = evaluate(tiny_spec, "mdlm", trained, data, workdir)
     with code_that_runs() as ran["tasks.report"]:
         report("t", [trained], [evaluated], workdir)
-    spec = _dflash_spec(tiny_spec)
+    spec = dflash_spec(tiny_spec)
     with code_that_runs() as ran["tasks.target"]:
         tgt = target(spec, data, workdir)
     with code_that_runs() as ran["tasks.cache_target"]:

@@ -7,18 +7,9 @@ import sys
 
 import pytest
 from conftest import ROOT
+from runkit import cli, latest_record
 
 pytestmark = pytest.mark.slow
-
-
-def cli(*args, workdir=None, timeout=600, api=None):
-    """`dllm-flow ARGS` in a fresh interpreter; `api` points it at a running Prefect server (the
-    `prefect_api` fixture) instead of letting it boot a temporary one."""
-    import os
-
-    cmd = [sys.executable, "-m", "flows.cli", *args] + (["--workdir", str(workdir)] if workdir else [])
-    env = {**os.environ, "PREFECT_API_URL": api} if api else None
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def cli_here(capsys, *args, workdir=None):
@@ -34,11 +25,6 @@ def cli_here(capsys, *args, workdir=None):
         code = main([*args] + (["--workdir", str(workdir)] if workdir else []))
     out = capsys.readouterr()
     return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
-
-
-def latest_record(workdir):
-    records = sorted((workdir / "runs").glob("*.json"))
-    return json.loads(records[-1].read_text())
 
 
 def stage_status(record):
@@ -124,6 +110,8 @@ def test_generate_streams_from_the_registry_and_the_store_alike(smoke_run, capsy
     assert by_alias.returncode == 0, by_alias.stderr[-2000:]
     assert by_alias.stdout.startswith("[Prompt 0] To be\n")
     assert "NFE 8, " in by_alias.stderr and "tokens/s" in by_alias.stderr
+    # the echoed settings are those the sampler reads (tasks.commands.generate.settings_line)
+    assert "(mdlm, sampler llada, steps 8, temperature " in by_alias.stderr and ", seed 3)" in by_alias.stderr
     entry = next((workdir / "store" / "train").glob("*/model"))
     by_path = cli_here(capsys, "generate", "--checkpoint", str(entry.parent), *args, workdir=workdir)
     assert by_path.returncode == 0 and by_path.stdout == by_alias.stdout  # same weights, same seed, same text

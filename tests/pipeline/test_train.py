@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from conftest import ROOT
+from runkit import metric_history
 from stagekit import through_the_stages
 
 import tasks.train as train_mod
@@ -13,15 +14,6 @@ from dllm_common.checkpoint import verify_checkpoint
 from strategies.registry import REGISTRY
 from tasks.train import train
 from tasks.training.runtime import DataOrder, OptimSettings, lr_lambda
-
-
-def _metric_history(workdir, run_id, key):
-    from mlflow.tracking import MlflowClient
-
-    from dllm_common.tracking import default_tracking_uri
-
-    client = MlflowClient(default_tracking_uri(workdir))
-    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
 
 
 def test_data_order_covers_each_epoch_once():
@@ -41,8 +33,8 @@ def test_training_loss_falls(prepared, tiny_spec, tmp_path):
     data, _ = prepared
     spec = tiny_spec.model_copy(update={"train": tiny_spec.train.model_copy(update={"steps": 40, "val_every": 5})})
     ref = train(spec, "mdlm", data, str(tmp_path))
-    assert len(_metric_history(tmp_path, ref.mlflow_run_id, "train/loss")) == 40
-    val = [v for _, v in _metric_history(tmp_path, ref.mlflow_run_id, "val/loss")]  # fixed noise: comparable
+    assert len(metric_history(tmp_path, ref.mlflow_run_id, "train/loss")) == 40
+    val = [v for _, v in metric_history(tmp_path, ref.mlflow_run_id, "val/loss")]  # fixed noise: comparable
     assert len(val) == 8 and val[-1] < 0.9 * val[0] and min(val[4:]) < min(val[:2])
     verify_checkpoint(train_mod.model_dir(ref))
 
@@ -86,8 +78,8 @@ def test_killed_stage_resumes_from_checkpoint_exactly(prepared, tiny_spec, tmp_p
     wb = load_file(str(train_mod.model_dir(resumed) / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     # MLflow continued the same child run: every step once, no gaps, same values
-    hist_full = _metric_history(tmp_path / "full", full.mlflow_run_id, "train/loss")
-    hist_res = _metric_history(tmp_path / "resumed", resumed.mlflow_run_id, "train/loss")
+    hist_full = metric_history(tmp_path / "full", full.mlflow_run_id, "train/loss")
+    hist_res = metric_history(tmp_path / "resumed", resumed.mlflow_run_id, "train/loss")
     assert [s for s, _ in hist_res] == list(range(tiny_spec.train.steps))
     assert [v for _, v in hist_res] == [v for _, v in hist_full]
     assert not work.exists()

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, free_port, stack_env, stop_group
-from test_pipeline import latest_record
-from test_train import _metric_history
+from runkit import latest_record, metric_history
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +107,7 @@ def losses(workdir: Path) -> list[tuple[int, float]]:
     record = latest_record(workdir)
     assert record["status"] == "COMPLETED", record
     run_id = next(s for s in record["stages"] if s["name"] == "train[mdlm]")["mlflow_run_id"]
-    return _metric_history(workdir, run_id, "train/loss")
+    return metric_history(workdir, run_id, "train/loss")
 
 
 SMOKE = [

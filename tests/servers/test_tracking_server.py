@@ -7,7 +7,7 @@ import sys
 
 import pytest
 from conftest import free_port, stop_group, wait_http
-from test_pipeline import cli, latest_record
+from runkit import cli, latest_record
 
 pytestmark = pytest.mark.slow
 

@@ -384,8 +384,8 @@ def test_a_killed_training_resumes_to_the_uninterrupted_weights(exported, prepar
     run's (the export fixture's) bit for bit, and so do the logged losses."""
     import json
 
+    from runkit import metric_history
     from safetensors.torch import load_file
-    from test_train import _metric_history
 
     import tasks.training.loop as loop_mod
     from tasks.train import model_dir, train
@@ -417,7 +417,7 @@ def test_a_killed_training_resumes_to_the_uninterrupted_weights(exported, prepar
     )
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     losses = [
-        _metric_history(w, r.mlflow_run_id, "train/loss") for w, r in ((out.parent.parent, full), (tmp_path, resumed))
+        metric_history(w, r.mlflow_run_id, "train/loss") for w, r in ((out.parent.parent, full), (tmp_path, resumed))
     ]
     assert losses[0] == losses[1] and [s for s, _ in losses[1]] == list(range(6))
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from runkit import metric_history
 from safetensors.torch import load_file
-from test_train import _metric_history
 
 from dllm_common.checkpoint import load_weights_into
 from dllm_common.config import PeftConfig
@@ -91,7 +91,7 @@ def test_lora_training_trains_adapters_only_and_publishes_them(prepared, tiny_sp
         update={"model": spec.model.model_copy(update={"kind": "pretrained", "path": str(model_dir(base))})}
     )
     trained = train(spec, "mdlm", data, str(tmp_path))
-    val = [v for _, v in _metric_history(tmp_path, trained.mlflow_run_id, "val/loss")]
+    val = [v for _, v in metric_history(tmp_path, trained.mlflow_run_id, "val/loss")]
     assert val[-1] < val[0]
     adapter = load_file(str(__import__("pathlib").Path(trained.path) / "adapter" / "adapter_model.safetensors"))
     assert (
@@ -123,10 +123,10 @@ def test_bf16_autocast_trains(prepared, tiny_spec, tmp_path):
     data, _ = prepared
     fp32 = train(_spec(tiny_spec), "mdlm", data, str(tmp_path / "fp32"))
     bf16 = train(_spec(tiny_spec, precision="bf16"), "mdlm", data, str(tmp_path / "bf16"))
-    a = _metric_history(tmp_path / "fp32", fp32.mlflow_run_id, "train/loss")
-    b = _metric_history(tmp_path / "bf16", bf16.mlflow_run_id, "train/loss")
+    a = metric_history(tmp_path / "fp32", fp32.mlflow_run_id, "train/loss")
+    b = metric_history(tmp_path / "bf16", bf16.mlflow_run_id, "train/loss")
     assert a[0][1] != b[0][1] and abs(a[0][1] - b[0][1]) < 0.05 * a[0][1]  # bf16 really ran, and is close
-    val = [v for _, v in _metric_history(tmp_path / "bf16", bf16.mlflow_run_id, "val/loss")]
+    val = [v for _, v in metric_history(tmp_path / "bf16", bf16.mlflow_run_id, "val/loss")]
     assert val[-1] < val[0] - 0.3
 
 
@@ -144,7 +144,7 @@ def test_fused_head_trains_the_same_curve_as_full_logits(prepared, tiny_spec, tm
     curves = {}
     for fused in (True, False):
         run = train(_spec(tiny_spec, fused_head=fused), "hybrid", data, str(tmp_path / str(fused)))
-        curves[fused] = [v for _, v in _metric_history(tmp_path / str(fused), run.mlflow_run_id, "train/loss")]
+        curves[fused] = [v for _, v in metric_history(tmp_path / str(fused), run.mlflow_run_id, "train/loss")]
     assert len(curves[True]) == len(curves[False]) > 2
     assert max(abs(a - b) for a, b in zip(curves[True], curves[False])) < 1e-4
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import denoiser_strategies
-from test_dflash_stages import _dflash_spec
+from stagekit import dflash_spec
 from transformers import AutoConfig, AutoTokenizer
 
 from dllm_common.config import ConfigError, validate_schema
@@ -88,7 +88,7 @@ def test_the_dflash_target_a_draft_and_its_exports_name_the_tokenizers_ids(prepa
     from tasks.target import target as target_stage
 
     data, _ = prepared
-    raw = _dflash_spec(tiny_spec, target_layer_ids=[1, 2], target_features="online").model_dump(mode="json")
+    raw = dflash_spec(tiny_spec, target_layer_ids=[1, 2], target_features="online").model_dump(mode="json")
     raw["train"].update(steps=2, val_every=2, checkpoint_every=2, warmup_steps=1)
     raw["dflash"]["pretrain"].update(steps=4, val_every=2, warmup_steps=1)
     spec = validate_schema(raw)
