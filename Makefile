@@ -24,6 +24,9 @@ UV_FIND_LINKS_FLAGS = $(patsubst %,--find-links %,$(sort $(shell $(PY) -m pip co
 	| sed -n "s/^[^=]*\.find-links=.\(.*\).$$/\1/p")))
 UV_PIP = $(UV) pip install --python $(PY) --compile-bytecode
 WORKDIR ?= work/quickstart
+# pytest-xdist workers for `make test` (tests/conftest.py: one test file per unit of work); TEST_WORKERS=0 runs it
+# in one process
+TEST_WORKERS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
@@ -79,7 +82,7 @@ compare: install  # mdlm, scdd, hybrid, idlm, block_diffusion on one prepared da
 test: install chromium  # formatter and linter first (ruff, see pyproject.toml), then the suite
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
 
 # ---- operations: Prefect + MLflow servers, work pools, deployments, workers (see deployments/prefect.yaml)
 server: install  # Prefect server (:4200) and MLflow server (:5000) on 127.0.0.1, until Ctrl-C; DB=postgres [DB_URL=...], SERVER_HOST=

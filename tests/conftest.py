@@ -14,7 +14,8 @@ for key, value in {
 # every process this session starts inherits this mark, so the end-of-session check (pytest_sessionfinish below)
 # finds those that outlived their test even once reparented to init or inside a test's network namespace
 SESSION_MARK = "DLLM_TEST_SESSION"
-os.environ[SESSION_MARK] = f"{os.getpid()}-{os.urandom(6).hex()}"
+if "PYTEST_XDIST_WORKER" not in os.environ:  # an xdist worker keeps its controller's mark, which checks at the end
+    os.environ[SESSION_MARK] = f"{os.getpid()}-{os.urandom(6).hex()}"
 
 from pathlib import Path  # noqa: E402
 
@@ -47,6 +48,25 @@ def _environment_does_not_outlive_its_test():
     for key, value in before.items():
         if os.environ.get(key) != value:
             os.environ[key] = value
+
+
+# ---------------------------------------------------------------- how `make test` spreads the suite over workers
+
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`): most
+# of the long tests wait on servers and subprocesses, so a second worker uses the second core. Each test file is
+# one unit of work, run whole on one worker, so a module's fixtures (a trained model, a server, a pipeline run)
+# are built once; the units are handed out in this order, the folders of the long tests first.
+KIND_ORDER = ("servers", "pipeline", "unit")
+
+
+def pytest_collection_modifyitems(config, items):
+    def kind(item) -> int:
+        folder = Path(str(item.path)).parent.name
+        return KIND_ORDER.index(folder) if folder in KIND_ORDER else len(KIND_ORDER)
+
+    items.sort(key=kind)  # stable: file order and test order within a file are kept
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(Path(str(item.path)).relative_to(ROOT).as_posix()))
 
 
 @pytest.fixture(scope="session")
