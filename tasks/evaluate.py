@@ -99,7 +99,7 @@ def check_samples_fit(spec: PipelineSpec, data: StageRef) -> None:
     """Each eval prompt, tokenized as evaluation will, plus `eval.sample_length` fits the context of the model that
     samples it (the rule and wording of `dllm-flow generate`'s own check). Run once the data's tokenizer exists and
     before any training: a sample beyond the context decodes for minutes and means nothing. Config load has
-    already refused what the config alone shows (dllm_common/config.py: PipelineSpec)."""
+    already refused what the config alone shows (dllm_common/config/spec.py: PipelineSpec)."""
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
     e = spec.eval
     texts = list(e.prompts[: e.num_samples]) or ["O"]
