@@ -6,7 +6,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+
+try:
+    from conftest import ROOT
+except ModuleNotFoundError:  # run as a script: python tests/unit/test_layering.py [ROOT]
+    from pathlib import Path
+
+    ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = ["flows", "tasks", "strategies", "dllm_common"]
 
@@ -158,3 +164,60 @@ def test_flows_import_with_torch_blocked():
     out = subprocess.run([sys.executable, "-c", BLOCK_TORCH], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
+
+
+# ---------------------------------------------------------------- the layout as a table
+
+MAX_MODULE_LINES = 500  # a longer module is several modules (split it along its seams)
+
+
+def layout_table(root) -> list[tuple[str, int, int, str, str]]:
+    """One row per folder of the four layers: (folder, modules, lines, its longest module with its line count,
+    the other folders of the project its modules import). `python tests/unit/test_layering.py [ROOT]` prints it:
+    the structure drawing of a checkout, as text."""
+    from collections import defaultdict
+
+    folders = defaultdict(list)
+    for layer in LAYERS:
+        for path in sorted((root / layer).rglob("*.py")):
+            folders[path.parent.relative_to(root).as_posix()].append(path)
+    rows = []
+    for folder, paths in sorted(folders.items()):
+        sizes = {p.name: len(p.read_text().splitlines()) for p in paths}
+        longest = max(sizes, key=sizes.get)
+        layer = folder.split("/")[0]
+        graph = import_graph(root, layer)
+        own = {_module_name(p, root) for p in paths}
+        targets = set()
+        for mod in own:
+            for name in graph.get(mod, ()):
+                package = (root / name.replace(".", "/")).is_dir()
+                target = (name if package else name.rpartition(".")[0]).replace(".", "/")
+                if not (package and folder.startswith(target + "/")):  # a parent package runs, it is not used
+                    targets.add(target)
+        for path in paths:  # the layers below, by package
+            targets |= {pkg for pkg in _imported_packages(path) if pkg in LAYERS and pkg != layer}
+        targets = sorted(t for t in targets if t and t != folder and t in folders)
+        rows.append((folder, len(paths), sum(sizes.values()), f"{longest} {sizes[longest]}", ", ".join(targets)))
+    return rows
+
+
+def format_layout(rows) -> str:
+    header = ("folder", "modules", "lines", "longest module", "imports")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
+
+
+def test_the_layout_table_covers_every_module_and_none_is_too_long():
+    rows = layout_table(ROOT)
+    modules = [p for layer in LAYERS for p in (ROOT / layer).rglob("*.py")]
+    assert sum(r[1] for r in rows) == len(modules)
+    assert sum(r[2] for r in rows) == sum(len(p.read_text().splitlines()) for p in modules)
+    too_long = [f"{r[0]}/{r[3]}" for r in rows if int(r[3].split()[-1]) > MAX_MODULE_LINES]
+    assert too_long == []
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    print(format_layout(layout_table(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)))
