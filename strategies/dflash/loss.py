@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from strategies.dflash.prefix import prefix_decay_weights
 from strategies.losses import DLLMLossOutput
 
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper App. A.1 decay γ by block size
@@ -26,6 +27,9 @@ class DFlashDecayLoss(nn.Module):
 
     `normalize="tokens"`: ÷ max(num_tokens, 1) when given, else unnormalized; `"mean"`: ÷ (Σ W + 1e-6).
     Returns `DLLMLossOutput` with per-offset correct/count sums when the block layout is known.
+    `prefix` (`[B, N]`, `loss_type: variable_prefix`): block n of row b showed the draft its first p tokens after
+    the anchor; those predictions weigh 0 and the decay restarts after them, `exp(−(k − 1 − p)/γ)`
+    (`strategies.dflash.prefix.prefix_decay_weights`; p = 0 everywhere is the plain decay).
     Subclasses change only the position weights (`position_weights`; D-PACE: `DFlashDPACELoss`).
     """
 
@@ -49,16 +53,33 @@ class DFlashDecayLoss(nn.Module):
         w = torch.exp(-torch.arange(per, device=device, dtype=torch.float32) / self.loss_gamma)
         return w.repeat(math.ceil(length / per))[:length]
 
-    def position_weights(self, nll: Tensor, block_mask: Tensor, block_size: int | None) -> Tensor:
-        """Weight of every predicted position, `[1 or B, T]`, before the block mask: the fixed decay."""
-        return self.weights(nll.shape[1], block_size, nll.device)[None]
+    def position_weights(
+        self, nll: Tensor, block_mask: Tensor, block_size: int | None, prefix: Tensor | None = None
+    ) -> Tensor:
+        """Weight of every predicted position, `[1 or B, T]`, before the block mask: the fixed decay, restarted
+        after each block's shown prefix when `prefix` is given."""
+        if prefix is None:
+            return self.weights(nll.shape[1], block_size, nll.device)[None]
+        if not block_size or nll.shape[1] != prefix.shape[1] * (block_size - 1):
+            raise ValueError(
+                f"prefix lengths need the block layout: {nll.shape[1]} predictions, {prefix.shape[1]} blocks, "
+                f"block size {block_size}"
+            )
+        return prefix_decay_weights(prefix.to(nll.device), block_size, self.loss_gamma)
 
     def _reduce(
-        self, nll: Tensor, correct: Tensor, block_mask: Tensor, num_tokens, block_size, ce: Tensor | None = None
+        self,
+        nll: Tensor,
+        correct: Tensor,
+        block_mask: Tensor,
+        num_tokens,
+        block_size,
+        ce: Tensor | None = None,
+        prefix: Tensor | None = None,
     ) -> DLLMLossOutput:
         """`nll`: −log q(true token) per prediction (it sets D-PACE's weights); `ce`: the term summed (the soft-label
         cross-entropy when the target's distribution is the label, else `nll` itself)."""
-        w = self.position_weights(nll, block_mask, block_size) * block_mask.float()
+        w = self.position_weights(nll, block_mask, block_size, prefix) * block_mask.float()
         total = ((nll if ce is None else ce).float() * w).sum()
         if self.normalize == "mean":
             total = total / (w.sum() + 1e-6)
@@ -80,9 +101,10 @@ class DFlashDecayLoss(nn.Module):
         num_tokens=None,
         block_size: int | None = None,
         soft: SoftLabels | None = None,
+        prefix: Tensor | None = None,
     ) -> DLLMLossOutput:
         nll, ce, correct = _token_losses(logits, target_ids, soft)
-        return self._reduce(nll, correct, block_mask, num_tokens, block_size, ce)
+        return self._reduce(nll, correct, block_mask, num_tokens, block_size, ce, prefix)
 
     def forward_fused(
         self,
@@ -94,6 +116,7 @@ class DFlashDecayLoss(nn.Module):
         block_size: int | None = None,
         lm_head_bias: Tensor | None = None,
         soft: SoftLabels | None = None,
+        prefix: Tensor | None = None,
     ) -> DLLMLossOutput:
         """Chunks of `chunk_size` rows through linear + CE under activation checkpointing: the
         [B·T, V] logits never stay alive for backward."""
@@ -110,7 +133,7 @@ class DFlashDecayLoss(nn.Module):
             labels = () if flat_soft is None else (flat_soft.ids[rows], flat_soft.probs[rows])
             parts.append(checkpoint(chunk, flat[rows], tgt[rows], *labels, use_reentrant=False))
         nll, ce, correct = (torch.cat(p).view_as(target_ids) for p in zip(*parts))
-        return self._reduce(nll, correct, block_mask, num_tokens, block_size, ce)
+        return self._reduce(nll, correct, block_mask, num_tokens, block_size, ce, prefix)
 
 
 class SoftLabels(NamedTuple):
@@ -184,7 +207,11 @@ class DFlashDPACELoss(DFlashDecayLoss):
             raise ValueError(f"the D-PACE smoothing alpha must be in (0, 1], got {alpha}")
         self.alpha = float(alpha)
 
-    def position_weights(self, nll: Tensor, block_mask: Tensor, block_size: int | None) -> Tensor:
+    def position_weights(
+        self, nll: Tensor, block_mask: Tensor, block_size: int | None, prefix: Tensor | None = None
+    ) -> Tensor:
+        if prefix is not None:
+            raise ValueError("the D-PACE loss has no shown prefix: loss_type is dpace or variable_prefix, not both")
         if not block_size or block_size < 2:
             raise ValueError("the D-PACE loss needs the block size (block_size=...) to find each block")
         return dpace_weights(nll, block_mask, block_size, self.alpha)

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from dllm_common.config import ConfigError, PipelineSpec
 from strategies.registration import Registration, SamplerInfo, StrategyOptions
 
 SPECULATIVE = "speculative"  # the draft proposes a block, the frozen target verifies it
+VARIABLE_PREFIX = "variable_prefix"
+PREFIX_WEIGHT_BASE = 0.9  # D2SD / NeMo Automodel's default base of the prefix-length prior
 
 
 class DFlashOptions(StrategyOptions):
@@ -19,8 +21,11 @@ class DFlashOptions(StrategyOptions):
 
     block_size: int = Field(0, ge=0)
     loss_decay_gamma: float = 0.0
-    loss_type: Literal["decay", "dpace"] = "decay"  # position weights: fixed exp decay, or D-PACE (§5.7)
+    # position weights: fixed exp decay, D-PACE, or the decay behind a shown prefix of random length (§5.7)
+    loss_type: Literal["decay", "dpace", "variable_prefix"] = "decay"
     dpace_alpha: float = Field(0.5, ge=0, le=1)  # D-PACE's confidence floor α (§5.7)
+    # variable_prefix: Pr(p tokens shown after the anchor) ∝ base^p, p = 1 … bs − 2 (< 1 favours short prefixes)
+    prefix_weight_base: float = Field(PREFIX_WEIGHT_BASE, gt=0)
     # 0: each prediction's label is the row's token; k > 0: the target's top-k next-token distribution there
     # (renormalized), EAGLE's distillation target; the cache_target stage stores it (docs/strategies.md §10.7)
     distill_top_k: int = Field(0, ge=0)
@@ -43,8 +48,34 @@ class DFlashOptions(StrategyOptions):
             raise ValueError("dflash.block_size must be at least 2 (or 0 to read it from the draft checkpoint)")
         return value
 
+    @field_validator("loss_type")
+    @classmethod
+    def _prefix_room(cls, value: str, info: ValidationInfo) -> str:
+        if value == VARIABLE_PREFIX and info.data.get("block_size") == 2:
+            raise ValueError(variable_prefix_block_problem(2))
+        return value
+
+    @field_validator("prefix_weight_base")
+    @classmethod
+    def _base_for_variable_prefix(cls, value: float, info: ValidationInfo) -> float:
+        """A base other than the default with another loss type (the default is in every dump of the options,
+        so a checkpoint's recorded options load back; a key written in the config is refused by
+        `check_against`)."""
+        loss_type = info.data.get("loss_type", VARIABLE_PREFIX)  # absent: loss_type itself was refused
+        if loss_type != VARIABLE_PREFIX and value != PREFIX_WEIGHT_BASE:
+            raise ValueError(
+                f"dflash.prefix_weight_base ({value}) is the prefix prior of loss_type variable_prefix and does "
+                f"nothing with loss_type {loss_type}: drop it, or set dflash.loss_type: variable_prefix"
+            )
+        return value
+
     def check_against(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
         super().check_against(spec, where)
+        if self.loss_type != VARIABLE_PREFIX and "prefix_weight_base" in self.model_fields_set:
+            raise ConfigError(
+                f"{where('prefix_weight_base')} is the prefix prior of loss_type variable_prefix and does nothing "
+                f"with loss_type {self.loss_type}: drop it, or set loss_type: variable_prefix"
+            )
         d = spec.dflash
         if d.target_model_id is None and d.target_layer_ids is None and spec.model.kind == "tiny":
             # the embedded target and a new draft: both depths are in the config, so a draft too deep for its
@@ -77,6 +108,13 @@ class DFlashOptions(StrategyOptions):
         """The draft writes through the target's head: the target is built from the config's tokenizer only
         when the `pretrain_target` stage trains it (no `dflash.target_model_id`)."""
         return super().config_vocab_known(spec) and spec.dflash.target_model_id is None
+
+
+def variable_prefix_block_problem(block_size: int) -> str:
+    return (
+        f"dflash.loss_type variable_prefix needs dflash.block_size ≥ 3 (got {block_size}): a block of 2 predicts only "
+        "the token after its anchor, so no prefix can be shown before it; use a larger block or loss_type decay"
+    )
 
 
 def layer_count_problem(num_target_layers: int, num_draft_layers: int) -> str | None:

@@ -8,7 +8,8 @@ wrote. Both give the same loss on the same batch (tested).
 
 Anchors are drawn per row from generators seeded by (base seed, step, global sample index), like
 every other strategy's noise (fix docs/reference-differences.md G5), and the DFlash mask is always
-applied (fix docs/reference-differences.md G1).
+applied (fix docs/reference-differences.md G1). Under `loss_type: variable_prefix` each block's shown prefix
+length is drawn the same way, from a stream of the row's seed (`strategies.dflash.prefix`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from strategies.dflash.loss import (
     default_gamma,
     scored_blocks,
 )
-from strategies.dflash.options import SAMPLERS, DFlashOptions
+from strategies.dflash.options import SAMPLERS, VARIABLE_PREFIX, DFlashOptions, variable_prefix_block_problem
+from strategies.dflash.prefix import draw_prefix_lengths, prefix_generator, reveal_prefix
 from strategies.losses import DLLMLossOutput
 from strategies.registration import StrategyOptions
 from strategies.seeding import seeded_generator
@@ -43,13 +45,14 @@ class DFlashBlocks:
 
     anchors: Tensor  # [B, N] anchor positions
     keep: Tensor  # [B, N] which anchors are real
-    block_ids: Tensor  # [B, N·bs] the draft's input: anchor token, then [MASK]s
+    block_ids: Tensor  # [B, N·bs] the draft's input: anchor token (and a shown prefix), then [MASK]s
     targets: Tensor  # [B, N·(bs−1)] the tokens each block predicts
     block_mask: Tensor  # [B, N·(bs−1)] which predictions count
     features: Tensor  # [B, L, n·H] the target's hidden states at the draft's layers
     documents: Tensor | None = None  # [B, L] per-token document ids (packed rows, `dflash.document_mask`)
     soft: SoftLabels | None = None  # [B, N·(bs−1), k] the target's distribution per prediction (`distill_top_k`)
     hints: CopyHints | None = None  # [B, N·bs] the context lookup's proposals, for a `copy_hint` draft
+    prefix: Tensor | None = None  # [B, N] tokens shown after each anchor (`loss_type: variable_prefix`)
 
 
 class DFlashStrategy(DLLMStrategy):
@@ -112,10 +115,13 @@ class DFlashStrategy(DLLMStrategy):
 
     def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
         """The block loss (docs/strategies.md §5.7, §8.5): `loss_type` "decay" weights offset k by exp(−(k−1)/γ)
-        (γ ≤ 0: the paper's value for the block size); "dpace" by D-PACE's confidence-derived weights."""
+        (γ ≤ 0: the paper's value for the block size); "dpace" by D-PACE's confidence-derived weights;
+        "variable_prefix" is the decay loss, given each block's shown prefix by `forward_backward`."""
         options = self.options if dllm_cfg is None else self.coerce_options(dllm_cfg)
         if not options.block_size:
             raise ValueError("Cannot infer block_size from draft config. Set dflash.block_size in the YAML.")
+        if options.loss_type == VARIABLE_PREFIX and options.block_size < 3:  # a block size read from the draft
+            raise ValueError(variable_prefix_block_problem(options.block_size))
         if options.loss_type == "dpace":
             alpha = getattr(options, "dpace_alpha", DPACE_ALPHA)  # an options key once DFlashOptions declares it
             return DFlashDPACELoss(
@@ -178,10 +184,15 @@ class DFlashStrategy(DLLMStrategy):
     # ------------------------------------------------------------------ the step
 
     def pre_step(self, ctx: StepContext, microbatches: list[Microbatch]) -> tuple[list[CorruptedBatch], int, int]:
-        """Anchors (per-row seeded) and target features for every micro-batch; counts = Σ block_mask."""
+        """Anchors (per-row seeded) and target features for every micro-batch; counts = Σ block_mask.
+
+        `loss_type: variable_prefix` also draws each block's shown prefix (per-row seeded) in a step that has a
+        loss (`ctx.loss_fn`: training and its validation loss); without one (the evaluate stage's teacher-forced
+        acceptance) the blocks are anchor-only, as speculative decoding drafts them (docs/strategies.md §10.3)."""
         out, total = [], 0
         for i, mb in enumerate(microbatches):
-            gens = [seeded_generator(seed, "cpu") for seed in self.row_seeds(ctx, mb, i)]
+            seeds = self.row_seeds(ctx, mb, i)
+            gens = [seeded_generator(seed, "cpu") for seed in seeds]
             docs = mb.document_ids if self.options.document_mask else None
             blocks = sample_anchor_blocks(
                 mb.input_ids,
@@ -194,6 +205,13 @@ class DFlashStrategy(DLLMStrategy):
                 generators=gens,
                 document_ids=docs,
             )
+            prefix = None
+            if self.options.loss_type == VARIABLE_PREFIX and ctx.loss_fn is not None:
+                prefix_gens = [prefix_generator(seed) for seed in seeds]
+                base = self.options.prefix_weight_base
+                prefix = draw_prefix_lengths(prefix_gens, self.num_blocks, self.block_size, base)
+                prefix = prefix.to(mb.input_ids.device)
+                blocks = reveal_prefix(blocks, prefix, mb.attention_mask, self.block_size, docs)
             k = self.options.distill_top_k
             target = self.features(mb, labels=k > 0)
             soft = block_soft_labels(target.top, blocks.anchors, self.block_size, k) if k else None
@@ -211,6 +229,7 @@ class DFlashStrategy(DLLMStrategy):
                 docs,
                 soft,
                 hints,
+                prefix,
             )
             out.append(
                 CorruptedBatch(
@@ -247,10 +266,17 @@ class DFlashStrategy(DLLMStrategy):
                 block_size=bs,
                 lm_head_bias=getattr(head, "bias", None),
                 soft=e.soft,
+                prefix=e.prefix,
             )
         else:
             out = ctx.loss_fn(
-                head(pred), e.targets, e.block_mask, num_tokens=num_diffusion_tokens, block_size=bs, soft=e.soft
+                head(pred),
+                e.targets,
+                e.block_mask,
+                num_tokens=num_diffusion_tokens,
+                block_size=bs,
+                soft=e.soft,
+                prefix=e.prefix,
             )
         if is_train:
             (out.total_loss * ctx.loss_scale).backward()
