@@ -40,15 +40,7 @@ def _child(args) -> None:
     fused = make_head_deferrable(model)
     if args.mode == "compiled":
         compile_layers(model)
-    trainee = Trainee(
-        model=model,
-        tokenizer=tokenizer,
-        strategy=built.strategy,
-        loss_fn=built.loss_fn,
-        mask_token_id=built.mask_token_id,
-        precision="fp32",
-        fused_head=fused,
-    )
+    trainee = Trainee.assembled(model, tokenizer, built, "fp32", fused_head=fused)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, vocab - 1, (args.batch, args.seq), generator=g)
     mbs = [Microbatch(ids, torch.ones_like(ids), torch.ones_like(ids))]

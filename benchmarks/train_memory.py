@@ -51,15 +51,7 @@ def _child(args) -> None:
     model = wrap_for_architecture(lm, strategy_class(args.child).model_architecture, mask_token_id=mask_id)
     built = assemble_strategy(args.child, {"mask_token_id": mask_id}, model, tokenizer)
     fused = args.mode == "fused" and make_head_deferrable(model)
-    trainee = Trainee(
-        model=model,
-        tokenizer=tokenizer,
-        strategy=built.strategy,
-        loss_fn=built.loss_fn,
-        mask_token_id=built.mask_token_id,
-        precision="fp32",
-        fused_head=fused,
-    )
+    trainee = Trainee.assembled(model, tokenizer, built, "fp32", fused_head=fused)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, vocab - 1, (args.batch, args.seq), generator=g)
     loss_mask = torch.ones_like(ids)

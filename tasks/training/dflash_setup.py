@@ -258,11 +258,4 @@ def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, in
         setattr(draft.config, key, value)
     cache = CachedFeatures(features_dir(inputs["features"])) if "features" in inputs else None
     built = draft_strategy(name, options, draft, target, mask_token_id=mask_id, cache=cache)
-    return Trainee(
-        model=draft.to(device),
-        tokenizer=tokenizer,
-        strategy=built.strategy,
-        loss_fn=built.loss_fn,
-        mask_token_id=built.mask_token_id,
-        precision=spec.train.precision,
-    )
+    return Trainee.assembled(draft.to(device), tokenizer, built, spec.train.precision)

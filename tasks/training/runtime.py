@@ -154,6 +154,20 @@ class Trainee:
     precision: str = "fp32"
     fused_head: bool = False  # the model's LM head defers its logits to the loss (docs/strategies.md §5.9)
 
+    @classmethod
+    def assembled(cls, model, tokenizer, built, precision: str = "fp32", fused_head: bool = False) -> Trainee:
+        """The trainee of a strategy as `strategies.assemble_strategy` (or the DFlash draft's setup) built it:
+        its strategy, loss and resolved mask id."""
+        return cls(
+            model=model,
+            tokenizer=tokenizer,
+            strategy=built.strategy,
+            loss_fn=built.loss_fn,
+            mask_token_id=built.mask_token_id,
+            precision=precision,
+            fused_head=fused_head,
+        )
+
     @contextlib.contextmanager
     def forward_context(self):
         """What every training and validation forward runs under: bf16 autocast (`precision`) and, with

@@ -93,15 +93,7 @@ def denoiser_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str)
     fused = spec.train.fused_head and make_head_deferrable(model, spec.train.head_chunk_rows)
     if spec.train.compile:
         compile_layers(model)
-    return Trainee(
-        model=model.to(device),
-        tokenizer=tokenizer,
-        strategy=built.strategy,
-        loss_fn=built.loss_fn,
-        mask_token_id=built.mask_token_id,
-        precision=spec.train.precision,
-        fused_head=fused,
-    )
+    return Trainee.assembled(model.to(device), tokenizer, built, spec.train.precision, fused_head=fused)
 
 
 def compile_layers(model) -> int:

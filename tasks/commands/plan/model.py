@@ -206,15 +206,7 @@ class _Builder:
         built = assemble_strategy(self.name, self.options, model, _Stub(self.vocab, mask_id))
         head = make_head_deferrable(model, spec.train.head_chunk_rows) if fused else False
         self.deferrable = head or not fused and self.deferrable
-        return Trainee(
-            model=model,
-            tokenizer=None,
-            strategy=built.strategy,
-            loss_fn=built.loss_fn,
-            mask_token_id=built.mask_token_id,
-            precision=spec.train.precision,
-            fused_head=head,
-        )
+        return Trainee.assembled(model, None, built, spec.train.precision, fused_head=head)
 
     def _draft(self) -> Trainee:
         """A DFlash draft against its frozen target: the target from `dflash.target_model_id`'s config or the one
@@ -243,14 +235,7 @@ class _Builder:
         cache = _FakeFeatures(draft.config, options.distill_top_k, d.cache_dtype) if cached else None
         built = dflash_setup.draft_strategy(self.name, options, draft, target, mask_token_id=mask_id, cache=cache)
         self.frozen = target
-        return Trainee(
-            model=draft,
-            tokenizer=None,
-            strategy=built.strategy,
-            loss_fn=built.loss_fn,
-            mask_token_id=built.mask_token_id,
-            precision=spec.train.precision,
-        )
+        return Trainee.assembled(draft, None, built, spec.train.precision)
 
 
 @contextlib.contextmanager
