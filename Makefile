@@ -82,7 +82,7 @@ compare: install  # mdlm, scdd, hybrid, idlm, block_diffusion on one prepared da
 test: install chromium  # formatter and linter first (ruff, see pyproject.toml), then the suite
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # ---- operations: Prefect + MLflow servers, work pools, deployments, workers (see deployments/prefect.yaml)
 server: install  # Prefect server (:4200) and MLflow server (:5000) on 127.0.0.1, until Ctrl-C; DB=postgres [DB_URL=...], SERVER_HOST=

@@ -52,10 +52,10 @@ def _environment_does_not_outlive_its_test():
 
 # ---------------------------------------------------------------- how `make test` spreads the suite over workers
 
-# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`): most
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile --no-loadscope-reorder`): most
 # of the long tests wait on servers and subprocesses, so a second worker uses the second core. Each test file is
 # one unit of work, run whole on one worker, so a module's fixtures (a trained model, a server, a pipeline run)
-# are built once; the units are handed out in this order, the folders of the long tests first.
+# are built once; the files are handed out in this order, the folders of the long tests first.
 KIND_ORDER = ("servers", "pipeline", "unit")
 
 
@@ -65,8 +65,6 @@ def pytest_collection_modifyitems(config, items):
         return KIND_ORDER.index(folder) if folder in KIND_ORDER else len(KIND_ORDER)
 
     items.sort(key=kind)  # stable: file order and test order within a file are kept
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(Path(str(item.path)).relative_to(ROOT).as_posix()))
 
 
 @pytest.fixture(scope="session")
