@@ -24,9 +24,10 @@ UV_FIND_LINKS_FLAGS = $(patsubst %,--find-links %,$(sort $(shell $(PY) -m pip co
 	| sed -n "s/^[^=]*\.find-links=.\(.*\).$$/\1/p")))
 UV_PIP = $(UV) pip install --python $(PY) --compile-bytecode
 WORKDIR ?= work/quickstart
-# pytest-xdist workers for `make test` (tests/conftest.py: one test file per unit of work); TEST_WORKERS=0 runs it
-# in one process
-TEST_WORKERS ?= 2
+# pytest-xdist workers for `make test` (tests/conftest.py: one test file per unit of work). One process by default:
+# on 2 cores two workers were slower (2026-12-06: each long test trains or serves on both cores, so two at once
+# mostly wait on each other); TEST_WORKERS=4 on a machine with 8 or more cores
+TEST_WORKERS ?= 0
 export HF_HUB_OFFLINE ?= 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true

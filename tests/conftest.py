@@ -52,10 +52,10 @@ def _environment_does_not_outlive_its_test():
 
 # ---------------------------------------------------------------- how `make test` spreads the suite over workers
 
-# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile --no-loadscope-reorder`): most
-# of the long tests wait on servers and subprocesses, so a second worker uses the second core. Each test file is
-# one unit of work, run whole on one worker, so a module's fixtures (a trained model, a server, a pipeline run)
-# are built once; the files are handed out in this order, the folders of the long tests first.
+# `make test TEST_WORKERS=N` runs the suite on N pytest-xdist workers (`--dist loadfile --no-loadscope-reorder`):
+# each test file is one unit of work, run whole on one worker, so a module's fixtures (a trained model, a server,
+# a pipeline run) are built once; the files are handed out in this order, the folders of the long tests first.
+# (On 2 cores one process is faster: the long tests train or serve on both cores.)
 KIND_ORDER = ("servers", "pipeline", "unit")
 
 
