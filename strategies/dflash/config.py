@@ -21,6 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from strategies.dflash.dflash2_config import (
+    ARCHITECTURE2,
+    DFLASH,
+    DFLASH2,
+    SHAPE_DEFAULTS,
+    dflash2_config_fields,
+    dflash2_keys,
+    dflash2_problem,
+    parse_dflash2_fields,
+)
+
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG = "config.json"
 LEGACY_CONFIG = "dflash_draft.json"  # dllm-flow's own draft before the engines' layout: no longer read
@@ -75,6 +86,12 @@ class DFlashDraftConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     copy_hint: bool = False  # the draft also reads the context lookup's proposal (docs/strategies.md §10.9)
+    # "dflash2": DFlash 2's in-block convolutions and path selector, shaped by the four below (`dflash2_config`)
+    variant: str = DFLASH
+    conv_kernel_size: int = SHAPE_DEFAULTS["conv_kernel_size"]
+    conv_group_size: int = SHAPE_DEFAULTS["conv_group_size"]
+    selector_rank: int = SHAPE_DEFAULTS["selector_rank"]
+    selector_top_k: int = SHAPE_DEFAULTS["selector_top_k"]
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -121,6 +138,9 @@ class DFlashDraftConfig:
             )
         if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
             raise ValueError("DFlash draft config: rope_theta and rms_norm_eps must be positive")
+        problem = dflash2_problem(self)
+        if problem:
+            raise ValueError(f"DFlash draft config: {problem}")
 
     @property
     def num_target_features(self) -> int:
@@ -165,11 +185,13 @@ class DFlashDraftConfig:
         """config.json of the z-lab / SpecForge layout (what SGLang, vLLM and TensorRT-LLM read); dllm-flow's
         own copy-hint flag is added only for a copy-hint draft, which the serving layouts refuse anyway."""
         self._require_target_facts("num_target_layers", "vocab_size")
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        dflash2 = self.variant == DFLASH2
         out = {
             **self._decoder_fields(),
-            "architectures": [ARCHITECTURE],
+            "architectures": [ARCHITECTURE2 if dflash2 else ARCHITECTURE],
             "block_size": self.block_size,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": {**dflash, **dflash2_config_fields(self)} if dflash2 else dflash,
             "dtype": dtype,
             "num_target_layers": self.num_target_layers,
             "rope_scaling": None,
@@ -187,6 +209,11 @@ class DFlashDraftConfig:
         self._require_target_facts("vocab_size")
         if self.copy_hint:
             raise ValueError(f"a copy-hint draft has no speculators layout ({COPY_HINT_KEY})")
+        if self.variant == DFLASH2:
+            raise ValueError(
+                f"a DFlash 2 draft has no speculators layout in speculators {SPECULATORS_VERSION} (its DFlash config "
+                "has no convolutions or path selector): export it in the z-lab layout"
+            )
         if self.num_target_layers is not None and self.num_target_layers - 1 in self.target_layer_ids:
             raise ValueError(
                 f"target layer {self.num_target_layers - 1} is the target's last: speculators reads the layers "
@@ -267,7 +294,7 @@ def is_draft_dir(path: str | Path) -> bool:
         raw = json.loads((path / CONFIG).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(raw, dict) and ARCHITECTURE in (raw.get("architectures") or [])
+    return isinstance(raw, dict) and bool({ARCHITECTURE, ARCHITECTURE2} & set(raw.get("architectures") or []))
 
 
 def read_draft_config(path: str | Path) -> DraftConfig:
@@ -283,11 +310,11 @@ def read_draft_config(path: str | Path) -> DraftConfig:
 
 def parse_draft_config(raw: dict, where: str) -> DraftConfig:
     """`raw` (a config.json) as a `DFlashDraftConfig`, whichever layout wrote it."""
-    if not isinstance(raw, dict) or ARCHITECTURE not in (raw.get("architectures") or []):
+    if not isinstance(raw, dict) or not {ARCHITECTURE, ARCHITECTURE2} & set(raw.get("architectures") or []):
         found = raw.get("architectures") if isinstance(raw, dict) else None
         raise ValueError(
             f'{where} is not a DFlash draft: its config.json names architectures {found}, not ["{ARCHITECTURE}"] '
-            "(a DFlash draft in the z-lab / SpecForge or speculators layout)"
+            f'or ["{ARCHITECTURE2}"] (a DFlash draft in the z-lab / SpecForge or speculators layout)'
         )
     if "speculators_model_type" in raw:
         return _parse_speculators(raw, where)
@@ -323,6 +350,7 @@ def _parse_zlab(raw: dict, where: str) -> DFlashDraftConfig:
             raise ValueError(f"{where}: the draft's config.json has neither target_layer_ids nor num_target_layers")
         ids = default_layer_ids(int(num_target_layers), int(raw["num_hidden_layers"]))
     try:
+        variant = parse_dflash2_fields(raw, get, where)
         return DFlashDraftConfig(
             hidden_size=raw["hidden_size"],
             num_hidden_layers=raw["num_hidden_layers"],
@@ -343,6 +371,7 @@ def _parse_zlab(raw: dict, where: str) -> DFlashDraftConfig:
             eos_token_id=raw.get("eos_token_id"),
             pad_token_id=raw.get("pad_token_id"),
             copy_hint=bool(raw.get(COPY_HINT_KEY, False)),
+            **variant,
         )
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
@@ -386,4 +415,4 @@ def draft_keys(config: DFlashDraftConfig) -> list[str]:
             keys += [f"{p}self_attn.{m}_proj.bias" for m in ("q", "k", "v", "o")]
     if config.copy_hint:
         keys += ["hint_length.weight", "hint_proj.weight"]
-    return sorted(keys)
+    return sorted(keys + dflash2_keys(config))

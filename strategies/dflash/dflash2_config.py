@@ -1,0 +1,84 @@
+"""DFlash 2's part of the draft configuration (docs/strategies.md §10.11), torch-free like `strategies.dflash.config`.
+
+A DFlash 2 draft is the DFlash draft plus two-tap in-block convolutions around every sublayer and a pairwise path
+selector over each position's top-k candidates (the DFlash 2 blog, https://inco.ai/blog/dflash2/; NeMo Automodel's
+`Qwen3DFlash2DraftModel`; z-lab's `dflash` package, `DFlash2DraftModel`). The published drafters write
+`architectures: ["DFlash2DraftModel"]` and the shapes of both modules in `dflash_config`, next to the DFlash keys:
+`block_size, conv_group_size, conv_kernel_size, final_logit_softcapping, mask_token_id, output_multiplier,
+selector_rank, selector_top_k, target_layer_ids`.
+"""
+
+from __future__ import annotations
+
+DFLASH, DFLASH2 = "dflash", "dflash2"  # `DFlashDraftConfig.variant` / the `dflash.draft_variant` option
+ARCHITECTURE2 = "DFlash2DraftModel"
+# the shapes of the convolutions and the selector: the reference's defaults (Automodel's qwen3_dflash2.yaml)
+SHAPE_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+
+
+def dflash2_problem(cfg) -> str | None:
+    """What is wrong with a DFlash 2 draft config's shapes (`cfg`: a `DFlashDraftConfig`), or None."""
+    if cfg.variant not in (DFLASH, DFLASH2):
+        return f"variant {cfg.variant!r} is neither {DFLASH!r} nor {DFLASH2!r}"
+    if cfg.variant != DFLASH2:
+        return None
+    bad = [k for k in SHAPE_DEFAULTS if not isinstance(getattr(cfg, k), int) or getattr(cfg, k) < 1]
+    if bad:
+        return f"{', '.join(bad)} must be positive integers"
+    if cfg.hidden_size % cfg.conv_group_size:
+        return f"conv_group_size ({cfg.conv_group_size}) must divide hidden_size ({cfg.hidden_size})"
+    if cfg.vocab_size is not None and cfg.selector_top_k > cfg.vocab_size:
+        return f"selector_top_k ({cfg.selector_top_k}) is larger than the vocabulary ({cfg.vocab_size})"
+    if cfg.copy_hint:
+        return "a DFlash 2 draft reads no copy hint (copy_hint)"
+    return None
+
+
+def dflash2_config_fields(cfg) -> dict:
+    """The `dflash_config` entries a DFlash 2 draft adds (logits as the target's head gives them: multiplier 1,
+    no soft-capping)."""
+    return {
+        "block_size": cfg.block_size,
+        **{k: getattr(cfg, k) for k in SHAPE_DEFAULTS},
+        "final_logit_softcapping": None,
+        "output_multiplier": 1.0,
+    }
+
+
+def parse_dflash2_fields(raw: dict, get, where: str) -> dict:
+    """`DFlashDraftConfig` keywords of a config.json naming `DFlash2DraftModel` ({} for a DFlash draft); `get(key)`
+    reads `dflash_config` then the top level, as z-lab's `_draft_value` does. Logits other than the head's own
+    (an output multiplier, soft-capping, a scaled input embedding: Gemma-class targets) are refused."""
+    if ARCHITECTURE2 not in (raw.get("architectures") or []):
+        return {}
+    softcap, multiplier = get("final_logit_softcapping"), get("output_multiplier")
+    scale = get("input_embedding_scale")
+    if (softcap not in (None, 0, 0.0)) or (multiplier not in (None, 1, 1.0)) or (scale not in (None, 1, 1.0)):
+        raise ValueError(
+            f"{where}: this DFlash 2 draft rescales the target's logits or embeddings (final_logit_softcapping "
+            f"{softcap}, output_multiplier {multiplier}, input_embedding_scale {scale}); dllm-flow's DFlash 2 draft "
+            "uses the target's head and embedding as they are and can't run it"
+        )
+    missing = [k for k in SHAPE_DEFAULTS if get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: the DFlash 2 draft's config.json has no {', '.join(missing)}")
+    return {"variant": DFLASH2, **{k: int(get(k)) for k in SHAPE_DEFAULTS}}
+
+
+def dflash2_keys(cfg) -> list[str]:
+    """The weight names DFlash 2 adds (as the published drafters name them: the codebooks without `.weight`)."""
+    if cfg.variant != DFLASH2:
+        return []
+    keys = [f"candidate_selector.{k}" for k in ("hidden_projection.weight", "predecessor_codebook")]
+    keys.append("candidate_selector.successor_codebook")
+    for i in range(cfg.num_hidden_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            keys += [f"layers.{i}.{conv}.base_kernel", f"layers.{i}.{conv}.kernel_projection.weight"]
+    return keys
+
+
+def variant_fields(options) -> dict:
+    """The `DFlashDraftConfig` keywords of a new draft under the `dflash` options `options` ({} for DFlash)."""
+    if getattr(options, "draft_variant", DFLASH) != DFLASH2:
+        return {}
+    return {"variant": DFLASH2, **{k: getattr(options, k) for k in SHAPE_DEFAULTS}}
