@@ -25,6 +25,8 @@ from strategies.dflash.blocks import (
     create_dflash_sdpa_mask,
 )
 from strategies.dflash.config import DFlashDraftConfig, is_draft_dir
+from strategies.dflash.dflash2 import CandidateSelector, InBlockConv, conv_sublayer
+from strategies.dflash.dflash2_config import DFLASH2
 from strategies.sampling import LOOKUP_MAX_NGRAM
 
 # ---------------------------------------------------------------------------------------- draft
@@ -107,16 +109,28 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
+    """A Qwen3-style layer; a DFlash 2 draft's also convolves each sublayer's input and output within the block
+    (`attention_conv`, `mlp_conv`: `strategies.dflash.dflash2`), built after the rest so that from one seed its
+    other weights are the plain layer's."""
+
     def __init__(self, cfg: DFlashDraftConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DFlashAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DFlashMLP(cfg)
+        self.block_size = cfg.block_size
+        if cfg.variant == DFLASH2:
+            self.attention_conv = InBlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = InBlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
     def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not hasattr(self, "attention_conv"):
+            x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        bs = self.block_size
+        x = x + conv_sublayer(self.attention_conv, self.self_attn, self.input_layernorm(x), bs, ctx, cos, sin, mask)
+        return x + conv_sublayer(self.mlp_conv, self.mlp, self.post_attention_layernorm(x), bs)
 
 
 class DFlashDraftModel(nn.Module):
@@ -126,7 +140,8 @@ class DFlashDraftModel(nn.Module):
     the block only and keys/values from [context ; block], with rotate-half RoPE over [context positions ;
     block positions]; a final `norm`. No embedding or head of its own: block inputs are the frozen target's
     embeddings and outputs go through the target's LM head. Parameter names are the engines' (no `model.`
-    prefix); a `copy_hint` draft adds dllm-flow's `hint_proj` and `hint_length` inputs."""
+    prefix); a `copy_hint` draft adds dllm-flow's `hint_proj` and `hint_length` inputs, a DFlash 2 draft (config
+    `variant: dflash2`, `architectures: ["DFlash2DraftModel"]`) its in-block convolutions and path selector."""
 
     WEIGHTS = "model.safetensors"
 
@@ -138,6 +153,10 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        if cfg.variant == DFLASH2:  # DFlash 2's path selector (docs/strategies.md §10.11), after the backbone
+            if cfg.vocab_size is None:
+                raise ValueError("a DFlash 2 draft needs the target's vocabulary (vocab_size) for its selector")
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, h, cfg.selector_rank, cfg.selector_top_k)
         if cfg.copy_hint:  # zero at initialization: training starts from the plain draft and learns when to copy
             self.hint_proj = nn.Linear(h, h, bias=False)
             self.hint_length = nn.Embedding(LOOKUP_MAX_NGRAM + 1, h)
@@ -380,7 +399,8 @@ def speculative_generate(
     n…4 tokens (prompt and output) occurred earlier, the tokens that followed them there replace the
     draft's first proposals (`context_lookup`); the output is unchanged, only the acceptance moves. A
     `copy_hint` draft also reads the lookup's proposal (n = 1) as an input each cycle (`copy_hints`); with
-    `lookup_ngram` > 0 the lookup still goes in front of it."""
+    `lookup_ngram` > 0 the lookup still goes in front of it. A DFlash 2 draft proposes the path its selector
+    walks (`CandidateSelector.walk`), verified against the distributions the walk drew from."""
     cfg = draft.config
     bs, device = cfg.block_size, next(draft.parameters()).device
     ids = torch.tensor([prompt], device=device)
@@ -398,8 +418,13 @@ def speculative_generate(
         if cfg.copy_hint:  # the history's last token is the anchor
             history = torch.tensor([list(prompt) + out], device=device)
             hints = copy_hints(history, torch.tensor([[history.shape[1] - 1]], device=device), bs, cfg.mask_token_id)
-        d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints)[0, 1:]
-        proposal = _draw(d_logits, temperature, generator)
+        if cfg.variant == DFLASH2:  # the selector's path and the distributions it drew it from
+            emb, head = _embed_and_head(target)
+            hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block)[0, 1:]
+            proposal, d_logits = draft.candidate_selector.walk(hidden, head(hidden), out[-1], temperature, generator)
+        else:
+            d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints)[0, 1:]
+            proposal = _draw(d_logits, temperature, generator)
         d_logits, proposal, looked_up = _with_lookup(list(prompt) + out, lookup_ngram, d_logits, proposal)
         lookups += looked_up
         verify_in = torch.cat([block[:, :1], proposal[None]], dim=1)  # anchor + bs − 1 proposals
