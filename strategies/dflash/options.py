@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from dllm_common.config import ConfigError, PipelineSpec
+from strategies.dflash.dflash2_config import DFLASH, DFLASH2, SHAPE_DEFAULTS
 from strategies.registration import Registration, SamplerInfo, StrategyOptions
 
 SPECULATIVE = "speculative"  # the draft proposes a block, the frozen target verifies it
@@ -40,6 +41,14 @@ class DFlashOptions(StrategyOptions):
     document_mask: bool = True
     use_fused_linear_ce: bool = True
     ce_chunk_size: int = Field(1024, ge=1)
+    # DFlash 2 (docs/strategies.md §10.11): a new draft gets in-block convolutions and a path selector over each
+    # position's top `selector_top_k` candidates, trained by `selector_loss_weight` × the selector's CE
+    draft_variant: Literal["dflash", "dflash2"] = DFLASH
+    conv_kernel_size: int = Field(SHAPE_DEFAULTS["conv_kernel_size"], ge=1)
+    conv_group_size: int = Field(SHAPE_DEFAULTS["conv_group_size"], ge=1)
+    selector_rank: int = Field(SHAPE_DEFAULTS["selector_rank"], ge=1)
+    selector_top_k: int = Field(SHAPE_DEFAULTS["selector_top_k"], ge=1)
+    selector_loss_weight: float = Field(1.0, ge=0)
 
     @field_validator("block_size")
     @classmethod
@@ -69,8 +78,26 @@ class DFlashOptions(StrategyOptions):
             )
         return value
 
+    @field_validator("draft_variant")
+    @classmethod
+    def _dflash2_combinations(cls, value: str, info: ValidationInfo) -> str:
+        if value == DFLASH2 and info.data.get("loss_type") == "dpace":
+            raise ValueError(
+                "dflash.draft_variant dflash2 trains with loss_type decay or variable_prefix, not dpace (the "
+                "selector's term weighs positions like the block loss, and D-PACE's weights come from it)"
+            )
+        if value == DFLASH2 and info.data.get("copy_hint"):
+            raise ValueError("dflash.draft_variant dflash2 has no copy hint: set dflash.copy_hint: false")
+        return value
+
     def check_against(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
         super().check_against(spec, where)
+        only2 = sorted({*SHAPE_DEFAULTS, "selector_loss_weight"} & self.model_fields_set)
+        if self.draft_variant != DFLASH2 and only2:
+            raise ConfigError(
+                f"{where(only2[0])} shapes or trains a DFlash 2 draft and does nothing with draft_variant "
+                f"{self.draft_variant}: drop it, or set draft_variant: dflash2"
+            )
         if self.loss_type != VARIABLE_PREFIX and "prefix_weight_base" in self.model_fields_set:
             raise ConfigError(
                 f"{where('prefix_weight_base')} is the prefix prior of loss_type variable_prefix and does nothing "

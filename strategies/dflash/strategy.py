@@ -22,6 +22,13 @@ from torch import Tensor, nn
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, global_sum
 from strategies.corruption import corrupt_uniform
 from strategies.dflash.blocks import CopyHints, copy_hints, sample_anchor_blocks
+from strategies.dflash.dflash2 import (
+    block_predecessors,
+    per_offset_correct,
+    selector_loss,
+    selector_scores,
+)
+from strategies.dflash.dflash2_config import DFLASH, DFLASH2
 from strategies.dflash.draft import _embed_and_head, draft_block_hidden
 from strategies.dflash.loss import (
     DPACE_ALPHA,
@@ -153,6 +160,12 @@ class DFlashStrategy(DLLMStrategy):
                 "the DFlash target must be frozen (eval mode, requires_grad False): load it with "
                 "tasks.training.dflash_setup.load_target, or call .eval().requires_grad_(False) on it"
             )
+        variant = getattr(setup.model.config, "variant", DFLASH)
+        if variant != self.options.draft_variant:
+            raise ValueError(
+                f"dflash.draft_variant is {self.options.draft_variant} but the draft is a {variant} draft: set "
+                f"dflash.draft_variant: {variant} to train it"
+            )
         layer_ids = list(setup.model.config.target_layer_ids)
         if self.features is not None and list(self.features.layer_ids) != layer_ids:
             raise ValueError(
@@ -278,6 +291,26 @@ class DFlashStrategy(DLLMStrategy):
                 soft=e.soft,
                 prefix=e.prefix,
             )
+        if self.options.draft_variant == DFLASH2:
+            out = self._with_selector(ctx, e, pred, head, out, num_diffusion_tokens)
         if is_train:
             (out.total_loss * ctx.loss_scale).backward()
         return out
+
+    def _with_selector(self, ctx: StepContext, e: DFlashBlocks, pred, head, out, num_tokens) -> DLLMLossOutput:
+        """DFlash 2's objective (docs/strategies.md §10.11): the block loss + `selector_loss_weight` × the CE of the
+        selector over each prediction's top-k candidates scored after its true predecessor, positions weighed as
+        in the block loss; the per-offset accuracies become the selector's (teacher-forced) picks'."""
+        bs, draft = self.block_size, getattr(ctx.model, "module", ctx.model)  # DDP holds `.module`
+        sel = selector_scores(
+            draft.candidate_selector,
+            pred,
+            head,
+            block_predecessors(e.block_ids, e.targets, bs),
+            e.targets,
+            self.options.ce_chunk_size,
+        )
+        weights = ctx.loss_fn.position_weights(e.block_mask, e.block_mask, bs, e.prefix) * e.block_mask
+        total = out.total_loss + self.options.selector_loss_weight * selector_loss(sel, weights, num_tokens)
+        correct, count = per_offset_correct(sel.picks() == e.targets, e.block_mask, bs)
+        return DLLMLossOutput(total, total.detach(), correct, count)
