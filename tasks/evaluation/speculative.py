@@ -16,7 +16,15 @@ import torch
 from dllm_common.checkpoint import read_meta
 from dllm_common.config import EvalConfig
 from strategies import Microbatch, StepContext
-from strategies.dflash.draft import draft_block_logits, greedy_generate, speculative_generate
+from strategies.dflash.dflash2 import block_predecessors, candidate_recall, selector_scores
+from strategies.dflash.dflash2_config import DFLASH2
+from strategies.dflash.draft import (
+    _embed_and_head,
+    draft_block_hidden,
+    draft_block_logits,
+    greedy_generate,
+    speculative_generate,
+)
 from strategies.dflash.loss import acceptance_from_correct
 from tasks.evaluation.likelihood import CausalLM, EvalResult, Evaluation, ar_nll_metrics, encode_prompts, exact_ar_nll
 from tasks.evaluation.scoring import generative_perplexity, mean_entropy
@@ -24,15 +32,18 @@ from tasks.training.dflash_setup import draft_strategy, load_spec_target
 
 
 def teacher_forced_acceptance(
-    strat, draft, val, mask_id: int, settings: EvalConfig, documents=None
+    strat, draft, val, mask_id: int, settings: EvalConfig, documents=None, recall: list | None = None
 ) -> tuple[float, list[float], int]:
     """τ_sim and acc_k over validation rows `val` = (ids, loss_mask, attention_mask): anchors drawn with the
     eval seed, the target's features computed online, the draft's argmax compared with the true continuation;
-    on packed rows (`documents`: per-token document ids) each block stays inside its document, as in training."""
+    on packed rows (`documents`: per-token document ids) each block stays inside its document, as in training.
+    A DFlash 2 draft's prediction is its selector's pick after the true predecessor (what the walk picks while
+    everything before is accepted), and `recall` (a list) receives Σ true tokens among the candidates and Σ
+    supervised predictions (docs/strategies.md §10.11)."""
     (ids, loss_mask, attn), batch_size, seed = val, settings.batch_size, settings.seed
     bs = strat.block_size
     ctx = StepContext(model=draft, loss_fn=None, mask_token_id=mask_id, step=0, base_seed=seed)
-    corrects, masks = [], []
+    corrects, masks, hits = [], [], [0.0, 0.0]
     with torch.no_grad():
         for start in range(0, len(ids), batch_size):
             sl = slice(start, start + batch_size)
@@ -40,14 +51,26 @@ def teacher_forced_acceptance(
             docs = None if documents is None else documents[sl]
             (batch,), _, _ = strat.pre_step(ctx, [Microbatch(ids[sl], loss_mask[sl], attn[sl], rows, "val", docs)])
             e = batch.extras
-            logits = draft_block_logits(
-                draft, strat.target, e.features, e.anchors, e.keep, e.block_ids, e.documents, e.hints
-            )
             b, n = e.anchors.shape
-            pred = logits.view(b, n, bs, -1)[:, :, 1:].argmax(-1).reshape(b, -1)
+            if draft.config.variant == DFLASH2:
+                emb, head = _embed_and_head(strat.target)
+                h = draft_block_hidden(draft, bs, emb, e.features, e.anchors, e.keep, e.block_ids, e.documents)
+                h = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
+                sel = selector_scores(
+                    draft.candidate_selector, h, head, block_predecessors(e.block_ids, e.targets, bs), e.targets
+                )
+                pred = sel.picks()
+                hits = [a + c for a, c in zip(hits, candidate_recall(sel, e.block_mask))]
+            else:
+                logits = draft_block_logits(
+                    draft, strat.target, e.features, e.anchors, e.keep, e.block_ids, e.documents, e.hints
+                )
+                pred = logits.view(b, n, bs, -1)[:, :, 1:].argmax(-1).reshape(b, -1)
             corrects.append(pred == e.targets)
             masks.append(e.block_mask)
     correct, block_mask = torch.cat(corrects), torch.cat(masks)
+    if recall is not None:
+        recall.extend(hits)
     tau, acc = acceptance_from_correct(correct, block_mask, bs)
     return tau, acc, int((block_mask.reshape(-1, bs - 1)[:, 0] > 0).sum())
 
@@ -114,7 +137,8 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     built = draft_strategy(ev.strategy, ev.options, draft, target, mask_token_id=ev.mask_id)
     strat, mask_id = built.strategy, built.mask_token_id
     draft.eval()
-    tau_sim, acc, blocks = teacher_forced_acceptance(strat, draft, ev.val, mask_id, spec.eval, ev.val_documents)
+    recall: list[float] = []
+    tau_sim, acc, blocks = teacher_forced_acceptance(strat, draft, ev.val, mask_id, spec.eval, ev.val_documents, recall)
     nll, se, n_tokens = exact_ar_nll(CausalLM(), target, ids, loss_mask, attn, spec.eval.batch_size)
     bench = speculative_benchmark(
         target,
@@ -142,6 +166,7 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
         "dflash/speedup": bench["speedup"],
         "dflash/exact_match": bench["exact_match"],
         **{f"dflash/{k}": bench[k] for k in ("tau_draft", "lookup_share") if k in bench},
+        **({"dflash/candidate_recall": recall[0] / max(recall[1], 1.0)} if draft.config.variant == DFLASH2 else {}),
         **ar_nll_metrics(nll, se, n_tokens),
         "eval/nfe": bench["target_forwards"] / len(bench["outputs"]),
         "eval/tokens_per_forward": bench["tokens"] / max(bench["target_forwards"], 1),
