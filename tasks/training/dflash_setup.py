@@ -23,6 +23,7 @@ from strategies import assemble_strategy
 from strategies.assembly import AssembledStrategy, candidate_mask_token_id
 from strategies.dflash.blocks import _build_target_layer_ids
 from strategies.dflash.config import DFlashDraftConfig, read_draft_config
+from strategies.dflash.dflash2_config import variant_fields
 from strategies.dflash.draft import DFlashDraftModel
 from strategies.dflash.features import CachedFeatures, OnlineFeatures
 from strategies.model_files import resolve_model_path
@@ -122,10 +123,17 @@ def target_facts(target) -> dict:
 
 
 def _new_draft(
-    spec: PipelineSpec, target, target_ref: StageRef, block_size: int, mask_id: int, copy_hint: bool = False
+    spec: PipelineSpec,
+    target,
+    target_ref: StageRef,
+    block_size: int,
+    mask_id: int,
+    copy_hint: bool = False,
+    variant: dict | None = None,
 ) -> DFlashDraftModel:
     """A draft shaped by `model:` (its width is the target's; layers, heads, `num_kv_heads`, `intermediate_size`;
-    head_dim = hidden ÷ heads, RoPE base the target's), initialized from `train.seed`."""
+    head_dim = hidden ÷ heads, RoPE base the target's), initialized from `train.seed`; `variant`: DFlash 2's
+    config keywords (`strategies.dflash.dflash2_config.variant_fields`)."""
     m, hidden = spec.model, target.config.hidden_size
     if m.hidden_size != hidden:
         raise ValueError(
@@ -145,6 +153,7 @@ def _new_draft(
         mask_token_id=int(mask_id),
         copy_hint=copy_hint,
         **target_facts(target),
+        **(variant or {}),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.train.seed)
@@ -252,7 +261,9 @@ def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, in
     else:
         mask_id = candidate_mask_token_id(options, tokenizer)
         _check_mask_row(mask_id, target)
-        draft = _new_draft(spec, target, inputs["target"], options.block_size, mask_id, options.copy_hint)
+        draft = _new_draft(
+            spec, target, inputs["target"], options.block_size, mask_id, options.copy_hint, variant_fields(options)
+        )
     refuse_mask_alias(spec, tokenizer, {f"the mask token id train[{name}] resolves": mask_id})
     for key, value in tokenizer_token_ids(tokenizer).items():  # the tokenizer's, whatever the target's config says
         setattr(draft.config, key, value)
