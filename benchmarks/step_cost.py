@@ -1,0 +1,421 @@
+"""What a training step of each strategy costs against the plain causal-LM step of the same backbone (issue 45).
+
+For every registered strategy the pipeline's own step (`tasks.training.loop.train_step`: corruption, forward,
+backward, clip, AdamW) and a causal-LM step of the same backbone, batch and precision (`strategies.causal`'s
+objective through the same `train_step`) alternate, one after the other, so machine noise hits both; the median
+of the per-pair ratios is printed beside what the strategy's method predicts and what the planner's FLOPs count
+(`tasks.commands.plan`) predicts. `measured ÷ FLOPs` above ~1.1 is overhead the counted matmuls do not explain.
+DFlash: the draft's step on cached target features (`CachedFeatures`, written once) against the target's own
+causal step.
+
+    python benchmarks/step_cost.py                       # CPU, tiny models, ~2-3 min on 2 cores
+    python benchmarks/step_cost.py --explain             # + graph breaks of each compiled layer, attention paths
+    python benchmarks/step_cost.py --device cuda --dtype bfloat16   # ~1 B parameters, seq 2048, MFU column
+
+No timing is asserted: the script prints, a reader judges (docs/benchmarks.md, "step_cost.py").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from strategies.assembly import assemble_strategy, strategy_class  # noqa: E402
+from strategies.causal import CausalLMObjective  # noqa: E402
+from strategies.head import make_head_deferrable  # noqa: E402
+from strategies.models import DLLMOutput, build_model, wrap_for_architecture  # noqa: E402
+from strategies.options import resolve_options, validate_config  # noqa: E402
+from strategies.registry import REGISTRY, model_shape  # noqa: E402
+from tasks.commands.plan import Cluster, plan_strategy, synthetic_rows  # noqa: E402
+from tasks.commands.plan.model import _mask_id, _Stub  # noqa: E402
+from tasks.commands.plan.trace import _Tracer  # noqa: E402
+from tasks.training.distributed import DistInfo  # noqa: E402
+from tasks.training.loop import LoopRun, LoopSettings, run_step, step_context, train_step  # noqa: E402
+from tasks.training.runtime import OptimSettings, Split, Trainee, make_optimizer  # noqa: E402
+from tasks.training.trainee import compile_layers, model_architecture, tiny_config  # noqa: E402
+
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (the process's CPU time, all threads)
+# sizes: (hidden, layers, heads, seq, batch, vocab, steps)
+CPU = (128, 4, 4, 128, 8, 2048, 12)
+GPU = (2048, 16, 16, 2048, 4, 32768, 12)
+
+
+# ------------------------------------------------------------------ the config and the models
+
+
+def make_spec(args, draft: bool = False) -> object:
+    """The pipeline config of the run; `draft`: `model:` is a DFlash draft's (`--draft-layers`) and the target is
+    `--layers` deep."""
+    names = [n for n in REGISTRY if (strategy_class(n).trains == "draft") == draft]
+    overrides = {n: {"block_size": args.dflash_block} for n in names if draft}
+    return validate_config(
+        {
+            "pipeline": {"name": "step-cost", "strategies": names},
+            "data": {"seq_len": args.seq, "shape": "pretrain"},
+            "tokenizer": {"vocab_size": args.vocab},
+            "model": {
+                "hidden_size": args.hidden,
+                "num_layers": args.draft_layers if draft else args.layers,
+                "num_heads": args.heads,
+            },
+            "train": {
+                "global_batch_size": args.batch,
+                "micro_batch_size": args.batch,
+                "warmup_steps": 0,
+                "schedule": "constant",
+                "precision": "bf16" if args.dtype == "bfloat16" else "fp32",
+                "fused_head": not args.no_fused_head,
+                "compile": args.compile,
+                "device": args.device,
+            },
+            "dllm": {"overrides": overrides},
+            "dflash": {"pretrain": {"num_layers": args.layers, "num_heads": args.heads}},
+        }
+    )
+
+
+def own_shape(name: str, options):
+    """The model shape that builds itself (DiffusionGemma), else None."""
+    arch = model_architecture(name, options)
+    shape = model_shape(arch) if arch is not None else None
+    return shape if hasattr(shape, "from_model_spec") else None
+
+
+class EncoderCausalLM(nn.Module):
+    """A DiffusionGemma's encoder as a plain causal LM (its layers over the clean row, its capped head): the causal
+    step of block_diffusion's backbone."""
+
+    def __init__(self, gemma: nn.Module):
+        super().__init__()
+        self.gemma, self.config = gemma, gemma.config
+
+    def forward(self, input_ids, attention_mask=None, **_):
+        hidden = self.gemma.model.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return DLLMOutput(logits=self.gemma.canvas_logits(hidden))
+
+
+def backbone(spec, name: str, vocab: int, causal: bool) -> nn.Module:
+    """The module `train[name]` trains (unwrapped when `causal`), built as `tasks.training.trainee` builds it."""
+    options = resolve_options(spec, name)
+    shape = own_shape(name, options)
+    if shape is not None:
+        model = shape.from_model_spec(spec, _Stub(vocab, None), options, spec.train.seed)
+        return EncoderCausalLM(model) if causal else model
+    model = build_model(tiny_config(spec, vocab), spec.train.seed, **({"dllm_attention": "causal"} if causal else {}))
+    if causal:
+        return model
+    return wrap_for_architecture(model, strategy_class(name).model_architecture, mask_token_id=_mask_id(options, vocab))
+
+
+def with_head(spec, model: nn.Module) -> tuple[nn.Module, bool]:
+    fused = spec.train.fused_head and make_head_deferrable(model, spec.train.head_chunk_rows)
+    if spec.train.compile:
+        compile_layers(getattr(model, "gemma", model))
+    return model, bool(fused)
+
+
+def causal_trainee(spec, model: nn.Module) -> Trainee:
+    model, fused = with_head(spec, model.train().requires_grad_(True))
+    objective = CausalLMObjective()
+    return Trainee(
+        model=model,
+        tokenizer=None,
+        strategy=objective,
+        loss_fn=objective.create_loss_fn(),
+        mask_token_id=None,
+        precision=spec.train.precision,
+        fused_head=fused,
+    )
+
+
+def denoiser_trainee(spec, name: str, vocab: int) -> Trainee:
+    options = resolve_options(spec, name)
+    model = backbone(spec, name, vocab, causal=False)
+    built = assemble_strategy(name, options, model, _Stub(vocab, _mask_id(options, vocab)))
+    model, fused = with_head(spec, model)
+    return Trainee.assembled(model, None, built, spec.train.precision, fused_head=fused)
+
+
+def dflash_pair(spec, name: str, vocab: int, rows: torch.Tensor, device: str, work: Path):
+    """(draft trainee on cached features, the target as a causal trainee): the target is built as
+    `pretrain_target` builds it, its features written once over `rows` as `cache_target` writes them."""
+    from strategies.dflash.features import CachedFeatures, write_feature_cache
+    from tasks.common import StageRef
+    from tasks.target import _new_target
+    from tasks.training import dflash_setup
+
+    options = resolve_options(spec, name)
+    target = _new_target(spec, vocab).to(device).eval().requires_grad_(False)
+    mask_id = _mask_id(options, vocab)
+    ref = StageRef("target", "bench", "", info={"num_layers": target.config.num_hidden_layers})
+    draft = dflash_setup._new_draft(spec, target, ref, options.block_size, mask_id, options.copy_hint)
+    layers = list(draft.config.target_layer_ids)
+    write_feature_cache(
+        target, {"train": rows}, layers, work, dtype=spec.dflash.cache_dtype, top_k=options.distill_top_k
+    )
+    built = dflash_setup.draft_strategy(name, options, draft, target, mask_token_id=mask_id, cache=CachedFeatures(work))
+    trainee = Trainee.assembled(draft.to(device), None, built, spec.train.precision)
+    return trainee, causal_trainee(spec, _new_target(spec, vocab))
+
+
+# ------------------------------------------------------------------ FLOPs: the planner's count
+
+
+def planned_flops(spec, name: str, device: str) -> float:
+    """FLOPs of one step of `name` as `dllm-flow plan` counts them (every matmul and attention, every pass)."""
+    plan = plan_strategy(spec, name, Cluster(1, None, device=device), variants=False, sizing=False)
+    return plan.flops_per_token * spec.data.seq_len * spec.train.global_batch_size
+
+
+def causal_flops(spec, name: str, vocab: int) -> float:
+    """FLOPs of the causal step of `name`'s backbone (the DFlash target for dflash), counted by the planner's
+    tracer through the same `run_step` on fake weights."""
+    tracer = _Tracer()
+    with tracer, torch.random.fork_rng(devices=[]):
+        if strategy_class(name).trains == "draft":
+            from tasks.target import _new_target
+
+            model = _new_target(spec, vocab)
+        else:
+            model = backbone(spec, name, vocab, causal=True)
+        fused = bool(spec.train.fused_head and make_head_deferrable(model, spec.train.head_chunk_rows))
+        trainee = Trainee(
+            model=model,
+            tokenizer=None,
+            strategy=CausalLMObjective(),
+            loss_fn=nn.Identity(),
+            mask_token_id=None,
+            precision=spec.train.precision,
+            fused_head=fused,
+        )
+    rows = synthetic_rows(spec, "mdlm", spec.train.micro_batch_size, vocab, spec.train.seed)
+    tracer.reset()
+    tracer.tracking = True
+    try:
+        with tracer, torch.random.fork_rng(devices=[]):
+            run_step(trainee, step_context(trainee, 0, spec.train.seed, model, DistInfo(), 1), [rows], True)
+    finally:
+        tracer.tracking = False
+    return float(tracer.flops)
+
+
+def expected(spec, name: str) -> tuple[float, str]:
+    """The ratio a strategy's method predicts against the causal step, fwd = 1 unit and bwd = 2, and why."""
+    if name == "mdlm":
+        return 1.0, "one fwd+bwd, same shape"
+    if name == "scdd":
+        return 1.0, "one fwd+bwd; + vocab-sized loss terms at every position (mask + uniform channels)"
+    if name == "hybrid":
+        return 2.0, "two fwd+bwd: diffusion + causal branch"
+    if name == "idlm":
+        return 2.0, "one fwd+bwd over 2L under its mask (linear parts 2x, attention more)"
+    if name == "block_diffusion":
+        return 7 / 3, "encoder fwd+bwd + canvas fwd+bwd + no-grad canvas fwd (self-conditioning)"
+    if strategy_class(name).trains == "draft":
+        options = resolve_options(spec, name)
+        blocks = getattr(options, "num_blocks_per_sample", 1) * options.block_size
+        share = (
+            spec.model.num_layers
+            * min(blocks, spec.data.seq_len)
+            / (spec.dflash.pretrain.num_layers * spec.data.seq_len)
+        )
+        return share, "draft layers x block positions / target layers x L (+ the target's head)"
+    return float("nan"), "no model of its method here"
+
+
+# ------------------------------------------------------------------ timing
+
+
+class Side:
+    """One trainee with its optimizer, stepped through the loop's `train_step`."""
+
+    def __init__(self, spec, trainee: Trainee, rows: torch.Tensor, device: str):
+        self.trainee, self.device = trainee, device
+        self.params = sum(p.numel() for p in trainee.model.parameters() if p.requires_grad)
+        opt, sched = make_optimizer(trainee.model, OptimSettings.of(spec.train))
+        mask = torch.ones(rows.shape)
+        self.split = Split(rows, mask, torch.ones(rows.shape, dtype=torch.long))
+        self.run = LoopRun(
+            trainee=trainee,
+            stepper=trainee.model,
+            opt=opt,
+            sched=sched,
+            train=self.split,
+            val=self.split,
+            device=device,
+        )
+        self.settings = LoopSettings.of(spec.train, "step-cost")
+        self.batch = spec.train.global_batch_size
+
+    def step(self, step: int) -> float:
+        ctx = step_context(self.trainee, step, 0, self.trainee.model, DistInfo(), 1)
+        rows = torch.arange(step * self.batch, (step + 1) * self.batch) % len(self.split.ids)
+        mbs = self.split.microbatches(rows, self.batch, self.device)
+        sync(self.device)
+        t0 = CLOCK()
+        train_step(self.run, self.settings, ctx, mbs)
+        sync(self.device)
+        return CLOCK() - t0
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(spec, name: str, args, work: Path) -> dict:
+    vocab, device = args.vocab, args.device
+    total = (args.steps + args.warmup) * args.batch
+    rows = synthetic_rows(spec, name, total, vocab, spec.train.seed).input_ids
+    if strategy_class(name).trains == "draft":
+        trainee, base = dflash_pair(spec, name, vocab, rows, device, work / name)
+    else:
+        trainee = denoiser_trainee(spec, name, vocab)
+        trainee.model.to(device)
+        base = causal_trainee(spec, backbone(spec, name, vocab, causal=True))
+    base.model.to(device)
+    strat, causal = Side(spec, trainee, rows, device), Side(spec, base, rows, device)
+    for step in range(args.warmup):
+        strat.step(step), causal.step(step)
+    pairs = []
+    for step in range(args.warmup, args.warmup + args.steps):  # interleaved: noise hits both sides
+        if step % 2:  # which side goes first alternates too
+            a = strat.step(step)
+            b = causal.step(step)
+        else:
+            b = causal.step(step)
+            a = strat.step(step)
+        pairs.append((a, b))
+    out = {
+        "strategy": strat_ms(pairs, 0),
+        "causal": strat_ms(pairs, 1),
+        "ratio": statistics.median(a / b for a, b in pairs),
+        "params": strat.params,
+        "causal_params": causal.params,
+    }
+    if args.explain:
+        from step_cost_explain import explain_side  # benchmarks/: graph breaks and attention paths
+
+        out["explain"] = explain_side(strat, args.warmup + args.steps)
+        out["explain_causal"] = explain_side(causal, args.warmup + args.steps)
+    del strat, causal, trainee, base
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def strat_ms(pairs, side: int) -> float:
+    return statistics.median(p[side] for p in pairs) * 1000
+
+
+# ------------------------------------------------------------------ the table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"), help="default: fp32 on CPU, bf16 on GPU")
+    ap.add_argument("--strategies", nargs="*", default=None, help="default: every registered strategy")
+    for flag in ("hidden", "layers", "heads", "seq", "batch", "vocab", "steps"):
+        ap.add_argument(f"--{flag}", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--draft-layers", type=int, default=1, help="DFlash draft depth (its target is --layers deep)")
+    ap.add_argument("--dflash-block", type=int, default=8)
+    ap.add_argument("--no-fused-head", action="store_true", help="full logits (train.fused_head: false)")
+    ap.add_argument("--compile", action="store_true", help="train.compile: torch.compile each decoder layer")
+    ap.add_argument("--no-flops", action="store_true", help="skip the planner's FLOPs count")
+    ap.add_argument("--explain", action="store_true", help="graph breaks (torch._dynamo.explain) and attention paths")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="cpu: the process's CPU time (all threads) instead of wall time, on a CPU shared with other work",
+    )
+    ap.add_argument("--peak-tflops", type=float, default=None)
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("step_cost: no CUDA device here (run without --device cuda for the CPU table)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if args.device == "cuda":
+            sys.exit("step_cost: --clock cpu times CPU work; a GPU step is timed by the wall clock")
+        global CLOCK
+        CLOCK = time.process_time
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    defaults = GPU if args.device == "cuda" else CPU
+    for flag, value in zip(("hidden", "layers", "heads", "seq", "batch", "vocab", "steps"), defaults):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+    spec, draft_spec = make_spec(args), make_spec(args, draft=True)
+    names = args.strategies or list(REGISTRY)
+    peak = None
+    if args.device == "cuda":
+        gpu = torch.cuda.get_device_name(0)
+        peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
+    print(
+        f"[step_cost] {args.device} threads={torch.get_num_threads()} torch {torch.__version__} dtype={args.dtype} "
+        f"hidden={args.hidden} layers={args.layers} heads={args.heads} seq={args.seq} batch={args.batch} "
+        f"vocab={args.vocab} steps={args.steps} clock={args.clock} fused_head={spec.train.fused_head} "
+        f"compile={spec.train.compile}",
+        flush=True,
+    )
+    results, spec_of = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            t0 = time.time()
+            spec_of[name] = draft_spec if strategy_class(name).trains == "draft" else spec
+            res = measure(spec_of[name], name, args, Path(tmp))
+            if not args.no_flops:
+                res["flops"] = planned_flops(spec_of[name], name, args.device)
+                res["causal_flops"] = causal_flops(spec_of[name], name, args.vocab)
+            results[name] = res
+            print(f"[step_cost] {name}: {res['ratio']:.2f}x the causal step ({time.time() - t0:.0f} s)", flush=True)
+    print_table(spec_of, results, args, peak)
+
+
+def print_table(spec_of: dict, results: dict, args, peak: float | None) -> None:
+    tokens = args.seq * args.batch
+    head = "| strategy | step ms | causal ms | measured | expected (method) | FLOPs ratio | measured ÷ FLOPs |"
+    rule = "|---|---|---|---|---|---|---|"
+    if peak:
+        head, rule = head + " MFU (6·N·tok/s) | counted-FLOPs util |", rule + "---|---|"
+    print("\n" + head + "\n" + rule)
+    notes = []
+    for name, r in results.items():
+        exp, why = expected(spec_of[name], name)
+        notes.append(f"- {name}: expected {exp:.2f}: {why}")
+        flops = r.get("flops", float("nan")) / r.get("causal_flops", float("nan"))
+        line = (
+            f"| {name} | {r['strategy']:.1f} | {r['causal']:.1f} | {r['ratio']:.2f} | {exp:.2f} | "
+            f"{flops:.2f} | {r['ratio'] / flops:.2f} |"
+        )
+        if peak:
+            seconds = r["strategy"] / 1000
+            mfu = 6 * r["params"] * tokens / seconds / (peak * 1e12)
+            util = r.get("flops", float("nan")) / seconds / (peak * 1e12)
+            line += f" {mfu:.1%} | {util:.1%} |"
+        print(line)
+    print("\n" + "\n".join(notes))
+    if args.explain:
+        from step_cost_explain import print_explain
+
+        print_explain(results)
+
+
+if __name__ == "__main__":
+    main()
