@@ -44,7 +44,7 @@ class _VocabTermsFn(torch.autograd.Function):
         beta, rho = log_beta.float().exp(), log_rho.float().exp()
         work = _Scratch(logits, chunk)
         parts = [
-            _forward_rows(work, logits[rows], x0[rows], zt[rows], beta[rows], rho[rows], mask_id)
+            _forward_rows(work.take(rows), logits[rows], x0[rows], zt[rows], beta[rows], rho[rows], mask_id)
             for rows in work.chunks()
         ]
         sigma, tau_x, tau_z, logp_z, row_max, norm = (torch.cat(p) for p in zip(*parts))
@@ -59,79 +59,88 @@ class _VocabTermsFn(torch.autograd.Function):
         work = _Scratch(logits, ctx.chunk)
         for rows in work.chunks():
             pick = (logits[rows], x0[rows], zt[rows], beta[rows], rho[rows], row_max[rows], norm[rows])
-            _grad_rows(work, grad[rows], *pick, (g_sigma[rows], g_x[rows], g_z[rows], g_lp[rows]), ctx.mask_id)
+            grads = (g_sigma[rows], g_x[rows], g_z[rows], g_lp[rows])
+            _grad_rows(work.take(rows), grad[rows], *pick, grads, ctx.mask_id)
         return grad.to(logits.dtype), None, None, None, None, None, None
 
 
 class _Scratch:
-    """Two fp32 [chunk, V] buffers reused by every chunk (fresh vocabulary-sized allocations cost page faults)."""
+    """One fp32 [chunk, V] buffer reused by every chunk (fresh vocabulary-sized allocations cost page faults): the
+    exponentials of a chunk whose logits must stay as they are (the caller's logits, saved for backward)."""
 
     def __init__(self, logits: Tensor, chunk: int):
         self.rows, self.chunk = logits.shape[0], chunk
-        shape = (min(chunk, self.rows), logits.shape[1])
-        self.a = torch.empty(shape, dtype=torch.float32, device=logits.device)
-        self.b = torch.empty_like(self.a)
+        self.a = torch.empty((min(chunk, self.rows), logits.shape[1]), dtype=torch.float32, device=logits.device)
 
     def chunks(self):
         return (slice(i, min(i + self.chunk, self.rows)) for i in range(0, self.rows, self.chunk))
 
-    def exp(self, logits: Tensor, row_max: Tensor, mask_id: int) -> Tensor:
-        """exp(logit − row max) into buffer a, 0 at the [MASK] column."""
-        exp = torch.sub(logits, row_max[:, None], out=self.a[: logits.shape[0]]).exp_()
-        exp[:, mask_id] = 0
-        return exp
+    def take(self, rows: slice) -> Tensor:
+        return self.a[: rows.stop - rows.start]
 
 
-def _forward_rows(work: _Scratch, logits, x0, zt, beta, rho, mask_id):
+def _exp_into(buffer: Tensor, logits: Tensor, row_max: Tensor, mask_id: int) -> Tensor:
+    """exp(logit − row max) written into `buffer` (which may be `logits` itself), 0 at the [MASK] column."""
+    exp = torch.sub(logits, row_max[:, None], out=buffer).exp_()
+    exp[:, mask_id] = 0
+    return exp
+
+
+def _forward_rows(buffer: Tensor, logits, x0, zt, beta, rho, mask_id):
+    """The terms of `_VocabTermsFn` for a chunk of rows; its one vocabulary-sized temporary is `buffer` (the
+    logits themselves where they may be overwritten: the fused head's chunk)."""
     row_max = _row_max_without(logits, mask_id)
-    exp = work.exp(logits, row_max, mask_id)
+    logit_z = logits.gather(1, zt[:, None])[:, 0].float()  # read before `buffer` may overwrite the logits
+    exp = _exp_into(buffer, logits, row_max, mask_id)
     norm = exp.sum(dim=1)
-    tau = torch.addcmul(beta[:, None], exp, (rho / norm)[:, None], out=work.b[: len(exp)]).log_()  # log(β + ρ·p)
+    tau = torch.addcmul(beta[:, None], exp, (rho / norm)[:, None], out=exp).log_()  # log(β + ρ·p), in place
     sigma = tau.sum(dim=1) - tau[:, mask_id]  # the [MASK] column holds log β
     tau_x, tau_z = tau.gather(1, x0[:, None])[:, 0], tau.gather(1, zt[:, None])[:, 0]
-    logp_z = logits.gather(1, zt[:, None])[:, 0].float() - row_max - norm.log()
+    logp_z = logit_z - row_max - norm.log()
     logp_z = torch.where(zt == mask_id, torch.full_like(logp_z, math.log(TINY)), logp_z)
     return sigma, tau_x, tau_z, logp_z, row_max, norm
 
 
-def _grad_rows(work: _Scratch, out: Tensor, logits, x0, zt, beta, rho, row_max, norm, grads, mask_id):
-    """∂loss/∂logits for a chunk of rows into `out`: the closed form of `_VocabTermsFn`, with
-    w = ρp/(β + ρp) = 1 − β·r, r = 1/(β + ρp), so that G − p·ΣG = g_Σ − g_Σβ·r − p·ΣG off the sparse terms."""
+def _grad_rows(buffer: Tensor, out: Tensor, logits, x0, zt, beta, rho, row_max, norm, grads, mask_id) -> Tensor:
+    """∂loss/∂logits for a chunk of rows into `out` (returned): the closed form of `_VocabTermsFn`, with
+    w = ρp/(β + ρp) = 1 − β·r, r = 1/(β + ρp), so that G − p·ΣG = g_Σ − g_Σβ·r − p·ΣG off the sparse terms.
+    The exponentials go to `buffer` (the logits themselves where they may be overwritten), r to `out`."""
     g_sigma, g_x, g_z, g_lp = grads
     g_lp = torch.where(zt == mask_id, torch.zeros_like(g_lp), g_lp)  # log p(z) is a constant at z = [MASK]
-    exp = work.exp(logits, row_max, mask_id)
+    exp = _exp_into(buffer, logits, row_max, mask_id)
     scale = rho / norm  # ρ·p = scale·exp
-    recip = torch.addcmul(beta[:, None], exp, scale[:, None], out=work.b[: len(exp)])
+    recip = torch.addcmul(beta[:, None], exp, scale[:, None], out=out)
     recip[:, mask_id] = math.inf  # w = 0 there
     recip.reciprocal_()
     r_x, r_z = recip.gather(1, x0[:, None])[:, 0], recip.gather(1, zt[:, None])[:, 0]
     w_x, w_z = 1 - beta * r_x, 1 - beta * r_z
     w_sum = torch.linalg.vecdot(exp, recip) * scale  # Σ ρp·r directly: (V − 1) − β·Σr would cancel
     total = g_sigma * w_sum + g_x * w_x + g_z * w_z + g_lp
-    torch.addcmul(g_sigma[:, None], recip, (-g_sigma * beta)[:, None], out=out)
+    torch.addcmul(g_sigma[:, None], recip, (-g_sigma * beta)[:, None], out=out)  # over r, in place
     out.addcmul_(exp, (total / norm)[:, None], value=-1.0)
     out.scatter_add_(1, x0[:, None], (g_x * w_x)[:, None])
     out.scatter_add_(1, zt[:, None], (g_z * w_z + g_lp)[:, None])
     out[:, mask_id] = 0
+    return out
 
 
 class _SCDDRows(RowKernel):
-    """`_VocabTermsFn`'s forward and closed-form gradient as a `RowKernel` for the fused head."""
+    """`_VocabTermsFn`'s forward and closed-form gradient as a `RowKernel` for the fused head. The chunk's logits
+    are built for the kernel alone and dropped after it (`strategies.head.FusedHeadRows`), so both passes work in
+    them in place: the forward allocates nothing vocabulary-sized, the backward only the gradient it returns."""
 
     def __init__(self, mask_id: int):
         self.mask_id = mask_id
 
     def forward(self, logits, x0, zt, log_beta, log_rho):
-        work = _Scratch(logits, logits.shape[0])
-        *terms, row_max, norm = _forward_rows(work, logits, x0, zt, log_beta.exp(), log_rho.exp(), self.mask_id)
+        *terms, row_max, norm = _forward_rows(logits, logits, x0, zt, log_beta.exp(), log_rho.exp(), self.mask_id)
         return tuple(terms), (row_max, norm)
 
     def backward(self, logits, saved, args, grads):
         (row_max, norm), (x0, zt, log_beta, log_rho) = saved, args
         out = torch.empty_like(logits)
-        work = _Scratch(logits, logits.shape[0])
-        _grad_rows(work, out, logits, x0, zt, log_beta.exp(), log_rho.exp(), row_max, norm, grads, self.mask_id)
-        return out
+        beta, rho = log_beta.exp(), log_rho.exp()
+        return _grad_rows(logits, out, logits, x0, zt, beta, rho, row_max, norm, grads, self.mask_id)
 
 
 def _row_max_without(logits: Tensor, mask_id: int) -> Tensor:
