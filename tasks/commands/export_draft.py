@@ -39,6 +39,7 @@ from strategies.dflash.config import (
     parse_draft_config,
     write_json,
 )
+from strategies.dflash.dflash2_config import DFLASH2, SHAPE_DEFAULTS
 from strategies.models import tokenizer_token_ids
 
 DLLM_FLOW = "dllm-flow"
@@ -57,6 +58,12 @@ def draft_format(config: dict, fmt: str | None) -> str:
             f"this draft reads a copy hint (dflash.copy_hint: true), dllm-flow's own input that no serving engine "
             f"has, so it has no {fmt} layout: export it with --format {DLLM_FLOW} (it then decodes with dllm-flow "
             "only), or train a draft with dflash.copy_hint: false to serve it"
+        )
+    if cfg.variant == DFLASH2 and fmt == SPECULATORS:
+        raise ValueError(
+            "this is a DFlash 2 draft (dflash.draft_variant: dflash2), which speculators 0.9.0's DFlash config "
+            f"can't describe (no convolutions, no path selector): export it with --format {ZLAB} (the published "
+            "DFlash2DraftModel layout) or --format dllm-flow"
         )
     return fmt
 
@@ -146,6 +153,9 @@ def draft_rows(config: dict, parameters: int, dtypes: str) -> list[tuple[str, ob
         ("rope_theta", c.rope_theta),
         ("copy_hint (reads the context lookup's proposal; docs/strategies.md §10.9)", c.copy_hint),
     ]
+    if c.variant == DFLASH2:  # docs/strategies.md §10.11
+        rows[0] = ("model", "DFlash 2 draft (`DFlash2DraftModel`: in-block convolutions and a path selector)")
+        rows += [(k, getattr(c, k)) for k in SHAPE_DEFAULTS]
     return [*rows, ("parameters", f"{parameters:,}"), ("dtype", dtypes)]
 
 
@@ -164,6 +174,11 @@ def draft_files_lines(config: dict, weights: str, target: dict, name: str) -> li
             if read.layout == ZLAB
             else "the `speculators` DFlash draft (`DFlashSpeculatorConfig`, which vLLM reads too)"
         )
+        if c.variant == DFLASH2:
+            what = (
+                "a DFlash 2 draft in the published layout (`DFlash2DraftModel`, which z-lab's `dflash` package "
+                "loads; which serving engines run DFlash 2 is not checked here)"
+            )
         head = (
             f"`config.json` + {weights} are {what}. The draft reads the hidden states of a frozen causal target and "
             "uses its embedding and LM head, so it is not a model to load on its own."
@@ -176,7 +191,7 @@ def draft_files_lines(config: dict, weights: str, target: dict, name: str) -> li
         "safetensors): with them the folder is a dllm-flow checkpoint too.",
         "",
     ]
-    return lines + ([] if c.copy_hint else serve_commands(c, read.layout, name, target))
+    return lines + ([] if c.copy_hint or c.variant == DFLASH2 else serve_commands(c, read.layout, name, target))
 
 
 def serve_commands(c: DFlashDraftConfig, layout: str, name: str, target: dict) -> list[str]:
