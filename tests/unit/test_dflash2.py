@@ -293,7 +293,7 @@ def test_the_objective_is_the_block_loss_plus_the_weighted_selector_term(target,
                 if int(e.targets[r, t]) in cands.tolist():
                     i = cands.tolist().index(int(e.targets[r, t]))
                     term += float(w[r, t]) * float(-F.log_softmax(s, -1)[i])
-    assert float(out.total_loss) == pytest.approx(float(base.total_loss) + 0.7 * term / n, rel=1e-5)
+    assert out.total_loss.item() == pytest.approx(base.total_loss.item() + 0.7 * term / n, rel=1e-5)
     assert torch.equal(out.draft_correct_per_pos, right)  # train/draft_acc_k*: the selector's picks
 
 
