@@ -30,8 +30,10 @@ import math
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
+from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaTextExperts
 
 from strategies.block_diffusion.options import DIFFUSION_GEMMA
 from strategies.head import HeadProjection, softcap_logits
@@ -56,6 +58,10 @@ class DiffusionGemmaCanvas(DiffusionGemmaForBlockDiffusion):
         encoder = self.model.encoder
         for module in (encoder.vision_tower, encoder.embed_vision):
             module.requires_grad_(False)
+        if config.get_text_config().num_experts == 1:  # one expert for every token: no dispatch to pay for
+            for module in self.modules():
+                if type(module) is DiffusionGemmaTextExperts:
+                    module.__class__ = OneExpert
 
     # ------------------------------------------------------------------ building
 
@@ -211,6 +217,20 @@ class DiffusionGemmaCanvas(DiffusionGemmaForBlockDiffusion):
         sliding layers the window the cache keeps), as transformers' DiffusionGemma generation has it."""
         soft = None if previous is None else self.soft_embedding(previous)
         return self.decode_canvas(cache, canvas_ids, positions, soft)
+
+
+class OneExpert(DiffusionGemmaTextExperts):
+    """DiffusionGemma's experts when there is one (`num_experts` = `top_k_experts` = 1, a tiny config's default):
+    the router sends every token to expert 0 with its weight, so the expert's MLP runs on every row as two plain
+    matmuls, without the sort, gathers and grouped matmul of the dispatch (transformers' `grouped_mm` path).
+    The same parameters and values (tests/unit/test_block_diffusion_gemma.py compares the two element-wise);
+    the router still runs, so its parameters get the same (zero) gradients. Under bf16 autocast the two matmuls
+    run in bf16, as the layer's dense MLP does (the grouped matmul is not autocast and runs in the weights' fp32)."""
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        gate, up = F.linear(hidden_states, self.gate_up_proj[0]).chunk(2, dim=-1)
+        out = F.linear(self.act_fn(gate) * up, self.down_proj[0])
+        return (out * top_k_weights).to(hidden_states.dtype)  # [N, H] · [N, 1], the router's fp32 weight
 
 
 @contextmanager
