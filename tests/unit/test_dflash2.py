@@ -297,6 +297,35 @@ def test_the_objective_is_the_block_loss_plus_the_weighted_selector_term(target,
     assert torch.equal(out.draft_correct_per_pos, right)  # train/draft_acc_k*: the selector's picks
 
 
+def test_the_loss_and_gradient_do_not_depend_on_the_micro_batch_split(target):
+    """The selector term is divided by the step's global count, like the block loss, so two micro-batches give
+    the one-batch loss and gradient (rows keep their seeds, so their anchors)."""
+    draft = _dflash2(randomize=True)
+    built = _strategy(target, draft, loss_type="variable_prefix")
+    ids = _rows(n=4, length=24, seed=5)
+    ones = torch.ones_like(ids)
+    results = []
+    for parts in ([slice(0, 4)], [slice(0, 2), slice(2, 4)]):
+        draft.zero_grad()
+        ctx = StepContext(
+            model=draft, loss_fn=built.loss_fn, mask_token_id=MASK, step=3, base_seed=7, grad_acc_steps=len(parts)
+        )
+        mbs = [Microbatch(ids[p], ones[p].float(), ones[p], torch.arange(4)[p]) for p in parts]
+        batches, n, _ = built.strategy.pre_step(ctx, mbs)
+        loss = sum(
+            built.strategy.forward_backward(ctx, b, num_diffusion_tokens=n, num_ar_tokens=n, is_train=True)
+            .total_loss.detach()
+            .item()
+            for b in batches
+        )
+        results.append((loss, [p.grad.clone() for p in draft.parameters()]))
+    (one, g1), (two, g2) = results
+    assert one == pytest.approx(two, rel=1e-5)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert draft.candidate_selector.successor_codebook.grad.abs().sum() > 0
+
+
 def test_dflash2_options_refuse_what_it_cannot_train():
     with pytest.raises(ValueError, match="not dpace"):
         DFlashOptions(loss_type="dpace", draft_variant="dflash2")
