@@ -17,6 +17,7 @@ from collections import Counter
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend
+from transformers import DynamicCache
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -95,8 +96,12 @@ def explain_side(side, step: int) -> dict:
         for handle in handles:
             handle.remove()
     graphs = {}
-    for kind, (layer, args, kwargs) in captured.items():
+    # the layers that ran last first: a DiffusionGemma decoder layer reads the encoder's cache as the step left it,
+    # and an encoder layer writes into the cache it is given, so it gets a fresh one (its entry was empty then)
+    for kind, (layer, args, kwargs) in reversed(captured.items()):
         layer = getattr(layer, "_orig_mod", layer)
+        if "Encoder" in kind and isinstance(kwargs.get("cache"), DynamicCache):
+            kwargs = {**kwargs, "cache": DynamicCache()}
         torch._dynamo.reset()
         try:
             with side.trainee.autocast():
@@ -106,7 +111,7 @@ def explain_side(side, step: int) -> dict:
         except Exception as exc:  # noqa: BLE001 - reported, the other layers still explained
             graphs[kind] = (0, -1, [f"explain failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"])
     torch._dynamo.reset()
-    return {"graphs": graphs, "attention": dict(calls)}
+    return {"graphs": dict(reversed(graphs.items())), "attention": dict(calls)}
 
 
 def print_explain(results: dict) -> None:
