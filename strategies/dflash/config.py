@@ -209,11 +209,6 @@ class DFlashDraftConfig:
         self._require_target_facts("vocab_size")
         if self.copy_hint:
             raise ValueError(f"a copy-hint draft has no speculators layout ({COPY_HINT_KEY})")
-        if self.variant == DFLASH2:
-            raise ValueError(
-                f"a DFlash 2 draft has no speculators layout in speculators {SPECULATORS_VERSION} (its DFlash config "
-                "has no convolutions or path selector): export it in the z-lab layout"
-            )
         if self.num_target_layers is not None and self.num_target_layers - 1 in self.target_layer_ids:
             raise ValueError(
                 f"target layer {self.num_target_layers - 1} is the target's last: speculators reads the layers "
@@ -223,8 +218,10 @@ class DFlashDraftConfig:
             **self._decoder_fields(),
             "rope_parameters": {"rope_theta": float(self.rope_theta), "rope_type": "default"},
         }
+        kind = "dflash2" if self.variant == DFLASH2 else "dflash"  # speculators' DFlash2SpeculatorConfig
         return {
-            "architectures": [ARCHITECTURE],
+            **({k: getattr(self, k) for k in SHAPE_DEFAULTS} if kind == "dflash2" else {}),
+            "architectures": [ARCHITECTURE2 if kind == "dflash2" else ARCHITECTURE],
             "aux_hidden_state_layer_ids": [i + 1 for i in self.target_layer_ids],
             "block_size": self.block_size,
             "draft_vocab_size": self.vocab_size,
@@ -233,7 +230,7 @@ class DFlashDraftConfig:
             "sample_from_anchor": False,
             "sliding_window_non_causal": True,
             "speculators_config": {
-                "algorithm": "dflash",
+                "algorithm": kind,
                 "default_proposal_method": "greedy",
                 "proposal_methods": [
                     {
@@ -245,7 +242,7 @@ class DFlashDraftConfig:
                 ],
                 "verifier": {"architectures": list(verifier_architectures), "name_or_path": verifier},
             },
-            "speculators_model_type": "dflash",
+            "speculators_model_type": kind,
             "speculators_version": SPECULATORS_VERSION,
             "target_hidden_size": self.hidden_size,
             "tie_word_embeddings": False,
@@ -378,7 +375,8 @@ def _parse_zlab(raw: dict, where: str) -> DFlashDraftConfig:
 
 
 def _parse_speculators(raw: dict, where: str) -> DraftConfig:
-    if raw.get("speculators_model_type") != "dflash":
+    kind = raw.get("speculators_model_type")
+    if kind not in ("dflash", "dflash2"):
         raise ValueError(f"{where}: a speculators {raw.get('speculators_model_type')!r} model, not a DFlash draft")
     layer = dict(raw.get("transformer_layer_config") or {})
     if raw.get("sample_from_anchor"):
@@ -393,10 +391,12 @@ def _parse_speculators(raw: dict, where: str) -> DraftConfig:
         raise ValueError(f"{where}: the speculators config has no aux_hidden_state_layer_ids")
     flat = {
         **layer,
-        "architectures": [ARCHITECTURE],
+        "architectures": [ARCHITECTURE2 if kind == "dflash2" else ARCHITECTURE],
         "block_size": raw.get("block_size"),
         "dflash_config": {"mask_token_id": raw.get("mask_token_id"), "target_layer_ids": [i - 1 for i in aux]},
     }
+    if kind == "dflash2":  # the shapes sit at the top level of speculators' config, as z-lab's reader also takes them
+        flat["dflash_config"].update({k: raw.get(k) for k in SHAPE_DEFAULTS})
     verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     return DraftConfig(_parse_zlab(flat, where), SPECULATORS, verifier)
 

@@ -59,12 +59,6 @@ def draft_format(config: dict, fmt: str | None) -> str:
             f"has, so it has no {fmt} layout: export it with --format {DLLM_FLOW} (it then decodes with dllm-flow "
             "only), or train a draft with dflash.copy_hint: false to serve it"
         )
-    if cfg.variant == DFLASH2 and fmt == SPECULATORS:
-        raise ValueError(
-            "this is a DFlash 2 draft (dflash.draft_variant: dflash2), which speculators 0.9.0's DFlash config "
-            f"can't describe (no convolutions, no path selector): export it with --format {ZLAB} (the published "
-            "DFlash2DraftModel layout) or --format dllm-flow"
-        )
     return fmt
 
 
@@ -174,11 +168,12 @@ def draft_files_lines(config: dict, weights: str, target: dict, name: str) -> li
             if read.layout == ZLAB
             else "the `speculators` DFlash draft (`DFlashSpeculatorConfig`, which vLLM reads too)"
         )
-        if c.variant == DFLASH2:
+        if c.variant == DFLASH2:  # docs/strategies.md §10.11
             what = (
-                "a DFlash 2 draft in the published layout (`DFlash2DraftModel`, which z-lab's `dflash` package "
-                "loads; which serving engines run DFlash 2 is not checked here)"
-            )
+                "a DFlash 2 draft in the published layout (`DFlash2DraftModel`, which z-lab's `dflash` package loads"
+                if read.layout == ZLAB
+                else "a DFlash 2 draft in the speculators layout (`DFlash2SpeculatorConfig`, which vLLM reads"
+            ) + "; serving it on an engine is not checked here)"
         head = (
             f"`config.json` + {weights} are {what}. The draft reads the hidden states of a frozen causal target and "
             "uses its embedding and LM head, so it is not a model to load on its own."
