@@ -70,6 +70,7 @@ def make_spec(args, draft: bool = False) -> object:
                 "hidden_size": args.hidden,
                 "num_layers": args.draft_layers if draft else args.layers,
                 "num_heads": args.heads,
+                "attn_implementation": args.attn,
             },
             "train": {
                 "global_batch_size": args.batch,
@@ -347,6 +348,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--draft-layers", type=int, default=1, help="DFlash draft depth (its target is --layers deep)")
     ap.add_argument("--dflash-block", type=int, default=8)
+    ap.add_argument(
+        "--attn", default="sdpa", choices=("sdpa", "flex_attention", "eager"), help="model.attn_implementation"
+    )
     ap.add_argument("--no-fused-head", action="store_true", help="full logits (train.fused_head: false)")
     ap.add_argument("--compile", action="store_true", help="train.compile: torch.compile each decoder layer")
     ap.add_argument("--no-flops", action="store_true", help="skip the planner's FLOPs count")
@@ -386,21 +390,33 @@ def main() -> None:
         f"[step_cost] {args.device} threads={torch.get_num_threads()} torch {torch.__version__} dtype={args.dtype} "
         f"hidden={args.hidden} layers={args.layers} heads={args.heads} seq={args.seq} batch={args.batch} "
         f"vocab={args.vocab} steps={args.steps} clock={args.clock} fused_head={spec.train.fused_head} "
-        f"compile={spec.train.compile}",
+        f"compile={spec.train.compile} attn={args.attn}",
         flush=True,
     )
-    results, spec_of = {}, {}
+    results, spec_of, failures = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             t0 = time.time()
             spec_of[name] = draft_spec if strategy_class(name).trains == "draft" else spec
-            res = measure(spec_of[name], name, args, Path(tmp))
+            try:  # one strategy failing (a kernel, memory) must not hide the others' rows
+                res = measure(spec_of[name], name, args, Path(tmp))
+            except Exception as exc:  # noqa: BLE001
+                failures[name] = (
+                    f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+                )
+                print(f"[step_cost] {name}: FAILED, {failures[name]}", flush=True)
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             if not args.no_flops:
                 res["flops"] = planned_flops(spec_of[name], name, args.device)
                 res["causal_flops"] = causal_flops(spec_of[name], name, args.vocab)
             results[name] = res
             print(f"[step_cost] {name}: {res['ratio']:.2f}x the causal step ({time.time() - t0:.0f} s)", flush=True)
     print_table(spec_of, results, args, peak)
+    for name, why in failures.items():
+        print(f"- {name}: FAILED, {why}")
+    sys.exit(1 if failures else 0)
 
 
 def print_table(spec_of: dict, results: dict, args, peak: float | None) -> None:
