@@ -4,5 +4,6 @@
 (torch-free), `strategy.py` the class, `blocks.py` the anchor blocks, copy hints and mask, `loss.py` the decay
 and D-PACE losses, `config.py` the draft's configuration and the serving engines' config.json layouts
 (torch-free), `draft.py` the draft model (the engines' `DFlashDraftModel`) and speculative decoding,
-`features.py` the target's features (online or cached).
+`features.py` the target's features (online or cached), `dflash2.py` DFlash 2's in-block convolutions, path
+selector and objective, `dflash2_config.py` its configuration keys (torch-free).
 """

@@ -11,7 +11,10 @@ Two layouts describe the same draft (the z-lab / SpecForge `DFlashDraftModel`, Q
   `hidden_states` indices, l + 1), `speculators_config` naming the verifier (the target) and how many tokens
   a block proposes.
 
-The weights are the same in both (`DRAFT_KEYS`): no embedding and no LM head (the target's).
+The weights are the same in both (`DRAFT_KEYS`): no embedding and no LM head (the target's). A DFlash 2 draft
+(`variant: dflash2`, `strategies.dflash.dflash2_config`) names `DFlash2DraftModel` in both, with its shapes in
+`dflash_config` (z-lab) or at the top level (speculators' `DFlash2SpeculatorConfig`, `speculators_model_type:
+dflash2`).
 """
 
 from __future__ import annotations
