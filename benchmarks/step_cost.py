@@ -18,6 +18,7 @@ No timing is asserted: the script prints, a reader judges (docs/benchmarks.md, "
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -38,7 +39,7 @@ from strategies.head import make_head_deferrable  # noqa: E402
 from strategies.models import DLLMOutput, build_model, wrap_for_architecture  # noqa: E402
 from strategies.options import resolve_options, validate_config  # noqa: E402
 from strategies.registry import REGISTRY, model_shape  # noqa: E402
-from tasks.commands.plan import Cluster, plan_strategy, synthetic_rows  # noqa: E402
+from tasks.commands.plan import Cluster, plan_strategy, synthetic_rows, trace  # noqa: E402
 from tasks.commands.plan.model import _mask_id, _Stub  # noqa: E402
 from tasks.commands.plan.trace import _Tracer  # noqa: E402
 from tasks.training.distributed import DistInfo  # noqa: E402
@@ -188,15 +189,41 @@ def dflash_pair(spec, name: str, vocab: int, rows: torch.Tensor, device: str, wo
 # ------------------------------------------------------------------ FLOPs: the planner's count
 
 
-def planned_flops(spec, name: str, device: str) -> float:
-    """FLOPs of one step of `name` as `dllm-flow plan` counts them (every matmul and attention, every pass)."""
-    plan = plan_strategy(spec, name, Cluster(1, None, device=device), variants=False, sizing=False)
-    return plan.flops_per_token * spec.data.seq_len * spec.train.global_batch_size
+def planned_flops(spec, name: str, device: str) -> tuple[float, float]:
+    """FLOPs of one step of `name` as `dllm-flow plan` counts them (every matmul and attention, every pass), and
+    the share of them that is causal attention (`causal_share`)."""
+    with causal_share() as share:
+        plan = plan_strategy(spec, name, Cluster(1, None, device=device), variants=False, sizing=False)
+    return plan.flops_per_token * spec.data.seq_len * spec.train.global_batch_size, share()
 
 
-def causal_flops(spec, name: str, vocab: int) -> float:
+@contextlib.contextmanager
+def causal_share():
+    """Within the block, the planner's counts are tallied: yields a function giving the share of the counted FLOPs
+    that attention with `is_causal` set has. The planner counts that attention in full (L² scores), while the kernel
+    skips the masked half, so a causal step does less attention than its count says."""
+    original, tally = trace._count_flops, {"all": 0, "causal": 0}
+
+    def counted(func, args, kwargs, out):
+        n = original(func, args, kwargs, out)
+        tally["all"] += n
+        if n and "scaled_dot_product" in func.__name__:
+            names = [a.name for a in func._schema.arguments]
+            at = names.index("is_causal") if "is_causal" in names else len(args)
+            flag = kwargs.get("is_causal", args[at] if at < len(args) else False)
+            tally["causal"] += n if flag is True else 0
+        return n
+
+    trace._count_flops = counted
+    try:
+        yield lambda: tally["causal"] / max(tally["all"], 1)
+    finally:
+        trace._count_flops = original
+
+
+def causal_flops(spec, name: str, vocab: int) -> tuple[float, float]:
     """FLOPs of the causal step of `name`'s backbone (the DFlash target for dflash), counted by the planner's
-    tracer through the same `run_step` on fake weights."""
+    tracer through the same `run_step` on fake weights, and their causal-attention share."""
     tracer = _Tracer()
     with tracer, torch.random.fork_rng(devices=[]):
         if strategy_class(name).trains == "draft":
@@ -219,11 +246,11 @@ def causal_flops(spec, name: str, vocab: int) -> float:
     tracer.reset()
     tracer.tracking = True
     try:
-        with tracer, torch.random.fork_rng(devices=[]):
+        with tracer, torch.random.fork_rng(devices=[]), causal_share() as share:
             run_step(trainee, step_context(trainee, 0, spec.train.seed, model, DistInfo(), 1), [rows], True)
     finally:
         tracer.tracking = False
-    return float(tracer.flops)
+    return float(tracer.flops), share()
 
 
 def expected(spec, name: str) -> tuple[float, str]:
@@ -409,8 +436,8 @@ def main() -> None:
                     torch.cuda.empty_cache()
                 continue
             if not args.no_flops:
-                res["flops"] = planned_flops(spec_of[name], name, args.device)
-                res["causal_flops"] = causal_flops(spec_of[name], name, args.vocab)
+                res["flops"], res["flops_causal_share"] = planned_flops(spec_of[name], name, args.device)
+                res["causal_flops"], res["causal_causal_share"] = causal_flops(spec_of[name], name, args.vocab)
             results[name] = res
             print(f"[step_cost] {name}: {res['ratio']:.2f}x the causal step ({time.time() - t0:.0f} s)", flush=True)
     print_table(spec_of, results, args, peak)
@@ -423,20 +450,23 @@ def print_table(spec_of: dict, results: dict, args, peak: float | None) -> None:
     tokens = args.seq * args.batch
     head = (
         "| strategy | step ms | causal ms | measured | expected (method) | FLOPs ratio | measured ÷ FLOPs "
-        "| causal GFLOP/s |"
+        "| ÷ FLOPs, causal attention at ½ | causal GFLOP/s |"
     )
-    rule = "|---|---|---|---|---|---|---|---|"
+    rule = "|---|---|---|---|---|---|---|---|---|"
     if peak:
         head, rule = head + " MFU (6·N·tok/s) | counted-FLOPs util |", rule + "---|---|"
     print("\n" + head + "\n" + rule)
     notes = []
+    nan = float("nan")
     for name, r in results.items():
         exp, why = expected(spec_of[name], name)
         notes.append(f"- {name}: expected {exp:.2f}: {why}")
-        flops = r.get("flops", float("nan")) / r.get("causal_flops", float("nan"))
+        flops = r.get("flops", nan) / r.get("causal_flops", nan)
+        halved = flops * (1 - r.get("flops_causal_share", nan) / 2) / (1 - r.get("causal_causal_share", nan) / 2)
+        rate = r.get("causal_flops", nan) / r["causal"] / 1e6  # FLOPs per ms → GFLOP/s
         line = (
-            f"| {name} | {r['strategy']:.1f} | {r['causal']:.1f} | {r['ratio']:.2f} | {exp:.2f} | "
-            f"{flops:.2f} | {r['ratio'] / flops:.2f} | {r.get('causal_flops', float('nan')) / r['causal'] / 1e6:,.1f} |"
+            f"| {name} | {r['strategy']:.1f} | {r['causal']:.1f} | {r['ratio']:.2f} | {exp:.2f} | {flops:.2f} "
+            f"| {r['ratio'] / flops:.2f} | {r['ratio'] / halved:.2f} | {rate:,.1f} |"
         )
         if peak:
             seconds = r["strategy"] / 1000
