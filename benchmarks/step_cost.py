@@ -381,7 +381,11 @@ def main() -> None:
     ap.add_argument("--no-fused-head", action="store_true", help="full logits (train.fused_head: false)")
     ap.add_argument("--compile", action="store_true", help="train.compile: torch.compile each decoder layer")
     ap.add_argument("--no-flops", action="store_true", help="skip the planner's FLOPs count")
-    ap.add_argument("--explain", action="store_true", help="graph breaks (torch._dynamo.explain) and attention paths")
+    ap.add_argument(
+        "--explain",
+        action="store_true",
+        help="graph breaks (torch._dynamo.explain) and attention paths (eager layers: leave out --compile)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument(
         "--clock",
