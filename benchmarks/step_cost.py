@@ -119,7 +119,7 @@ def backbone(spec, name: str, vocab: int, causal: bool) -> nn.Module:
     model = build_model(tiny_config(spec, vocab), spec.train.seed, **({"dllm_attention": "causal"} if causal else {}))
     if causal:
         return model
-    return wrap_for_architecture(model, strategy_class(name).model_architecture, mask_token_id=_mask_id(options, vocab))
+    return wrap_for_architecture(model, model_architecture(name, options), mask_token_id=_mask_id(options, vocab))
 
 
 def with_head(spec, model: nn.Module) -> tuple[nn.Module, bool]:
