@@ -169,10 +169,12 @@ def dflash_visibility(
     block_size: int,
     causal: bool = False,
     document_ids: Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> Tensor:
     """Bool [B, N·bs, S + N·bs]: query q (block b = q // bs, offset o) sees context key k < min(A_b, S)
-    when block b is kept — with `document_ids` (`[B, S]`, packed rows) only keys of A_b's document — and the
-    noise keys of its own block (with `causal`, those at offsets ≤ o)."""
+    when block b is kept — with `document_ids` (`[B, S]`, packed rows) only keys of A_b's document, with
+    `sliding_window` W only keys with A_b + o − k < W (docs/strategies.md §10.12) — and the noise keys of its own
+    block (with `causal`, those at offsets ≤ o)."""
     bsz, n_blocks = anchor_positions.shape
     q_len, device = n_blocks * block_size, anchor_positions.device
     q = torch.arange(q_len, device=device)
@@ -181,6 +183,8 @@ def dflash_visibility(
     anchor = anchor_positions[:, qb]  # [B, Q]
     keep = block_keep_mask.bool()[:, qb]
     ctx = (k[None, None, :] < ctx_len) & (k[None, None, :] < anchor[:, :, None]) & keep[:, :, None]
+    if sliding_window is not None:  # the query's own position A_b + o, as z-lab's and Automodel's drafts measure it
+        ctx = ctx & ((anchor + qo)[:, :, None] - k[None, None, :] < sliding_window)
     if document_ids is not None:
         docs = document_ids[:, k.clamp_max(ctx_len - 1)]  # [B, S + Q]; only the first S columns matter
         ctx = ctx & (docs[:, None, :] == document_ids.gather(1, anchor)[:, :, None])
@@ -200,11 +204,13 @@ def create_dflash_sdpa_mask(
     dtype: torch.dtype = torch.float32,
     causal: bool = False,
     document_ids: Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> Tensor:
     """Additive DFlash mask [B, 1, N·bs, S + N·bs]: 0 where visible, −inf elsewhere (docs/strategies.md §6.2)."""
     anchors = anchor_positions.to(device) if device is not None else anchor_positions
     docs = None if document_ids is None else document_ids.to(anchors.device)
-    visible = dflash_visibility(anchors, block_keep_mask.to(anchors.device), ctx_len, block_size, causal, docs)
+    keep = block_keep_mask.to(anchors.device)
+    visible = dflash_visibility(anchors, keep, ctx_len, block_size, causal, docs, sliding_window)
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, -math.inf)[:, None]
 
 
@@ -215,6 +221,7 @@ def build_dflash_mask_mod(
     block_size: int,
     causal: bool = False,
     document_ids: Tensor | None = None,
+    sliding_window: int | None = None,
 ):
     """The same predicate as a flex-attention `mask_mod(b, h, q_idx, kv_idx)`."""
     n_blocks = anchor_positions.shape[1]
@@ -224,6 +231,8 @@ def build_dflash_mask_mod(
         qb = torch.clamp(q_idx // block_size, max=n_blocks - 1)
         anchor = anchor_positions[b, qb]
         ctx = (kv_idx < ctx_len) & (kv_idx < anchor) & keep[b, qb]
+        if sliding_window is not None:
+            ctx = ctx & (anchor + q_idx % block_size - kv_idx < sliding_window)
         if document_ids is not None:
             ctx = ctx & (document_ids[b, torch.clamp(kv_idx, max=ctx_len - 1)] == document_ids[b, anchor])
         kn = kv_idx - ctx_len
@@ -242,10 +251,14 @@ def create_dflash_block_mask(
     block_size: int,
     causal: bool = False,
     document_ids: Tensor | None = None,
+    sliding_window: int | None = None,
 ):
-    """Flex-attention `BlockMask` for the DFlash layout (Q = N·bs, KV = S + N·bs, default 128 tiles)."""
+    """Flex-attention `BlockMask` for the DFlash layout (Q = N·bs, KV = S + N·bs, default 128 tiles); with a
+    `sliding_window` the tiles left of every window are skipped."""
     bsz, n_blocks = anchor_positions.shape
-    mod = build_dflash_mask_mod(anchor_positions, block_keep_mask, ctx_len, block_size, causal, document_ids)
+    mod = build_dflash_mask_mod(
+        anchor_positions, block_keep_mask, ctx_len, block_size, causal, document_ids, sliding_window
+    )
     return create_block_mask(
         mod, bsz, None, n_blocks * block_size, ctx_len + n_blocks * block_size, device=anchor_positions.device
     )

@@ -34,6 +34,14 @@ from strategies.dflash.dflash2_config import (
     dflash2_problem,
     parse_dflash2_fields,
 )
+from strategies.dflash.window_config import (
+    SLIDING,
+    default_layer_types,
+    parse_window_fields,
+    raw_layer_types,
+    window_fields,
+    window_problem,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG = "config.json"
@@ -95,6 +103,10 @@ class DFlashDraftConfig:
     conv_group_size: int = SHAPE_DEFAULTS["conv_group_size"]
     selector_rank: int = SHAPE_DEFAULTS["selector_rank"]
     selector_top_k: int = SHAPE_DEFAULTS["selector_top_k"]
+    # each layer's attention, "full_attention" or "sliding_attention" (None: all sliding when `sliding_window` is set,
+    # else all full), and the sliding layers' window over the context (docs/strategies.md §10.12)
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -141,7 +153,10 @@ class DFlashDraftConfig:
             )
         if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
             raise ValueError("DFlash draft config: rope_theta and rms_norm_eps must be positive")
-        problem = dflash2_problem(self)
+        given = self.layer_types
+        self.layer_types = default_layer_types(self.num_hidden_layers, self.sliding_window) if given is None else given
+        self.layer_types = [str(t) for t in self.layer_types]
+        problem = dflash2_problem(self) or window_problem(self)
         if problem:
             raise ValueError(f"DFlash draft config: {problem}")
 
@@ -163,18 +178,15 @@ class DFlashDraftConfig:
             "hidden_size": self.hidden_size,
             "initializer_range": 0.02,
             "intermediate_size": self.intermediate_size,
-            "layer_types": ["full_attention"] * layers,
             "max_position_embeddings": self.max_position_embeddings,
-            "max_window_layers": layers,
             "num_attention_heads": self.num_attention_heads,
             "num_hidden_layers": layers,
             "num_key_value_heads": self.num_key_value_heads,
             "rms_norm_eps": self.rms_norm_eps,
-            "sliding_window": None,
             "tie_word_embeddings": False,
             "use_cache": True,
-            "use_sliding_window": False,
             "vocab_size": self.vocab_size,
+            **window_fields(self),  # layer_types, sliding_window, use_sliding_window, max_window_layers, is_causal
         }
         # always named, null where the tokenizer has none: a missing key would read as Qwen3Config's default
         return {
@@ -206,9 +218,9 @@ class DFlashDraftConfig:
 
     def to_speculators(self, verifier: str, verifier_architectures: list[str], dtype: str = "float32") -> dict:
         """config.json of the speculators layout (`DFlashSpeculatorConfig`): the verifier is the target (its
-        path or hub id); a block proposes block_size − 1 tokens (the anchor is the target's own token). Layers are
-        all full attention: `sliding_window_non_causal` true keeps every layer bidirectional in a vLLM that turns
-        the flag into `dflash_config.causal` for all layers."""
+        path or hub id); a block proposes block_size − 1 tokens (the anchor is the target's own token).
+        `sliding_window_non_causal` true keeps sliding-window layers bidirectional inside the block, as the full
+        ones always are (and every layer in a vLLM that turns the flag into `dflash_config.causal`)."""
         self._require_target_facts("vocab_size")
         if self.copy_hint:
             raise ValueError(f"a copy-hint draft has no speculators layout ({COPY_HINT_KEY})")
@@ -322,7 +334,10 @@ def parse_draft_config(raw: dict, where: str) -> DraftConfig:
 
 
 def _refuse(where: str, what: str) -> ValueError:
-    return ValueError(f"{where}: {what}; dllm-flow's DFlash draft (all layers full attention, plain RoPE) can't run it")
+    return ValueError(
+        f"{where}: {what}; dllm-flow's DFlash draft (full or sliding-window attention, bidirectional in the block, "
+        "plain RoPE) can't run it"
+    )
 
 
 def _parse_zlab(raw: dict, where: str) -> DFlashDraftConfig:
@@ -333,9 +348,7 @@ def _parse_zlab(raw: dict, where: str) -> DFlashDraftConfig:
 
     if raw.get("hidden_act", "silu") != "silu":
         raise _refuse(where, f"hidden_act is {raw['hidden_act']!r}, not 'silu'")
-    kinds = set(raw.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"} or raw.get("use_sliding_window"):
-        raise _refuse(where, f"its layers include sliding-window attention (layer_types {sorted(kinds)})")
+    window = parse_window_fields(raw, lambda what: _refuse(where, what))  # docs/strategies.md §10.12
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise _refuse(where, f"its RoPE is scaled ({rope})")
@@ -372,6 +385,7 @@ def _parse_zlab(raw: dict, where: str) -> DFlashDraftConfig:
             pad_token_id=raw.get("pad_token_id"),
             copy_hint=bool(raw.get(COPY_HINT_KEY, False)),
             **variant,
+            **window,
         )
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
@@ -389,6 +403,10 @@ def _parse_speculators(raw: dict, where: str) -> DraftConfig:
         raise _refuse(where, f"it drafts over a reduced vocabulary (draft_vocab_size {raw['draft_vocab_size']})")
     if raw.get("target_hidden_size") not in (None, layer.get("hidden_size")):
         raise _refuse(where, f"its target_hidden_size {raw['target_hidden_size']} is not its hidden size")
+    if SLIDING in raw_layer_types(layer):  # speculators reads `sliding_window_non_causal`, not `is_causal`
+        if not raw.get("sliding_window_non_causal"):
+            raise _refuse(where, "its sliding-window layers are causal inside the block (sliding_window_non_causal)")
+        layer["is_causal"] = False
     aux = raw.get("aux_hidden_state_layer_ids")
     if not aux:
         raise ValueError(f"{where}: the speculators config has no aux_hidden_state_layer_ids")

@@ -17,16 +17,11 @@ from torch.nn.attention.flex_attention import flex_attention
 from transformers import DynamicCache
 
 from dllm_common.checkpoint import DIGESTS, read_weights, verify_checkpoint
-from strategies.dflash.blocks import (
-    CopyHints,
-    block_position_ids,
-    copy_hints,
-    create_dflash_block_mask,
-    create_dflash_sdpa_mask,
-)
+from strategies.dflash.blocks import CopyHints, block_position_ids, copy_hints
 from strategies.dflash.config import DFlashDraftConfig, is_draft_dir
 from strategies.dflash.dflash2 import CandidateSelector, InBlockConv, conv_sublayer
 from strategies.dflash.dflash2_config import DFLASH2
+from strategies.dflash.window import draft_masks, layer_mask, trim_context
 from strategies.sampling import LOOKUP_MAX_NGRAM
 
 # ---------------------------------------------------------------------------------------- draft
@@ -111,10 +106,11 @@ class DFlashMLP(nn.Module):
 class DFlashDecoderLayer(nn.Module):
     """A Qwen3-style layer; a DFlash 2 draft's also convolves each sublayer's input and output within the block
     (`attention_conv`, `mlp_conv`: `strategies.dflash.dflash2`), built after the rest so that from one seed its
-    other weights are the plain layer's."""
+    other weights are the plain layer's. `layer_type` picks its mask when the draft's layers differ (§10.12)."""
 
-    def __init__(self, cfg: DFlashDraftConfig):
+    def __init__(self, cfg: DFlashDraftConfig, index: int = 0):
         super().__init__()
+        self.layer_type = cfg.layer_types[index]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DFlashAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -125,6 +121,7 @@ class DFlashDecoderLayer(nn.Module):
             self.mlp_conv = InBlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
     def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
+        mask = layer_mask(mask, self.layer_type)
         if not hasattr(self, "attention_conv"):
             x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -151,7 +148,7 @@ class DFlashDraftModel(nn.Module):
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_target_features * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         if cfg.variant == DFLASH2:  # DFlash 2's path selector (docs/strategies.md §10.11), after the backbone
             if cfg.vocab_size is None:
@@ -258,18 +255,19 @@ def draft_block_hidden(
     document_ids: Tensor | None = None,
     backend: str = "sdpa",
     hints: CopyHints | None = None,
+    offset: int = 0,
 ) -> Tensor:
     """Hidden states [B, N·bs, H] of the draft (possibly DDP/FSDP-wrapped) for N blocks under the (always
     applied) DFlash mask: dense, or a flex-attention BlockMask (`backend="flex_attention"`; its backward needs a
-    GPU in torch 2.13); confined to each anchor's document when `document_ids` (`[B, S]`, packed rows) is given.
-    `hints`: the copy hints of a `copy_hint` draft (`strategies.dflash.blocks.copy_hints`)."""
+    GPU in torch 2.13); confined to each anchor's document when `document_ids` (`[B, S]`, packed rows) is given,
+    and to the window of its sliding-window layers (`strategies.dflash.window`). `hints`: the copy hints of a
+    `copy_hint` draft (`strategies.dflash.blocks.copy_hints`); `offset`: the position of the first context feature
+    (a windowed decoder's trimmed context; anchors index `ctx_features`)."""
     bs, s = block_size, ctx_features.shape[1]
     noise = embed(block_ids).to(ctx_features.dtype)
-    positions = block_position_ids(anchors, s, bs)
-    if backend == "flex_attention":
-        mask = create_dflash_block_mask(anchors, keep, s, bs, document_ids=document_ids)
-    else:  # always masked (docs/reference-differences.md G1)
-        mask = create_dflash_sdpa_mask(anchors, keep, s, bs, dtype=noise.dtype, document_ids=document_ids)
+    positions = block_position_ids(anchors, s, bs) + offset
+    cfg = getattr(draft, "module", draft).config  # always masked (docs/reference-differences.md G1)
+    mask = draft_masks(cfg, anchors, keep, s, bs, noise.dtype, document_ids, backend)
     if hints is None:
         return draft(ctx_features, noise, positions, mask)
     return draft(ctx_features, noise, positions, mask, embed(hints.ids).to(noise.dtype), hints.lengths)
@@ -284,11 +282,15 @@ def draft_block_logits(
     block_ids: Tensor,
     document_ids: Tensor | None = None,
     hints: CopyHints | None = None,
+    offset: int = 0,
 ) -> Tensor:
     """Logits [B, N·bs, V] of the draft for N blocks (`draft_block_hidden` through the target's head)."""
     emb, head = _embed_and_head(target)
     bs = draft.config.block_size
-    return head(draft_block_hidden(draft, bs, emb, ctx_features, anchors, keep, block_ids, document_ids, hints=hints))
+    hidden = draft_block_hidden(
+        draft, bs, emb, ctx_features, anchors, keep, block_ids, document_ids, hints=hints, offset=offset
+    )
+    return head(hidden)
 
 
 # ---------------------------------------------------------------------------------------- decoding
@@ -407,23 +409,23 @@ def speculative_generate(
     feats, logits, cache = target_features(target, ids, cfg.target_layer_ids, past_key_values=_new_cache(target))
     out: list[int] = [int(_draw(logits[:, -1], temperature, generator))]  # the prefill's token: the first anchor
     committed = len(prompt)  # tokens the target has processed (and whose features we hold)
-    ctx = feats
+    ctx, start = trim_context(cfg, feats, 0, committed)  # `start`: the position of ctx's first feature (§10.12)
     acceptance, forwards, lookups = [], 1, 0
     while len(out) < max_new_tokens and not (eos_token_id is not None and out[-1] == eos_token_id):
-        anchor = torch.tensor([[committed]], device=device)
+        anchor = torch.tensor([[committed - start]], device=device)
         block = torch.full((1, bs), cfg.mask_token_id, device=device)
         block[0, 0] = out[-1]
         keep = torch.ones_like(anchor, dtype=torch.bool)
-        hints = None
+        hints, trimmed = None, {"offset": start} if start else {}  # a windowed draft's context starts at `start`
         if cfg.copy_hint:  # the history's last token is the anchor
             history = torch.tensor([list(prompt) + out], device=device)
             hints = copy_hints(history, torch.tensor([[history.shape[1] - 1]], device=device), bs, cfg.mask_token_id)
         if cfg.variant == DFLASH2:  # the selector's path and the distributions it drew it from
             emb, head = _embed_and_head(target)
-            hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block)[0, 1:]
+            hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block, **trimmed)[0, 1:]
             proposal, d_logits = draft.candidate_selector.walk(hidden, head(hidden), out[-1], temperature, generator)
         else:
-            d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints)[0, 1:]
+            d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints, **trimmed)[0, 1:]
             proposal = _draw(d_logits, temperature, generator)
         d_logits, proposal, looked_up = _with_lookup(list(prompt) + out, lookup_ngram, d_logits, proposal)
         lookups += looked_up
@@ -437,6 +439,7 @@ def speculative_generate(
         # keep features/cache for the anchor and the accepted proposals; the bonus is the next anchor
         ctx = torch.cat([ctx, v_feats[:, : accepted + 1]], dim=1)
         committed += accepted + 1
+        ctx, start = trim_context(cfg, ctx, start, committed)
         surplus = cache.get_seq_length() - committed  # rejected proposals the target already cached
         if surplus > 0:
             cache.crop(-surplus)

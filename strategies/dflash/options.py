@@ -9,6 +9,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from dllm_common.config import ConfigError, PipelineSpec
 from strategies.dflash.dflash2_config import DFLASH, DFLASH2, SHAPE_DEFAULTS
+from strategies.dflash.window_config import attention_shape_problem
 from strategies.registration import Registration, SamplerInfo, StrategyOptions
 
 SPECULATIVE = "speculative"  # the draft proposes a block, the frozen target verifies it
@@ -49,6 +50,13 @@ class DFlashOptions(StrategyOptions):
     selector_rank: int = Field(SHAPE_DEFAULTS["selector_rank"], ge=1)
     selector_top_k: int = Field(SHAPE_DEFAULTS["selector_top_k"], ge=1)
     selector_loss_weight: float = Field(1.0, ge=0)
+    # a new draft's attention (docs/strategies.md §10.12): every layer a sliding window of this many positions over
+    # the context (None: full attention), and its heads, key/value heads and head width, independent of the target's
+    # (None: model.num_heads, model.num_kv_heads, hidden ÷ heads); an imported draft must already be so
+    draft_sliding_window: int | None = Field(None, ge=1)
+    draft_num_attention_heads: int | None = Field(None, ge=1)
+    draft_num_key_value_heads: int | None = Field(None, ge=1)
+    draft_head_dim: int | None = Field(None, ge=2)
 
     @field_validator("block_size")
     @classmethod
@@ -90,8 +98,30 @@ class DFlashOptions(StrategyOptions):
             raise ValueError("dflash.draft_variant dflash2 has no copy hint: set dflash.copy_hint: false")
         return value
 
+    @field_validator("draft_sliding_window")
+    @classmethod
+    def _window_holds_the_block(cls, value: int | None, info: ValidationInfo) -> int | None:
+        size = info.data.get("block_size") or 0
+        if value is not None and value < size:
+            raise ValueError(
+                f"dflash.draft_sliding_window ({value}) is smaller than dflash.block_size ({size}): the engines apply "
+                "the window inside the block too, so a block's later positions would not see its anchor; use a window "
+                f"of at least {size}"
+            )
+        return value
+
+    @field_validator("draft_head_dim")
+    @classmethod
+    def _even_head(cls, value: int | None) -> int | None:
+        if value is not None and value % 2:
+            raise ValueError(f"dflash.draft_head_dim ({value}) must be even (RoPE rotates pairs of dimensions)")
+        return value
+
     def check_against(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
         super().check_against(spec, where)
+        shape = attention_shape_problem(self, spec.model)
+        if shape is not None and spec.model.kind != "pretrained":  # an imported draft: checked against it at setup
+            raise ConfigError(f"{where(shape[0])} {shape[1]}")
         only2 = sorted({*SHAPE_DEFAULTS, "selector_loss_weight"} & self.model_fields_set)
         if self.draft_variant != DFLASH2 and only2:
             raise ConfigError(

@@ -41,6 +41,7 @@ from strategies.dflash.loss import (
 )
 from strategies.dflash.options import SAMPLERS, VARIABLE_PREFIX, DFlashOptions, variable_prefix_block_problem
 from strategies.dflash.prefix import draw_prefix_lengths, prefix_generator, reveal_prefix
+from strategies.dflash.window_config import options_mismatch
 from strategies.losses import DLLMLossOutput
 from strategies.registration import StrategyOptions
 from strategies.seeding import seeded_generator
@@ -166,6 +167,9 @@ class DFlashStrategy(DLLMStrategy):
                 f"dflash.draft_variant is {self.options.draft_variant} but the draft is a {variant} draft: set "
                 f"dflash.draft_variant: {variant} to train it"
             )
+        mismatch = options_mismatch(self.options, setup.model.config)  # docs/strategies.md §10.12
+        if mismatch:
+            raise ValueError(mismatch)
         layer_ids = list(setup.model.config.target_layer_ids)
         if self.features is not None and list(self.features.layer_ids) != layer_ids:
             raise ValueError(

@@ -26,6 +26,7 @@ from strategies.dflash.config import DFlashDraftConfig, read_draft_config
 from strategies.dflash.dflash2_config import variant_fields
 from strategies.dflash.draft import DFlashDraftModel
 from strategies.dflash.features import CachedFeatures, OnlineFeatures
+from strategies.dflash.window_config import attention_shape_fields
 from strategies.model_files import resolve_model_path
 from strategies.models import model_from_config_dir, tokenizer_token_ids
 from strategies.options import resolve_options
@@ -132,8 +133,8 @@ def _new_draft(
     variant: dict | None = None,
 ) -> DFlashDraftModel:
     """A draft shaped by `model:` (its width is the target's; layers, heads, `num_kv_heads`, `intermediate_size`;
-    head_dim = hidden ÷ heads, RoPE base the target's), initialized from `train.seed`; `variant`: DFlash 2's
-    config keywords (`strategies.dflash.dflash2_config.variant_fields`)."""
+    head_dim = hidden ÷ heads, RoPE base the target's), initialized from `train.seed`; `variant`: more config
+    keywords (`new_draft_fields`: DFlash 2's, the `dflash` options' attention shape and window)."""
     m, hidden = spec.model, target.config.hidden_size
     if m.hidden_size != hidden:
         raise ValueError(
@@ -145,19 +146,23 @@ def _new_draft(
     cfg = DFlashDraftConfig(
         hidden_size=hidden,
         num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads,
         intermediate_size=m.intermediate_size,
         block_size=block_size,
         target_layer_ids=layer_ids_for(spec, target_ref),
         mask_token_id=int(mask_id),
         copy_hint=copy_hint,
         **target_facts(target),
-        **(variant or {}),
+        **{"num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, **(variant or {})},
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.train.seed)
         return DFlashDraftModel(cfg)
+
+
+def new_draft_fields(spec: PipelineSpec, options) -> dict:
+    """The config keywords the `dflash` options give a new draft beyond `model:`: DFlash 2's shapes, and the attention
+    shape and sliding window (docs/strategies.md §10.12)."""
+    return {**variant_fields(options), **attention_shape_fields(options, spec.model)}
 
 
 def draft_source(path: str) -> Path:
@@ -261,9 +266,8 @@ def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, in
     else:
         mask_id = candidate_mask_token_id(options, tokenizer)
         _check_mask_row(mask_id, target)
-        draft = _new_draft(
-            spec, target, inputs["target"], options.block_size, mask_id, options.copy_hint, variant_fields(options)
-        )
+        fields = new_draft_fields(spec, options)
+        draft = _new_draft(spec, target, inputs["target"], options.block_size, mask_id, options.copy_hint, fields)
     refuse_mask_alias(spec, tokenizer, {f"the mask token id train[{name}] resolves": mask_id})
     for key, value in tokenizer_token_ids(tokenizer).items():  # the tokenizer's, whatever the target's config says
         setattr(draft.config, key, value)

@@ -230,7 +230,8 @@ class _Builder:
             options = self.cls.complete_options(options, draft)
         else:
             size = options.block_size or 2
-            draft = dflash_setup._new_draft(spec, target, ref, size, mask_id, options.copy_hint)
+            fields = dflash_setup.new_draft_fields(spec, options)  # DFlash 2's shapes, the attention's (§10.12)
+            draft = dflash_setup._new_draft(spec, target, ref, size, mask_id, options.copy_hint, fields)
         cached = d.target_features == "cached"
         cache = _FakeFeatures(draft.config, options.distill_top_k, d.cache_dtype) if cached else None
         built = dflash_setup.draft_strategy(self.name, options, draft, target, mask_token_id=mask_id, cache=cache)
