@@ -149,6 +149,21 @@ def test_blocks_of_a_row_under_the_training_mask_draft_as_each_block_alone_from_
         torch.testing.assert_close(alone[0], together[0, i * BS : (i + 1) * BS], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("layers", [[SLIDE, SLIDE], [SLIDE, FULL]], ids=["all-sliding", "mixed"])
+def test_the_flex_block_mask_drafts_like_the_dense_mask(target, layers):
+    """The windowed flex BlockMask (forward only: flex attention has no CPU backward in torch 2.13) gives the dense
+    mask's hidden states, blocks of two rows anchored inside and past the window."""
+    draft = _random(_cfg(layer_types=layers))
+    row = torch.randint(0, 60, (2, 40), generator=torch.Generator().manual_seed(2))
+    feats = target_features(target, row, [1, 2])[0]
+    anchors, keep = torch.tensor([[3, 11, 20, 25], [30, 2, 14, 35]]), torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1]]).bool()
+    blocks, emb = torch.full((2, 4 * BS), MASK), target.get_input_embeddings()
+    with torch.no_grad():
+        dense = draft_block_hidden(draft, BS, emb, feats, anchors, keep, blocks)
+        flex = draft_block_hidden(draft, BS, emb, feats, anchors, keep, blocks, backend="flex_attention")
+    torch.testing.assert_close(flex, dense, rtol=0, atol=2e-5)
+
+
 # ---------------------------------------------------------------------------------------- z-lab's package, the oracle
 
 try:
