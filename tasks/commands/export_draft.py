@@ -147,6 +147,13 @@ def draft_rows(config: dict, parameters: int, dtypes: str) -> list[tuple[str, ob
         ("rope_theta", c.rope_theta),
         ("copy_hint (reads the context lookup's proposal; docs/strategies.md §10.9)", c.copy_hint),
     ]
+    if c.sliding_window is not None:  # docs/strategies.md §10.12
+        rows.append(
+            (
+                "layer_types (sliding_window: positions a sliding layer reads back)",
+                f"{c.layer_types} ({c.sliding_window})",
+            )
+        )
     if c.variant == DFLASH2:  # docs/strategies.md §10.11
         rows[0] = ("model", "DFlash 2 draft (`DFlash2DraftModel`: in-block convolutions and a path selector)")
         rows += [(k, getattr(c, k)) for k in SHAPE_DEFAULTS]

@@ -34,7 +34,7 @@ from strategies.dflash.window import draft_masks, trim_context
 from strategies.dflash.window_config import attention_shape_fields
 from strategies.models import build_model, tiny_model_config
 from strategies.options import DFlashOptions, validate_config
-from tasks.commands.export_draft import write_serving_layout
+from tasks.commands.export_draft import draft_rows, write_serving_layout
 from tasks.training.dflash_setup import draft_strategy, import_draft
 
 MASK, V, BS, W = 63, 64, 4, 6
@@ -293,6 +293,8 @@ def test_an_attention_shape_unlike_the_targets_trains_a_step_and_round_trips(tar
         "sliding_window": W,
         "use_sliding_window": True,
     }
+    rows = dict(draft_rows(raw, 1, "float32"))  # the model card says what the layers read
+    assert rows["layer_types (sliding_window: positions a sliding layer reads back)"] == f"{[SLIDE, SLIDE]} ({W})"
     loaded = DFlashDraftModel.load(tmp_path / "out")
     assert loaded.config == cfg
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in draft.state_dict().items())
