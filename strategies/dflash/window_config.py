@@ -121,16 +121,9 @@ def attention_shape_fields(options, model) -> dict:
 
 
 def attention_shape_problem(options, model) -> tuple[str, str] | None:
-    """(the key at fault, what is wrong) with the draft attention the `dflash` options and `model:` describe together,
-    or None."""
+    """(the key at fault, what is wrong) with the draft attention the `dflash` options and `model:` describe together
+    (the options, where set, take the place of `model.num_heads` / `model.num_kv_heads`), or None."""
     given = options.model_fields_set
-    for key, model_key in (("draft_num_attention_heads", "num_heads"), ("draft_num_key_value_heads", "num_kv_heads")):
-        value, theirs = getattr(options, key), getattr(model, model_key)
-        if value is not None and model_key in model.model_fields_set and theirs != value:
-            return key, (
-                f"({value}) and model.{model_key} ({theirs}) both set the draft's attention: drop model.{model_key} "
-                f"(dflash.{key} is the draft's)"
-            )
     fields = attention_shape_fields(options, model)
     heads, kv = fields["num_attention_heads"], fields["num_key_value_heads"] or fields["num_attention_heads"]
     if heads % kv:

@@ -402,8 +402,8 @@ def test_draft_attention_options_that_disagree_are_refused_at_load(tiny_spec):
     from dllm_common.config import ConfigError
 
     assert _spec(tiny_spec, draft_num_attention_heads=6, draft_head_dim=8, draft_sliding_window=8)
+    assert _spec(tiny_spec, {"num_heads": 2}, draft_num_attention_heads=4)  # the option takes model.num_heads' place
     for model, dflash, message in (
-        ({"num_heads": 2}, {"draft_num_attention_heads": 4}, r"draft_num_attention_heads \(4\) and model.num_heads"),
         ({}, {"draft_num_attention_heads": 6}, r"draft_num_attention_heads \(6\) does not split the hidden size 32"),
         ({}, {"draft_num_attention_heads": 4, "draft_num_key_value_heads": 3}, "key/value heads must divide"),
     ):
