@@ -177,7 +177,8 @@ def _zlab(draft, folder):
     """The exported folder loaded by z-lab's own class; no weight left out."""
     folder.mkdir(parents=True, exist_ok=True)
     write_serving_layout(folder, draft.config, draft.state_dict(), "zlab", {})
-    model, info = zlab.DFlashDraftModel.from_pretrained(folder, output_loading_info=True, dtype=torch.float32)
+    cls = zlab.DFlash2DraftModel if draft.config.variant == "dflash2" else zlab.DFlashDraftModel
+    model, info = cls.from_pretrained(folder, output_loading_info=True, dtype=torch.float32)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     return model.eval()
 
@@ -199,17 +200,25 @@ def _max_block_logit_difference(target, draft, theirs, row) -> float:
     return worst
 
 
+DFLASH2 = {"variant": "dflash2", "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
+
+
 @NEEDS_ZLAB
-@pytest.mark.parametrize("layers", [[SLIDE, SLIDE], [SLIDE, FULL]], ids=["all-sliding", "mixed"])
-def test_z_lab_gives_the_same_block_logits_on_a_context_longer_than_the_window(target, layers, tmp_path):
-    draft = _random(_cfg(layer_types=layers))
+@pytest.mark.parametrize(
+    "layers, variant",
+    [([SLIDE, SLIDE], {}), ([SLIDE, FULL], {}), ([FULL, SLIDE], DFLASH2)],
+    ids=["all-sliding", "mixed", "dflash2-mixed"],
+)
+def test_z_lab_gives_the_same_block_logits_on_a_context_longer_than_the_window(target, layers, variant, tmp_path):
+    draft = _random(_cfg(layer_types=layers, **variant))
     theirs = _zlab(draft, tmp_path / "zlab")
     assert [(layer.self_attn.is_causal, layer.self_attn.sliding_window) for layer in theirs.layers] == [
         (False, W if t == SLIDE else None) for t in layers
     ]
     row = torch.randint(0, 60, (1, 2 * W + 3), generator=torch.Generator().manual_seed(4))
     found = _max_block_logit_difference(target, draft, theirs, row)
-    print(f"\nmax |Δ logit| vs z-lab ({'+'.join(layers)}, window {W}, contexts up to {row.shape[1] - 1}): {found:.2e}")
+    what = f"{variant.get('variant', 'dflash')} {'+'.join(layers)}, window {W}, contexts up to {row.shape[1] - 1}"
+    print(f"\nmax |Δ logit| vs z-lab ({what}): {found:.2e}")
     assert found <= 1e-5
     unwindowed = DFlashDraftModel(replace(draft.config, layer_types=[FULL, FULL], sliding_window=None)).eval()
     unwindowed.load_state_dict(draft.state_dict())
