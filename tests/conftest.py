@@ -1,4 +1,4 @@
-"""Test-wide environment: no telemetry, no hub, small thread pools."""
+"""Test-wide environment: no telemetry, no hub, one torch thread per process."""
 
 import os
 
@@ -9,6 +9,13 @@ for key, value in {
     "HF_HUB_OFFLINE": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # one torch thread per process, this one and every process a test starts (a `dllm-flow run`, a server, torchrun's
+    # workers, which get it already). The suite's models are tiny and its processes overlap (a run beside its
+    # Prefect and MLflow servers, two ranks): with torch's default of a thread per core, a training whose two OpenMP
+    # threads share the cores with any other busy process waits on its own spinning threads. Measured 2026-12-06
+    # (docs/results/log.md): the smoke training, 150 steps, 4.8 s on two threads and 5.2 s on one on an idle
+    # 2-core machine, but 115 s against 9.6 s beside one busy process
+    "OMP_NUM_THREADS": "1",
 }.items():
     os.environ.setdefault(key, value)
 # every process this session starts inherits this mark, so the end-of-session check (pytest_sessionfinish below)
