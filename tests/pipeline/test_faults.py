@@ -239,15 +239,16 @@ def eval_numbers(workdir) -> dict:
     return {k: v for k, v in metrics.items() if not k.endswith("per_s")}  # all but the timings
 
 
-# (fault, what the run's stages look like after it); each run gets one stage further than the one before
+# (fault, what the run's stages look like after it); each run gets one stage further than the one before.
+# Publishing is the store's, the same for every stage: a kill at each of its points (files written, renaming) is
+# test_sigkill_while_publishing_leaves_nothing_half_published's on the store alone (a second, not a pipeline run);
+# here one kill while publishing each of prepare_data and report shows the pipeline resuming past it
 CHAIN = [
     ("publish.prepare_data.renaming=kill", {"prepare_data": "RUNNING"}),
     ("train.step=kill@15", {"prepare_data": "COMPLETED", "train[mdlm]": "RUNNING"}),
     ("checkpoint.swap=kill@2", {"prepare_data": "REUSED", "train[mdlm]": "RUNNING"}),
-    ("publish.train.written=kill", {"prepare_data": "REUSED", "train[mdlm]": "RUNNING"}),
     ("publish.evaluate.written=enospc", {"prepare_data": "REUSED", "train[mdlm]": "COMPLETED"}),
-    ("publish.evaluate.renaming=kill", {"prepare_data": "REUSED", "train[mdlm]": "REUSED"}),
-    ("publish.report.written=kill", {"evaluate[mdlm]": "COMPLETED", "report": "RUNNING"}),
+    ("publish.report.written=kill", {"train[mdlm]": "REUSED", "evaluate[mdlm]": "COMPLETED", "report": "RUNNING"}),
 ]
 
 
@@ -268,7 +269,7 @@ def test_a_pipeline_killed_at_every_stage_completes_on_rerun_like_an_undisturbed
         got = statuses(workdir)
         assert {k: got.get(k) for k in expected} == expected, (fault, got)
         assert unverified_entries(workdir) == [], fault  # every published entry still verifies
-        if i == 3:  # the workdir moves between two faults: everything reused from the new place
+        if i == 2:  # the workdir moves between two faults: everything reused from the new place
             shutil.move(workdir, tmp_path / "b")
             workdir = tmp_path / "b"
     code, out, err = run(workdir, api=prefect_api)
