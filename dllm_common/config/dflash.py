@@ -68,6 +68,10 @@ class DFlashConfig(ConfigSection):
     eval_prompts: int = Field(16, ge=1)
     eval_prompt_len: int = Field(16, ge=1)
     eval_max_new_tokens: int = Field(48, ge=1)
+    # served τ (docs/evaluation.md §4.8): the same prompts through z-lab's `dflash_generate`, rendered with the
+    # target's chat template; `eval_enable_thinking` sets the template's thinking switch (None: its default)
+    eval_served: bool = True
+    eval_enable_thinking: bool | None = None
     # speculative decoding: when the last n…4 tokens recur in the prompt or output, the tokens that followed
     # them there are proposed before the draft's (0: the draft alone); docs/strategies.md §10.8
     lookup_ngram: int = Field(0, ge=0, le=4)  # ≤ strategies.dflash_draft.LOOKUP_MAX_NGRAM

@@ -106,7 +106,15 @@ class DFlashStrategy(DLLMStrategy):
     def eval_settings(cls, spec) -> dict:
         return spec.dflash.model_dump(
             mode="json",
-            include={"eval_prompts", "eval_prompt_len", "eval_max_new_tokens", "target_torch_dtype", "lookup_ngram"},
+            include={
+                "eval_prompts",
+                "eval_prompt_len",
+                "eval_max_new_tokens",
+                "target_torch_dtype",
+                "lookup_ngram",
+                "eval_served",
+                "eval_enable_thinking",
+            },
         )
 
     @classmethod

@@ -28,6 +28,7 @@ from strategies.dflash.draft import (
 from strategies.dflash.loss import acceptance_from_correct
 from tasks.evaluation.likelihood import CausalLM, EvalResult, Evaluation, ar_nll_metrics, encode_prompts, exact_ar_nll
 from tasks.evaluation.scoring import generative_perplexity, mean_entropy
+from tasks.evaluation.served import served_acceptance
 from tasks.training.dflash_setup import draft_strategy, load_spec_target
 
 
@@ -133,21 +134,18 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     spec, draft, tokenizer, device, scorer = ev.spec, ev.model, ev.tokenizer, ev.device, ev.scorer
     ids, loss_mask, attn = ev.val
     d = spec.dflash
-    target = load_spec_target(spec, read_meta(ev.ckpt)["target"]["path"], device)
+    meta = read_meta(ev.ckpt)
+    target = load_spec_target(spec, meta["target"]["path"], device)
     built = draft_strategy(ev.strategy, ev.options, draft, target, mask_token_id=ev.mask_id)
     strat, mask_id = built.strategy, built.mask_token_id
     draft.eval()
     recall: list[float] = []
     tau_sim, acc, blocks = teacher_forced_acceptance(strat, draft, ev.val, mask_id, spec.eval, ev.val_documents, recall)
     nll, se, n_tokens = exact_ar_nll(CausalLM(), target, ids, loss_mask, attn, spec.eval.batch_size)
-    bench = speculative_benchmark(
-        target,
-        draft,
-        speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len),
-        d.eval_max_new_tokens,
-        tokenizer.eos_token_id,
-        d.lookup_ngram,
-    )
+    prompts = speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len)
+    bench = speculative_benchmark(target, draft, prompts, d.eval_max_new_tokens, tokenizer.eos_token_id, d.lookup_ngram)
+    # the same prompts through z-lab's decoder, chat-rendered with the target's template (docs/evaluation.md §4.8)
+    served, served_report = served_acceptance(ev, target, draft, mask_id, prompts, meta)
     # the report's shared columns, from speculative decoding of the report's text prompts (no timing
     # or greedy check needed here: the benchmark above did both)
     texts = list(spec.eval.prompts[: spec.eval.num_samples]) or ["O"]
@@ -167,6 +165,7 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
         "dflash/exact_match": bench["exact_match"],
         **{f"dflash/{k}": bench[k] for k in ("tau_draft", "lookup_share") if k in bench},
         **({"dflash/candidate_recall": recall[0] / max(recall[1], 1.0)} if draft.config.variant == DFLASH2 else {}),
+        **served,
         **ar_nll_metrics(nll, se, n_tokens),
         "eval/nfe": bench["target_forwards"] / len(bench["outputs"]),
         "eval/tokens_per_forward": bench["tokens"] / max(bench["target_forwards"], 1),
@@ -176,5 +175,5 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     if scorer is not None:
         metrics["eval/gen_ppl"], _ = generative_perplexity(*scorer, list(zip(texts, decoded)))
     text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
-    report = {k: v for k, v in bench.items() if k != "outputs"}
+    report = {**{k: v for k, v in bench.items() if k != "outputs"}, "served": served_report}
     return EvalResult(strat, metrics, [], text, {"speculative.json": json.dumps(report, indent=2)})

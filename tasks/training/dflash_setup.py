@@ -11,6 +11,8 @@ local or a hub id) continues training, or with `train.steps: 0` is published as 
 
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -22,10 +24,18 @@ from dllm_common.config import PipelineSpec
 from strategies import assemble_strategy
 from strategies.assembly import AssembledStrategy, candidate_mask_token_id
 from strategies.dflash.blocks import _build_target_layer_ids
-from strategies.dflash.config import DFlashDraftConfig, read_draft_config
+from strategies.dflash.config import CONFIG, ZLAB, DFlashDraftConfig, read_draft_config
 from strategies.dflash.dflash2_config import variant_fields
 from strategies.dflash.draft import DFlashDraftModel
 from strategies.dflash.features import CachedFeatures, OnlineFeatures
+from strategies.dflash.served_checks import (
+    engine_field_problems,
+    mask_served_problem,
+    target_config_ids,
+    target_tokenizer,
+    template_token_ids,
+    tokenizer_problems,
+)
 from strategies.dflash.window_config import attention_shape_fields
 from strategies.model_files import resolve_model_path
 from strategies.models import model_from_config_dir, tokenizer_token_ids
@@ -98,6 +108,20 @@ def _check_mask_row(mask_id: int | None, target) -> None:
             f"the DFlash mask token id {mask_id} is not a row of the target's embedding ({rows}); set "
             "dllm.mask_token_id to an unused token the target knows"
         )
+
+
+def check_served_before_training(allow_alias: bool, chat: bool, tokenizer, target, target_path, mask_id: int) -> None:
+    """The causes of a draft accepting less once served (docs/evaluation.md §4.8), before any training: a mask id
+    that is the target's EOS/PAD (its config's) or a token its chat template writes is refused (unless
+    `tokenizer.allow_mask_alias`); a training tokenizer whose special ids or (chat data) template differ from the
+    target's own is warned about, one line each naming what to change."""
+    served = target_tokenizer(target_path)
+    if not allow_alias:
+        problem = mask_served_problem(mask_id, target_config_ids(target), template_token_ids(served or tokenizer))
+        if problem:
+            raise ValueError(problem)
+    for _, line in tokenizer_problems(tokenizer, served, chat) if served is not None else []:
+        warnings.warn(f"served acceptance: {line}", stacklevel=2)
 
 
 def _rope_theta(config) -> float:
@@ -219,6 +243,11 @@ def import_draft(spec: PipelineSpec, options, target) -> DFlashDraftModel:
     where = f"model.path ({spec.model.path})"
     folder = draft_source(spec.model.path)
     read = read_draft_config(folder)
+    if read.layout == ZLAB:  # a field engines read otherwise than dllm-flow does: refused before training on
+        ours = {"block_size": read.config.block_size, "mask_token_id": read.config.mask_token_id}
+        lines = engine_field_problems(json.loads((folder / CONFIG).read_text()), ours)
+        if lines:
+            raise ValueError(f"the DFlash draft at {where}: {lines[0]}")
     draft = DFlashDraftModel.load(folder)
     cfg = draft.config
     check_draft_fits_target(cfg, target, where, read.verifier)
@@ -269,6 +298,14 @@ def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, in
         fields = new_draft_fields(spec, options)
         draft = _new_draft(spec, target, inputs["target"], options.block_size, mask_id, options.copy_hint, fields)
     refuse_mask_alias(spec, tokenizer, {f"the mask token id train[{name}] resolves": mask_id})
+    check_served_before_training(
+        spec.tokenizer.allow_mask_alias,
+        spec.data.shape == "dialogue",
+        tokenizer,
+        target,
+        inputs["target"].info["model_path"],
+        mask_id,
+    )
     for key, value in tokenizer_token_ids(tokenizer).items():  # the tokenizer's, whatever the target's config says
         setattr(draft.config, key, value)
     cache = CachedFeatures(features_dir(inputs["features"])) if "features" in inputs else None

@@ -1,0 +1,221 @@
+"""Acceptance as it will be served (docs/evaluation.md §4.8): the draft exported in the z-lab layout and decoded by
+z-lab's own `dflash_generate` on prompts rendered with the target's chat template, beside dllm-flow's τ; the paired
+bootstrap that decides "beyond noise"; the causes it checks (mask alias, chat template and special tokens differing
+from the target's, config fields an engine reads differently), reported after training and refused or warned about
+before it; the plain-prompt case said, never silent. Tiny models and a tiny BPE tokenizer with a chat template."""
+
+import json
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dllm_common.config import TokenizerConfig
+from strategies.dflash.blocks import _build_target_layer_ids
+from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel, speculative_generate
+from strategies.dflash.served_checks import (
+    engine_field_problems,
+    engine_reading,
+    served_notes,
+    template_token_ids,
+    tokenizer_problems,
+)
+from strategies.models import build_model, set_token_ids, tiny_model_config
+from tasks.data.tokenizer import CHAT_TEMPLATE, train_tokenizer
+from tasks.evaluation.served import paired_bootstrap, ratio, render_prompts, served_acceptance
+from tasks.training.dflash_setup import check_served_before_training, import_draft
+
+pytest.importorskip("dflash.model", reason="z-lab's dflash package (make install: NODEPS) is not installed")
+
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog. " * 4,
+    "a stitch in time saves nine; more haste, less speed. " * 4,
+]
+THINKING = CHAT_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+    "<|system|><|eos|>{% endif %}{% endif %}",
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(TEXTS, TokenizerConfig(vocab_size=300, min_frequency=1))
+
+
+@pytest.fixture(scope="module")
+def target(tok):
+    model = build_model(tiny_model_config("llama", len(tok), 256, 32, 4, 4, None, None, False), seed=0)
+    set_token_ids(model.config, tok)
+    return model.eval().requires_grad_(False)
+
+
+def _draft(tok, mask_id=None) -> DFlashDraftModel:
+    torch.manual_seed(0)
+    cfg = DFlashDraftConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        block_size=4,
+        target_layer_ids=_build_target_layer_ids(4, 1),
+        mask_token_id=tok.mask_token_id if mask_id is None else mask_id,
+        num_target_layers=4,
+        vocab_size=len(tok),
+    )
+    return DFlashDraftModel(cfg).eval()
+
+
+def _ev(tok, **dflash):
+    d = {"eval_max_new_tokens": 13, "eval_served": True, "eval_enable_thinking": None} | dflash
+    return SimpleNamespace(
+        spec=SimpleNamespace(dflash=SimpleNamespace(**d), eval=SimpleNamespace(seed=0)), tokenizer=tok
+    )
+
+
+def _prompts(tok, n=4):
+    ids = tok(TEXTS[0] + TEXTS[1])["input_ids"]
+    return [ids[7 * i : 7 * i + 6] for i in range(n)]
+
+
+def _target_folder(tmp_path, tok, template=None, eos=None):
+    """The target's folder as a serving engine finds it: its own tokenizer beside the weights."""
+    tok = tok.__class__.from_pretrained(_save(tok, tmp_path / "trained"))
+    if template is not None:
+        tok.chat_template = template
+    if eos is not None:
+        tok.eos_token = eos
+    return _save(tok, tmp_path / "target")
+
+
+def _save(tok, folder):
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def test_served_tau_through_zlabs_decoder_on_chat_prompts(tok, target, tmp_path):
+    draft = _draft(tok)
+    meta = {"target": {"path": _target_folder(tmp_path, tok), "stage": "target"}, "chat": True}
+    raw = _prompts(tok)
+    metrics, report = served_acceptance(_ev(tok), target, draft, tok.mask_token_id, raw, meta)
+    assert metrics["dflash/served_chat"] == 1 and metrics["dflash/tau_served_prompts"] == 4
+    # the same engine reading: z-lab's decoder gives dllm-flow's tokens and acceptance on the rendered prompts
+    assert metrics["dflash/served_exact_match"] == 1.0
+    assert report["acceptance"]["served"] == report["acceptance"]["ours_served"]
+    assert metrics["dflash/tau_served"] == pytest.approx(metrics["dflash/tau_served_ours"])
+    # the rendered prompts are the user turns of the target's template; today's τ counted without each last cycle
+    rendered = render_prompts(raw, tok, tok, True, None)
+    assert rendered[0][0] == tok.convert_tokens_to_ids("<|user|>") and rendered[0][-1] == tok.convert_tokens_to_ids(
+        "<|assistant|>"
+    )
+    ours = [speculative_generate(target, draft, p, 13, tok.eos_token_id).acceptance[:-1] for p in raw]
+    assert metrics["dflash/tau_full_cycles"] == pytest.approx(ratio(ours))
+    lo, hi = metrics["dflash/tau_served_gap_lo"], metrics["dflash/tau_served_gap_hi"]
+    assert lo <= metrics["dflash/tau_served_gap"] <= hi
+    assert metrics["dflash/tau_served_mismatch"] == int(lo > 0 or hi < 0)
+    assert not any(metrics[f"dflash/served_cause_{c}"] for c in ("mask_alias", "template", "special_tokens"))
+    notes = "\n".join(served_notes(metrics))
+    assert "chat prompts rendered with the target's own chat template" in notes and "bootstrap" in notes
+
+
+def test_a_draft_trained_with_another_template_and_special_tokens_and_an_aliased_mask_is_reported(
+    tok, target, tmp_path
+):
+    assistant = tok.convert_tokens_to_ids("<|assistant|>")
+    draft = _draft(tok, mask_id=assistant)  # the mask is a token the chat template writes into every prompt
+    folder = _target_folder(tmp_path, tok, template=CHAT_TEMPLATE.replace("<|user|>", "<|system|>"), eos="<|pad|>")
+    meta = {"target": {"path": folder, "stage": "target"}, "chat": True}
+    metrics, report = served_acceptance(_ev(tok), target, draft, assistant, _prompts(tok), meta)
+    for cause in ("mask_alias", "template", "special_tokens"):
+        assert metrics[f"dflash/served_cause_{cause}"] == 1, cause
+    details = " ".join(c["detail"] for c in report["causes"])
+    assert "dllm.mask_token_id" in details and "tokenizer.path" in details
+    assert "allow_mask_alias" in details
+    # a gap beyond noise names the causes found
+    notes = "\n".join(served_notes({**metrics, "dflash/tau_served_mismatch": 1}))
+    assert "beyond noise" in notes and "chat template" in notes and "EOS/PAD" in notes
+
+
+def test_the_plain_prompt_case_is_said_and_a_skip_has_its_reason(tok, target, tmp_path):
+    draft = _draft(tok)
+    meta = {"target": {"path": _target_folder(tmp_path, tok), "stage": "pretrain_target"}, "chat": False}
+    raw = _prompts(tok, 3)
+    metrics, report = served_acceptance(_ev(tok), target, draft, tok.mask_token_id, raw, meta)
+    assert (
+        metrics["dflash/served_chat"] == 0 and report["plain_reason"] == "the target was pretrained here on plain text"
+    )
+    # plain prompts: the served and our decoder see the same prompts, so the gap is the engine's alone: none
+    assert metrics["dflash/tau_served"] == pytest.approx(metrics["dflash/tau_full_cycles"])
+    assert "plain prompts: the target has no chat template" in "\n".join(served_notes(metrics))
+    off, _ = served_acceptance(_ev(tok, eval_served=False), target, draft, tok.mask_token_id, raw, meta)
+    assert off == {"dflash/tau_served_prompts": 0, "dflash/served_skipped": 3}
+    assert "dflash.eval_served is false" in served_notes(off)[0]
+
+
+def test_the_thinking_switch_is_passed_where_the_template_has_one(tok, tmp_path):
+    served = tok.__class__.from_pretrained(_save(tok, tmp_path))
+    served.chat_template = THINKING
+    raw = _prompts(tok, 1)
+    on, off = render_prompts(raw, tok, served, True, True), render_prompts(raw, tok, served, True, False)
+    assert len(off[0]) == len(on[0]) + 2  # enable_thinking false writes the empty-think scaffolding
+    assert render_prompts(raw, tok, served, True, None) == on  # None: the template's own default
+
+
+def test_the_bootstrap_interval_excludes_zero_only_for_a_real_gap():
+    ours = [[3, 3, 2, 3], [2, 3, 3], [3, 2, 3, 3], [3, 3, 3]] * 4
+    gap, lo, hi, se = paired_bootstrap(ours, [[1, 1, 2, 1], [1, 2, 1], [1, 1, 1, 1], [2, 1, 1]] * 4, seed=0)
+    assert gap < 0 and hi < 0 and se > 0  # served accepts far less: beyond noise
+    gap, lo, hi, _ = paired_bootstrap(ours, [[3, 3, 3, 3], [2, 3, 2], [3, 3, 3, 3], [3, 3, 2]] * 4, seed=0)
+    assert lo < 0 < hi and abs(gap) < 0.1  # about the same acceptance, spread otherwise over prompts: noise
+
+
+def test_engine_reading_and_fields_read_differently():
+    raw = {"num_hidden_layers": 2, "block_size": 8, "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 2]}}
+    assert engine_reading(raw) == {
+        "block_size": 8,
+        "mask_token_id": 5,
+        "target_layer_ids": [1, 2],
+        "num_target_layers": None,
+    }
+    assert engine_field_problems(raw, {"block_size": 8, "mask_token_id": 5, "target_layer_ids": [1, 2]}) == []
+    twice = {**raw, "dflash_config": {**raw["dflash_config"], "block_size": 4}}
+    (line, *rest) = engine_field_problems(twice, {"block_size": 8})
+    assert "names block_size twice" in line and "write one value" in line
+    no_ids = {"num_hidden_layers": 2, "num_target_layers": 12, "dflash_config": {"mask_token_id": 5}}
+    assert engine_reading(no_ids)["target_layer_ids"] == [1, 9] and engine_reading(no_ids)["block_size"] == 16
+    (line,) = engine_field_problems(no_ids, {"block_size": 16, "target_layer_ids": [2, 9]})
+    assert "target_layer_ids [1, 9]" in line
+
+
+def test_an_imported_draft_naming_its_block_size_twice_is_refused_before_training(tok, tmp_path):
+    draft = _draft(tok)
+    draft.save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dflash_config"]["block_size"] = 8
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = SimpleNamespace(model=SimpleNamespace(path=str(tmp_path)))
+    options = SimpleNamespace(copy_hint=False, block_size=0, mask_token_id=None)
+    with pytest.raises(ValueError, match="names block_size twice.*write one value, 8"):
+        import_draft(spec, options, None)
+
+
+def test_the_causes_are_refused_or_warned_about_before_training(tok, target, tmp_path):
+    same = _target_folder(tmp_path / "a", tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_served_before_training(False, True, tok, target, same, tok.mask_token_id)  # nothing to say
+    assistant = tok.convert_tokens_to_ids("<|assistant|>")
+    assert assistant in template_token_ids(tok)
+    with pytest.raises(ValueError, match="chat template writes.*dllm.mask_token_id.*allow_mask_alias"):
+        check_served_before_training(False, True, tok, target, same, assistant)
+    check_served_before_training(True, True, tok, target, same, assistant)  # allowed
+    with pytest.raises(ValueError, match="also the target's EOS id \\(its config.json\\).*dllm.mask_token_id"):
+        check_served_before_training(False, False, tok, target, same, tok.eos_token_id)
+    other = _target_folder(tmp_path / "b", tok, template=CHAT_TEMPLATE.replace("<|user|>", "<|system|>"), eos="<|pad|>")
+    with pytest.warns(UserWarning) as seen:
+        check_served_before_training(False, True, tok, target, other, tok.mask_token_id)
+    lines = [str(w.message) for w in seen]
+    assert any("eos_token_id" in w and "tokenizer.path" in w for w in lines)
+    assert any("chat template" in w for w in lines)
+    # plain-text training data: only the special tokens count, not the template
+    assert [c for c, _ in tokenizer_problems(tok, tok.__class__.from_pretrained(other), False)] == ["special_tokens"]
