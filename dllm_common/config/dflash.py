@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_serializer, model_validator
 
 from dllm_common.config.sections import ConfigSection, refuse_long_warmup
 
@@ -46,6 +46,9 @@ class RegenerateConfig(ConfigSection):
     seed: int = 0
 
 
+SERVED_DEFAULTS = {"eval_served": True, "eval_enable_thinking": None}
+
+
 class DFlashConfig(ConfigSection):
     """Where a DFlash draft's target and features come from, and how it is judged. The draft's
     training options (`block_size`, `loss_decay_gamma`, …) may be written here too: they belong to
@@ -69,12 +72,21 @@ class DFlashConfig(ConfigSection):
     eval_prompt_len: int = Field(16, ge=1)
     eval_max_new_tokens: int = Field(48, ge=1)
     # served τ (docs/evaluation.md §4.8): the same prompts through z-lab's `dflash_generate`, rendered with the
-    # target's chat template; `eval_enable_thinking` sets the template's thinking switch (None: its default)
+    # target's chat template; `eval_enable_thinking` sets the template's thinking switch (None: its default).
+    # Dumped only when set otherwise (`_served_defaults_unwritten`): a config's digest is the same as before them
     eval_served: bool = True
     eval_enable_thinking: bool | None = None
     # speculative decoding: when the last n…4 tokens recur in the prompt or output, the tokens that followed
     # them there are proposed before the draft's (0: the draft alone); docs/strategies.md §10.8
     lookup_ngram: int = Field(0, ge=0, le=4)  # ≤ strategies.dflash_draft.LOOKUP_MAX_NGRAM
+
+    @model_serializer(mode="wrap")
+    def _served_defaults_unwritten(self, handler):
+        out = handler(self)
+        for key, default in SERVED_DEFAULTS.items():
+            if isinstance(out, dict) and key in out and out[key] == default:
+                del out[key]
+        return out
 
     @model_validator(mode="after")
     def _target(self) -> DFlashConfig:
