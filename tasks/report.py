@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 
 from dllm_common.store import MANIFEST, atomic_write_text, stage_key
 from dllm_common.tracking import Tracking
+from strategies.dflash.served_checks import served_notes
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.common import fmt_number as _fmt
 from tasks.evaluate import RESULT_FIELDS, eval_artifact_path
@@ -238,6 +239,9 @@ def _dflash_table(spec_rows: list[dict]) -> list[str]:
             "the speedup:",
             *gaps,
         ]
+    for r in spec_rows:  # served τ (docs/evaluation.md §4.8): what was measured, the interval, the causes found
+        notes = served_notes(r["metrics"])
+        lines += ["", f"**{r['strategy']}**, as served: " + notes[0], *notes[1:]] if notes else []
     return lines + [
         "",
         "`dflash/tau`: tokens committed per verification cycle in speculative decoding of held-out "

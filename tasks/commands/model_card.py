@@ -15,6 +15,7 @@ import torch
 
 from dllm_common.config import flatten
 from strategies import strategy_class
+from strategies.dflash.served_checks import served_notes
 from strategies.model_files import resolve_model_path
 from tasks.commands.export_draft import draft_files_lines, draft_rows
 from tasks.commands.provenance import Checkpoint, Provenance
@@ -309,6 +310,8 @@ def _evaluation_section(found: Provenance) -> list[str]:
         return lines
     lines += [f"From {ev.source}. Metric definitions: dllm-flow's docs/evaluation.md.", ""]
     lines += [_table(sorted(ev.metrics.items()), ("metric", "value")), ""]
+    served = served_notes(ev.metrics)  # a DFlash draft's τ as served and the causes of a gap (docs/evaluation.md §4.8)
+    lines += [*served, ""] if served else []
     if ev.others:
         lines += [f"Other evaluations of this checkpoint: {', '.join(ev.others)}.", ""]
     lines += ["### Sample outputs", ""]
