@@ -239,7 +239,7 @@ def _dflash_table(spec_rows: list[dict]) -> list[str]:
             "the speedup:",
             *gaps,
         ]
-    for r in spec_rows:  # served τ (docs/evaluation.md §4.8): what was measured, the interval, the causes found
+    for r in spec_rows:  # served τ (docs/evaluation.md §4.7.1): what was measured, the interval, the causes found
         notes = served_notes(r["metrics"])
         lines += ["", f"**{r['strategy']}**, as served: " + notes[0], *notes[1:]] if notes else []
     return lines + [

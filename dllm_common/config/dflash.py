@@ -71,7 +71,7 @@ class DFlashConfig(ConfigSection):
     eval_prompts: int = Field(16, ge=1)
     eval_prompt_len: int = Field(16, ge=1)
     eval_max_new_tokens: int = Field(48, ge=1)
-    # served τ (docs/evaluation.md §4.8): the same prompts through z-lab's `dflash_generate`, rendered with the
+    # served τ (docs/evaluation.md §4.7.1): the same prompts through z-lab's `dflash_generate`, rendered with the
     # target's chat template; `eval_enable_thinking` sets the template's thinking switch (None: its default).
     # Dumped only when set otherwise (`_served_defaults_unwritten`): a config's digest is the same as before them
     eval_served: bool = True

@@ -1,4 +1,4 @@
-"""Why a DFlash draft accepts less once served than dllm-flow measured (docs/evaluation.md §4.8, docs/strategies.md
+"""Why a DFlash draft accepts less once served than dllm-flow measured (docs/evaluation.md §4.7.1, docs/strategies.md
 §10.13): the causes people who train DFlash drafts report most (SpecForge, z-lab and NeMo Automodel issue threads),
 each checked here without torch so the same rule refuses or warns before training and explains a gap after it.
 

@@ -1,4 +1,4 @@
-"""Acceptance as it will be served (docs/evaluation.md §4.8): the draft exported in the z-lab layout, loaded by z-lab's
+"""Acceptance as it will be served (docs/evaluation.md §4.7.1): the draft exported in the z-lab layout, loaded by z-lab's
 own `DFlashDraftModel` / `DFlash2DraftModel` (PyPI `dflash` 0.1.0, the independent implementation SGLang's and vLLM's
 DFlash follow) and decoded by its `dflash_generate`, in-process, on the evaluation's prompts rendered as a user turn
 with the target's own chat template (its `enable_thinking` switch set by `dflash.eval_enable_thinking` where the
@@ -127,7 +127,7 @@ def served_causes(draft, mask_id: int, target, trained, served, chat_trained: bo
 
 
 def served_acceptance(ev, target, draft, mask_id: int, raw_prompts: list[list[int]], meta: dict) -> tuple[dict, dict]:
-    """The `dflash/*served*` metrics and the `served` part of speculative.json (docs/evaluation.md §4.8)."""
+    """The `dflash/*served*` metrics and the `served` part of speculative.json (docs/evaluation.md §4.7.1)."""
     d, tokenizer = ev.spec.dflash, ev.tokenizer
     skipped = 3 if not getattr(d, "eval_served", True) else 2 if draft.config.copy_hint else 0
     zlab = zlab_module() if not skipped else None

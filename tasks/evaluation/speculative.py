@@ -144,7 +144,7 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     nll, se, n_tokens = exact_ar_nll(CausalLM(), target, ids, loss_mask, attn, spec.eval.batch_size)
     prompts = speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len)
     bench = speculative_benchmark(target, draft, prompts, d.eval_max_new_tokens, tokenizer.eos_token_id, d.lookup_ngram)
-    # the same prompts through z-lab's decoder, chat-rendered with the target's template (docs/evaluation.md §4.8)
+    # the same prompts through z-lab's decoder, chat-rendered with the target's template (docs/evaluation.md §4.7.1)
     served, served_report = served_acceptance(ev, target, draft, mask_id, prompts, meta)
     # the report's shared columns, from speculative decoding of the report's text prompts (no timing
     # or greedy check needed here: the benchmark above did both)

@@ -111,7 +111,7 @@ def _check_mask_row(mask_id: int | None, target) -> None:
 
 
 def check_served_before_training(allow_alias: bool, chat: bool, tokenizer, target, target_path, mask_id: int) -> None:
-    """The causes of a draft accepting less once served (docs/evaluation.md §4.8), before any training: a mask id
+    """The causes of a draft accepting less once served (docs/evaluation.md §4.7.1), before any training: a mask id
     that is the target's EOS/PAD (its config's) or a token its chat template writes is refused (unless
     `tokenizer.allow_mask_alias`); a training tokenizer whose special ids or (chat data) template differ from the
     target's own is warned about, one line each naming what to change."""

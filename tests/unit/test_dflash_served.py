@@ -1,4 +1,4 @@
-"""Acceptance as it will be served (docs/evaluation.md §4.8): the draft exported in the z-lab layout and decoded by
+"""Acceptance as it will be served (docs/evaluation.md §4.7.1): the draft exported in the z-lab layout and decoded by
 z-lab's own `dflash_generate` on prompts rendered with the target's chat template, beside dllm-flow's τ; the paired
 bootstrap that decides "beyond noise"; the causes it checks (mask alias, chat template and special tokens differing
 from the target's, config fields an engine reads differently), reported after training and refused or warned about
