@@ -310,7 +310,7 @@ def _evaluation_section(found: Provenance) -> list[str]:
         return lines
     lines += [f"From {ev.source}. Metric definitions: dllm-flow's docs/evaluation.md.", ""]
     lines += [_table(sorted(ev.metrics.items()), ("metric", "value")), ""]
-    served = served_notes(ev.metrics)  # a DFlash draft's τ as served and the causes of a gap (docs/evaluation.md §4.7.1)
+    served = served_notes(ev.metrics)  # a DFlash draft's τ as served, the causes of a gap (docs/evaluation.md §4.7.1)
     lines += [*served, ""] if served else []
     if ev.others:
         lines += [f"Other evaluations of this checkpoint: {', '.join(ev.others)}.", ""]

@@ -1,9 +1,10 @@
-"""Acceptance as it will be served (docs/evaluation.md §4.7.1): the draft exported in the z-lab layout, loaded by z-lab's
-own `DFlashDraftModel` / `DFlash2DraftModel` (PyPI `dflash` 0.1.0, the independent implementation SGLang's and vLLM's
-DFlash follow) and decoded by its `dflash_generate`, in-process, on the evaluation's prompts rendered as a user turn
-with the target's own chat template (its `enable_thinking` switch set by `dflash.eval_enable_thinking` where the
-template has one). Beside it, dllm-flow's decoder on the same rendered prompts and on the raw validation prompts
-(today's `dflash/tau`), so a gap splits into the engine's share and the prompt format's.
+"""Acceptance as it will be served (docs/evaluation.md §4.7.1): the draft exported in the z-lab layout, loaded
+by z-lab's own `DFlashDraftModel` / `DFlash2DraftModel` (PyPI `dflash` 0.1.0, the independent implementation that
+SGLang's and vLLM's DFlash follow) and decoded by its `dflash_generate`, in-process, on the evaluation's prompts
+rendered as a user turn with the target's own chat template (its `enable_thinking` switch set by
+`dflash.eval_enable_thinking` where the template has one). Beside it, dllm-flow's decoder on the same rendered
+prompts and on the raw validation prompts (today's `dflash/tau`), so a gap splits into the engine's share and the
+prompt format's.
 
 Counting: z-lab cuts the last cycle's block to the tokens left in the budget, dllm-flow drafts a full block and
 keeps what fits, so the last cycle of each prompt is left out of every τ here (`dflash/tau_full_cycles` is today's
