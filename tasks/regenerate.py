@@ -22,7 +22,9 @@ from tqdm import tqdm
 from dllm_common.config import PipelineSpec, RegenerateConfig
 from dllm_common.store import stage_key
 from strategies.dflash.draft import sample_continuations
+from strategies.dflash.served_checks import tokenizer_record
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
+from tasks.data.tokenizer import load_tokenizer
 from tasks.prepare_data import data_ref
 from tasks.rows import load_split, write_split
 from tasks.training.dflash_setup import load_spec_target
@@ -69,6 +71,9 @@ def _build(spec: PipelineSpec, target: StageRef, data: StageRef, tmp: Path) -> d
         "regenerated_from": data.key,
         "target": target.key,
         "regenerate_seconds": seconds,
+        # what the prompts were rendered with: checked against the target's own before training and at evaluation
+        # (docs/strategies.md §10.13)
+        "tokenizer": tokenizer_record(load_tokenizer(str(Path(data.path) / "tokenizer"))),
     }
     shutil.copytree(Path(data.path) / "tokenizer", tmp / "tokenizer")
     for name in Path(data.path).glob("val.*"):  # the held-out rows stay the data entry's

@@ -55,6 +55,14 @@ def special_ids(tokenizer) -> dict:
     return {k: getattr(tokenizer, k, None) for k in SPECIAL_IDS}
 
 
+def tokenizer_record(tokenizer) -> dict:
+    """What a stage rendered and tokenized with: the chat template's sha256 and the BOS/EOS/PAD ids."""
+    return {
+        "chat_template_sha256": template_digest(getattr(tokenizer, "chat_template", None)),
+        **special_ids(tokenizer),
+    }
+
+
 def target_config_ids(target) -> dict:
     """The EOS/PAD ids an engine takes from the target model's config (its text config's where it nests one), each a
     list. Not its generation config: a model built in code keeps transformers' defaults there."""

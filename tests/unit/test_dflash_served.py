@@ -20,6 +20,7 @@ from strategies.dflash.served_checks import (
     served_notes,
     template_token_ids,
     tokenizer_problems,
+    tokenizer_record,
 )
 from strategies.models import build_model, set_token_ids, tiny_model_config
 from tasks.data.tokenizer import CHAT_TEMPLATE, train_tokenizer
@@ -217,6 +218,8 @@ def test_the_causes_are_refused_or_warned_about_before_training(tok, target, tmp
     lines = [str(w.message) for w in seen]
     assert any("eos_token_id" in w and "tokenizer.path" in w for w in lines)
     assert any("chat template" in w for w in lines)
+    record = tokenizer_record(tok)  # what regenerate records of the tokenizer its prompts were rendered with
+    assert record["eos_token_id"] == tok.eos_token_id and len(record["chat_template_sha256"]) == 64
     # plain-text training data: only the special tokens count, not the template
     assert [c for c, _ in tokenizer_problems(tok, tok.__class__.from_pretrained(other), False)] == ["special_tokens"]
 
