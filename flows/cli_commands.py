@@ -20,7 +20,7 @@ def cmd_plan(args) -> int:
     from tasks.commands.plan import cluster_for, micro_batch_for, plan, render
 
     spec = load_config(args.config, args.set)
-    cluster = cluster_for(spec, args.gpus, args.gpu_memory, args.gpu_flops, args.mfu)
+    cluster = cluster_for(spec, args.gpus, args.gpu_memory, args.gpu_flops, args.mfu, args.step_cost)
     if args.gpus is not None:  # "what would N GPUs need": a micro-batch the config chose for another world size
         spec, chosen = micro_batch_for(spec, cluster.gpus)
         if chosen:

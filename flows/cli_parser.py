@@ -61,6 +61,13 @@ def _pipeline_commands(sub, commands: Commands) -> None:
     pl.add_argument("--gpu-memory", default="80GB", help="memory per GPU, e.g. 80GB, 141GB (default 80GB)")
     pl.add_argument("--gpu-flops", default=None, help="peak FLOP/s per GPU, e.g. 989T (default: H100 at the precision)")
     pl.add_argument("--mfu", type=float, default=None, help="the share of that peak the step runs at (default 0.4)")
+    pl.add_argument(
+        "--step-cost",
+        default=None,
+        metavar="FILE",
+        help="each strategy's measured step cost ÷ its FLOPs, written by benchmarks/step_cost.py --json FILE on the "
+        "GPU you plan for: multiplies its time (default: each step costs its counted FLOPs)",
+    )
     pl.set_defaults(func=commands["plan"])
     runs = sub.add_parser("runs", help="past pipeline runs with the status of each stage")
     runs.add_argument("--workdir", default=DEFAULT_WORKDIR)

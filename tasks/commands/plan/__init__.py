@@ -11,11 +11,12 @@ gradients, AdamW state and the data-parallel working set follow from the paramet
     layers       a deep model is traced with 3 decoder layers and its timeline extended to the full depth
                  (`_Timeline`): the middle layer's segments repeat once per missing layer
     memory       per rank: weights + gradients + AdamW (sharded by N under FSDP2) + working set + activations
-    time         counted FLOPs ÷ (GPU peak × the assumed utilization)
+    time         counted FLOPs ÷ (GPU peak × the assumed utilization), × the strategy's measured step cost ÷
+                 its FLOPs where `--step-cost FILE` gives one (`measured`; else 1, and the plan says so)
 
 The modules, in the order they build on each other: `trace` (the tracer, the timeline), `model` (the model built
-fake), `step` (one traced step), `estimate` (memory per rank, time per step), `render` (what is printed, the
-command line's quantities).
+fake), `step` (one traced step), `measured` (the step costs `benchmarks/step_cost.py --json` wrote), `estimate`
+(memory per rank, time per step), `render` (what is printed, the command line's quantities).
 """
 
 from tasks.commands.plan.estimate import (
@@ -30,6 +31,7 @@ from tasks.commands.plan.estimate import (
     plan,
     plan_strategy,
 )
+from tasks.commands.plan.measured import StepCost, read_step_cost, step_cost_for
 from tasks.commands.plan.model import Shape
 from tasks.commands.plan.render import cluster_for, fit_warnings, quantity, render
 from tasks.commands.plan.step import synthetic_rows
@@ -43,6 +45,7 @@ __all__ = [
     "Layout",
     "Resident",
     "Shape",
+    "StepCost",
     "StrategyPlan",
     "Untraceable",
     "cluster_for",
@@ -52,7 +55,9 @@ __all__ = [
     "plan",
     "plan_strategy",
     "quantity",
+    "read_step_cost",
     "render",
     "size",
+    "step_cost_for",
     "synthetic_rows",
 ]

@@ -1,5 +1,6 @@
 """From a traced step to memory per rank and time per step (docs/planning.md): weights, gradients, AdamW and the
-data-parallel working set by `train.parallel`, the step's activations, the FLOPs at an assumed utilization."""
+data-parallel working set by `train.parallel`, the step's activations, the FLOPs at an assumed utilization (times
+each strategy's measured step cost ÷ its FLOPs, where `Cluster.step_cost` has one)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from dllm_common.config import ConfigError, PipelineSpec
+from tasks.commands.plan.measured import StepCost
 from tasks.commands.plan.model import Shape, decoder_layers
 from tasks.commands.plan.step import Trace, _Planner
 from tasks.commands.plan.trace import GB, Untraceable, too_long, traceable_rows
@@ -27,13 +29,20 @@ FRAGMENTATION = 0.05  # the caching allocator's share lost to fragmentation
 @dataclass(frozen=True)
 class Cluster:
     """The hardware a plan is for: `gpus` data-parallel ranks of `memory` bytes and `flops` peak FLOP/s each,
-    running the counted operations at `mfu` of that peak. `device` "cpu" plans a CPU training (the validation)."""
+    running the counted operations at `mfu` of that peak. `device` "cpu" plans a CPU training (the validation).
+    `step_cost`: each strategy's measured step cost ÷ its counted FLOPs (`dllm-flow plan --step-cost`), which
+    multiplies its time; without it every step costs its counted FLOPs."""
 
     gpus: int
     memory: float | None = DEFAULT_GPU_MEMORY
     flops: float | None = None  # None: DEFAULT_FLOPS of the training precision
     mfu: float = DEFAULT_MFU
     device: str = "cuda"
+    step_cost: StepCost | None = field(default=None, compare=False)
+
+    def cost_ratio(self, strategy: str) -> float:
+        """What `strategy`'s step costs ÷ its counted FLOPs at `mfu`: measured, else 1."""
+        return 1.0 if self.step_cost is None else self.step_cost.ratio(strategy)
 
     def usable(self) -> float | None:
         """Bytes a training may use: the memory less the allocator's fragmentation and the CUDA context."""
@@ -167,8 +176,9 @@ class StrategyPlan:
     per_row: int  # activation bytes per more row of micro-batch
     max_rows: int | None  # the largest micro-batch that fits (None: no memory given)
     flops_per_token: float
-    step_seconds: float
+    step_seconds: float  # counted FLOPs ÷ (peak × mfu) × step_cost
     tokens_per_second: float
+    step_cost: float = 1.0  # measured step cost ÷ counted FLOPs applied (1: assumed)
     notes: list[str] = field(default_factory=list)
 
 
@@ -239,7 +249,8 @@ def plan_strategy(
         room = usable - during
         max_rows = 0 if update > usable else max(0, lay.rows + math.floor(room / more) if more > 0 else lay.rows)
     rate = (cluster.flops or DEFAULT_FLOPS[t.precision]) * cluster.mfu
-    seconds = flops / rate
+    ratio = cluster.cost_ratio(name)
+    seconds = flops / rate * ratio
     tokens = spec.data.seq_len
     return StrategyPlan(
         strategy=name,
@@ -254,6 +265,7 @@ def plan_strategy(
         flops_per_token=flops / (tokens * lay.rows * lay.micro_batches),
         step_seconds=seconds,
         tokens_per_second=t.global_batch_size * tokens / seconds,
+        step_cost=ratio,
         notes=notes,
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 
@@ -18,6 +19,7 @@ from tasks.commands.plan.estimate import (
     StrategyPlan,
     plan_strategy,
 )
+from tasks.commands.plan.measured import header_lines, step_cost_for
 from tasks.commands.plan.trace import Untraceable, _n, count, size
 
 # ------------------------------------------------------------------ what is printed
@@ -40,6 +42,7 @@ def render(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan], sour
         f"{_n(lay.world, 'rank')} × {_n(lay.micro_batches, 'micro-batch')} × {_n(lay.rows, 'row')}",
         f"time at {cluster.mfu:.0%} of {count(flops)}FLOP/s per GPU (an assumed utilization of the counted FLOPs; "
         "benchmarks/gpu_check.py measures it)",
+        *header_lines(cluster.step_cost, [p.strategy for p in plans], t.precision),
         "",
         "Memory per GPU at the configured settings (activations: the step's peak of activations, logits and loss "
         "scratch; peak: everything at the step's highest point, forward/backward or the optimizer update)",
@@ -70,17 +73,22 @@ def render(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan], sour
     for p in plans:
         cells = " | ".join(size(p.activations.get(v)) for v in VARIANTS)
         lines.append(f"| {p.strategy} | {cells} |")
+    measured = cluster.step_cost is not None  # a column of the ratio each step's time was multiplied by
     lines += [
         "",
         "Compute (FLOPs of every pass the strategy runs: forward, backward, recomputation, a frozen target's forward)",
         "",
-        "| strategy | FLOPs per token | per GPU per step | step | tokens/s |",
-        "|---|---|---|---|---|",
+        f"| strategy | FLOPs per token | per GPU per step |{' step cost ÷ FLOPs |' if measured else ''} step "
+        "| tokens/s |",
+        "|---|---|---|---|---|" + ("---|" if measured else ""),
     ]
     for p in plans:
         per_step = p.flops_per_token * spec.data.seq_len * lay.rows * lay.micro_batches
+        ratio = ""
+        if measured:
+            ratio = f" {p.step_cost:.3g} |" if p.strategy in cluster.step_cost.ratios else " 1 (assumed) |"
         lines.append(
-            f"| {p.strategy} | {count(p.flops_per_token)} | {count(per_step)} | {p.step_seconds:.3g} s "
+            f"| {p.strategy} | {count(p.flops_per_token)} | {count(per_step)} |{ratio} {p.step_seconds:.3g} s "
             f"| {p.tokens_per_second:,.0f} |"
         )
     notes = [f"- {p.strategy}: {note}" for p in plans for note in p.notes]
@@ -117,20 +125,27 @@ def quantity(text: str, what: str, suffix: str, example: str) -> float:
 
 
 def cluster_for(
-    spec: PipelineSpec, gpus: int | None, memory: str | None, flops: str | None, mfu: float | None
+    spec: PipelineSpec,
+    gpus: int | None,
+    memory: str | None,
+    flops: str | None,
+    mfu: float | None,
+    step_cost: str | None = None,
 ) -> Cluster:
     """The cluster `dllm-flow plan` sizes for: `gpus` ranks (default: the config's world size) of `memory` bytes
-    and `flops` peak FLOP/s each (default: an H100's at the training precision), at `mfu` of that peak."""
+    and `flops` peak FLOP/s each (default: an H100's at the training precision), at `mfu` of that peak, each
+    strategy's step costing its counted FLOPs times its measured ratio in the `step_cost` file (else 1)."""
     if mfu is not None and not 0 < mfu <= 1:
         raise ConfigError(f"--mfu {mfu} must be in (0, 1]: the share of the GPU's peak FLOP/s a step runs at")
     if gpus is not None and gpus < 1:
         raise ConfigError(f"--gpus {gpus} must be at least 1")
-    return Cluster(
+    cluster = Cluster(
         gpus or spec.train.world_size,
         None if memory is None else quantity(memory, "--gpu-memory", "b|bytes", "80GB"),
         None if flops is None else quantity(flops, "--gpu-flops", "flop/s|flops|flop", "989T"),
         DEFAULT_MFU if mfu is None else mfu,
     )
+    return replace(cluster, step_cost=step_cost_for(step_cost, cluster.device))
 
 
 def fit_warnings(spec: PipelineSpec, memory: str | None) -> list[str]:
