@@ -11,6 +11,7 @@ causal step.
     python benchmarks/step_cost.py                       # CPU, tiny models, ~2-3 min on 2 cores
     python benchmarks/step_cost.py --explain             # + graph breaks of each compiled layer, attention paths
     python benchmarks/step_cost.py --device cuda --dtype bfloat16   # ~1 B parameters, seq 2048, MFU column
+    python benchmarks/step_cost.py --device cuda --json cost.json   # + the file dllm-flow plan --step-cost reads
 
 No timing is asserted: the script prints, a reader judges (docs/benchmarks.md, "step_cost.py").
 """
@@ -394,7 +395,10 @@ def main() -> None:
         help="cpu: the process's CPU time (all threads) instead of wall time, on a CPU shared with other work",
     )
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
+    ap.add_argument("--json", metavar="FILE", help="also write what was measured (dllm-flow plan --step-cost FILE)")
     args = ap.parse_args()
+    if args.json and args.no_flops:
+        ap.error("--json writes measured ÷ FLOPs: leave out --no-flops")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("step_cost: no CUDA device here (run without --device cuda for the CPU table)")
     if args.threads:
@@ -445,6 +449,10 @@ def main() -> None:
             results[name] = res
             print(f"[step_cost] {name}: {res['ratio']:.2f}x the causal step ({time.time() - t0:.0f} s)", flush=True)
     print_table(spec_of, results, args, peak)
+    if args.json:
+        from step_cost_json import write_run  # benchmarks/: the file dllm-flow plan --step-cost reads
+
+        print(f"[step_cost] wrote {write_run(args.json, results, failures, args)}")
     for name, why in failures.items():
         print(f"- {name}: FAILED, {why}")
     sys.exit(1 if failures else 0)
