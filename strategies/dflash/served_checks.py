@@ -36,6 +36,7 @@ SKIPPED = {
     1: "z-lab's `dflash` package is not installed here (install it `--no-deps`: Makefile NODEPS)",
     2: "the draft reads a copy hint (dflash.copy_hint), which no serving engine has",
     3: "dflash.eval_served is false",
+    4: "every prompt ended within one cycle, the one left out of the count: raise dflash.eval_max_new_tokens",
 }
 THINKING_KEY = "enable_thinking"
 

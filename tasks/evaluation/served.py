@@ -159,6 +159,8 @@ def served_acceptance(ev, target, draft, mask_id: int, raw_prompts: list[list[in
             ours_served.append(mine.acceptance[:-1])
             served.append(list(stats.acceptance_lengths[:-1]))
             same += int(mine.tokens == stats.output_ids[0, len(q) :].tolist())
+    if not any(served) or not any(ours_raw):  # every prompt done in one cycle: nothing left once the last is dropped
+        return {"dflash/tau_served_prompts": 0, "dflash/served_skipped": 4}, {"skipped": 4}
     gap, lo, hi, se = paired_bootstrap(ours_raw, served, ev.spec.eval.seed)
     causes = served_causes(draft, mask_id, target, tokenizer, served_tok, bool(meta.get("chat")), chat, raw, theirs)
     metrics = {

@@ -241,3 +241,12 @@ def test_the_report_and_the_card_say_served_tau_and_the_causes_of_a_gap():
     assert "**dflash**, as served" in report
     plain = {"dflash/tau": 3.1, "dflash/tau_served_prompts": 0, "dflash/served_skipped": 1}
     assert "not installed" in "\n".join(_dflash_table([{"strategy": "dflash", "metrics": plain}]))
+
+
+def test_a_budget_of_one_cycle_per_prompt_is_skipped_with_its_reason(tok, target, tmp_path):
+    meta = {"target": {"path": _target_folder(tmp_path, tok), "stage": "target"}, "chat": True}
+    m, _ = served_acceptance(
+        _ev(tok, eval_max_new_tokens=2), target, _draft(tok), tok.mask_token_id, _prompts(tok), meta
+    )
+    assert m == {"dflash/tau_served_prompts": 0, "dflash/served_skipped": 4}
+    assert "raise dflash.eval_max_new_tokens" in served_notes(m)[0]
