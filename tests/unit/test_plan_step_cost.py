@@ -89,7 +89,7 @@ def test_the_header_says_what_the_time_assumes(spec, assumed, tmp_path):
     plans = list(assumed.values())
     without = plan.render(spec, plan.Cluster(1), plans, "p.yaml").splitlines()
     assert without[3] == (
-        "each step assumed to cost exactly its counted FLOPs (no overhead beyond them): `python "
+        "the time assumes each step costs exactly its counted FLOPs (no overhead beyond them): `python "
         "benchmarks/step_cost.py --device cuda --json FILE` measures each strategy's on your GPU, "
         "`--step-cost FILE` applies it"
     )
@@ -100,11 +100,11 @@ def test_the_header_says_what_the_time_assumes(spec, assumed, tmp_path):
     plans = [plan.plan_strategy(spec, n, cluster, variants=False, sizing=False) for n in ("mdlm", "idlm")]
     lines = plan.render(spec, cluster, plans, "p.yaml").splitlines()
     assert lines[3] == (
-        f"step cost ÷ counted FLOPs measured by benchmarks/step_cost.py in {path} (cuda NVIDIA H100 80GB HBM3, "
-        "bfloat16, torch 2.9.0, hidden 2048, 16 layers, 4 × 2048 tokens, 2026-12-06T07:30:00Z), against the "
-        "causal-LM step at that utilization: mdlm × 1.25"
+        "time × each strategy's measured step cost ÷ its counted FLOPs (a causal-LM step at that utilization being "
+        f"1), from {path} (cuda NVIDIA H100 80GB HBM3, bfloat16, torch 2.9.0, hidden 2048, 16 layers, 4 × 2048 "
+        "tokens, 2026-12-06T07:30:00Z): mdlm × 1.25"
     )
-    assert lines[4] == f"assumed at × 1, its counted FLOPs (not in {path}): idlm"
+    assert lines[4] == f"× 1 assumed (each step at its counted FLOPs) for those not in {path}: idlm"
     assert lines[5] == "measured in bfloat16, while this config trains in float32: the ratios may differ"
     assert lines[6] == ""
     assert "| strategy | FLOPs per token | per GPU per step | step cost ÷ FLOPs | step | tokens/s |" in lines
@@ -174,8 +174,8 @@ def test_the_command_line_applies_the_file_and_refuses_a_bad_one(tmp_path, capsy
     path = _file(tmp_path, _doc(idlm=1.5))
     assert cli.main(["plan", str(cfg), "--step-cost", path]) == 0
     out = capsys.readouterr().out
-    assert "against the causal-LM step at that utilization: idlm × 1.5\n" in out
-    assert f"assumed at × 1, its counted FLOPs (not in {path}): mdlm\n" in out
+    assert f"from {path} (cuda NVIDIA H100 80GB HBM3, " in out and "2026-12-06T07:30:00Z): idlm × 1.5\n" in out
+    assert f"× 1 assumed (each step at its counted FLOPs) for those not in {path}: mdlm\n" in out
     cpu = _file(tmp_path, _doc(device="cpu", mdlm=1.0), "cpu.json")
     for bad, why in ((cpu, "was measured on cpu"), (str(tmp_path / "none.json"), "no such file")):
         assert cli.main(["plan", str(cfg), "--step-cost", bad]) == 2

@@ -140,7 +140,7 @@ def header_lines(cost: StepCost | None, strategies: list[str], precision: str) -
     FLOPs, or the measured ratios applied (which, from which file, measured where) and the strategies at 1."""
     if cost is None:
         return [
-            "each step assumed to cost exactly its counted FLOPs (no overhead beyond them): "
+            "the time assumes each step costs exactly its counted FLOPs (no overhead beyond them): "
             "`python benchmarks/step_cost.py --device cuda --json FILE` measures each strategy's on your GPU, "
             f"`{FLAG} FILE` applies it"
         ]
@@ -150,13 +150,13 @@ def header_lines(cost: StepCost | None, strategies: list[str], precision: str) -
         filter(None, [f"{cost.device} {cost.device_name}", cost.dtype, f"torch {cost.torch}", cost.shape(), cost.date])
     )
     lines = [
-        f"step cost ÷ counted FLOPs measured by benchmarks/step_cost.py in {cost.path} ({where}), "
-        f"against the causal-LM step at that utilization: "
+        "time × each strategy's measured step cost ÷ its counted FLOPs (a causal-LM step at that utilization "
+        f"being 1), from {cost.path} ({where}): "
         + (", ".join(f"{name} × {cost.ratios[name]:.3g}" for name in applied) or "none of this config's strategies")
     ]
     if assumed:
         why = [f"{name} (its measurement failed there)" if name in cost.failed else name for name in assumed]
-        lines.append(f"assumed at × 1, its counted FLOPs (not in {cost.path}): {', '.join(why)}")
+        lines.append(f"× 1 assumed (each step at its counted FLOPs) for those not in {cost.path}: {', '.join(why)}")
     trained = _PRECISION.get(precision, precision)
     if cost.dtype != trained:
         lines.append(f"measured in {cost.dtype}, while this config trains in {trained}: the ratios may differ")
