@@ -71,3 +71,36 @@ def refuse_file_as_folder(out: Path, flag: str) -> None:
             f"report {what} {where}, not a directory; nothing was written. Give {flag} a directory (new or "
             "existing) for report.md, report.json and the plots"
         )
+
+
+def check_served_target(spec) -> list[str]:
+    """A DFlash pipeline whose target is a local folder with its own tokenizer files (docs/strategies.md §10.13),
+    before any service starts: a mask id the config writes that is the target tokenizer's EOS or PAD id is refused
+    (unless tokenizer.allow_mask_alias); special-token ids of `tokenizer:` that differ from the target's own are
+    returned as warning lines (the draft would learn around ids the served prompts don't use)."""
+    from dllm_common.mask_alias import explicit_mask_ids, local_tokenizer_ids, mask_alias_problem
+    from strategies.model_files import resolve_model_path
+
+    d, t = spec.dflash, spec.tokenizer
+    if "dflash" not in spec.pipeline.strategies or not d.target_model_id or d.target_gguf_file:
+        return []
+    target_ids = local_tokenizer_ids(resolve_model_path(d.target_model_id))
+    if target_ids is None:
+        return []
+    if not t.allow_mask_alias:
+        said = explicit_mask_ids(spec.dllm.shared(), spec.dllm.overrides, spec.pipeline.strategies)
+        for where, mask_id in said.items():
+            problem = mask_alias_problem(mask_id, target_ids, f"{where} (against the target's tokenizer)")
+            if problem:
+                raise ConfigError(problem)
+    ours = local_tokenizer_ids(resolve_model_path(t.path), t.gguf_file) if t.kind == "pretrained" else None
+    if ours is None:
+        return []
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    diff = [f"{k} {ours[k]} vs {target_ids[k]}" for k in keys if ours[k] != target_ids[k]]
+    if not diff:
+        return []
+    return [
+        f"tokenizer.path and dflash.target_model_id differ in {', '.join(diff)}: the draft trains on ids the served "
+        "prompts won't use; set tokenizer.path to the target's folder"
+    ]

@@ -250,3 +250,23 @@ def test_a_budget_of_one_cycle_per_prompt_is_skipped_with_its_reason(tok, target
     )
     assert m == {"dflash/tau_served_prompts": 0, "dflash/served_skipped": 4}
     assert "raise dflash.eval_max_new_tokens" in served_notes(m)[0]
+
+
+def test_the_cli_refuses_a_mask_id_that_is_the_targets_eos_and_warns_of_other_special_ids(tok, tmp_path):
+    from dllm_common.config import ConfigError
+    from flows.cli_checks import check_served_target
+    from strategies.options import load_config, validate_config
+
+    ours, target = _target_folder(tmp_path / "a", tok), _target_folder(tmp_path / "b", tok, eos="<|system|>")
+    raw = load_config("configs/dflash.yaml").model_dump(mode="json")
+    raw["dflash"] |= {"target_model_id": target}
+    assert check_served_target(validate_config(raw)) == []
+    raw["dllm"] = {**raw["dllm"], "mask_token_id": tok.convert_tokens_to_ids("<|system|>")}
+    with pytest.raises(ConfigError, match="dllm.mask_token_id .against the target's tokenizer. is 5.*EOS"):
+        check_served_target(validate_config(raw))
+    raw["tokenizer"] = {**raw["tokenizer"], "allow_mask_alias": True}
+    assert check_served_target(validate_config(raw)) == []
+    raw["dllm"] = {**raw["dllm"], "mask_token_id": None}
+    raw["tokenizer"] = {**raw["tokenizer"], "kind": "pretrained", "path": ours, "allow_mask_alias": False}
+    (line,) = check_served_target(validate_config(raw))
+    assert "eos_token_id 1 vs 5" in line and "set tokenizer.path to the target's folder" in line
