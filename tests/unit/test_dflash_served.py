@@ -270,3 +270,22 @@ def test_the_cli_refuses_a_mask_id_that_is_the_targets_eos_and_warns_of_other_sp
     raw["tokenizer"] = {**raw["tokenizer"], "kind": "pretrained", "path": ours, "allow_mask_alias": False}
     (line,) = check_served_target(validate_config(raw))
     assert "eos_token_id 1 vs 5" in line and "set tokenizer.path to the target's folder" in line
+
+
+@pytest.mark.parametrize("drop", [(), ("target_layer_ids",), ("block_size",)])
+def test_engine_reading_is_what_zlabs_loader_takes(tok, tmp_path, drop):
+    """The replica of the engines' reading (dflash_config first, then the top level, the default layer ids and
+    block size) against z-lab's own loader, on config.json files that leave fields out."""
+    import dflash.model as zlab
+
+    _draft(tok).save(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["num_target_layers"] = 12
+    for key in drop:
+        raw["dflash_config"].pop(key, None)
+        raw.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    loaded = zlab.DFlashDraftModel.from_pretrained(str(tmp_path))
+    seen = engine_reading(raw)
+    assert seen["block_size"] == loaded.block_size and seen["mask_token_id"] == loaded.mask_token_id
+    assert seen["target_layer_ids"] == list(loaded.target_layer_ids)
