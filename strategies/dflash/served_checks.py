@@ -1,6 +1,7 @@
-"""Why a DFlash draft accepts less once served than dllm-flow measured (docs/evaluation.md §4.7.1, docs/strategies.md
-§10.13): the causes people who train DFlash drafts report most (SpecForge, z-lab and NeMo Automodel issue threads),
-each checked here without torch so the same rule refuses or warns before training and explains a gap after it.
+"""Why a DFlash draft accepts less once served than dllm-flow measured (docs/evaluation.md §4.7.1,
+docs/strategies.md §10.13): the causes people who train DFlash drafts report most (SpecForge, z-lab and NeMo
+Automodel issue threads), each checked here without torch so the same rule refuses or warns before training and
+explains a gap after it.
 
 - **mask alias**: the draft's mask id is the target's EOS or PAD id, or a token the chat template writes (an engine
   fills its draft block with the mask id; a prompt that already holds that token reads as a block slot).
@@ -16,7 +17,6 @@ Each finding is one line naming what to change.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 
 from dllm_common.mask_alias import ALLOW
 from strategies.dflash.config import default_layer_ids
@@ -213,7 +213,10 @@ def served_notes(m: dict, decimals: int = 3) -> list[str]:
     skipped = m.get("dflash/served_skipped")
     if skipped:
         return [f"Served τ not measured: {SKIPPED.get(int(skipped), 'unknown reason')}."]
-    fmt: Callable[[object], str] = lambda v: "–" if not isinstance(v, int | float) else f"{v:.{decimals}f}"  # noqa: E731
+
+    def fmt(v) -> str:
+        return "–" if not isinstance(v, int | float) else f"{v:.{decimals}f}"
+
     chat = m.get("dflash/served_chat") == 1
     how = (
         "chat prompts rendered with the target's own chat template"
@@ -232,9 +235,16 @@ def served_notes(m: dict, decimals: int = 3) -> list[str]:
     found = [c for c in CAUSES if m.get(f"dflash/served_cause_{c}") == 1]
     if m.get("dflash/tau_served_mismatch") == 1:
         lines.append("⚠ Served τ differs from dllm-flow's beyond noise (the interval excludes 0).")
+        same = m.get("dflash/served_exact_match", 1.0)
+        why = (
+            f"z-lab's decoder gave dllm-flow's tokens on {same:.0%} of the prompts: it computes the draft otherwise"
+            if same < 1
+            else "the chat-rendered prompts are text unlike the validation rows the draft trained on"
+            if chat
+            else "the difference is in the prompts' continuations alone"
+        )
         lines += [f"- likely cause: {CAUSES[c]}" for c in found] or [
-            "- none of the checked causes (mask alias, chat template, special tokens, engine fields) was found: "
-            "the chat-rendered prompts are text unlike the validation rows the draft trained on"
+            f"- none of the checked causes (mask alias, chat template, special tokens, engine fields) was found: {why}"
         ]
     elif found:
         lines += [f"- found (within noise here): {CAUSES[c]}" for c in found]
