@@ -38,10 +38,28 @@ unset PREFECT_API_URL PREFECT_API_DATABASE_CONNECTION_URL MLFLOW_BACKEND_STORE_U
 PIDS=()
 NAMES=()
 PG_PID=
+# Both servers start with this mark in their environment, which every process they start inherits, orphaned or not:
+# MLflow's job runner and its huey consumers outlive an MLflow server that failed to start (its port taken).
+TAG="serve-$$-$RANDOM$RANDOM"
+tagged() {  # the live processes carrying the mark
+  grep -lsxz "DLLM_SERVE_TAG=$TAG" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3 || true
+}
 stop() {
   trap - EXIT INT TERM
   [ ${#PIDS[@]} -eq 0 ] || kill "${PIDS[@]}" 2>/dev/null || true
   [ ${#PIDS[@]} -eq 0 ] || wait "${PIDS[@]}" 2>/dev/null || true
+  # what the servers left behind: SIGTERM, then SIGKILL to what is still there after 10 s
+  local left i
+  left=$(tagged)
+  if [ -n "$left" ]; then
+    kill $left 2>/dev/null || true
+    for i in $(seq 50); do
+      left=$(tagged)
+      [ -n "$left" ] || break
+      sleep 0.2
+    done
+    [ -z "$left" ] || kill -9 $left 2>/dev/null || true
+  fi
   # the database last, once nothing writes to it
   [ -z "$PG_PID" ] || { kill -INT "$PG_PID" 2>/dev/null || true; wait "$PG_PID" 2>/dev/null || true; }
 }
@@ -85,10 +103,11 @@ if [ -n "$AUTH" ]; then
   MLFLOW_APP=(--app-name basic-auth)
 fi
 "$BIN/prefect" server database upgrade -y >"$STATE/migrate.log" 2>&1 || { tail -20 "$STATE/migrate.log"; exit 1; }
-"$BIN/prefect" server start --host "$HOST" --port "$PREFECT_PORT" &
+DLLM_SERVE_TAG=$TAG "$BIN/prefect" server start --host "$HOST" --port "$PREFECT_PORT" &
 PIDS+=($!) NAMES+=(Prefect)
 # the store URI comes from MLFLOW_BACKEND_STORE_URI (a password stays out of `ps`)
-"$BIN/mlflow" server --host "$HOST" --port "$MLFLOW_PORT" --workers 1 --artifacts-destination "$ARTIFACTS" \
+DLLM_SERVE_TAG=$TAG "$BIN/mlflow" server --host "$HOST" --port "$MLFLOW_PORT" --workers 1 \
+    --artifacts-destination "$ARTIFACTS" \
     ${MLFLOW_APP[@]+"${MLFLOW_APP[@]}"} &
 PIDS+=($!) NAMES+=(MLflow)
 # A server that exits (a port already taken, a setting it refuses) stops the other, and this script exits 1:
