@@ -26,10 +26,11 @@ UV_FIND_LINKS_FLAGS = $(patsubst %,--find-links %,$(sort $(shell $(PY) -m pip co
 	| sed -n "s/^[^=]*\.find-links=.\(.*\).$$/\1/p")))
 UV_PIP = $(UV) pip install --python $(PY) --compile-bytecode
 WORKDIR ?= work/quickstart
-# pytest-xdist workers for `make test` (tests/conftest.py: one test file per unit of work). One process by default:
-# on 2 cores two workers were slower (2026-12-06: each long test trains or serves on both cores, so two at once
-# mostly wait on each other); TEST_WORKERS=4 on a machine with 8 or more cores
-TEST_WORKERS ?= 0
+# pytest-xdist workers for `make test` (tests/conftest.py: one test file per unit of work, the long folders first).
+# Two on 2 cores: every test process runs torch on one thread (tests/conftest.py), so two workers share the cores
+# instead of spinning against each other (2026-12-06 on a fresh clone: 20 min against 32 min in one process;
+# docs/results/log.md); TEST_WORKERS=0 runs one process, TEST_WORKERS=4 suits 8 or more cores
+TEST_WORKERS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := true
