@@ -36,7 +36,7 @@ SKIPPED = {
     1: "z-lab's `dflash` package is not installed here (install it `--no-deps`: Makefile NODEPS)",
     2: "the draft reads a copy hint (dflash.copy_hint), which no serving engine has",
     3: "dflash.eval_served is false",
-    4: "every prompt ended within one cycle, the one left out of the count: raise dflash.eval_max_new_tokens",
+    4: "no cycle fit whole in the token budget before each prompt's last: raise dflash.eval_max_new_tokens",
 }
 THINKING_KEY = "enable_thinking"
 
@@ -226,7 +226,7 @@ def served_notes(m: dict, decimals: int = 3) -> list[str]:
     )
     lines = [
         f"Served τ (z-lab's `dflash_generate` on the draft exported in the z-lab layout, {how}, "
-        f"{int(m['dflash/tau_served_prompts'])} prompts, every cycle but each prompt's last): "
+        f"{int(m['dflash/tau_served_prompts'])} prompts, the cycles whose whole block fits the budget): "
         f"{fmt(m.get('dflash/tau_served'))}; dllm-flow's decoder on the same prompts "
         f"{fmt(m.get('dflash/tau_served_ours'))}, on the validation prompts {fmt(m.get('dflash/tau_full_cycles'))} "
         f"(same count). Served − ours: {fmt(m.get('dflash/tau_served_gap'))}, 95% bootstrap interval "

@@ -6,9 +6,10 @@ rendered as a user turn with the target's own chat template (its `enable_thinkin
 prompts and on the raw validation prompts (today's `dflash/tau`), so a gap splits into the engine's share and the
 prompt format's.
 
-Counting: z-lab cuts the last cycle's block to the tokens left in the budget, dllm-flow drafts a full block and
-keeps what fits, so the last cycle of each prompt is left out of every τ here (`dflash/tau_full_cycles` is today's
-τ counted that way). The gap's noise is a paired bootstrap over prompts (Efron & Tibshirani 1993, ch. 6; the
+Counting: z-lab shortens a block to the tokens left in the budget (and cuts what a cycle commits there), dllm-flow
+drafts a full block and trims the text afterwards; every τ here counts only the cycles whose whole block and bonus
+token fit in the budget, and never a prompt's last (EOS) cycle (`full_cycles`; `dflash/tau_full_cycles` is today's τ
+counted that way). The gap's noise is a paired bootstrap over prompts (Efron & Tibshirani 1993, ch. 6; the
 ratio-of-sums τ recomputed on each resample, seeded by `eval.seed`): beyond noise when its 95% percentile interval
 excludes 0. The causes checked are `strategies.dflash.served_checks`'s.
 """
@@ -90,6 +91,18 @@ def render_prompts(raw: list[list[int]], trained, served, chat: bool, thinking: 
     return out
 
 
+def full_cycles(acc: list[int], budget: int, block_size: int) -> list[int]:
+    """The cycles both decoders run alike: those whose whole block and bonus token fit in the budget (Σ committed
+    before it + block_size < budget: z-lab neither shortens the block nor cuts what it commits), never the last."""
+    out, done = [], 0
+    for a in acc[:-1]:
+        if done + block_size >= budget:
+            break
+        out.append(a)
+        done += a
+    return out
+
+
 def ratio(acc: list[list[int]]) -> float:
     """τ over prompts: Σ committed tokens ÷ Σ cycles."""
     cycles = sum(len(a) for a in acc)
@@ -143,21 +156,21 @@ def served_acceptance(ev, target, draft, mask_id: int, raw_prompts: list[list[in
     chat = bool(template) and not plain_target
     thinking = getattr(d, "eval_enable_thinking", None) if chat and has_thinking_switch(template) else None
     prompts = render_prompts(raw_prompts, tokenizer, served_tok, chat, thinking)
-    n, eos = d.eval_max_new_tokens, tokenizer.eos_token_id
+    n, eos, bs = d.eval_max_new_tokens, tokenizer.eos_token_id, draft.config.block_size
     dtype = next(target.parameters()).dtype
     with tempfile.TemporaryDirectory() as tmp:
         theirs, raw = zlab_draft(zlab, draft, tokenizer, Path(tmp), dtype, next(target.parameters()).device)
     ours_raw, ours_served, served, same = [], [], [], 0
     with _cpu_timing(zlab):
         for p, q in zip(raw_prompts, prompts):
-            ours_raw.append(speculative_generate(target, draft, p, n, eos).acceptance[:-1])
+            ours_raw.append(full_cycles(speculative_generate(target, draft, p, n, eos).acceptance, n, bs))
             mine = speculative_generate(target, draft, q, n, eos)
             stats = zlab.dflash_generate(
                 theirs, target, torch.tensor([q], device=target.device), n, None if eos is None else [eos],
                 return_stats=True,
             )  # fmt: skip
-            ours_served.append(mine.acceptance[:-1])
-            served.append(list(stats.acceptance_lengths[:-1]))
+            ours_served.append(full_cycles(mine.acceptance, n, bs))
+            served.append(full_cycles(list(stats.acceptance_lengths), n, bs))
             same += int(mine.tokens == stats.output_ids[0, len(q) :].tolist())
     if not any(served) or not any(ours_raw):  # every prompt done in one cycle: nothing left once the last is dropped
         return {"dflash/tau_served_prompts": 0, "dflash/served_skipped": 4}, {"skipped": 4}
@@ -183,7 +196,7 @@ def served_acceptance(ev, target, draft, mask_id: int, raw_prompts: list[list[in
         "chat": chat,
         "plain_reason": reason,
         "thinking": thinking,
-        "counting": "every cycle but each prompt's last (z-lab cuts the last block to the budget)",
+        "counting": "cycles whose block and bonus fit in the budget, never a prompt's last (z-lab cuts the rest)",
         "causes": [{"cause": c, "detail": line} for c, line in causes],
         "acceptance": {"ours_validation": ours_raw, "ours_served": ours_served, "served": served},
     }

@@ -24,7 +24,7 @@ from strategies.dflash.served_checks import (
 )
 from strategies.models import build_model, set_token_ids, tiny_model_config
 from tasks.data.tokenizer import CHAT_TEMPLATE, train_tokenizer
-from tasks.evaluation.served import paired_bootstrap, ratio, render_prompts, served_acceptance
+from tasks.evaluation.served import full_cycles, paired_bootstrap, ratio, render_prompts, served_acceptance
 from tasks.training.dflash_setup import check_served_before_training, import_draft
 
 pytest.importorskip("dflash.model", reason="z-lab's dflash package (make install: NODEPS) is not installed")
@@ -109,7 +109,7 @@ def test_served_tau_through_zlabs_decoder_on_chat_prompts(tok, target, tmp_path)
     assert rendered[0][0] == tok.convert_tokens_to_ids("<|user|>") and rendered[0][-1] == tok.convert_tokens_to_ids(
         "<|assistant|>"
     )
-    ours = [speculative_generate(target, draft, p, 13, tok.eos_token_id).acceptance[:-1] for p in raw]
+    ours = [full_cycles(speculative_generate(target, draft, p, 13, tok.eos_token_id).acceptance, 13, 4) for p in raw]
     assert metrics["dflash/tau_full_cycles"] == pytest.approx(ratio(ours))
     lo, hi = metrics["dflash/tau_served_gap_lo"], metrics["dflash/tau_served_gap_hi"]
     assert lo <= metrics["dflash/tau_served_gap"] <= hi
@@ -289,3 +289,11 @@ def test_engine_reading_is_what_zlabs_loader_takes(tok, tmp_path, drop):
     seen = engine_reading(raw)
     assert seen["block_size"] == loaded.block_size and seen["mask_token_id"] == loaded.mask_token_id
     assert seen["target_layer_ids"] == list(loaded.target_layer_ids)
+
+
+def test_only_cycles_that_fit_the_budget_whole_are_counted():
+    # budget 11, block 4: cycles start after 0, 3, 7, 10 committed tokens; 7 + 4 ≥ 11 ends the count
+    assert full_cycles([3, 4, 3, 2], 11, 4) == [3, 4]
+    assert full_cycles([3, 4, 3, 2], 12, 4) == [3, 4, 3]
+    assert full_cycles([1, 1, 1], 48, 4) == [1, 1]  # the last (EOS) cycle never counts
+    assert full_cycles([4], 48, 4) == []
