@@ -21,25 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
-from dllm_common.checkpoint import DIGESTS, WEIGHTS
+from dllm_common.checkpoint import DIGESTS
 from dllm_common.store import sha256_file
 from strategies.dflash.config import (
     CONFIG,
     SPECULATORS,
     ZLAB,
     DFlashDraftConfig,
-    draft_keys,
     parse_draft_config,
     write_json,
 )
 from strategies.dflash.dflash2_config import DFLASH2, SHAPE_DEFAULTS
+from strategies.dflash.serving_layout import verifier_name, write_serving_layout
 from strategies.models import tokenizer_token_ids
 
 DLLM_FLOW = "dllm-flow"
@@ -62,33 +58,6 @@ def draft_format(config: dict, fmt: str | None) -> str:
     return fmt
 
 
-def tensor_dtype(tensors: dict[str, torch.Tensor]) -> str:
-    """The one dtype of a draft's weights, as config.json names it."""
-    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values()})
-    if len(dtypes) != 1:
-        raise ValueError(f"a DFlash draft's weights share one dtype; these have {dtypes}")
-    return dtypes[0]
-
-
-def serving_config(cfg: DFlashDraftConfig, fmt: str, dtype: str, target: dict) -> dict:
-    """config.json of layout `fmt` (`target`: the checkpoint record's target, the speculators verifier)."""
-    if fmt == ZLAB:
-        return cfg.to_zlab(dtype)
-    return cfg.to_speculators(verifier_name(target.get("path")), verifier_architectures(target.get("path")), dtype)
-
-
-def write_serving_layout(dest: Path, cfg: DFlashDraftConfig, tensors: dict, fmt: str, target: dict) -> list[str]:
-    """config.json and model.safetensors of layout `fmt` into `dest` (what the engines read); returns their names.
-    The weights must be exactly the draft's (`draft_keys`)."""
-    if sorted(tensors) != draft_keys(cfg):
-        raise ValueError(
-            f"the draft's weights are not the engines' layout: {sorted(set(tensors) ^ set(draft_keys(cfg)))}"
-        )
-    write_json(dest / CONFIG, serving_config(cfg, fmt, tensor_dtype(tensors), target))
-    save_file({k: tensors[k].contiguous() for k in sorted(tensors)}, str(dest / WEIGHTS), metadata={"format": "pt"})
-    return [CONFIG, WEIGHTS]
-
-
 def write_draft_export(dest: Path, source, meta: dict, fmt: str) -> dict:
     """The serving layout `fmt` plus the tokenizer and the dllm-flow record (dllm.json, digests.json over every
     file but the card and generation_config.json) into `dest`; returns the config.json written."""
@@ -101,26 +70,6 @@ def write_draft_export(dest: Path, source, meta: dict, fmt: str) -> dict:
     names = sorted([*files, META, *source.tokenizer_files])
     write_json(dest / DIGESTS, {n: sha256_file(dest / n) for n in names})
     return json.loads((dest / CONFIG).read_text())
-
-
-_HUB_CACHE = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
-
-
-def verifier_name(path: str | None) -> str:
-    """The target as a speculators verifier: its hub id where it was loaded from the Hugging Face cache (a
-    portable name), else its local path."""
-    if not path:
-        raise ValueError("the draft's checkpoint records no target path (dllm.json target.path)")
-    found = _HUB_CACHE.search(Path(path).as_posix())
-    return f"{found['org']}/{found['name']}" if found else str(path)
-
-
-def verifier_architectures(path: str | None) -> list[str]:
-    """The target's `architectures` (from its config.json; [] when it is not where the record says)."""
-    try:
-        return list(json.loads((Path(path) / CONFIG).read_text()).get("architectures") or [])
-    except (OSError, TypeError, ValueError):
-        return []
 
 
 # ------------------------------------------------------------------ the model card's draft parts

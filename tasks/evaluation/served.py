@@ -38,8 +38,8 @@ from strategies.dflash.served_checks import (
     template_token_ids,
     tokenizer_problems,
 )
+from strategies.dflash.serving_layout import write_serving_layout
 from strategies.models import tokenizer_token_ids
-from tasks.commands.export_draft import write_serving_layout
 
 PRETRAIN_STAGE = "pretrain_target"  # tasks.target.PRETRAIN: a target pretrained here (on plain text unless chat)
 RESAMPLES = 2000

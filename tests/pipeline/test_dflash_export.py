@@ -26,9 +26,10 @@ from strategies.dflash.config import (
     read_draft_config,
 )
 from strategies.dflash.draft import DFlashDraftModel, draft_block_hidden, greedy_generate, target_features
+from strategies.dflash.serving_layout import write_serving_layout
 from strategies.options import validate_config
 from tasks.commands.export import export_checkpoint
-from tasks.commands.export_draft import FORMATS, write_serving_layout
+from tasks.commands.export_draft import FORMATS
 from tasks.evaluate import evaluate
 from tasks.target import target as target_stage
 from tasks.train import model_dir, train

@@ -32,9 +32,10 @@ from strategies.dflash.draft import (
     target_features,
 )
 from strategies.dflash.features import OnlineFeatures
+from strategies.dflash.serving_layout import write_serving_layout
 from strategies.models import build_model, tiny_model_config
 from strategies.options import DFlashOptions
-from tasks.commands.export_draft import draft_format, write_serving_layout
+from tasks.commands.export_draft import draft_format
 
 MASK, V, BS = 63, 64, 4
 SHAPES = {"conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}

@@ -13,8 +13,8 @@ import torch
 from strategies.dflash.blocks import _build_target_layer_ids
 from strategies.dflash.config import read_draft_config
 from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel, draft_block_hidden, target_features
+from strategies.dflash.serving_layout import write_serving_layout
 from strategies.models import build_model, tiny_model_config
-from tasks.commands.export_draft import write_serving_layout
 
 pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="the speculators package needs Python 3.11+")
 BS = 4

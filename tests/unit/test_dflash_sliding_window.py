@@ -29,12 +29,13 @@ from strategies.dflash.draft import (
     speculative_generate,
     target_features,
 )
+from strategies.dflash.serving_layout import write_serving_layout
 from strategies.dflash.strategy import DFlashStrategy
 from strategies.dflash.window import draft_masks, trim_context
 from strategies.dflash.window_config import attention_shape_fields
 from strategies.models import build_model, tiny_model_config
 from strategies.options import DFlashOptions, validate_config
-from tasks.commands.export_draft import draft_rows, write_serving_layout
+from tasks.commands.export_draft import draft_rows
 from tasks.training.dflash_setup import draft_strategy, import_draft
 
 MASK, V, BS, W = 63, 64, 4, 6
