@@ -135,3 +135,33 @@ def dflash_spec(tiny_spec, **dflash):
         **dflash,
     }
     return validate_config(raw)
+
+
+def tiny_dflash_target():
+    """The DFlash unit tests' frozen target: a 5-layer llama of width 32 over 64 tokens, the same in every process."""
+    from strategies.models import build_model, tiny_model_config
+
+    model = build_model(tiny_model_config("llama", 64, 128, 32, 5, 4, None, None, False), seed=0)
+    return model.eval().requires_grad_(False)
+
+
+def tiny_draft_config(**changes):
+    """The draft config those tests pair with `tiny_dflash_target`: 2 layers, grouped-query attention, block 4,
+    reading 2 of the target's 5 layers, [MASK] = 63; `changes` replace fields."""
+    from dataclasses import replace
+
+    from strategies.dflash.blocks import _build_target_layer_ids
+    from strategies.dflash.draft import DFlashDraftConfig
+
+    base = DFlashDraftConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        block_size=4,
+        target_layer_ids=_build_target_layer_ids(5, 2),
+        mask_token_id=63,
+        num_target_layers=5,
+        vocab_size=64,
+    )
+    return replace(base, **changes)

@@ -4,14 +4,14 @@ by hand, the objective and `candidate_recall` by hand, speculative decoding = ta
 exact speculative sampling through it, and the published layout's export → import."""
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from stagekit import tiny_dflash_target, tiny_draft_config
 
 from strategies import Microbatch, StepContext, assemble_strategy
-from strategies.dflash.blocks import _build_target_layer_ids, sample_anchor_blocks
+from strategies.dflash.blocks import sample_anchor_blocks
 from strategies.dflash.config import draft_keys, parse_draft_config
 from strategies.dflash.dflash2 import (
     CandidateSelector,
@@ -33,7 +33,6 @@ from strategies.dflash.draft import (
 )
 from strategies.dflash.features import OnlineFeatures
 from strategies.dflash.serving_layout import write_serving_layout
-from strategies.models import build_model, tiny_model_config
 from strategies.options import DFlashOptions
 from tasks.commands.export_draft import draft_format
 
@@ -43,23 +42,11 @@ SHAPES = {"conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
 
 @pytest.fixture(scope="module")
 def target():
-    model = build_model(tiny_model_config("llama", V, 128, 32, 5, 4, None, None, False), seed=0)
-    return model.eval().requires_grad_(False)
+    return tiny_dflash_target()
 
 
 def _cfg(**kw) -> DFlashDraftConfig:
-    base = DFlashDraftConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        block_size=BS,
-        target_layer_ids=_build_target_layer_ids(5, 2),
-        mask_token_id=MASK,
-        num_target_layers=5,
-        vocab_size=V,
-    )
-    return replace(base, **kw)
+    return tiny_draft_config(**kw)
 
 
 def _dflash2(seed=1, randomize=False, **kw) -> DFlashDraftModel:

@@ -8,13 +8,12 @@ left (its non-causal attention and convolutions then see fewer positions), so it
 differ; every earlier cycle must match."""
 
 import time
-from dataclasses import replace
 
 import pytest
 import torch
+from stagekit import tiny_dflash_target, tiny_draft_config
 
 from strategies import Microbatch, StepContext, assemble_strategy
-from strategies.dflash.blocks import _build_target_layer_ids
 from strategies.dflash.draft import (
     DFlashDraftConfig,
     DFlashDraftModel,
@@ -25,7 +24,6 @@ from strategies.dflash.draft import (
     target_features,
 )
 from strategies.dflash.features import OnlineFeatures
-from strategies.models import build_model, tiny_model_config
 
 zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package (make install: NODEPS) is not installed")
 
@@ -36,23 +34,11 @@ PROMPTS = ([1, 2, 3], [5, 9, 9, 4, 2, 7], [3, 1, 4, 1, 5, 3, 1, 4], [7, 7, 2])
 
 @pytest.fixture(scope="module")
 def target():
-    model = build_model(tiny_model_config("llama", V, 128, 32, 5, 4, None, None, False), seed=0)
-    return model.eval().requires_grad_(False)
+    return tiny_dflash_target()
 
 
 def _cfg(**kw) -> DFlashDraftConfig:
-    cfg = DFlashDraftConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        block_size=BS,
-        target_layer_ids=_build_target_layer_ids(5, 2),
-        mask_token_id=MASK,
-        num_target_layers=5,
-        vocab_size=V,
-    )
-    return replace(cfg, **kw)
+    return tiny_draft_config(**kw)
 
 
 def _randomized(cfg, seed=1) -> DFlashDraftModel:

@@ -9,33 +9,18 @@ from dataclasses import replace
 
 import pytest
 import torch
+from stagekit import tiny_dflash_target, tiny_draft_config
 
-from strategies.dflash.blocks import _build_target_layer_ids
 from strategies.dflash.config import read_draft_config
-from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel, draft_block_hidden, target_features
+from strategies.dflash.draft import DFlashDraftModel, draft_block_hidden, target_features
 from strategies.dflash.serving_layout import write_serving_layout
-from strategies.models import build_model, tiny_model_config
 
 pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="the speculators package needs Python 3.11+")
 BS = 4
 
 
 def _draft() -> DFlashDraftModel:
-    cfg = DFlashDraftConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        block_size=BS,
-        target_layer_ids=_build_target_layer_ids(5, 2),
-        mask_token_id=63,
-        num_target_layers=5,
-        vocab_size=64,
-        variant="dflash2",
-        conv_group_size=8,
-        selector_rank=8,
-        selector_top_k=4,
-    )
+    cfg = tiny_draft_config(variant="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4)
     torch.manual_seed(1)
     draft = DFlashDraftModel(cfg).eval()
     g = torch.Generator().manual_seed(2)
@@ -50,8 +35,7 @@ def test_speculators_loads_a_dflash2_export_and_computes_the_same_block(tmp_path
     from speculators.models.attention import create_float_mask
     from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
 
-    target = build_model(tiny_model_config("llama", 64, 128, 32, 5, 4, None, None, False), seed=0)
-    target = target.eval().requires_grad_(False)
+    target = tiny_dflash_target()
     verifier = tmp_path / "verifier"
     target.save_pretrained(verifier)
     draft, out = _draft(), tmp_path / "speculators"
