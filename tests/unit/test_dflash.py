@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from rankkit import run_ranks
 from torch.nn.attention.flex_attention import create_mask
 
 import strategies.dflash.draft as dflash_draft
@@ -950,27 +951,22 @@ def test_a_per_micro_batch_dpace_denominator_would_change_the_update(pair):
     assert gap > 0.05
 
 
-def _gloo_worker(rank: int, world: int, init_file: str, out_file: str, loss_type: str):
+def _gloo_worker(rank: int, world: int, out_file: str, loss_type: str):
     """Rank `rank` of `world`: rows rank, rank + world, … of the global batch, gloo all-reduces, gradients
     averaged over ranks as DDP averages them."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        target, draft = _make_pair()
-        built = _strategy(target, draft, loss_type=loss_type)
-        loss, denominator = _split_step(built, draft, list(range(rank, 4, world)), 1, rank, world)
-        grads = [p.grad for p in draft.parameters()]
-        for grad in grads:
-            dist.all_reduce(grad)
-            grad /= world
-        if rank == 0:
-            torch.save({"loss": global_sum(loss), "denominator": denominator, "grads": grads}, out_file)
-        else:
-            global_sum(loss)
-    finally:
-        dist.destroy_process_group()
+    target, draft = _make_pair()
+    built = _strategy(target, draft, loss_type=loss_type)
+    loss, denominator = _split_step(built, draft, list(range(rank, 4, world)), 1, rank, world)
+    grads = [p.grad for p in draft.parameters()]
+    for grad in grads:
+        dist.all_reduce(grad)
+        grad /= world
+    if rank == 0:
+        torch.save({"loss": global_sum(loss), "denominator": denominator, "grads": grads}, out_file)
+    else:
+        global_sum(loss)
 
 
 @pytest.mark.slow
@@ -978,13 +974,11 @@ def _gloo_worker(rank: int, world: int, init_file: str, out_file: str, loss_type
 def test_dpace_under_two_gloo_processes_matches_one_process(tmp_path, loss_type):
     """Two CPU processes (gloo), two rows each, against one process with all four: the D-PACE denominator
     (scored blocks) is all-reduced, so the loss and the DDP-averaged gradient are the one-process ones."""
-    import torch.multiprocessing as mp
-
     target, draft = _make_pair()
     built = _strategy(target, draft, loss_type=loss_type)
     loss, denominator = _split_step(built, draft, [0, 1, 2, 3], 1)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_gloo_worker, args=(2, str(tmp_path / "rendezvous"), str(out), loss_type), nprocs=2, join=True)
+    run_ranks(_gloo_worker, str(out), loss_type, tmp_path=tmp_path)
     two = torch.load(out)
     assert two["denominator"] == denominator == 8
     assert two["loss"] == pytest.approx(loss, rel=1e-6)

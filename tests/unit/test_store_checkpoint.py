@@ -2,11 +2,11 @@
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from rankkit import run_ranks
 
 from dllm_common.checkpoint import (
     CorruptCheckpointError,
@@ -170,58 +170,43 @@ def test_a_large_checkpoint_is_a_standard_sharded_hugging_face_folder(tmp_path):
         load_weights_into(other, tmp_path / "ck")
 
 
-def _finalize_failing_on_rank0(rank: int, world: int, init_file: str, out_dir: str):
+def _finalize_failing_on_rank0(rank: int, world: int, out_dir: str):
     """Rank `rank` of a 2-process gloo group saving a checkpoint whose final swap fails on rank 0 only."""
     import errno
-
-    import torch.distributed as dist
 
     import tasks.training.resume as checkpointing
     from tasks.training.distributed import DistInfo
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if rank == 0:
+
+        def full_disk(tmp, directory):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        checkpointing.swap_into = full_disk
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    ckpt = checkpointing.Checkpointer(Path(out_dir) / "checkpoint", DistInfo(rank, world, rank), sharded=False)
     try:
-        if rank == 0:
-
-            def full_disk(tmp, directory):
-                raise OSError(errno.ENOSPC, "No space left on device")
-
-            checkpointing.swap_into = full_disk
-        model = torch.nn.Linear(4, 4)
-        opt = torch.optim.AdamW(model.parameters())
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-        ckpt = checkpointing.Checkpointer(Path(out_dir) / "checkpoint", DistInfo(rank, world, rank), sharded=False)
-        try:
-            ckpt.save(model, opt, sched, None, {"step": 3})
-            outcome = "saved"
-        except Exception as exc:
-            outcome = f"{type(exc).__name__}: {exc}"
-        (Path(out_dir) / f"rank{rank}.txt").write_text(outcome)
-    finally:
-        dist.destroy_process_group()
+        ckpt.save(model, opt, sched, None, {"step": 3})
+        outcome = "saved"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    (Path(out_dir) / f"rank{rank}.txt").write_text(outcome)
 
 
 def test_a_checkpoint_that_fails_on_rank_0_fails_on_every_rank(tmp_path):
     """Rank 0 alone writes the metadata and swaps the folder in; when that fails (a full disk) the other ranks
     learn it and raise too, instead of waiting at a barrier for ever, and no checkpoint or temp folder is left."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(
-        _finalize_failing_on_rank0, args=(2, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=2, join=False
-    )
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail("a rank is still waiting after rank 0's checkpoint failed")
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(_finalize_failing_on_rank0, str(out), tmp_path=tmp_path, deadline_s=120)
     assert (
-        (tmp_path / "rank0.txt")
+        (out / "rank0.txt")
         .read_text()
         .startswith("DiskFullError: no space left on the device while writing the step-3 checkpoint")
     )
-    assert (tmp_path / "rank1.txt").read_text() == (
+    assert (out / "rank1.txt").read_text() == (
         "RuntimeError: rank 0 could not finish the checkpoint of step 3 (its error is above)"
     )
-    assert not (tmp_path / "checkpoint").exists() and not list(tmp_path.glob(".tmp-*"))
+    assert not (out / "checkpoint").exists() and not list(out.glob(".tmp-*"))
