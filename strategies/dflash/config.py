@@ -28,6 +28,7 @@ from strategies.dflash.dflash2_config import (
     ARCHITECTURE2,
     DFLASH,
     DFLASH2,
+    JETSPEC,
     SHAPE_DEFAULTS,
     dflash2_config_fields,
     dflash2_keys,
@@ -161,6 +162,11 @@ class DFlashDraftConfig:
             raise ValueError(f"DFlash draft config: {problem}")
 
     @property
+    def causal(self) -> bool:
+        """Attention causal inside the block (JetSpec, docs/strategies.md §10.14): offset o sees offsets ≤ o."""
+        return self.variant == JETSPEC
+
+    @property
     def num_target_features(self) -> int:
         return len(self.target_layer_ids)
 
@@ -224,6 +230,11 @@ class DFlashDraftConfig:
         self._require_target_facts("vocab_size")
         if self.copy_hint:
             raise ValueError(f"a copy-hint draft has no speculators layout ({COPY_HINT_KEY})")
+        if self.causal:
+            raise ValueError(
+                "a JetSpec draft (causal inside the block) has no speculators layout: speculators' DFlash layers are "
+                "bidirectional inside the block; export it as --format zlab (is_causal: true)"
+            )
         if self.num_target_layers is not None and self.num_target_layers - 1 in self.target_layer_ids:
             raise ValueError(
                 f"target layer {self.num_target_layers - 1} is the target's last: speculators reads the layers "
@@ -335,8 +346,8 @@ def parse_draft_config(raw: dict, where: str) -> DraftConfig:
 
 def _refuse(where: str, what: str) -> ValueError:
     return ValueError(
-        f"{where}: {what}; dllm-flow's DFlash draft (full or sliding-window attention, bidirectional in the block, "
-        "plain RoPE) can't run it"
+        f"{where}: {what}; dllm-flow's DFlash draft (full or sliding-window attention, bidirectional or causal in "
+        "the block, plain RoPE) can't run it"
     )
 
 
@@ -362,8 +373,12 @@ def _parse_zlab(raw: dict, where: str) -> DFlashDraftConfig:
         if num_target_layers is None:
             raise ValueError(f"{where}: the draft's config.json has neither target_layer_ids nor num_target_layers")
         ids = default_layer_ids(int(num_target_layers), int(raw["num_hidden_layers"]))
+    if raw.get("is_causal") and ARCHITECTURE2 in (raw.get("architectures") or []):
+        raise _refuse(where, "it is a DFlash 2 draft with is_causal true")
     try:
         variant = parse_dflash2_fields(raw, get, where)
+        if raw.get("is_causal"):  # z-lab's reader: every layer causal inside the block, as JetSpec trains it
+            variant = {"variant": JETSPEC}
         return DFlashDraftConfig(
             hidden_size=raw["hidden_size"],
             num_hidden_layers=raw["num_hidden_layers"],

@@ -11,6 +11,7 @@ selector_rank, selector_top_k, target_layer_ids`.
 from __future__ import annotations
 
 DFLASH, DFLASH2 = "dflash", "dflash2"  # `DFlashDraftConfig.variant` / the `dflash.draft_variant` option
+JETSPEC = "jetspec"  # the DFlash draft with causal attention inside the block (docs/strategies.md §10.14)
 ARCHITECTURE2 = "DFlash2DraftModel"
 # the shapes of the convolutions and the selector: the reference's defaults (Automodel's qwen3_dflash2.yaml)
 SHAPE_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
@@ -18,8 +19,8 @@ SHAPE_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank":
 
 def dflash2_problem(cfg) -> str | None:
     """What is wrong with a DFlash 2 draft config's shapes (`cfg`: a `DFlashDraftConfig`), or None."""
-    if cfg.variant not in (DFLASH, DFLASH2):
-        return f"variant {cfg.variant!r} is neither {DFLASH!r} nor {DFLASH2!r}"
+    if cfg.variant not in (DFLASH, DFLASH2, JETSPEC):
+        return f"variant {cfg.variant!r} is not one of {DFLASH!r}, {DFLASH2!r}, {JETSPEC!r}"
     if cfg.variant != DFLASH2:
         return None
     bad = [k for k in SHAPE_DEFAULTS if not isinstance(getattr(cfg, k), int) or getattr(cfg, k) < 1]
@@ -79,6 +80,7 @@ def dflash2_keys(cfg) -> list[str]:
 
 def variant_fields(options) -> dict:
     """The `DFlashDraftConfig` keywords of a new draft under the `dflash` options `options` ({} for DFlash)."""
-    if getattr(options, "draft_variant", DFLASH) != DFLASH2:
-        return {}
+    variant = getattr(options, "draft_variant", DFLASH)
+    if variant != DFLASH2:
+        return {} if variant == DFLASH else {"variant": variant}
     return {"variant": DFLASH2, **{k: getattr(options, k) for k in SHAPE_DEFAULTS}}

@@ -103,8 +103,13 @@ class DFlashDecayLoss(nn.Module):
         soft: SoftLabels | None = None,
         prefix: Tensor | None = None,
     ) -> DLLMLossOutput:
-        nll, ce, correct = _token_losses(logits, target_ids, soft)
+        nll, ce, correct = self.token_losses(logits, target_ids, soft)
         return self._reduce(nll, correct, block_mask, num_tokens, block_size, ce, prefix)
+
+    def token_losses(self, logits: Tensor, target_ids: Tensor, soft: SoftLabels | None):
+        """Per prediction: −log q(true token), the term the loss sums, and whether the draft's argmax is the true
+        token (`_token_losses`; the forward-KL loss sums its divergence instead)."""
+        return _token_losses(logits, target_ids, soft)
 
     def forward_fused(
         self,
@@ -125,7 +130,7 @@ class DFlashDecayLoss(nn.Module):
 
         def chunk(h, t, *labels):
             logits = F.linear(h, lm_head_weight, lm_head_bias)
-            return _token_losses(logits, t, SoftLabels(*labels) if labels else None)
+            return self.token_losses(logits, t, SoftLabels(*labels) if labels else None)
 
         parts = []
         for start in range(0, flat.shape[0], self.chunk_size):
@@ -215,6 +220,37 @@ class DFlashDPACELoss(DFlashDecayLoss):
         if not block_size or block_size < 2:
             raise ValueError("the D-PACE loss needs the block size (block_size=...) to find each block")
         return dpace_weights(nll, block_mask, block_size, self.alpha)
+
+
+class DFlashForwardKLLoss(DFlashDecayLoss):
+    """JetSpec's objective (arXiv 2606.18394, §2.3, Eq. 8-9; docs/strategies.md §10.14): every
+    supervised prediction weighs 1 (no decay) and the term summed is `T² · KL(p_T ‖ q_T)`, the forward KL from the
+    target's next-token distribution to the draft's, both at temperature `T` (the T² keeps the gradient's scale
+    independent of T, as in Hinton et al. 2015), ÷ max(num_tokens, 1) like the other DFlash losses.
+
+    The target's distribution is the soft label (`dflash.distill_top_k`): its top k tokens, `p_T ∝ p^(1/T)`
+    renormalized over them; with k = V it is the target's full `softmax(logits / T)`, the reference's teacher
+    exactly. `q_T = softmax(draft logits / T)` over the whole vocabulary."""
+
+    def __init__(self, temperature: float = 1.0, use_fused_linear_ce: bool = False, chunk_size: int = 1024):
+        super().__init__(None, use_fused_linear_ce, chunk_size, "tokens")
+        if not temperature > 0:
+            raise ValueError(f"the forward-KL temperature must be positive, got {temperature}")
+        self.temperature = float(temperature)
+
+    def token_losses(self, logits: Tensor, target_ids: Tensor, soft: SoftLabels | None):
+        if soft is None:
+            raise ValueError(
+                "the forward-KL loss distills the target's distribution: set dflash.distill_top_k (the target's top-k "
+                "tokens kept as the teacher, e.g. 32)"
+            )
+        t = self.temperature
+        logq = logits.float().log_softmax(dim=-1)
+        nll = -logq.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+        teacher = (soft.probs.float().clamp_min(1e-30).log() / t).log_softmax(dim=-1)  # log p_T over the k
+        student = (logits.float() / t).log_softmax(dim=-1).gather(-1, soft.ids.long())  # log q_T at the k
+        kl = (teacher.exp() * (teacher - student)).sum(dim=-1)
+        return nll, (t * t) * kl, logq.argmax(dim=-1) == target_ids
 
 
 def scored_blocks(block_mask: Tensor, block_size: int) -> int:

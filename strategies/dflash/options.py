@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dllm_common.config import ConfigError, PipelineSpec
-from strategies.dflash.dflash2_config import DFLASH, DFLASH2, SHAPE_DEFAULTS
+from strategies.dflash.dflash2_config import DFLASH, DFLASH2, JETSPEC, SHAPE_DEFAULTS
 from strategies.dflash.window_config import attention_shape_problem
 from strategies.registration import Registration, SamplerInfo, StrategyOptions
 
 SPECULATIVE = "speculative"  # the draft proposes a block, the frozen target verifies it
 VARIABLE_PREFIX = "variable_prefix"
+FORWARD_KL = "forward_kl"
 PREFIX_WEIGHT_BASE = 0.9  # D2SD / NeMo Automodel's default base of the prefix-length prior
 
 
@@ -23,8 +24,11 @@ class DFlashOptions(StrategyOptions):
 
     block_size: int = Field(0, ge=0)
     loss_decay_gamma: float = 0.0
-    # position weights: fixed exp decay, D-PACE, or the decay behind a shown prefix of random length (§5.7)
-    loss_type: Literal["decay", "dpace", "variable_prefix"] = "decay"
+    # position weights: fixed exp decay, D-PACE, or the decay behind a shown prefix of random length (§5.7); or
+    # JetSpec's forward KL to the target's top-`distill_top_k` distribution at `kd_temperature`, every position
+    # weighing 1 (§10.14; the default of draft_variant jetspec)
+    loss_type: Literal["decay", "dpace", "variable_prefix", "forward_kl"] = "decay"
+    kd_temperature: float = Field(1.0, gt=0)
     dpace_alpha: float = Field(0.5, ge=0, le=1)  # D-PACE's confidence floor α (§5.7)
     # variable_prefix: Pr(p tokens shown after the anchor) ∝ base^p, p = 1 … bs − 2 (< 1 favours short prefixes)
     prefix_weight_base: float = Field(PREFIX_WEIGHT_BASE, gt=0)
@@ -43,8 +47,9 @@ class DFlashOptions(StrategyOptions):
     use_fused_linear_ce: bool = True
     ce_chunk_size: int = Field(1024, ge=1)
     # DFlash 2 (docs/strategies.md §10.11): a new draft gets in-block convolutions and a path selector over each
-    # position's top `selector_top_k` candidates, trained by `selector_loss_weight` × the selector's CE
-    draft_variant: Literal["dflash", "dflash2"] = DFLASH
+    # position's top `selector_top_k` candidates, trained by `selector_loss_weight` × the selector's CE.
+    # JetSpec (§10.14): the DFlash draft with causal attention inside the block (`is_causal: true` in its config.json)
+    draft_variant: Literal["dflash", "dflash2", "jetspec"] = DFLASH
     conv_kernel_size: int = Field(SHAPE_DEFAULTS["conv_kernel_size"], ge=1)
     conv_group_size: int = Field(SHAPE_DEFAULTS["conv_group_size"], ge=1)
     selector_rank: int = Field(SHAPE_DEFAULTS["selector_rank"], ge=1)
@@ -89,14 +94,33 @@ class DFlashOptions(StrategyOptions):
     @field_validator("draft_variant")
     @classmethod
     def _dflash2_combinations(cls, value: str, info: ValidationInfo) -> str:
-        if value == DFLASH2 and info.data.get("loss_type") == "dpace":
+        if value == DFLASH2 and info.data.get("loss_type") in ("dpace", FORWARD_KL):
             raise ValueError(
-                "dflash.draft_variant dflash2 trains with loss_type decay or variable_prefix, not dpace (the "
-                "selector's term weighs positions like the block loss, and D-PACE's weights come from it)"
+                f"dflash.draft_variant dflash2 trains with loss_type decay or variable_prefix, not "
+                f"{info.data['loss_type']} (the selector's term weighs positions like the block loss)"
             )
         if value == DFLASH2 and info.data.get("copy_hint"):
             raise ValueError("dflash.draft_variant dflash2 has no copy hint: set dflash.copy_hint: false")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _jetspec_objective(cls, data):
+        """A JetSpec draft trains with JetSpec's own objective unless another loss_type is asked."""
+        if isinstance(data, dict) and data.get("draft_variant") == JETSPEC and "loss_type" not in data:
+            data = {**data, "loss_type": FORWARD_KL}
+        return data
+
+    @model_validator(mode="after")
+    def _forward_kl_distills(self):
+        """The forward KL needs the target's distribution."""
+        if self.loss_type == FORWARD_KL and not self.distill_top_k:
+            raise ValueError(
+                "dflash.loss_type forward_kl (JetSpec's objective, the default of draft_variant jetspec) distills the "
+                "target's next-token distribution: set dflash.distill_top_k to how many of its most probable tokens "
+                "to keep as the teacher (e.g. 32), or set dflash.loss_type: decay"
+            )
+        return self
 
     @field_validator("draft_sliding_window")
     @classmethod
@@ -127,6 +151,11 @@ class DFlashOptions(StrategyOptions):
             raise ConfigError(
                 f"{where(only2[0])} shapes or trains a DFlash 2 draft and does nothing with draft_variant "
                 f"{self.draft_variant}: drop it, or set draft_variant: dflash2"
+            )
+        if self.loss_type != FORWARD_KL and "kd_temperature" in self.model_fields_set:
+            raise ConfigError(
+                f"{where('kd_temperature')} is the temperature of loss_type forward_kl and does nothing with loss_type "
+                f"{self.loss_type}: drop it, or set loss_type: forward_kl"
             )
         if self.loss_type != VARIABLE_PREFIX and "prefix_weight_base" in self.model_fields_set:
             raise ConfigError(

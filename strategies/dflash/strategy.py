@@ -34,12 +34,19 @@ from strategies.dflash.loss import (
     DPACE_ALPHA,
     DFlashDecayLoss,
     DFlashDPACELoss,
+    DFlashForwardKLLoss,
     SoftLabels,
     block_soft_labels,
     default_gamma,
     scored_blocks,
 )
-from strategies.dflash.options import SAMPLERS, VARIABLE_PREFIX, DFlashOptions, variable_prefix_block_problem
+from strategies.dflash.options import (
+    FORWARD_KL,
+    SAMPLERS,
+    VARIABLE_PREFIX,
+    DFlashOptions,
+    variable_prefix_block_problem,
+)
 from strategies.dflash.prefix import draw_prefix_lengths, prefix_generator, reveal_prefix
 from strategies.dflash.window_config import options_mismatch
 from strategies.losses import DLLMLossOutput
@@ -132,7 +139,8 @@ class DFlashStrategy(DLLMStrategy):
     def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
         """The block loss (docs/strategies.md §5.7, §8.5): `loss_type` "decay" weights offset k by exp(−(k−1)/γ)
         (γ ≤ 0: the paper's value for the block size); "dpace" by D-PACE's confidence-derived weights;
-        "variable_prefix" is the decay loss, given each block's shown prefix by `forward_backward`."""
+        "variable_prefix" is the decay loss, given each block's shown prefix by `forward_backward`; "forward_kl"
+        JetSpec's distillation, the target's top-k distribution (`distill_top_k`) at `kd_temperature`."""
         options = self.options if dllm_cfg is None else self.coerce_options(dllm_cfg)
         if not options.block_size:
             raise ValueError("Cannot infer block_size from draft config. Set dflash.block_size in the YAML.")
@@ -142,6 +150,12 @@ class DFlashStrategy(DLLMStrategy):
             alpha = getattr(options, "dpace_alpha", DPACE_ALPHA)  # an options key once DFlashOptions declares it
             return DFlashDPACELoss(
                 alpha, use_fused_linear_ce=options.use_fused_linear_ce, chunk_size=options.ce_chunk_size
+            )
+        if options.loss_type == FORWARD_KL:
+            return DFlashForwardKLLoss(
+                options.kd_temperature,
+                use_fused_linear_ce=options.use_fused_linear_ce,
+                chunk_size=options.ce_chunk_size,
             )
         gamma = options.loss_decay_gamma if options.loss_decay_gamma > 0 else default_gamma(options.block_size)
         return DFlashDecayLoss(

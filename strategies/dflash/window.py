@@ -24,17 +24,26 @@ def draft_masks(
     document_ids: Tensor | None = None,
     backend: str = "sdpa",
 ):
-    """The DFlash mask every layer of the draft `cfg` reads: one mask when all its layers are of one type (the
-    window applied when they are sliding), else {layer type: mask}, which each layer picks from (`layer_mask`). Dense
-    additive masks, or flex-attention BlockMasks (`backend="flex_attention"`)."""
+    """The DFlash mask every layer of the draft `cfg` reads (causal inside the block for a JetSpec draft): one mask
+    when all its layers are of one type (the window applied when they are sliding), else {layer type: mask}, which
+    each layer picks from (`layer_mask`). Dense additive masks, or flex-attention BlockMasks
+    (`backend="flex_attention"`)."""
+    causal = bool(getattr(cfg, "causal", False))  # JetSpec: offset o sees offsets ≤ o of its block (§10.14)
 
     def build(window: int | None):
         if backend == "flex_attention":
             return create_dflash_block_mask(
-                anchors, keep, ctx_len, block_size, document_ids=document_ids, sliding_window=window
+                anchors, keep, ctx_len, block_size, causal, document_ids=document_ids, sliding_window=window
             )
         return create_dflash_sdpa_mask(
-            anchors, keep, ctx_len, block_size, dtype=dtype, document_ids=document_ids, sliding_window=window
+            anchors,
+            keep,
+            ctx_len,
+            block_size,
+            dtype=dtype,
+            causal=causal,
+            document_ids=document_ids,
+            sliding_window=window,
         )
 
     kinds = set(cfg.layer_types)

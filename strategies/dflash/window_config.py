@@ -12,9 +12,10 @@ drafters and their readers write and read it in the Qwen3 config's own keys:
   block's own included.
 - transformers' `Qwen3Config`: `sliding_window` is dropped when `use_sliding_window` is false, and without
   `layer_types` the layers from `max_window_layers` on are the sliding ones.
-dllm-flow's draft is bidirectional inside a block, so a config that one of these readers would run causally, or
-without its window, is refused by name; a window smaller than the block (which the engines apply inside the block too)
-is refused as well.
+dllm-flow's draft is bidirectional inside a block, or causal in every layer (a JetSpec draft, `is_causal: true`,
+docs/strategies.md §10.14), so a config that one of these readers would run causally where it was trained
+bidirectionally, or without its window, is refused by name; a window smaller than the block (which the engines
+apply inside the block too) is refused as well.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def window_fields(cfg) -> dict:
     types = list(cfg.layer_types)
     leading_full = next((i for i, t in enumerate(types) if t != FULL), len(types))
     return {
-        "is_causal": False,
+        "is_causal": bool(cfg.causal),
         "layer_types": types,
         "max_window_layers": leading_full,
         "sliding_window": cfg.sliding_window,
@@ -80,11 +81,7 @@ def parse_window_fields(raw: dict, refuse) -> dict:
     """`DFlashDraftConfig` keywords (`layer_types`, `sliding_window`) of a z-lab-layout config.json; `refuse(what)`
     makes the error for what dllm-flow's draft can't run."""
     types = raw_layer_types(raw)
-    causal = raw.get("is_causal")
-    if causal:
-        raise refuse(
-            "is_causal is true: its layers are causal inside the block, and dllm-flow's draft is bidirectional"
-        )
+    causal = raw.get("is_causal")  # true: a JetSpec draft (strategies.dflash.config reads it)
     if SLIDING not in types:
         return {"layer_types": types, "sliding_window": None}  # a window no layer uses is dropped
     if not raw.get("use_sliding_window"):

@@ -106,6 +106,8 @@ def draft_rows(config: dict, parameters: int, dtypes: str) -> list[tuple[str, ob
     if c.variant == DFLASH2:  # docs/strategies.md §10.11
         rows[0] = ("model", "DFlash 2 draft (`DFlash2DraftModel`: in-block convolutions and a path selector)")
         rows += [(k, getattr(c, k)) for k in SHAPE_DEFAULTS]
+    if c.causal:  # docs/strategies.md §10.14
+        rows[0] = ("model", "JetSpec draft (`DFlashDraftModel` with `is_causal: true`: causal inside the block)")
     return [*rows, ("parameters", f"{parameters:,}"), ("dtype", dtypes)]
 
 
@@ -130,6 +132,12 @@ def draft_files_lines(config: dict, weights: str, target: dict, name: str) -> li
                 if read.layout == ZLAB
                 else "a DFlash 2 draft in the speculators layout (`DFlash2SpeculatorConfig`, which vLLM reads"
             ) + "; serving it on an engine is not checked here)"
+        if c.causal:  # docs/strategies.md §10.14
+            what = (
+                "a JetSpec draft in the z-lab layout (`DFlashDraftModel` with `is_causal: true`, which z-lab's "
+                "`dflash` package runs causally inside the block; whether an engine honours `is_causal`"
+                " is not checked here)"
+            )
         head = (
             f"`config.json` + {weights} are {what}. The draft reads the hidden states of a frozen causal target and "
             "uses its embedding and LM head, so it is not a model to load on its own."
@@ -142,7 +150,8 @@ def draft_files_lines(config: dict, weights: str, target: dict, name: str) -> li
         "safetensors): with them the folder is a dllm-flow checkpoint too.",
         "",
     ]
-    return lines + ([] if c.copy_hint or c.variant == DFLASH2 else serve_commands(c, read.layout, name, target))
+    engine_checked = not (c.copy_hint or c.variant == DFLASH2 or c.causal)
+    return lines + (serve_commands(c, read.layout, name, target) if engine_checked else [])
 
 
 def serve_commands(c: DFlashDraftConfig, layout: str, name: str, target: dict) -> list[str]:

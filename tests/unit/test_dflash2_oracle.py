@@ -1,7 +1,8 @@
-"""dllm-flow's DFlash and DFlash 2 drafts against an independent implementation (docs/strategies.md §10.11): z-lab's
-`dflash` package (0.1.0, installed `--no-deps`: Makefile `NODEPS`) loads the exported folder with its own
-`DFlashDraftModel` / `DFlash2DraftModel.from_pretrained` and must give the same block logits (≤ 1e-5, fp32) and,
-through its own `dflash_generate`, the same greedy tokens and acceptance lengths as dllm-flow's decoder.
+"""dllm-flow's DFlash, DFlash 2 and JetSpec drafts against an independent implementation (docs/strategies.md §10.11,
+§10.14): z-lab's `dflash` package (0.1.0, installed `--no-deps`: Makefile `NODEPS`) loads the exported folder with its
+own `DFlashDraftModel` / `DFlash2DraftModel.from_pretrained` (a JetSpec draft: `DFlashDraftModel` with `is_causal:
+true`) and must give the same block logits (≤ 1e-5, fp32) and, through its own `dflash_generate`, the same greedy
+tokens and acceptance lengths as dllm-flow's decoder.
 
 The end of the token budget is counted differently: z-lab drafts the last cycle with a block cut to the tokens
 left (its non-causal attention and convolutions then see fewer positions), so its last cycle's acceptance may
@@ -29,6 +30,12 @@ zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package (make 
 
 MASK, V, BS = 63, 64, 4
 SHAPES = {"variant": "dflash2", "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
+VARIANTS = {"dflash": {}, "dflash2": SHAPES, "jetspec": {"variant": "jetspec"}}
+# the training options of each variant: DFlash 2's shapes, JetSpec's forward KL to the target's top 16 tokens
+OPTIONS = {
+    "dflash2": {"draft_variant": "dflash2", "selector_top_k": 4, "conv_group_size": 8, "selector_rank": 8},
+    "jetspec": {"draft_variant": "jetspec", "distill_top_k": 16, "kd_temperature": 2.0},
+}
 PROMPTS = ([1, 2, 3], [5, 9, 9, 4, 2, 7], [3, 1, 4, 1, 5, 3, 1, 4], [7, 7, 2])
 
 
@@ -81,41 +88,56 @@ def _max_block_logit_difference(target, draft, theirs) -> float:
     return worst
 
 
-@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_the_independent_implementation_gives_the_same_block_logits(target, variant, tmp_path):
-    draft = _randomized(_cfg(**SHAPES) if variant == "dflash2" else _cfg())
-    assert _max_block_logit_difference(target, draft, _zlab(draft, tmp_path)) <= 1e-5
+    draft = _randomized(_cfg(**VARIANTS[variant]))
+    theirs = _zlab(draft, tmp_path)
+    assert all(layer.self_attn.is_causal == (variant == "jetspec") for layer in theirs.layers)
+    assert _max_block_logit_difference(target, draft, theirs) <= 1e-5
 
 
-def _trained_dflash2(target, steps=20) -> DFlashDraftModel:
-    """A DFlash 2 draft trained a little on the target's own greedy text, so blocks are partly accepted."""
+def _trained(target, variant, steps=20) -> DFlashDraftModel:
+    """A draft of `variant` trained a little on the target's own greedy text, so blocks are partly accepted; the
+    JetSpec loss (the forward KL alone) must fall on fixed anchors. DFlash 2's total first rises: its selector term
+    grows as the true token enters the candidates more often."""
     torch.manual_seed(0)
-    draft = DFlashDraftModel(_cfg(**SHAPES))
+    draft = DFlashDraftModel(_cfg(**VARIANTS[variant]))
     prompts = torch.randint(0, 60, (16, 4), generator=torch.Generator().manual_seed(1))
     rows = sample_continuations(target, prompts, 28, temperature=0.0)
     built = assemble_strategy(
         "dflash",
-        {"block_size": BS, "num_blocks_per_sample": 4, "draft_variant": "dflash2", "selector_top_k": 4}
-        | {"conv_group_size": 8, "selector_rank": 8},
+        {"block_size": BS, "num_blocks_per_sample": 4} | OPTIONS[variant],
         draft,
         None,
         mask_token_id=MASK,
-        resources={"target": target, "features": OnlineFeatures(target, list(draft.config.target_layer_ids))},
+        resources={
+            "target": target,
+            "features": OnlineFeatures(target, list(draft.config.target_layer_ids), top_k=16),
+        },
     )
     opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
     mb = Microbatch(rows, torch.ones_like(rows, dtype=torch.float32), torch.ones_like(rows), torch.arange(len(rows)))
-    for step in range(steps):
-        ctx = StepContext(model=draft, loss_fn=built.loss_fn, mask_token_id=MASK, step=step, base_seed=0)
+
+    def step(i: int, train: bool) -> float:
+        ctx = StepContext(model=draft, loss_fn=built.loss_fn, mask_token_id=MASK, step=i, base_seed=0)
         (batch,), n, _ = built.strategy.pre_step(ctx, [mb])
-        built.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n, num_ar_tokens=n, is_train=True)
+        out = built.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n, num_ar_tokens=n, is_train=train)
+        return float(out.total_loss.detach())
+
+    before = step(10_000, False)  # the same anchors before and after
+    for i in range(steps):
+        step(i, True)
         opt.step()
         opt.zero_grad()
+    after = step(10_000, False)
+    assert variant != "jetspec" or after < 0.97 * before
     return draft.eval()
 
 
-def test_the_independent_decoder_gives_the_same_greedy_tokens_and_acceptance(target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("variant", ["dflash2", "jetspec"])
+def test_the_independent_decoder_gives_the_same_greedy_tokens_and_acceptance(target, variant, tmp_path, monkeypatch):
     monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)  # its timing synchronizes CUDA; none here
-    draft = _trained_dflash2(target)
+    draft = _trained(target, variant)
     theirs = _zlab(draft, tmp_path)
     assert _max_block_logit_difference(target, draft, theirs) <= 1e-5
     accepted = 0

@@ -457,8 +457,8 @@ def test_published_configs_a_bidirectional_draft_cannot_honour_are_refused_by_na
     assert parse_draft_config({**derived, "max_window_layers": 1}, "x").config.layer_types == [FULL, SLIDE]
     unused = {**raw, "layer_types": [FULL, FULL], "use_sliding_window": False, "sliding_window": 4096}
     assert parse_draft_config(unused, "x").config.sliding_window is None  # a window no layer uses is dropped
+    assert parse_draft_config({**raw, "is_causal": True}, "x").config.variant == "jetspec"  # causal in the block
     for change, message in (
-        ({"is_causal": True}, "is_causal is true"),
         ({"is_causal": None}, "no is_causal"),
         ({"use_sliding_window": False}, "use_sliding_window is not true"),
         ({"sliding_window": None}, "need sliding_window"),
