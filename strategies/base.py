@@ -146,6 +146,7 @@ class StepContext:
     grad_acc_steps: int = 1
     loss_scale: float = 1.0
     training: bool = True  # False: validation's fixed-noise pass (no training-time curriculum applies)
+    total_steps: int | None = None  # the run's train.steps, for a curriculum over its length (None: unknown)
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,16 @@ from strategies.dflash.dflash2_config import (
     ARCHITECTURE2,
     DFLASH,
     DFLASH2,
+    DOMINO,
+    DOMINO_DEFAULTS,
     JETSPEC,
     SHAPE_DEFAULTS,
     dflash2_config_fields,
     dflash2_keys,
     dflash2_problem,
+    domino_config_fields,
     parse_dflash2_fields,
+    parse_domino_fields,
 )
 from strategies.dflash.window_config import (
     SLIDING,
@@ -104,6 +108,9 @@ class DFlashDraftConfig:
     conv_group_size: int = SHAPE_DEFAULTS["conv_group_size"]
     selector_rank: int = SHAPE_DEFAULTS["selector_rank"]
     selector_top_k: int = SHAPE_DEFAULTS["selector_top_k"]
+    # "domino": a serial GRU correction head (`strategies.dflash.domino`) of these sizes
+    gru_hidden_dim: int = DOMINO_DEFAULTS["gru_hidden_dim"]
+    emb_dim: int = DOMINO_DEFAULTS["emb_dim"]
     # each layer's attention, "full_attention" or "sliding_attention" (None: all sliding when `sliding_window` is set,
     # else all full), and the sliding layers' window over the context (docs/strategies.md §10.12)
     layer_types: list[str] | None = None
@@ -212,7 +219,9 @@ class DFlashDraftConfig:
             **self._decoder_fields(),
             "architectures": [ARCHITECTURE2 if dflash2 else ARCHITECTURE],
             "block_size": self.block_size,
-            "dflash_config": {**dflash, **dflash2_config_fields(self)} if dflash2 else dflash,
+            "dflash_config": {**dflash, **dflash2_config_fields(self)}
+            if dflash2
+            else {**dflash, **domino_config_fields(self)},
             "dtype": dtype,
             "num_target_layers": self.num_target_layers,
             "rope_scaling": None,
@@ -230,6 +239,11 @@ class DFlashDraftConfig:
         self._require_target_facts("vocab_size")
         if self.copy_hint:
             raise ValueError(f"a copy-hint draft has no speculators layout ({COPY_HINT_KEY})")
+        if self.variant == DOMINO:
+            raise ValueError(
+                "a Domino draft has no speculators layout in speculators 0.9.0 (its DominoHead is on the main branch "
+                "only); export it as --format zlab (dflash_config.projector_type: domino)"
+            )
         if self.causal:
             raise ValueError(
                 "a JetSpec draft (causal inside the block) has no speculators layout: speculators' DFlash layers are "
@@ -375,10 +389,12 @@ def _parse_zlab(raw: dict, where: str) -> DFlashDraftConfig:
         ids = default_layer_ids(int(num_target_layers), int(raw["num_hidden_layers"]))
     if raw.get("is_causal") and ARCHITECTURE2 in (raw.get("architectures") or []):
         raise _refuse(where, "it is a DFlash 2 draft with is_causal true")
+    variant = parse_dflash2_fields(raw, get, where) or parse_domino_fields(dflash, where)  # their errors name `where`
+    if raw.get("is_causal"):  # z-lab's reader: every layer causal inside the block, as JetSpec trains it
+        if variant:
+            raise _refuse(where, "it is a Domino draft with is_causal true")
+        variant = {"variant": JETSPEC}
     try:
-        variant = parse_dflash2_fields(raw, get, where)
-        if raw.get("is_causal"):  # z-lab's reader: every layer causal inside the block, as JetSpec trains it
-            variant = {"variant": JETSPEC}
         return DFlashDraftConfig(
             hidden_size=raw["hidden_size"],
             num_hidden_layers=raw["num_hidden_layers"],

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 DFLASH, DFLASH2 = "dflash", "dflash2"  # `DFlashDraftConfig.variant` / the `dflash.draft_variant` option
 JETSPEC = "jetspec"  # the DFlash draft with causal attention inside the block (docs/strategies.md §10.14)
+DOMINO = "domino"  # the DFlash draft with a serial GRU correction head (docs/strategies.md §10.15)
+# Domino's head: the GRU's state size and the projection's inner width (`dflash_config` keys, as NeMo Automodel's)
+DOMINO_DEFAULTS = {"gru_hidden_dim": 256, "emb_dim": 128}
+DOMINO_KEYS = ["embed_proj.0.weight", "embed_proj.2.weight", "prefix_gru.weight_hh_l0", "prefix_gru.weight_ih_l0"]
 ARCHITECTURE2 = "DFlash2DraftModel"
 # the shapes of the convolutions and the selector: the reference's defaults (Automodel's qwen3_dflash2.yaml)
 SHAPE_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
@@ -19,8 +23,13 @@ SHAPE_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank":
 
 def dflash2_problem(cfg) -> str | None:
     """What is wrong with a DFlash 2 draft config's shapes (`cfg`: a `DFlashDraftConfig`), or None."""
-    if cfg.variant not in (DFLASH, DFLASH2, JETSPEC):
-        return f"variant {cfg.variant!r} is not one of {DFLASH!r}, {DFLASH2!r}, {JETSPEC!r}"
+    if cfg.variant not in (DFLASH, DFLASH2, JETSPEC, DOMINO):
+        return f"variant {cfg.variant!r} is not one of {DFLASH!r}, {DFLASH2!r}, {JETSPEC!r}, {DOMINO!r}"
+    if cfg.variant == DOMINO:
+        bad = [k for k in DOMINO_DEFAULTS if not isinstance(getattr(cfg, k), int) or getattr(cfg, k) < 1]
+        if bad:
+            return f"{', '.join(bad)} must be positive integers"
+        return "a Domino draft reads no copy hint (copy_hint)" if cfg.copy_hint else None
     if cfg.variant != DFLASH2:
         return None
     bad = [k for k in SHAPE_DEFAULTS if not isinstance(getattr(cfg, k), int) or getattr(cfg, k) < 1]
@@ -46,6 +55,32 @@ def dflash2_config_fields(cfg) -> dict:
     }
 
 
+def domino_config_fields(cfg) -> dict:
+    """The `dflash_config` entries of a Domino draft, as NeMo Automodel's `Qwen3DFlashDraftModel` reads them (its
+    defaults for the two it also knows: no pure-draft prefix, no shifted labels)."""
+    if cfg.variant != DOMINO:
+        return {}
+    return {"projector_type": DOMINO, **{k: getattr(cfg, k) for k in DOMINO_DEFAULTS}, "pure_draft_prefix_len": 0}
+
+
+def parse_domino_fields(dflash: dict, where: str) -> dict:
+    """`DFlashDraftConfig` keywords of a `dflash_config` naming a projector ({} without one)."""
+    kind = dflash.get("projector_type")
+    if kind is None:
+        return {}
+    if kind != DOMINO:
+        raise ValueError(f"{where}: its dflash_config names projector_type {kind!r}; dllm-flow runs only 'domino'")
+    if dflash.get("pure_draft_prefix_len") or dflash.get("shift_label"):
+        raise ValueError(
+            f"{where}: this Domino draft leaves its first positions uncorrected (pure_draft_prefix_len) or predicts "
+            "shifted labels (shift_label); dllm-flow's Domino corrects every predicted position of an anchor block"
+        )
+    missing = [k for k in DOMINO_DEFAULTS if dflash.get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: the Domino draft's dflash_config has no {', '.join(missing)}")
+    return {"variant": DOMINO, **{k: int(dflash[k]) for k in DOMINO_DEFAULTS}}
+
+
 def parse_dflash2_fields(raw: dict, get, where: str) -> dict:
     """`DFlashDraftConfig` keywords of a config.json naming `DFlash2DraftModel` ({} for a DFlash draft); `get(key)`
     reads `dflash_config` then the top level, as z-lab's `_draft_value` does. Logits other than the head's own
@@ -67,7 +102,10 @@ def parse_dflash2_fields(raw: dict, get, where: str) -> dict:
 
 
 def dflash2_keys(cfg) -> list[str]:
-    """The weight names DFlash 2 adds (as the published drafters name them: the codebooks without `.weight`)."""
+    """The weight names DFlash 2 adds (as the published drafters name them: the codebooks without `.weight`), or
+    Domino's head."""
+    if cfg.variant == DOMINO:
+        return list(DOMINO_KEYS)
     if cfg.variant != DFLASH2:
         return []
     keys = [f"candidate_selector.{k}" for k in ("hidden_projection.weight", "predecessor_codebook")]
@@ -81,6 +119,8 @@ def dflash2_keys(cfg) -> list[str]:
 def variant_fields(options) -> dict:
     """The `DFlashDraftConfig` keywords of a new draft under the `dflash` options `options` ({} for DFlash)."""
     variant = getattr(options, "draft_variant", DFLASH)
+    if variant == DOMINO:
+        return {"variant": DOMINO, **{k: getattr(options, f"domino_{k}") for k in DOMINO_DEFAULTS}}
     if variant != DFLASH2:
         return {} if variant == DFLASH else {"variant": variant}
     return {"variant": DFLASH2, **{k: getattr(options, k) for k in SHAPE_DEFAULTS}}

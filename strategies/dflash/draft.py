@@ -20,7 +20,8 @@ from dllm_common.checkpoint import DIGESTS, read_weights, verify_checkpoint
 from strategies.dflash.blocks import CopyHints, block_position_ids, copy_hints
 from strategies.dflash.config import DFlashDraftConfig, is_draft_dir
 from strategies.dflash.dflash2 import CandidateSelector, InBlockConv, conv_sublayer
-from strategies.dflash.dflash2_config import DFLASH2
+from strategies.dflash.dflash2_config import DFLASH2, DOMINO
+from strategies.dflash.domino import attach_domino_head, serial_walk
 from strategies.dflash.window import draft_masks, layer_mask, trim_context
 from strategies.sampling import LOOKUP_MAX_NGRAM
 
@@ -138,7 +139,8 @@ class DFlashDraftModel(nn.Module):
     block positions]; a final `norm`. No embedding or head of its own: block inputs are the frozen target's
     embeddings and outputs go through the target's LM head. Parameter names are the engines' (no `model.`
     prefix); a `copy_hint` draft adds dllm-flow's `hint_proj` and `hint_length` inputs, a DFlash 2 draft (config
-    `variant: dflash2`, `architectures: ["DFlash2DraftModel"]`) its in-block convolutions and path selector."""
+    `variant: dflash2`, `architectures: ["DFlash2DraftModel"]`) its in-block convolutions and path selector, a Domino
+    draft (`variant: domino`) its serial correction head (`prefix_gru`, `embed_proj`)."""
 
     WEIGHTS = "model.safetensors"
 
@@ -154,6 +156,8 @@ class DFlashDraftModel(nn.Module):
             if cfg.vocab_size is None:
                 raise ValueError("a DFlash 2 draft needs the target's vocabulary (vocab_size) for its selector")
             self.candidate_selector = CandidateSelector(cfg.vocab_size, h, cfg.selector_rank, cfg.selector_top_k)
+        if cfg.variant == DOMINO:  # Domino's serial correction head (docs/strategies.md §10.15), after the backbone
+            attach_domino_head(self, cfg)
         if cfg.copy_hint:  # zero at initialization: training starts from the plain draft and learns when to copy
             self.hint_proj = nn.Linear(h, h, bias=False)
             self.hint_length = nn.Embedding(LOOKUP_MAX_NGRAM + 1, h)
@@ -420,10 +424,10 @@ def speculative_generate(
         if cfg.copy_hint:  # the history's last token is the anchor
             history = torch.tensor([list(prompt) + out], device=device)
             hints = copy_hints(history, torch.tensor([[history.shape[1] - 1]], device=device), bs, cfg.mask_token_id)
-        if cfg.variant == DFLASH2:  # the selector's path and the distributions it drew it from
+        if cfg.variant in (DFLASH2, DOMINO):  # drafted serially after the backbone: the path, its distributions
             emb, head = _embed_and_head(target)
             hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block, **trimmed)[0, 1:]
-            proposal, d_logits = draft.candidate_selector.walk(hidden, head(hidden), out[-1], temperature, generator)
+            proposal, d_logits = serial_walk(draft, emb, hidden, head(hidden), out[-1], temperature, generator)
         else:
             d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints, **trimmed)[0, 1:]
             proposal = _draw(d_logits, temperature, generator)

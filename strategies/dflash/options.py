@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dllm_common.config import ConfigError, PipelineSpec
-from strategies.dflash.dflash2_config import DFLASH, DFLASH2, JETSPEC, SHAPE_DEFAULTS
+from strategies.dflash.dflash2_config import DFLASH, DFLASH2, DOMINO, DOMINO_DEFAULTS, JETSPEC, SHAPE_DEFAULTS
 from strategies.dflash.window_config import attention_shape_problem
 from strategies.registration import Registration, SamplerInfo, StrategyOptions
 
@@ -49,12 +49,18 @@ class DFlashOptions(StrategyOptions):
     # DFlash 2 (docs/strategies.md §10.11): a new draft gets in-block convolutions and a path selector over each
     # position's top `selector_top_k` candidates, trained by `selector_loss_weight` × the selector's CE.
     # JetSpec (§10.14): the DFlash draft with causal attention inside the block (`is_causal: true` in its config.json)
-    draft_variant: Literal["dflash", "dflash2", "jetspec"] = DFLASH
+    # Domino (§10.15): a GRU correction head of these sizes, the backbone's own loss weighing `domino_lambda_start`
+    # at first and 0 after the first `domino_decay_ratio` of train.steps
+    draft_variant: Literal["dflash", "dflash2", "jetspec", "domino"] = DFLASH
     conv_kernel_size: int = Field(SHAPE_DEFAULTS["conv_kernel_size"], ge=1)
     conv_group_size: int = Field(SHAPE_DEFAULTS["conv_group_size"], ge=1)
     selector_rank: int = Field(SHAPE_DEFAULTS["selector_rank"], ge=1)
     selector_top_k: int = Field(SHAPE_DEFAULTS["selector_top_k"], ge=1)
     selector_loss_weight: float = Field(1.0, ge=0)
+    domino_gru_hidden_dim: int = Field(DOMINO_DEFAULTS["gru_hidden_dim"], ge=1)
+    domino_emb_dim: int = Field(DOMINO_DEFAULTS["emb_dim"], ge=1)
+    domino_lambda_start: float = Field(1.0, ge=0, le=1)
+    domino_decay_ratio: float = Field(0.5, ge=0, le=1)
     # a new draft's attention (docs/strategies.md §10.12): every layer a sliding window of this many positions over
     # the context (None: full attention), and its heads, key/value heads and head width, independent of the target's
     # (None: model.num_heads, model.num_kv_heads, hidden ÷ heads); an imported draft must already be so
@@ -99,8 +105,13 @@ class DFlashOptions(StrategyOptions):
                 f"dflash.draft_variant dflash2 trains with loss_type decay or variable_prefix, not "
                 f"{info.data['loss_type']} (the selector's term weighs positions like the block loss)"
             )
-        if value == DFLASH2 and info.data.get("copy_hint"):
-            raise ValueError("dflash.draft_variant dflash2 has no copy hint: set dflash.copy_hint: false")
+        if value == DOMINO and info.data.get("loss_type") in ("dpace", FORWARD_KL):
+            raise ValueError(
+                f"dflash.draft_variant domino trains with loss_type decay or variable_prefix, not "
+                f"{info.data['loss_type']} (its curriculum mixes two decay-weighted losses)"
+            )
+        if value in (DFLASH2, DOMINO) and info.data.get("copy_hint"):
+            raise ValueError(f"dflash.draft_variant {value} has no copy hint: set dflash.copy_hint: false")
         return value
 
     @model_validator(mode="before")
@@ -151,6 +162,12 @@ class DFlashOptions(StrategyOptions):
             raise ConfigError(
                 f"{where(only2[0])} shapes or trains a DFlash 2 draft and does nothing with draft_variant "
                 f"{self.draft_variant}: drop it, or set draft_variant: dflash2"
+            )
+        only_domino = sorted(k for k in self.model_fields_set if k.startswith("domino_"))
+        if self.draft_variant != DOMINO and only_domino:
+            raise ConfigError(
+                f"{where(only_domino[0])} shapes or trains a Domino draft and does nothing with draft_variant "
+                f"{self.draft_variant}: drop it, or set draft_variant: domino"
             )
         if self.loss_type != FORWARD_KL and "kd_temperature" in self.model_fields_set:
             raise ConfigError(

@@ -37,6 +37,7 @@ SKIPPED = {
     2: "the draft reads a copy hint (dflash.copy_hint), which no serving engine has",
     3: "dflash.eval_served is false",
     4: "no cycle fit whole in the token budget before each prompt's last: raise dflash.eval_max_new_tokens",
+    5: "a Domino draft: z-lab's `dflash` package (0.1.0) has no Domino head, and no serving engine runs here",
 }
 THINKING_KEY = "enable_thinking"
 

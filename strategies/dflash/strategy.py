@@ -28,7 +28,8 @@ from strategies.dflash.dflash2 import (
     selector_loss,
     selector_scores,
 )
-from strategies.dflash.dflash2_config import DFLASH, DFLASH2
+from strategies.dflash.dflash2_config import DFLASH, DFLASH2, DOMINO
+from strategies.dflash.domino import corrected_logits, lambda_base
 from strategies.dflash.draft import _embed_and_head, draft_block_hidden
 from strategies.dflash.loss import (
     DPACE_ALPHA,
@@ -295,7 +296,9 @@ class DFlashStrategy(DLLMStrategy):
         )
         b, n = e.anchors.shape
         pred = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
-        if self.options.use_fused_linear_ce:
+        if self.options.draft_variant == DOMINO:  # final and backbone logits both (docs/strategies.md §10.15)
+            out = self._domino(ctx, e, pred, head, emb, num_diffusion_tokens)
+        elif self.options.use_fused_linear_ce:
             out = ctx.loss_fn.forward_fused(
                 pred,
                 head.weight,
@@ -322,6 +325,22 @@ class DFlashStrategy(DLLMStrategy):
         if is_train:
             (out.total_loss * ctx.loss_scale).backward()
         return out
+
+    def _domino(self, ctx: StepContext, e: DFlashBlocks, pred, head, embed, num_tokens) -> DLLMLossOutput:
+        """Domino's objective (docs/strategies.md §10.15): `(1 − λ)·L(final) + λ·L(backbone)`, both the block loss,
+        the final logits teacher-forced through the GRU over each prediction's true predecessors; λ by the
+        base-anchor curriculum over `ctx.total_steps` (0 in validation). The per-offset accuracies are the final
+        logits'."""
+        draft, bs, o = getattr(ctx.model, "module", ctx.model), self.block_size, self.options
+        base = head(pred)
+        final = corrected_logits(draft, pred, base, block_predecessors(e.block_ids, e.targets, bs), embed)
+        kw = {"num_tokens": num_tokens, "block_size": bs, "soft": e.soft, "prefix": e.prefix}
+        out = ctx.loss_fn(final, e.targets, e.block_mask, **kw)
+        weight = lambda_base(ctx.step, ctx.total_steps, o.domino_lambda_start, o.domino_decay_ratio)
+        if not ctx.training or weight == 0:
+            return out
+        total = (1.0 - weight) * out.total_loss + weight * ctx.loss_fn(base, e.targets, e.block_mask, **kw).total_loss
+        return DLLMLossOutput(total, total.detach(), out.draft_correct_per_pos, out.draft_count_per_pos)
 
     def _with_selector(self, ctx: StepContext, e: DFlashBlocks, pred, head, out, num_tokens) -> DLLMLossOutput:
         """DFlash 2's objective (docs/strategies.md §10.11): the block loss + `selector_loss_weight` × the CE of the

@@ -17,7 +17,8 @@ from dllm_common.checkpoint import read_meta
 from dllm_common.config import EvalConfig
 from strategies import Microbatch, StepContext
 from strategies.dflash.dflash2 import block_predecessors, candidate_recall, selector_scores
-from strategies.dflash.dflash2_config import DFLASH2
+from strategies.dflash.dflash2_config import DFLASH2, DOMINO
+from strategies.dflash.domino import corrected_logits
 from strategies.dflash.draft import (
     _embed_and_head,
     draft_block_hidden,
@@ -40,7 +41,8 @@ def teacher_forced_acceptance(
     on packed rows (`documents`: per-token document ids) each block stays inside its document, as in training.
     A DFlash 2 draft's prediction is its selector's pick after the true predecessor (what the walk picks while
     everything before is accepted), and `recall` (a list) receives Σ true tokens among the candidates and Σ
-    supervised predictions (docs/strategies.md §10.11)."""
+    supervised predictions (docs/strategies.md §10.11); a Domino draft's, the argmax of its corrected logits after
+    the true predecessors (§10.15)."""
     (ids, loss_mask, attn), batch_size, seed = val, settings.batch_size, settings.seed
     bs = strat.block_size
     ctx = StepContext(model=draft, loss_fn=None, mask_token_id=mask_id, step=0, base_seed=seed)
@@ -62,6 +64,12 @@ def teacher_forced_acceptance(
                 )
                 pred = sel.picks()
                 hits = [a + c for a, c in zip(hits, candidate_recall(sel, e.block_mask))]
+            elif draft.config.variant == DOMINO:  # the corrected logits after the true predecessors (§10.15)
+                emb, head = _embed_and_head(strat.target)
+                h = draft_block_hidden(draft, bs, emb, e.features, e.anchors, e.keep, e.block_ids, e.documents)
+                h = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
+                previous = block_predecessors(e.block_ids, e.targets, bs)
+                pred = corrected_logits(draft, h, head(h), previous, emb).argmax(-1)
             else:
                 logits = draft_block_logits(
                     draft, strat.target, e.features, e.anchors, e.keep, e.block_ids, e.documents, e.hints

@@ -88,7 +88,9 @@ class LoopRun:
     skipped: int = 0  # steps skipped for a non-finite loss or gradient norm so far (`train.skip_nonfinite_steps`)
 
 
-def step_context(trainee: Trainee, step: int, base_seed: int, model, dist: DistInfo, grad_acc: int) -> StepContext:
+def step_context(
+    trainee: Trainee, step: int, base_seed: int, model, dist: DistInfo, grad_acc: int, total_steps: int | None = None
+) -> StepContext:
     """The step's context from values resolved once (the strategy's options); backward is scaled by N."""
     return StepContext(
         model=model,
@@ -100,6 +102,7 @@ def step_context(trainee: Trainee, step: int, base_seed: int, model, dist: DistI
         dp_size=dist.world,
         grad_acc_steps=grad_acc,
         loss_scale=float(dist.world),
+        total_steps=total_steps,
         **trainee.strategy.corruption_values(),
     )
 
@@ -337,7 +340,7 @@ def _one_step(run: LoopRun, settings: LoopSettings, step: int, state: _LoopState
     faults.reached("train.step")
     faults.reached(f"step:{settings.name}")  # one training's steps, e.g. step:train[scdd]
     t0 = time.perf_counter()
-    ctx = step_context(run.trainee, step, settings.seed, run.stepper, run.dist, state.grad_acc)
+    ctx = step_context(run.trainee, step, settings.seed, run.stepper, run.dist, state.grad_acc, settings.steps)
     rows = state.order.rows(step, settings.global_batch_size)[run.dist.rank :: run.dist.world]
     metrics = train_step(run, settings, ctx, run.train.microbatches(rows, settings.micro_batch_size, run.device))
     metrics["train/tokens_per_s"] = tps = state.tokens_per_step / (time.perf_counter() - t0)
