@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from rankkit import run_ranks
+from stagekit import tiny_dflash_target, tiny_draft_config
 from torch.nn.attention.flex_attention import create_mask
 
 import strategies.dflash.draft as dflash_draft
@@ -27,7 +28,6 @@ from strategies.dflash.blocks import (
     sample_anchor_blocks,
 )
 from strategies.dflash.draft import (
-    DFlashDraftConfig,
     DFlashDraftModel,
     context_lookup,
     draft_block_logits,
@@ -47,7 +47,6 @@ from strategies.dflash.loss import (
     top_k_labels,
 )
 from strategies.dflash.strategy import DFlashBlocks, DFlashStrategy
-from strategies.models import build_model, tiny_model_config
 from strategies.options import DFlashOptions
 
 MASK = 63
@@ -331,24 +330,10 @@ def pair():
 
 
 def _make_pair():
-    """A frozen 5-layer target and a 2-layer draft (block 4), built the same in every process."""
-    # frozen as `tasks.training.dflash_setup.load_target` loads a target (the strategy holds it as given)
-    target = build_model(tiny_model_config("llama", 64, 128, 32, 5, 4, None, None, False), seed=0)
-    target = target.eval().requires_grad_(False)
-    ids = _build_target_layer_ids(5, 2)
-    cfg = DFlashDraftConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query attention
-        block_size=4,
-        target_layer_ids=ids,
-        mask_token_id=MASK,
-        num_target_layers=5,
-        vocab_size=64,
-    )
+    """A frozen 5-layer target and a 2-layer draft (block 4, grouped-query attention), built the same in every
+    process (tests/stagekit.py)."""
     torch.manual_seed(1)
-    return target, DFlashDraftModel(cfg).eval()
+    return tiny_dflash_target(), DFlashDraftModel(tiny_draft_config()).eval()
 
 
 @pytest.mark.parametrize("n_blocks", [1, 3])

@@ -9,16 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from stagekit import tiny_dflash_target, tiny_draft_config
 
 import strategies.dflash.strategy as dflash_strategy
 from dllm_common.config import ConfigError
 from strategies import Microbatch, StepContext, assemble_strategy
-from strategies.dflash.blocks import _build_target_layer_ids
-from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
+from strategies.dflash.draft import DFlashDraftModel
 from strategies.dflash.features import OnlineFeatures
 from strategies.dflash.loss import DFlashDecayLoss, DFlashDPACELoss
 from strategies.dflash.prefix import draw_prefix_lengths, prefix_decay_weights, prefix_generator
-from strategies.models import build_model, tiny_model_config
 from strategies.options import DFlashOptions, _validated, printed_options, validate_config
 from strategies.registry import REGISTRY
 
@@ -119,22 +118,9 @@ def test_drawn_prefix_lengths_follow_the_truncated_geometric_prior():
 
 @pytest.fixture(scope="module")
 def pair():
-    """A frozen 5-layer target and a 2-layer draft of block 4 (the sizes tests/unit/test_dflash.py uses)."""
-    target = build_model(tiny_model_config("llama", 64, 128, 32, 5, 4, None, None, False), seed=0)
-    target = target.eval().requires_grad_(False)
-    cfg = DFlashDraftConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        block_size=4,
-        target_layer_ids=_build_target_layer_ids(5, 2),
-        mask_token_id=MASK,
-        num_target_layers=5,
-        vocab_size=64,
-    )
+    """A frozen 5-layer target and a 2-layer draft of block 4 (tests/stagekit.py, as tests/unit/test_dflash.py)."""
     torch.manual_seed(1)
-    return target, DFlashDraftModel(cfg).eval()
+    return tiny_dflash_target(), DFlashDraftModel(tiny_draft_config()).eval()
 
 
 def _strategy(pair, draft=None, **cfg):
