@@ -236,3 +236,31 @@ def test_the_domino_options_refuse_what_does_not_fit():
         DFlashOptions(loss_type="dpace", draft_variant="domino")
     with pytest.raises(ValueError, match="domino has no copy hint"):
         DFlashOptions(copy_hint=True, draft_variant="domino")
+
+
+def test_the_config_names_a_stray_domino_or_kd_key_where_it_was_written():
+    """A Domino or forward-KL key written for a draft or a loss it does nothing for is refused at config load, by the
+    key as written; with the matching variant or loss type it is a resolved option."""
+    import copy
+    from pathlib import Path
+
+    import yaml
+
+    from dllm_common.config import ConfigError
+    from strategies.options import validate_config
+
+    raw = yaml.safe_load((Path(__file__).parents[2] / "configs/dflash.yaml").read_text())
+    for key, value, message in (
+        ("domino_emb_dim", 64, r"^dflash.domino_emb_dim shapes or trains a Domino draft"),
+        ("kd_temperature", 0.5, r"^dflash.kd_temperature is the temperature of loss_type forward_kl"),
+    ):
+        stray = copy.deepcopy(raw)
+        stray["dflash"][key] = value
+        with pytest.raises(ConfigError, match=message):
+            validate_config(stray)
+    fits = copy.deepcopy(raw)
+    fits["dflash"].update(draft_variant="domino", domino_emb_dim=64)
+    validate_config(fits)
+    fits = copy.deepcopy(raw)
+    fits["dflash"].update(draft_variant="jetspec", distill_top_k=8, kd_temperature=0.5)
+    validate_config(fits)
