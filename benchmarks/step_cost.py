@@ -177,7 +177,8 @@ def dflash_pair(spec, name: str, vocab: int, rows: torch.Tensor, device: str, wo
     target = _new_target(spec, vocab).to(device).eval().requires_grad_(False)
     mask_id = _mask_id(options, vocab)
     ref = StageRef("target", "bench", "", info={"num_layers": target.config.num_hidden_layers})
-    draft = dflash_setup._new_draft(spec, target, ref, options.block_size, mask_id, options.copy_hint)
+    fields = dflash_setup.new_draft_fields(spec, options)  # the variant's modules and the attention shape
+    draft = dflash_setup._new_draft(spec, target, ref, options.block_size, mask_id, options.copy_hint, fields)
     layers = list(draft.config.target_layer_ids)
     write_feature_cache(
         target, {"train": rows}, layers, work, dtype=spec.dflash.cache_dtype, top_k=options.distill_top_k
@@ -303,7 +304,7 @@ class Side:
         self.batch = spec.train.global_batch_size
 
     def step(self, step: int) -> float:
-        ctx = step_context(self.trainee, step, 0, self.trainee.model, DistInfo(), 1)
+        ctx = step_context(self.trainee, step, 0, self.trainee.model, DistInfo(), 1, self.settings.steps)
         rows = torch.arange(step * self.batch, (step + 1) * self.batch) % len(self.split.ids)
         mbs = self.split.microbatches(rows, self.batch, self.device)
         sync(self.device)

@@ -434,6 +434,8 @@ def _parse_speculators(raw: dict, where: str) -> DraftConfig:
         raise _refuse(where, f"it drafts over a reduced vocabulary (draft_vocab_size {raw['draft_vocab_size']})")
     if raw.get("target_hidden_size") not in (None, layer.get("hidden_size")):
         raise _refuse(where, f"its target_hidden_size {raw['target_hidden_size']} is not its hidden size")
+    if layer.get("is_causal"):  # speculators and vLLM run DFlash layers bidirectionally inside the block
+        raise _refuse(where, "its transformer_layer_config says is_causal true, which speculators does not run")
     if SLIDING in raw_layer_types(layer):  # speculators reads `sliding_window_non_causal`, not `is_causal`
         if not raw.get("sliding_window_non_causal"):
             raise _refuse(where, "its sliding-window layers are causal inside the block (sliding_window_non_causal)")

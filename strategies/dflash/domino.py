@@ -46,16 +46,26 @@ def lambda_base(step: int, total_steps: int | None, lambda_start: float, decay_r
     return max(0.0, min(1.0, lambda_start * (1.0 - min(step / span, 1.0))))
 
 
-def corrected_logits(model: nn.Module, hidden: Tensor, base: Tensor, previous: Tensor, embed: nn.Module) -> Tensor:
-    """Teacher-forced final logits `[B, N·(bs − 1), V]` of N blocks: `base` (the backbone's, at the predicted positions)
-    plus the head's correction from `hidden` `[B, N·(bs − 1), H]` and the GRU run over each block's true tokens before
-    each prediction, `previous` `[B, N·(bs − 1)]` (the anchor, then the true tokens at offsets 1 … bs − 2)."""
+def prefix_states(model: nn.Module, previous: Tensor, embed: nn.Module, dtype: torch.dtype) -> Tensor:
+    """`[B, N·(bs − 1), G]`: the GRU's state at each prediction of N blocks, run over each block's true tokens before
+    it, `previous` `[B, N·(bs − 1)]` (the anchor, then the true tokens at offsets 1 … bs − 2), from zero per block."""
     b, t = previous.shape
     n = t // (model.config.block_size - 1)
-    inputs = embed(previous).to(hidden.dtype).reshape(b * n, t // n, -1)
-    states, _ = model.prefix_gru(inputs)
-    delta = model.embed_proj(torch.cat([hidden, states.reshape(b, t, -1)], dim=-1))
-    return base + delta.to(base.dtype)
+    states, _ = model.prefix_gru(embed(previous).to(dtype).reshape(b * n, t // n, -1))
+    return states.reshape(b, t, -1)
+
+
+def correction(model: nn.Module, hidden: Tensor, states: Tensor) -> Tensor:
+    """The head's logit correction `embed_proj([h ; g])` of hidden states and GRU states (any leading shape)."""
+    return model.embed_proj(torch.cat([hidden, states.to(hidden.dtype)], dim=-1))
+
+
+def corrected_logits(model: nn.Module, hidden: Tensor, base: Tensor, previous: Tensor, embed: nn.Module) -> Tensor:
+    """Teacher-forced final logits `[B, N·(bs − 1), V]` of N blocks: `base` (the backbone's, at the predicted positions)
+    plus the head's correction from `hidden` `[B, N·(bs − 1), H]` and the GRU states after each prediction's true
+    predecessors `previous` (`prefix_states`)."""
+    states = prefix_states(model, previous, embed, hidden.dtype)
+    return base + correction(model, hidden, states).to(base.dtype)
 
 
 def domino_walk(

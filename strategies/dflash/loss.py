@@ -125,18 +125,44 @@ class DFlashDecayLoss(nn.Module):
     ) -> DLLMLossOutput:
         """Chunks of `chunk_size` rows through linear + CE under activation checkpointing: the
         [B·T, V] logits never stay alive for backward."""
-        flat, tgt = hidden.flatten(0, 1), target_ids.flatten()
-        flat_soft = None if soft is None else SoftLabels(soft.ids.flatten(0, 1), soft.probs.flatten(0, 1))
+        return self.forward_chunked(
+            lambda h: F.linear(h, lm_head_weight, lm_head_bias),
+            (hidden,),
+            target_ids,
+            block_mask,
+            num_tokens=num_tokens,
+            block_size=block_size,
+            soft=soft,
+            prefix=prefix,
+        )
 
-        def chunk(h, t, *labels):
-            logits = F.linear(h, lm_head_weight, lm_head_bias)
-            return self.token_losses(logits, t, SoftLabels(*labels) if labels else None)
+    def forward_chunked(
+        self,
+        make_logits,
+        inputs: tuple[Tensor, ...],
+        target_ids: Tensor,
+        block_mask: Tensor,
+        num_tokens=None,
+        block_size: int | None = None,
+        soft: SoftLabels | None = None,
+        prefix: Tensor | None = None,
+    ) -> DLLMLossOutput:
+        """The loss of the logits `make_logits(*chunk)` forms from chunks of `chunk_size` rows of `inputs` (each
+        `[B, T, …]`), under activation checkpointing: only a chunk's `[rows, V]` logits ever exist, and none stays
+        alive for backward (`forward_fused`: the head alone; Domino: the head plus its correction)."""
+        flat, tgt = [x.flatten(0, 1) for x in inputs], target_ids.flatten()
+        flat_soft = None if soft is None else SoftLabels(soft.ids.flatten(0, 1), soft.probs.flatten(0, 1))
+        n = len(flat)
+
+        def chunk(t, *args):
+            labels = args[n:]
+            return self.token_losses(make_logits(*args[:n]), t, SoftLabels(*labels) if labels else None)
 
         parts = []
-        for start in range(0, flat.shape[0], self.chunk_size):
+        for start in range(0, tgt.shape[0], self.chunk_size):
             rows = slice(start, start + self.chunk_size)
             labels = () if flat_soft is None else (flat_soft.ids[rows], flat_soft.probs[rows])
-            parts.append(checkpoint(chunk, flat[rows], tgt[rows], *labels, use_reentrant=False))
+            parts.append(checkpoint(chunk, tgt[rows], *(x[rows] for x in flat), *labels, use_reentrant=False))
         nll, ce, correct = (torch.cat(p).view_as(target_ids) for p in zip(*parts))
         return self._reduce(nll, correct, block_mask, num_tokens, block_size, ce, prefix)
 

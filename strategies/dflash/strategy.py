@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, global_sum
@@ -29,7 +30,7 @@ from strategies.dflash.dflash2 import (
     selector_scores,
 )
 from strategies.dflash.dflash2_config import DFLASH, DFLASH2, DOMINO
-from strategies.dflash.domino import corrected_logits, lambda_base
+from strategies.dflash.domino import correction, lambda_base, prefix_states
 from strategies.dflash.draft import _embed_and_head, draft_block_hidden
 from strategies.dflash.loss import (
     DPACE_ALPHA,
@@ -329,17 +330,30 @@ class DFlashStrategy(DLLMStrategy):
     def _domino(self, ctx: StepContext, e: DFlashBlocks, pred, head, embed, num_tokens) -> DLLMLossOutput:
         """Domino's objective (docs/strategies.md §10.15): `(1 − λ)·L(final) + λ·L(backbone)`, both the block loss,
         the final logits teacher-forced through the GRU over each prediction's true predecessors; λ by the
-        base-anchor curriculum over `ctx.total_steps` (0 in validation). The per-offset accuracies are the final
-        logits'."""
+        base-anchor curriculum over `ctx.total_steps` (0 in validation). With `use_fused_linear_ce` both losses go
+        through the head (and the correction) in checkpointed chunks, no `[B·T, V]` logits kept. The per-offset
+        accuracies are the final logits'."""
         draft, bs, o = getattr(ctx.model, "module", ctx.model), self.block_size, self.options
-        base = head(pred)
-        final = corrected_logits(draft, pred, base, block_predecessors(e.block_ids, e.targets, bs), embed)
-        kw = {"num_tokens": num_tokens, "block_size": bs, "soft": e.soft, "prefix": e.prefix}
-        out = ctx.loss_fn(final, e.targets, e.block_mask, **kw)
+        states = prefix_states(draft, block_predecessors(e.block_ids, e.targets, bs), embed, pred.dtype)
         weight = lambda_base(ctx.step, ctx.total_steps, o.domino_lambda_start, o.domino_decay_ratio)
-        if not ctx.training or weight == 0:
+        weight = weight if ctx.training else 0.0
+        kw = {"num_tokens": num_tokens, "block_size": bs, "soft": e.soft, "prefix": e.prefix}
+        bias = getattr(head, "bias", None)
+        if o.use_fused_linear_ce:
+
+            def final_logits(h, g):
+                return F.linear(h, head.weight, bias) + correction(draft, h, g)
+
+            out = ctx.loss_fn.forward_chunked(final_logits, (pred, states), e.targets, e.block_mask, **kw)
+            fused = ctx.loss_fn.forward_fused
+            base = fused(pred, head.weight, e.targets, e.block_mask, lm_head_bias=bias, **kw) if weight else None
+        else:
+            logits = head(pred)
+            out = ctx.loss_fn(logits + correction(draft, pred, states), e.targets, e.block_mask, **kw)
+            base = ctx.loss_fn(logits, e.targets, e.block_mask, **kw) if weight else None
+        if base is None:
             return out
-        total = (1.0 - weight) * out.total_loss + weight * ctx.loss_fn(base, e.targets, e.block_mask, **kw).total_loss
+        total = (1.0 - weight) * out.total_loss + weight * base.total_loss
         return DLLMLossOutput(total, total.detach(), out.draft_correct_per_pos, out.draft_count_per_pos)
 
     def _with_selector(self, ctx: StepContext, e: DFlashBlocks, pred, head, out, num_tokens) -> DLLMLossOutput:

@@ -113,35 +113,37 @@ def _built(target, draft, **options):
 
 def test_the_strategy_mixes_the_final_and_backbone_losses_by_the_curriculum(target):
     """At step 2 of 10 (λ = 0.6): 0.4 × the decay loss of the corrected logits + 0.6 × the backbone's, both over the
-    same blocks; in validation the corrected logits' alone."""
+    same blocks; in validation the corrected logits' alone. Through the checkpointed chunks of
+    `use_fused_linear_ce` (5 rows a chunk) the value and the gradients are those of whole logits."""
     draft = _domino()
-    built = _built(target, draft)
     ids = torch.randint(0, 60, (2, 24), generator=torch.Generator().manual_seed(3))
     ones = torch.ones_like(ids)
     mb = Microbatch(ids, ones.float(), ones, torch.arange(2))
     emb, head = _embed_and_head(target)
+    weights = [draft.embed_proj[2].weight, draft.prefix_gru.weight_ih_l0, draft.fc.weight]
     for training, weight in ((True, 0.6), (False, 0.0)):
-        ctx = StepContext(
-            model=draft,
-            loss_fn=built.loss_fn,
-            mask_token_id=MASK,
-            step=2,
-            base_seed=5,
-            training=training,
-            total_steps=10,
-        )
-        (batch,), n, _ = built.strategy.pre_step(ctx, [mb])
-        with torch.no_grad():
+        grads = []
+        for fused in (True, False):
+            built = _built(target, draft, use_fused_linear_ce=fused, ce_chunk_size=5)
+            ctx = StepContext(
+                model=draft, loss_fn=built.loss_fn, mask_token_id=MASK, step=2, base_seed=5, training=training,
+                total_steps=10,
+            )  # fmt: skip
+            (batch,), n, _ = built.strategy.pre_step(ctx, [mb])
             out = built.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n, num_ar_tokens=n, is_train=False)
-            e = batch.extras
-            h = draft_block_hidden(draft, BS, emb, e.features, e.anchors, e.keep, e.block_ids)
-            b, nb = e.anchors.shape
-            pred = h.view(b, nb, BS, -1)[:, :, 1:].reshape(b, nb * (BS - 1), -1)
-            final = corrected_logits(draft, pred, head(pred), block_predecessors(e.block_ids, e.targets, BS), emb)
-            loss = DFlashDecayLoss(2.0)
-            expected = (1 - weight) * loss(final, e.targets, e.block_mask, num_tokens=n, block_size=BS).total_loss
-            expected += weight * loss(head(pred), e.targets, e.block_mask, num_tokens=n, block_size=BS).total_loss
-        torch.testing.assert_close(out.total_loss, expected)
+            grads.append(torch.autograd.grad(out.total_loss, weights))
+            with torch.no_grad():
+                e = batch.extras
+                h = draft_block_hidden(draft, BS, emb, e.features, e.anchors, e.keep, e.block_ids)
+                b, nb = e.anchors.shape
+                pred = h.view(b, nb, BS, -1)[:, :, 1:].reshape(b, nb * (BS - 1), -1)
+                final = corrected_logits(draft, pred, head(pred), block_predecessors(e.block_ids, e.targets, BS), emb)
+                loss = DFlashDecayLoss(2.0)
+                expected = (1 - weight) * loss(final, e.targets, e.block_mask, num_tokens=n, block_size=BS).total_loss
+                expected += weight * loss(head(pred), e.targets, e.block_mask, num_tokens=n, block_size=BS).total_loss
+            torch.testing.assert_close(out.total_loss.detach(), expected)
+        for fused_grad, whole_grad in zip(*grads):
+            torch.testing.assert_close(fused_grad, whole_grad, rtol=1e-5, atol=1e-7)
 
 
 def test_domino_trains_and_decodes_the_targets_greedy_text(target):

@@ -121,3 +121,12 @@ def test_a_jetspec_draft_is_written_with_is_causal_and_read_back():
     dflash2 = tiny_draft_config(variant="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4).to_zlab()
     with pytest.raises(ValueError, match="DFlash 2 draft with is_causal true"):
         parse_draft_config({**dflash2, "is_causal": True}, "x")
+
+
+def test_a_speculators_config_that_says_causal_is_refused():
+    """speculators and vLLM run DFlash layers bidirectionally inside the block: a speculators config whose layer
+    config says `is_causal: true` would be served otherwise than it trains, so it is refused, not read as JetSpec."""
+    raw = tiny_draft_config().to_speculators("org/target", [])
+    raw["transformer_layer_config"]["is_causal"] = True
+    with pytest.raises(ValueError, match="is_causal true, which speculators does not run"):
+        parse_draft_config(raw, "x")

@@ -119,7 +119,8 @@ class _Planner:
         tracer.tracking = True
         try:
             with tracer, torch.random.fork_rng(devices=[]):
-                ctx = step_context(trainee, 0, self.spec.train.seed, model, DistInfo(), micro_batches)
+                steps = self.spec.train.steps  # step 0 of the run: a curriculum's first step (Domino: both losses)
+                ctx = step_context(trainee, 0, self.spec.train.seed, model, DistInfo(), micro_batches, steps)
                 try:
                     run_step(trainee, ctx, rows, True)
                 except (DynamicOutputShapeException, DataDependentOutputException) as exc:
