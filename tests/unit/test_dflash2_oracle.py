@@ -31,6 +31,8 @@ zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package (make 
 MASK, V, BS = 63, 64, 4
 SHAPES = {"variant": "dflash2", "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
 VARIANTS = {"dflash": {}, "dflash2": SHAPES, "jetspec": {"variant": "jetspec"}}
+# causal and windowed in every layer: z-lab hides keys k > q and q − k ≥ 5 (prompts reach 8 tokens, past the window)
+WINDOWED = {"variant": "jetspec", "sliding_window": 5, "layer_types": ["sliding_attention"] * 2}
 # the training options of each variant: DFlash 2's shapes, JetSpec's forward KL to the target's top 16 tokens
 OPTIONS = {
     "dflash2": {"draft_variant": "dflash2", "selector_top_k": 4, "conv_group_size": 8, "selector_rank": 8},
@@ -88,11 +90,11 @@ def _max_block_logit_difference(target, draft, theirs) -> float:
     return worst
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", [*sorted(VARIANTS), "jetspec-windowed"])
 def test_the_independent_implementation_gives_the_same_block_logits(target, variant, tmp_path):
-    draft = _randomized(_cfg(**VARIANTS[variant]))
+    draft = _randomized(_cfg(**VARIANTS.get(variant, WINDOWED)))
     theirs = _zlab(draft, tmp_path)
-    assert all(layer.self_attn.is_causal == (variant == "jetspec") for layer in theirs.layers)
+    assert all(layer.self_attn.is_causal == variant.startswith("jetspec") for layer in theirs.layers)
     assert _max_block_logit_difference(target, draft, theirs) <= 1e-5
 
 
