@@ -219,9 +219,7 @@ class DFlashDraftConfig:
             **self._decoder_fields(),
             "architectures": [ARCHITECTURE2 if dflash2 else ARCHITECTURE],
             "block_size": self.block_size,
-            "dflash_config": {**dflash, **dflash2_config_fields(self)}
-            if dflash2
-            else {**dflash, **domino_config_fields(self)},
+            "dflash_config": {**dflash, **dflash2_config_fields(self), **domino_config_fields(self)},
             "dtype": dtype,
             "num_target_layers": self.num_target_layers,
             "rope_scaling": None,
@@ -387,12 +385,11 @@ def _parse_zlab(raw: dict, where: str) -> DFlashDraftConfig:
         if num_target_layers is None:
             raise ValueError(f"{where}: the draft's config.json has neither target_layer_ids nor num_target_layers")
         ids = default_layer_ids(int(num_target_layers), int(raw["num_hidden_layers"]))
-    if raw.get("is_causal") and ARCHITECTURE2 in (raw.get("architectures") or []):
-        raise _refuse(where, "it is a DFlash 2 draft with is_causal true")
     variant = parse_dflash2_fields(raw, get, where) or parse_domino_fields(dflash, where)  # their errors name `where`
     if raw.get("is_causal"):  # z-lab's reader: every layer causal inside the block, as JetSpec trains it
         if variant:
-            raise _refuse(where, "it is a Domino draft with is_causal true")
+            name = "DFlash 2" if variant["variant"] == DFLASH2 else "Domino"
+            raise _refuse(where, f"it is a {name} draft with is_causal true")
         variant = {"variant": JETSPEC}
     try:
         return DFlashDraftConfig(

@@ -25,16 +25,14 @@ def dflash2_problem(cfg) -> str | None:
     """What is wrong with a DFlash 2 draft config's shapes (`cfg`: a `DFlashDraftConfig`), or None."""
     if cfg.variant not in (DFLASH, DFLASH2, JETSPEC, DOMINO):
         return f"variant {cfg.variant!r} is not one of {DFLASH!r}, {DFLASH2!r}, {JETSPEC!r}, {DOMINO!r}"
-    if cfg.variant == DOMINO:
-        bad = [k for k in DOMINO_DEFAULTS if not isinstance(getattr(cfg, k), int) or getattr(cfg, k) < 1]
-        if bad:
-            return f"{', '.join(bad)} must be positive integers"
-        return "a Domino draft reads no copy hint (copy_hint)" if cfg.copy_hint else None
-    if cfg.variant != DFLASH2:
+    if cfg.variant not in (DFLASH2, DOMINO):
         return None
-    bad = [k for k in SHAPE_DEFAULTS if not isinstance(getattr(cfg, k), int) or getattr(cfg, k) < 1]
+    shapes = SHAPE_DEFAULTS if cfg.variant == DFLASH2 else DOMINO_DEFAULTS
+    bad = [k for k in shapes if not isinstance(getattr(cfg, k), int) or getattr(cfg, k) < 1]
     if bad:
         return f"{', '.join(bad)} must be positive integers"
+    if cfg.variant == DOMINO:
+        return "a Domino draft reads no copy hint (copy_hint)" if cfg.copy_hint else None
     if cfg.hidden_size % cfg.conv_group_size:
         return f"conv_group_size ({cfg.conv_group_size}) must divide hidden_size ({cfg.hidden_size})"
     if cfg.vocab_size is not None and cfg.selector_top_k > cfg.vocab_size:
@@ -46,7 +44,9 @@ def dflash2_problem(cfg) -> str | None:
 
 def dflash2_config_fields(cfg) -> dict:
     """The `dflash_config` entries a DFlash 2 draft adds (logits as the target's head gives them: multiplier 1,
-    no soft-capping)."""
+    no soft-capping); {} for another variant."""
+    if cfg.variant != DFLASH2:
+        return {}
     return {
         "block_size": cfg.block_size,
         **{k: getattr(cfg, k) for k in SHAPE_DEFAULTS},

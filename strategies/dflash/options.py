@@ -100,15 +100,14 @@ class DFlashOptions(StrategyOptions):
     @field_validator("draft_variant")
     @classmethod
     def _dflash2_combinations(cls, value: str, info: ValidationInfo) -> str:
-        if value == DFLASH2 and info.data.get("loss_type") in ("dpace", FORWARD_KL):
+        why = {
+            DFLASH2: "the selector's term weighs positions like the block loss",
+            DOMINO: "its curriculum mixes two decay-weighted losses",
+        }
+        if value in why and info.data.get("loss_type") in ("dpace", FORWARD_KL):
             raise ValueError(
-                f"dflash.draft_variant dflash2 trains with loss_type decay or variable_prefix, not "
-                f"{info.data['loss_type']} (the selector's term weighs positions like the block loss)"
-            )
-        if value == DOMINO and info.data.get("loss_type") in ("dpace", FORWARD_KL):
-            raise ValueError(
-                f"dflash.draft_variant domino trains with loss_type decay or variable_prefix, not "
-                f"{info.data['loss_type']} (its curriculum mixes two decay-weighted losses)"
+                f"dflash.draft_variant {value} trains with loss_type decay or variable_prefix, not "
+                f"{info.data['loss_type']} ({why[value]})"
             )
         if value in (DFLASH2, DOMINO) and info.data.get("copy_hint"):
             raise ValueError(f"dflash.draft_variant {value} has no copy hint: set dflash.copy_hint: false")

@@ -28,7 +28,7 @@ def draft_masks(
     when all its layers are of one type (the window applied when they are sliding), else {layer type: mask}, which
     each layer picks from (`layer_mask`). Dense additive masks, or flex-attention BlockMasks
     (`backend="flex_attention"`)."""
-    causal = bool(getattr(cfg, "causal", False))  # JetSpec: offset o sees offsets ≤ o of its block (§10.14)
+    causal = cfg.causal  # JetSpec: offset o sees offsets ≤ o of its block (§10.14)
 
     def build(window: int | None):
         if backend == "flex_attention":

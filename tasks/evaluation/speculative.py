@@ -55,21 +55,17 @@ def teacher_forced_acceptance(
             (batch,), _, _ = strat.pre_step(ctx, [Microbatch(ids[sl], loss_mask[sl], attn[sl], rows, "val", docs)])
             e = batch.extras
             b, n = e.anchors.shape
-            if draft.config.variant == DFLASH2:
-                emb, head = _embed_and_head(strat.target)
-                h = draft_block_hidden(draft, bs, emb, e.features, e.anchors, e.keep, e.block_ids, e.documents)
-                h = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
-                sel = selector_scores(
-                    draft.candidate_selector, h, head, block_predecessors(e.block_ids, e.targets, bs), e.targets
-                )
-                pred = sel.picks()
-                hits = [a + c for a, c in zip(hits, candidate_recall(sel, e.block_mask))]
-            elif draft.config.variant == DOMINO:  # the corrected logits after the true predecessors (§10.15)
+            if draft.config.variant in (DFLASH2, DOMINO):  # drafted serially: after the true predecessors
                 emb, head = _embed_and_head(strat.target)
                 h = draft_block_hidden(draft, bs, emb, e.features, e.anchors, e.keep, e.block_ids, e.documents)
                 h = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
                 previous = block_predecessors(e.block_ids, e.targets, bs)
-                pred = corrected_logits(draft, h, head(h), previous, emb).argmax(-1)
+                if draft.config.variant == DFLASH2:
+                    sel = selector_scores(draft.candidate_selector, h, head, previous, e.targets)
+                    pred = sel.picks()
+                    hits = [a + c for a, c in zip(hits, candidate_recall(sel, e.block_mask))]
+                else:  # Domino: the corrected logits (§10.15)
+                    pred = corrected_logits(draft, h, head(h), previous, emb).argmax(-1)
             else:
                 logits = draft_block_logits(
                     draft, strat.target, e.features, e.anchors, e.keep, e.block_ids, e.documents, e.hints
