@@ -184,6 +184,8 @@ def dflash_pair(spec, name: str, vocab: int, rows: torch.Tensor, device: str, wo
         target, {"train": rows}, layers, work, dtype=spec.dflash.cache_dtype, top_k=options.distill_top_k
     )
     built = dflash_setup.draft_strategy(name, options, draft, target, mask_token_id=mask_id, cache=CachedFeatures(work))
+    if spec.train.compile:  # as draft_trainee does
+        compile_layers(draft)
     trainee = Trainee.assembled(draft.to(device), None, built, spec.train.precision)
     return trainee, causal_trainee(spec, _new_target(spec, vocab))
 

@@ -42,7 +42,7 @@ from strategies.models import model_from_config_dir, tokenizer_token_ids
 from strategies.options import resolve_options
 from tasks.common import StageRef
 from tasks.data.tokenizer import load_tokenizer, refuse_mask_alias
-from tasks.training.runtime import Trainee
+from tasks.training.runtime import Trainee, compile_layers
 
 
 def load_target(model_path: str | Path, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
@@ -310,4 +310,6 @@ def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, in
         setattr(draft.config, key, value)
     cache = CachedFeatures(features_dir(inputs["features"])) if "features" in inputs else None
     built = draft_strategy(name, options, draft, target, mask_token_id=mask_id, cache=cache)
+    if spec.train.compile:
+        compile_layers(draft)
     return Trainee.assembled(draft.to(device), tokenizer, built, spec.train.precision)

@@ -16,7 +16,6 @@ from strategies.head import make_head_deferrable
 from strategies.models import (
     NATIVE,
     add_lora,
-    backbone_lm,
     build_model,
     enable_activation_checkpointing,
     load_pretrained,
@@ -30,7 +29,7 @@ from strategies.registry import model_shape
 from tasks.common import StageRef
 from tasks.data.tokenizer import load_tokenizer, refuse_mask_alias
 from tasks.training import dflash_setup
-from tasks.training.runtime import Trainee
+from tasks.training.runtime import Trainee, compile_layers
 
 
 def check_capabilities(spec: PipelineSpec, name: str) -> None:
@@ -94,17 +93,6 @@ def denoiser_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str)
     if spec.train.compile:
         compile_layers(model)
     return Trainee.assembled(model.to(device), tokenizer, built, spec.train.precision, fused_head=fused)
-
-
-def compile_layers(model) -> int:
-    """`torch.compile` every decoder layer in place (one compiled graph reused by identical layers; the
-    state dict keeps its names). Returns how many layers were compiled."""
-    layers = getattr(getattr(backbone_lm(model), "model", None), "layers", None)
-    if layers is None:
-        raise ValueError("train.compile: this model has no `model.layers` to compile; set train.compile: false")
-    for layer in layers:
-        layer.compile()
-    return len(layers)
 
 
 def build_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, inputs: dict | None = None) -> Trainee:
