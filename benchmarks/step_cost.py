@@ -62,7 +62,8 @@ def make_spec(args, draft: bool = False) -> object:
     """The pipeline config of the run; `draft`: `model:` is a DFlash draft's (`--draft-layers`) and the target is
     `--layers` deep."""
     names = [n for n in REGISTRY if (strategy_class(n).trains == "draft") == draft]
-    overrides = {n: {"block_size": args.dflash_block} for n in names if draft}
+    blocks = getattr(args, "dflash_blocks", 1)  # anchor blocks per row: they share the row's context keys
+    overrides = {n: {"block_size": args.dflash_block, "num_blocks_per_sample": blocks} for n in names if draft}
     return validate_config(
         {
             "pipeline": {"name": "step-cost", "strategies": names},
@@ -379,6 +380,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--draft-layers", type=int, default=1, help="DFlash draft depth (its target is --layers deep)")
     ap.add_argument("--dflash-block", type=int, default=8)
+    ap.add_argument("--dflash-blocks", type=int, default=1, help="dflash.num_blocks_per_sample")
     ap.add_argument(
         "--attn", default="sdpa", choices=("sdpa", "flex_attention", "eager"), help="model.attn_implementation"
     )
