@@ -114,13 +114,20 @@ class CandidateSelector(nn.Module):
         return unary + pairwise.to(unary.dtype)
 
     def walk(
-        self, hidden: Tensor, logits: Tensor, anchor: int, temperature: float, generator: torch.Generator | None
+        self,
+        hidden: Tensor,
+        logits: Tensor,
+        anchor: int,
+        temperature: float,
+        generator: torch.Generator | None,
+        forced: list[int] = (),
     ) -> tuple[Tensor, Tensor]:
         """One path through a block's candidates (`hidden` `[T, H]`, `logits` `[T, V]` of its T predicted
         positions), position t scored after the token picked at t − 1 (the anchor before position 0): the argmax
         at temperature 0, else a draw from softmax(S_t / temperature). Returns the path `[T]` and the
         distributions it was drawn from as logits `[T, V]`: the scores on the candidates, −inf elsewhere (the
-        proposal distribution the rejection step of speculative sampling needs)."""
+        proposal distribution the rejection step of speculative sampling needs). `forced`: the first tokens of the
+        path are these (the context lookup's), and the walk goes on after them."""
         unary, candidates = logits.topk(self.top_k, dim=-1)
         gate_h = self.hidden_projection(hidden)
         proposal_logits = torch.full_like(logits, float("-inf"))
@@ -129,12 +136,15 @@ class CandidateSelector(nn.Module):
             gate = F.embedding(previous, self.predecessor_codebook) * gate_h[t]
             s = unary[t] + (F.embedding(candidates[t], self.successor_codebook) * gate).sum(-1).to(unary.dtype)
             proposal_logits[t, candidates[t]] = s
-            if temperature > 0:
-                probs = torch.softmax(s.float().cpu() / temperature, dim=-1)
-                pick = int(torch.multinomial(probs, 1, generator=generator))
+            if t < len(forced):
+                previous = torch.tensor(forced[t], device=logits.device)
             else:
-                pick = int(s.argmax())
-            previous = candidates[t, pick]
+                if temperature > 0:
+                    probs = torch.softmax(s.float().cpu() / temperature, dim=-1)
+                    pick = int(torch.multinomial(probs, 1, generator=generator))
+                else:
+                    pick = int(s.argmax())
+                previous = candidates[t, pick]
             path.append(previous)
         return torch.stack(path), proposal_logits
 

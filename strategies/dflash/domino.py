@@ -76,16 +76,20 @@ def domino_walk(
     anchor: int,
     temperature: float,
     generator: torch.Generator | None,
+    forced: list[int] = (),
 ) -> tuple[Tensor, Tensor]:
     """One chain through a block (`hidden` `[T, H]`, `base` `[T, V]` of its T predicted positions): the GRU reads the
     anchor, then each token drawn; position t's token is the argmax of its corrected logits at temperature 0, else a
     draw from softmax(logits / temperature). Returns the tokens `[T]` and the corrected logits `[T, V]` they were
-    drawn from (the proposal distribution of speculative sampling)."""
+    drawn from (the proposal distribution of speculative sampling). `forced`: the chain's first tokens are these (the
+    context lookup's), and the GRU reads them."""
     state, previous, path, rows = None, torch.tensor([[anchor]], device=base.device), [], []
     for t in range(base.shape[0]):
         out, state = model.prefix_gru(embed(previous).to(hidden.dtype), state)
         logits = base[t] + model.embed_proj(torch.cat([hidden[t], out[0, 0]], dim=-1)).to(base.dtype)
-        if temperature > 0:
+        if t < len(forced):
+            pick = int(forced[t])
+        elif temperature > 0:
             probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
             pick = int(torch.multinomial(probs, 1, generator=generator))
         else:
@@ -97,13 +101,14 @@ def domino_walk(
 
 
 def serial_walk(
-    model: nn.Module, embed: nn.Module, hidden: Tensor, logits: Tensor, anchor: int, temperature, generator
+    model: nn.Module, embed: nn.Module, hidden: Tensor, logits: Tensor, anchor: int, temperature, generator, forced=()
 ):
     """The decoder's block for a draft that drafts serially after its backbone: DFlash 2's selector path or Domino's
-    corrected chain, with the distributions they drew from."""
+    corrected chain, with the distributions they drew from; `forced`: the tokens the path starts with (a lookup's),
+    so what follows is walked after them."""
     variant = model.config.variant
     if variant == DFLASH2:
-        return model.candidate_selector.walk(hidden, logits, anchor, temperature, generator)
+        return model.candidate_selector.walk(hidden, logits, anchor, temperature, generator, forced)
     if variant == DOMINO:
-        return domino_walk(model, embed, hidden, logits, anchor, temperature, generator)
+        return domino_walk(model, embed, hidden, logits, anchor, temperature, generator, forced)
     raise ValueError(f"a {variant} draft drafts its block in one pass")

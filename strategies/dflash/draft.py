@@ -370,10 +370,9 @@ def context_lookup(history: list[int], min_ngram: int, count: int) -> list[int]:
     return []
 
 
-def _with_lookup(history: list[int], min_ngram: int, d_logits: Tensor, proposal: Tensor) -> tuple[Tensor, Tensor, bool]:
-    """Proposals (and the distributions they were drawn from) with the context lookup's tokens in front: a
+def _with_lookup(found: list[int], d_logits: Tensor, proposal: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """Proposals (and the distributions they were drawn from) with the context lookup's tokens `found` in front: a
     looked-up token is a draw from a point mass, so the rejection step stays exact (docs/strategies.md §10.8)."""
-    found = context_lookup(history, min_ngram, len(proposal)) if min_ngram else []
     if not found:
         return d_logits, proposal, False
     n = len(found)
@@ -406,7 +405,8 @@ def speculative_generate(
     draft's first proposals (`context_lookup`); the output is unchanged, only the acceptance moves. A
     `copy_hint` draft also reads the lookup's proposal (n = 1) as an input each cycle (`copy_hints`); with
     `lookup_ngram` > 0 the lookup still goes in front of it. A DFlash 2 draft proposes the path its selector
-    walks (`CandidateSelector.walk`), verified against the distributions the walk drew from."""
+    walks (`CandidateSelector.walk`; Domino its chain), verified against the distributions the walk drew from; looked-up
+    tokens lead the block and the walk goes on after them."""
     cfg = draft.config
     bs, device = cfg.block_size, next(draft.parameters()).device
     ids = torch.tensor([prompt], device=device)
@@ -424,14 +424,16 @@ def speculative_generate(
         if cfg.copy_hint:  # the history's last token is the anchor
             history = torch.tensor([list(prompt) + out], device=device)
             hints = copy_hints(history, torch.tensor([[history.shape[1] - 1]], device=device), bs, cfg.mask_token_id)
+        found = context_lookup(list(prompt) + out, lookup_ngram, bs - 1) if lookup_ngram else []
         if cfg.variant in (DFLASH2, DOMINO):  # drafted serially after the backbone: the path, its distributions
-            emb, head = _embed_and_head(target)
+            emb, head = _embed_and_head(target)  # (walked after the looked-up tokens, which lead the block)
             hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block, **trimmed)[0, 1:]
-            proposal, d_logits = serial_walk(draft, emb, hidden, head(hidden), out[-1], temperature, generator)
+            walk = serial_walk(draft, emb, hidden, head(hidden), out[-1], temperature, generator, found)
+            proposal, d_logits = walk
         else:
             d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints, **trimmed)[0, 1:]
             proposal = _draw(d_logits, temperature, generator)
-        d_logits, proposal, looked_up = _with_lookup(list(prompt) + out, lookup_ngram, d_logits, proposal)
+        d_logits, proposal, looked_up = _with_lookup(found, d_logits, proposal)
         lookups += looked_up
         verify_in = torch.cat([block[:, :1], proposal[None]], dim=1)  # anchor + bs − 1 proposals
         v_feats, v_logits, cache = target_features(target, verify_in, cfg.target_layer_ids, past_key_values=cache)

@@ -186,7 +186,12 @@ def test_domino_trains_and_decodes_the_targets_greedy_text(target):
         path, walked = domino_walk(draft, emb, h, head(h), 7, 0.8, torch.Generator().manual_seed(2))
         previous = torch.tensor([[7, *path[:-1].tolist()]])
         forced = corrected_logits(draft, h[None], head(h)[None], previous, emb)[0]
+        # a chain that starts with the context lookup's tokens: they lead it and the GRU reads them
+        led, led_rows = domino_walk(draft, emb, h, head(h), 7, 0.0, None, forced=[11, 12])
+        after = corrected_logits(draft, h[None], head(h)[None], torch.tensor([[7, 11, 12]]), emb)[0]
     torch.testing.assert_close(walked, forced, rtol=1e-5, atol=1e-5)
+    assert led[:2].tolist() == [11, 12] and int(led[2]) == int(after[2].argmax())
+    torch.testing.assert_close(led_rows, after, rtol=1e-5, atol=1e-5)
 
 
 def test_speculative_sampling_through_the_chain_matches_target_sampling(target):
