@@ -265,6 +265,15 @@ def import_draft(spec: PipelineSpec, options, target) -> DFlashDraftModel:
             f"dflash.block_size is {options.block_size} but the draft at {where} drafts blocks of {cfg.block_size}: "
             f"set dflash.block_size to 0 (the draft's) or {cfg.block_size}"
         )
+    if getattr(options, "draft_variant", cfg.variant) == cfg.variant:  # (another variant: the strategy refuses it)
+        for key, value in variant_fields(options).items():  # a shape option set explicitly must be the draft's
+            option = key if hasattr(options, key) else f"domino_{key}"
+            if key != "variant" and option in options.model_fields_set and getattr(cfg, key) != value:
+                raise ValueError(
+                    f"dflash.{option} is {value} but the {cfg.variant} draft at {where} was built with {key} "
+                    f"{getattr(cfg, key)}: unset dflash.{option} (an imported draft brings its own) or set it to "
+                    f"{getattr(cfg, key)}"
+                )
     if options.mask_token_id is not None and options.mask_token_id != cfg.mask_token_id:
         raise ValueError(
             f"dllm.mask_token_id is {options.mask_token_id} but the draft at {where} was trained with mask token "

@@ -191,6 +191,14 @@ def test_the_walk_scores_each_position_after_the_token_it_picked():
             assert int(path[t]) == int(cands[s.argmax()])
             assert torch.equal(q[t, cands], s) and torch.isinf(q[t]).sum() == 3
             prev = int(path[t])
+    # with forced leading tokens (the context lookup's) the path starts with them and the rest is walked after them
+    with torch.no_grad():
+        forced_path, forced_q = sel.walk(h, logits, anchor=5, temperature=0.0, generator=None, forced=[2])
+        unary, cands = logits[1].topk(3)
+        s = sel.scores(h[1], unary, cands, torch.tensor(2))
+        assert int(forced_path[0]) == 2 and int(forced_path[1]) == int(cands[s.argmax()])
+        torch.testing.assert_close(forced_q[1, cands], s)
+        assert torch.equal(forced_q[0], q[0])
     # at the identity (successor codebook zero) the walk is each position's argmax
     with torch.no_grad():
         sel.successor_codebook.zero_()
@@ -453,3 +461,32 @@ def test_train_compile_compiles_the_drafts_layers_and_keeps_its_loss_and_gradien
     assert any(g.abs().sum() > 0 for g in g_eager)
     for a, b in zip(g_eager, g_comp):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # fused kernels round differently
+
+
+def test_an_imported_draft_refuses_shape_options_that_differ_from_its_own(target, tiny_spec, tmp_path):
+    """Shape options set explicitly for a pretrained DFlash 2 / Domino draft must be the draft's: one error that
+    names the option and the draft's value; left unset, the draft's own shapes are used."""
+    from strategies.options import validate_config
+    from tasks.training.dflash_setup import import_draft
+
+    torch.manual_seed(1)
+    drafts = {"dflash2": _dflash2(), "domino": DFlashDraftModel(_cfg(variant="domino", gru_hidden_dim=6, emb_dim=5))}
+    for variant, draft in drafts.items():
+        draft.save(tmp_path / variant)
+        raw = tiny_spec.model_dump(mode="json")
+        raw["pipeline"]["strategies"] = ["dflash"]
+        raw["model"].update(kind="pretrained", path=str(tmp_path / variant))
+        spec = validate_config(raw)
+        loaded = import_draft(spec, DFlashOptions(draft_variant=variant), target)  # unset: the draft's shapes
+        assert loaded.config == draft.config
+        same = {"selector_top_k": 4} if variant == "dflash2" else {"domino_emb_dim": 5}
+        assert import_draft(spec, DFlashOptions(draft_variant=variant, **same), target).config == draft.config
+        wrong, message = (
+            ({"selector_top_k": 8}, "dflash.selector_top_k is 8 but the dflash2 draft at .* with selector_top_k 4: "
+             "unset dflash.selector_top_k .* or set it to 4")
+            if variant == "dflash2"
+            else ({"domino_gru_hidden_dim": 7}, "dflash.domino_gru_hidden_dim is 7 but the domino draft at .* with "
+                  "gru_hidden_dim 6: unset dflash.domino_gru_hidden_dim .* or set it to 6")
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            import_draft(spec, DFlashOptions(draft_variant=variant, **wrong), target)
