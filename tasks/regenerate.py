@@ -3,8 +3,9 @@
 A draft proposes what the *target* would say, so it learns best from the target's own text (DFlash
 paper §5.1; docs/strategies.md §10.7). With `dflash.regenerate` set, every training row keeps its first
 `prompt_len` tokens and the target samples the rest at `temperature` (seeded: the same key
-regenerates the same rows); only the sampled continuation is supervised. The validation split and
-the tokenizer are carried over unchanged, so evaluation still measures real text. The entry has
+regenerates the same rows); only the sampled continuation is supervised. With `chat: true` the prompt goes to the
+target as a chat user turn, as a served draft's prompts do, and the row is the rendered turn plus the reply. The
+validation split and the tokenizer are carried over unchanged, so evaluation still measures real text. The entry has
 the layout of a `prepare_data` entry, and `cache_target` and `train[dflash]` read it in its place.
 
 key = (regenerate settings, target weights digest, data key, code).
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from dllm_common.config import PipelineSpec, RegenerateConfig
 from dllm_common.store import stage_key
 from strategies.dflash.draft import sample_continuations
-from strategies.dflash.served_checks import tokenizer_record
+from strategies.dflash.served_checks import chat_prompt, tokenizer_record
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.data.tokenizer import load_tokenizer
 from tasks.prepare_data import data_ref
@@ -61,9 +62,14 @@ def _build(spec: PipelineSpec, target: StageRef, data: StageRef, tmp: Path) -> d
     cfg = spec.dflash.regenerate
     ids, loss, attn = load_split(data.path, "train")
     rows = _prompt_rows(cfg, ids, attn)
-    new_ids, seconds = _sample(spec, target, ids, rows)
-    new_loss = torch.ones(new_ids.shape, dtype=loss.dtype)
-    new_loss[:, : cfg.prompt_len] = 0
+    tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
+    if cfg.chat:
+        new_ids, new_loss, new_attn, seconds = _sample_chat(spec, target, tokenizer, ids, rows)
+    else:
+        new_ids, seconds = _sample(spec, target, ids[:, : cfg.prompt_len], rows, ids.shape[1])
+        new_loss = torch.ones(new_ids.shape, dtype=torch.uint8)
+        new_loss[:, : cfg.prompt_len] = 0
+        new_attn = torch.ones_like(new_ids, dtype=torch.uint8)
     info = {
         **{k: v for k, v in data.info.items() if k != "digest"},
         "train_rows": len(new_ids),
@@ -73,13 +79,14 @@ def _build(spec: PipelineSpec, target: StageRef, data: StageRef, tmp: Path) -> d
         "regenerate_seconds": seconds,
         # what the prompts were rendered with: checked against the target's own before training and at evaluation
         # (docs/strategies.md §10.13)
-        "tokenizer": tokenizer_record(load_tokenizer(str(Path(data.path) / "tokenizer"))),
+        "tokenizer": tokenizer_record(tokenizer),
+        "chat": bool(cfg.chat or data.info.get("chat")),
     }
     shutil.copytree(Path(data.path) / "tokenizer", tmp / "tokenizer")
     for name in Path(data.path).glob("val.*"):  # the held-out rows stay the data entry's
         if not name.name.startswith("val.doc_starts."):  # regenerated training rows have no documents: nor does val
             shutil.copy2(name, tmp / name.name)
-    write_split(tmp, "train", new_ids, new_loss.to(torch.uint8), torch.ones_like(new_ids, dtype=torch.uint8))
+    write_split(tmp, "train", new_ids, new_loss, new_attn)
     return {"upstream": {"data": data.key, "target": target.key}, "info": info}
 
 
@@ -99,19 +106,60 @@ def _prompt_rows(cfg: RegenerateConfig, ids: torch.Tensor, attn: torch.Tensor) -
     return rows
 
 
-def _sample(spec: PipelineSpec, target: StageRef, ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """The target's seeded continuations of the rows' prompts, batch by batch; (new rows, sampling seconds)."""
+def _sample(
+    spec: PipelineSpec, target: StageRef, prompts: torch.Tensor, rows: torch.Tensor, seq_len: int, model=None
+) -> tuple[torch.Tensor, float]:
+    """The target's seeded continuations of `prompts[rows]` (equal lengths) to `seq_len` tokens, batch by batch;
+    (new rows, sampling seconds)."""
     cfg = spec.dflash.regenerate
-    seq_len = ids.shape[1]
     device = stage_device(spec)
-    model = load_spec_target(spec, target.info["model_path"], device)
+    model = model or load_spec_target(spec, target.info["model_path"], device)
     gen = torch.Generator().manual_seed(cfg.seed)
     t0, parts = time.perf_counter(), []
+    new = seq_len - prompts.shape[1]
     for start in tqdm(range(0, len(rows), cfg.batch_size), desc="regenerate", unit="batch", dynamic_ncols=True):
-        prompts = ids[rows[start : start + cfg.batch_size], : cfg.prompt_len].to(device)
-        parts.append(sample_continuations(model, prompts, seq_len - cfg.prompt_len, cfg.temperature, gen).cpu())
+        batch = prompts[rows[start : start + cfg.batch_size]].to(device)
+        parts.append(sample_continuations(model, batch, new, cfg.temperature, gen).cpu())
     new_ids = torch.cat(parts)
     return new_ids, round(time.perf_counter() - t0, 2)
+
+
+def _sample_chat(spec: PipelineSpec, target: StageRef, tokenizer, ids: torch.Tensor, rows: torch.Tensor):
+    """Chat regeneration: each row's first `prompt_len` tokens, as text, become one user turn through the chat
+    template (as the served evaluation renders its prompts, `chat_prompt`); the target replies, prompts of one
+    rendered length in one batch. Supervised: the reply up to and including the end of turn (EOS); after it the row
+    is padding. (ids, loss mask, attention mask, sampling seconds)."""
+    cfg, seq_len = spec.dflash.regenerate, ids.shape[1]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "dflash.regenerate.chat: the data's tokenizer has no chat template to render prompts with; set "
+            "tokenizer.kind: pretrained with tokenizer.path the target's folder, or dflash.regenerate.chat: false"
+        )
+    texts = [tokenizer.decode(ids[r, : cfg.prompt_len].tolist(), skip_special_tokens=True) for r in rows.tolist()]
+    rendered = [chat_prompt(tokenizer, text, cfg.enable_thinking) for text in texts]
+    longest = max(len(p) for p in rendered)
+    if longest >= seq_len - 1:
+        raise ValueError(
+            f"dflash.regenerate.chat: a {cfg.prompt_len}-token prompt renders to {longest} tokens through the chat "
+            f"template, leaving no room for a reply in data.seq_len ({seq_len}); raise data.seq_len or lower "
+            "dflash.regenerate.prompt_len"
+        )
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    new_ids = torch.full((len(rendered), seq_len), pad, dtype=ids.dtype)
+    loss = torch.zeros(new_ids.shape, dtype=torch.uint8)
+    attn = torch.zeros(new_ids.shape, dtype=torch.uint8)
+    model, seconds = load_spec_target(spec, target.info["model_path"], stage_device(spec)), 0.0
+    for length in sorted({len(p) for p in rendered}):
+        idx = torch.tensor([i for i, p in enumerate(rendered) if len(p) == length])
+        prompts = torch.tensor([rendered[i] for i in idx.tolist()], dtype=ids.dtype)
+        out, took = _sample(spec, target, prompts, torch.arange(len(idx)), seq_len, model)
+        seconds += took
+        for row, i in zip(out, idx.tolist()):
+            ends = (row[length:] == eos).nonzero().flatten() if eos is not None else torch.tensor([])
+            stop = length + int(ends[0]) + 1 if len(ends) else seq_len  # the reply through its end of turn
+            new_ids[i, :stop], loss[i, length:stop], attn[i, :stop] = row[:stop], 1, 1
+    return new_ids, loss, attn, round(seconds, 2)
 
 
 regenerate_task = prefect_task(regenerate, name="regenerate", stage_of=stage_of)

@@ -176,7 +176,7 @@ def checkpoint_meta(job: TrainJob, trainee, run_id: str | None) -> dict:
         "seq_len": job.spec.data.seq_len,
         "mlflow_run_id": run_id,
         "options": trainee.strategy.options.model_dump(mode="json"),
-        "chat": job.spec.data.shape == "dialogue",
+        "chat": job.spec.chat_rows,
     }
     if "target" in job.inputs:  # what evaluation and `dllm-flow generate` need to load the frozen target
         t, d = job.inputs["target"], job.spec.dflash

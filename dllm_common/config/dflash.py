@@ -44,6 +44,11 @@ class RegenerateConfig(ConfigSection):
     max_rows: int | None = Field(None, ge=1)  # None → every training row
     batch_size: int = Field(64, ge=1)
     seed: int = 0
+    # true: each prompt goes to the target as one user turn through the tokenizer's chat template (the generation
+    # prompt after it; `enable_thinking` for a template with that switch) and the row is the rendered prompt plus the
+    # target's reply up to its end of turn: the format a chat-served draft sees (docs/strategies.md §10.13)
+    chat: bool = False
+    enable_thinking: bool | None = None
 
 
 SERVED_DEFAULTS = {"eval_served": True, "eval_enable_thinking": None}

@@ -33,6 +33,12 @@ class PipelineSpec(ConfigSection):
     dllm: DLLMSection = DLLMSection()
     dflash: DFlashConfig = DFlashConfig()
 
+    @property
+    def chat_rows(self) -> bool:
+        """The model trains on chat-rendered rows: dialogue data, or a DFlash draft on chat-regenerated rows."""
+        regenerate = self.dflash.regenerate
+        return self.data.shape == "dialogue" or bool(regenerate is not None and regenerate.chat)
+
     @model_validator(mode="after")
     def _samples_fit_the_context(self) -> PipelineSpec:
         # a tiny model's context (max_position_embeddings) is data.seq_len, and so is the embedded DFlash target's;

@@ -52,6 +52,15 @@ def has_thinking_switch(template: str | None) -> bool:
     return bool(template) and THINKING_KEY in template
 
 
+def chat_prompt(tokenizer, text: str, thinking: bool | None = None) -> list[int]:
+    """`text` as an engine gets a chat request: one user turn through `tokenizer`'s chat template with the generation
+    prompt (and its thinking switch, where `thinking` is given), as token ids."""
+    kwargs = {"enable_thinking": thinking} if thinking is not None else {}
+    message = [{"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
 def special_ids(tokenizer) -> dict:
     """A tokenizer's BOS/EOS/PAD ids (None where it has none)."""
     return {k: getattr(tokenizer, k, None) for k in SPECIAL_IDS}

@@ -30,6 +30,7 @@ from strategies.dflash.dflash2_config import DFLASH2, DOMINO
 from strategies.dflash.draft import speculative_generate
 from strategies.dflash.served_checks import (
     CAUSES,
+    chat_prompt,
     engine_field_problems,
     has_thinking_switch,
     mask_served_problem,
@@ -82,13 +83,7 @@ def render_prompts(raw: list[list[int]], trained, served, chat: bool, thinking: 
     through the served tokenizer's chat template with the generation prompt; `chat` False: the prompts as they are."""
     if not chat:
         return [list(p) for p in raw]
-    kwargs = {"enable_thinking": thinking} if thinking is not None else {}
-    out = []
-    for p in raw:
-        message = [{"role": "user", "content": trained.decode(p, skip_special_tokens=True)}]
-        text = served.apply_chat_template(message, tokenize=False, add_generation_prompt=True, **kwargs)
-        out.append(served(text, add_special_tokens=False)["input_ids"])
-    return out
+    return [chat_prompt(served, trained.decode(p, skip_special_tokens=True), thinking) for p in raw]
 
 
 def full_cycles(acc: list[int], budget: int, block_size: int) -> list[int]:

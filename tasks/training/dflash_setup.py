@@ -309,7 +309,7 @@ def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, in
     refuse_mask_alias(spec, tokenizer, {f"the mask token id train[{name}] resolves": mask_id})
     check_served_before_training(
         spec.tokenizer.allow_mask_alias,
-        spec.data.shape == "dialogue",
+        spec.chat_rows,
         tokenizer,
         target,
         inputs["target"].info["model_path"],

@@ -14,6 +14,7 @@ from stagekit import dflash_spec, through_the_stages
 from dllm_common.config import ConfigError
 from strategies.options import validate_config
 from tasks.cache_target import cache_target
+from tasks.data.tokenizer import load_tokenizer
 from tasks.cache_target import stage_of as cache_stage_of
 from tasks.evaluate import evaluate
 from tasks.target import target
@@ -373,3 +374,44 @@ def test_regenerated_rows_are_the_targets_own_text_and_reproduce(dflash_run, tmp
     short = sampled.model_copy(update={"train": sampled.train.model_copy(update={"steps": 2, "val_every": 2})})
     trained = train(short, "dflash", a, workdir, inputs={"target": tgt, "features": feats})
     assert json.loads((model_dir(trained) / "dllm.json").read_text())["step"] == 2
+
+
+def test_chat_regeneration_renders_each_prompt_as_a_user_turn_and_supervises_the_reply(dflash_run, tmp_path):
+    """dflash.regenerate.chat: a row is the prompt rendered as one user turn through the chat template (as served
+    prompts are rendered) and the target's greedy reply through its end of turn; only the reply is supervised, what
+    follows the end of turn is padding; the draft's checkpoint records that it trained on chat rows."""
+    from strategies.dflash.draft import greedy_generate
+    from strategies.dflash.served_checks import chat_prompt
+    from tasks.regenerate import _sample_chat, regenerate
+    from tasks.rows import load_split
+    from tasks.training.dflash_setup import load_target
+
+    spec, data, workdir, tgt, _, _ = dflash_run
+    chat = _dflash_spec_from(spec, regenerate={"prompt_len": 6, "temperature": 0.0, "max_rows": 8, "chat": True})
+    assert chat.chat_rows and not spec.chat_rows
+    ref = regenerate(chat, tgt, data, workdir)
+    assert ref.info["chat"] is True
+    ids, loss, attn = load_split(ref.path, "train")
+    orig = load_split(data.path, "train")[0]
+    tok = load_tokenizer(f"{data.path}/tokenizer")
+    model, eos = load_target(tgt.info["model_path"]), tok.eos_token_id
+    for r in range(8):
+        prompt = chat_prompt(tok, tok.decode(orig[r, :6].tolist(), skip_special_tokens=True))
+        reply = greedy_generate(model, prompt, ids.shape[1] - len(prompt))
+        if eos in reply:
+            reply = reply[: reply.index(eos) + 1]
+        stop = len(prompt) + len(reply)
+        assert ids[r, :stop].tolist() == prompt + reply
+        assert loss[r, : len(prompt)].sum() == 0 and loss[r, len(prompt) : stop].all() and loss[r, stop:].sum() == 0
+        assert attn[r, :stop].all() and attn[r, stop:].sum() == 0
+    feats = cache_target(chat, tgt, ref, workdir)
+    short = chat.model_copy(update={"train": chat.train.model_copy(update={"steps": 2, "val_every": 2})})
+    trained = train(short, "dflash", ref, workdir, inputs={"target": tgt, "features": feats})
+    assert json.loads((model_dir(trained) / "dllm.json").read_text())["chat"] is True
+    rows = torch.arange(1)
+    tight = len(chat_prompt(tok, tok.decode(orig[0, :6].tolist(), skip_special_tokens=True))) + 1
+    with pytest.raises(ValueError, match="renders to .* tokens through the chat template.*raise data.seq_len"):
+        _sample_chat(chat, tgt, tok, orig[:, :tight], rows)  # no room for a reply of 2 tokens or more
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template.*tokenizer.path the target's folder"):
+        _sample_chat(chat, tgt, tok, orig, rows)
