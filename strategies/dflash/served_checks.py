@@ -147,7 +147,7 @@ def mask_served_problem(
 def tokenizer_problems(trained, served, chat: bool) -> list[tuple[str, str]]:
     """(cause, line) for each difference between the tokenizer the draft was trained with (`trained`: the data's,
     which regeneration used too) and the one serving renders prompts with (`served`: the target's own). The chat
-    template counts only where the draft trained on chat-rendered rows (`chat`: data.shape dialogue)."""
+    template counts only where the draft trained on chat-rendered rows (`chat`: `PipelineSpec.chat_rows`)."""
     out = []
     a, b = special_ids(trained), special_ids(served)
     diff = [f"{k} {a[k]} vs {b[k]}" for k in SPECIAL_IDS if _ids(a[k]) != _ids(b[k])]
