@@ -129,6 +129,7 @@ def speculative_benchmark(
         "speculative_seconds": t_spec,
         "histogram": dict(sorted(Counter(acceptance).items())),
         "outputs": [r.tokens for r in spec],
+        "acceptance": [r.acceptance for r in spec],  # per prompt: what a paired comparison of two drafts reads
     }
 
 
