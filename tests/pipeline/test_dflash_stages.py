@@ -14,8 +14,8 @@ from stagekit import dflash_spec, through_the_stages
 from dllm_common.config import ConfigError
 from strategies.options import validate_config
 from tasks.cache_target import cache_target
-from tasks.data.tokenizer import load_tokenizer
 from tasks.cache_target import stage_of as cache_stage_of
+from tasks.data.tokenizer import load_tokenizer
 from tasks.evaluate import evaluate
 from tasks.target import target
 from tasks.train import model_dir, train
