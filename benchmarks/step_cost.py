@@ -62,8 +62,8 @@ def make_spec(args, draft: bool = False) -> object:
     """The pipeline config of the run; `draft`: `model:` is a DFlash draft's (`--draft-layers`) and the target is
     `--layers` deep."""
     names = [n for n in REGISTRY if (strategy_class(n).trains == "draft") == draft]
-    blocks = getattr(args, "dflash_blocks", 1)  # anchor blocks per row: they share the row's context keys
-    overrides = {n: {"block_size": args.dflash_block, "num_blocks_per_sample": blocks} for n in names if draft}
+    shape = {"block_size": args.dflash_block, "num_blocks_per_sample": args.dflash_blocks}  # blocks share a row's keys
+    overrides = {n: shape for n in names if draft}
     return validate_config(
         {
             "pipeline": {"name": "step-cost", "strategies": names},

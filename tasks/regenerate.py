@@ -80,7 +80,7 @@ def _build(spec: PipelineSpec, target: StageRef, data: StageRef, tmp: Path) -> d
         # what the prompts were rendered with: checked against the target's own before training and at evaluation
         # (docs/strategies.md §10.13)
         "tokenizer": tokenizer_record(tokenizer),
-        "chat": bool(cfg.chat or data.info.get("chat")),
+        "chat": spec.chat_rows,
     }
     shutil.copytree(Path(data.path) / "tokenizer", tmp / "tokenizer")
     for name in Path(data.path).glob("val.*"):  # the held-out rows stay the data entry's

@@ -138,13 +138,11 @@ class CandidateSelector(nn.Module):
             proposal_logits[t, candidates[t]] = s
             if t < len(forced):
                 previous = torch.tensor(forced[t], device=logits.device)
+            elif temperature > 0:
+                probs = torch.softmax(s.float().cpu() / temperature, dim=-1)
+                previous = candidates[t, int(torch.multinomial(probs, 1, generator=generator))]
             else:
-                if temperature > 0:
-                    probs = torch.softmax(s.float().cpu() / temperature, dim=-1)
-                    pick = int(torch.multinomial(probs, 1, generator=generator))
-                else:
-                    pick = int(s.argmax())
-                previous = candidates[t, pick]
+                previous = candidates[t, int(s.argmax())]
             path.append(previous)
         return torch.stack(path), proposal_logits
 

@@ -428,8 +428,7 @@ def speculative_generate(
         if cfg.variant in (DFLASH2, DOMINO):  # drafted serially after the backbone: the path, its distributions
             emb, head = _embed_and_head(target)  # (walked after the looked-up tokens, which lead the block)
             hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block, **trimmed)[0, 1:]
-            walk = serial_walk(draft, emb, hidden, head(hidden), out[-1], temperature, generator, found)
-            proposal, d_logits = walk
+            proposal, d_logits = serial_walk(draft, emb, hidden, head(hidden), out[-1], temperature, generator, found)
         else:
             d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints, **trimmed)[0, 1:]
             proposal = _draw(d_logits, temperature, generator)

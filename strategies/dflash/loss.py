@@ -274,10 +274,9 @@ class DFlashForwardKLLoss(DFlashDecayLoss):
         logq = logits.float().log_softmax(dim=-1)
         nll = -logq.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
         teacher = (soft.probs.float().clamp_min(1e-30).log() / t).log_softmax(dim=-1)  # log p_T over the k
-        logq_t = (
-            logq if t == 1.0 else (logits.float() / t).log_softmax(dim=-1)
-        )  # log q_T, the [rows, V] pass once at T 1
-        student = logq_t.gather(-1, soft.ids.long())  # log q_T at the k
+        # log q_T at the k (at T = 1 it is logq: the [rows, V] log-softmax is taken once)
+        logq_t = logq if t == 1.0 else (logits.float() / t).log_softmax(dim=-1)
+        student = logq_t.gather(-1, soft.ids.long())
         kl = (teacher.exp() * (teacher - student)).sum(dim=-1)
         return nll, (t * t) * kl, logq.argmax(dim=-1) == target_ids
 
