@@ -107,14 +107,21 @@ def _prompt_rows(cfg: RegenerateConfig, ids: torch.Tensor, attn: torch.Tensor) -
 
 
 def _sample(
-    spec: PipelineSpec, target: StageRef, prompts: torch.Tensor, rows: torch.Tensor, seq_len: int, model=None
+    spec: PipelineSpec,
+    target: StageRef,
+    prompts: torch.Tensor,
+    rows: torch.Tensor,
+    seq_len: int,
+    model=None,
+    gen: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, float]:
     """The target's seeded continuations of `prompts[rows]` (equal lengths) to `seq_len` tokens, batch by batch;
-    (new rows, sampling seconds)."""
+    (new rows, sampling seconds). `model` and `gen`: the target and the generator of a caller that samples several
+    groups of prompts (one stream of `regenerate.seed` across them)."""
     cfg = spec.dflash.regenerate
     device = stage_device(spec)
     model = model or load_spec_target(spec, target.info["model_path"], device)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = gen or torch.Generator().manual_seed(cfg.seed)
     t0, parts = time.perf_counter(), []
     new = seq_len - prompts.shape[1]
     for start in tqdm(range(0, len(rows), cfg.batch_size), desc="regenerate", unit="batch", dynamic_ncols=True):
@@ -150,10 +157,11 @@ def _sample_chat(spec: PipelineSpec, target: StageRef, tokenizer, ids: torch.Ten
     loss = torch.zeros(new_ids.shape, dtype=torch.uint8)
     attn = torch.zeros(new_ids.shape, dtype=torch.uint8)
     model, seconds = load_spec_target(spec, target.info["model_path"], stage_device(spec)), 0.0
+    gen = torch.Generator().manual_seed(cfg.seed)  # one stream over the groups: no group repeats another's draws
     for length in sorted({len(p) for p in rendered}):
         idx = torch.tensor([i for i, p in enumerate(rendered) if len(p) == length])
         prompts = torch.tensor([rendered[i] for i in idx.tolist()], dtype=ids.dtype)
-        out, took = _sample(spec, target, prompts, torch.arange(len(idx)), seq_len, model)
+        out, took = _sample(spec, target, prompts, torch.arange(len(idx)), seq_len, model, gen)
         seconds += took
         for row, i in zip(out, idx.tolist()):
             ends = (row[length:] == eos).nonzero().flatten() if eos is not None else torch.tensor([])
