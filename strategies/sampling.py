@@ -99,6 +99,15 @@ def truncate(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     return logits.masked_fill(~keep, -math.inf)
 
 
+def draw(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor:
+    """Tokens `[n]` from logits `[n, V]`: the argmax at temperature 0, else one draw per row from
+    softmax(logits / temperature), on the CPU so that a seeded `generator` gives the same tokens on any device."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
+
+
 Progress = Callable[[Tensor], None]  # called with the canvas after each finished block (streaming)
 
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from strategies.dflash.config import DFlashDraftConfig
+from strategies.sampling import draw
 
 CODEBOOK_STD = 0.02  # the reference's initializer_range for the predecessor codebook and the context gate
 
@@ -138,11 +139,8 @@ class CandidateSelector(nn.Module):
             proposal_logits[t, candidates[t]] = s
             if t < len(forced):
                 previous = torch.tensor(forced[t], device=logits.device)
-            elif temperature > 0:
-                probs = torch.softmax(s.float().cpu() / temperature, dim=-1)
-                previous = candidates[t, int(torch.multinomial(probs, 1, generator=generator))]
             else:
-                previous = candidates[t, int(s.argmax())]
+                previous = candidates[t, draw(s[None], temperature, generator)[0]]
             path.append(previous)
         return torch.stack(path), proposal_logits
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from strategies.dflash.dflash2_config import DFLASH2, DOMINO
+from strategies.sampling import draw
 
 
 def attach_domino_head(model: nn.Module, cfg) -> None:
@@ -87,13 +88,7 @@ def domino_walk(
     for t in range(base.shape[0]):
         out, state = model.prefix_gru(embed(previous).to(hidden.dtype), state)
         logits = base[t] + model.embed_proj(torch.cat([hidden[t], out[0, 0]], dim=-1)).to(base.dtype)
-        if t < len(forced):
-            pick = int(forced[t])
-        elif temperature > 0:
-            probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-            pick = int(torch.multinomial(probs, 1, generator=generator))
-        else:
-            pick = int(logits.argmax())
+        pick = int(forced[t]) if t < len(forced) else int(draw(logits[None], temperature, generator)[0])
         rows.append(logits)
         path.append(pick)
         previous = torch.tensor([[pick]], device=base.device)

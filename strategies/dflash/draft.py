@@ -23,7 +23,7 @@ from strategies.dflash.dflash2 import CandidateSelector, InBlockConv, conv_subla
 from strategies.dflash.dflash2_config import DFLASH2, DOMINO
 from strategies.dflash.domino import attach_domino_head, serial_walk
 from strategies.dflash.window import draft_masks, layer_mask, trim_context
-from strategies.sampling import LOOKUP_MAX_NGRAM
+from strategies.sampling import LOOKUP_MAX_NGRAM, draw
 
 # ---------------------------------------------------------------------------------------- draft
 
@@ -334,14 +334,6 @@ def speculative_accept(
     return k, int(torch.multinomial(p[k], 1, generator=generator))
 
 
-def _draw(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
-    """Tokens [n] from logits [n, V] at `temperature` (argmax at 0)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
-
-
 def _verify(
     proposal: Tensor, draft_logits: Tensor, target_logits: Tensor, temperature: float, generator
 ) -> tuple[int, int]:
@@ -411,7 +403,7 @@ def speculative_generate(
     bs, device = cfg.block_size, next(draft.parameters()).device
     ids = torch.tensor([prompt], device=device)
     feats, logits, cache = target_features(target, ids, cfg.target_layer_ids, past_key_values=_new_cache(target))
-    out: list[int] = [int(_draw(logits[:, -1], temperature, generator))]  # the prefill's token: the first anchor
+    out: list[int] = [int(draw(logits[:, -1], temperature, generator))]  # the prefill's token: the first anchor
     committed = len(prompt)  # tokens the target has processed (and whose features we hold)
     ctx, start = trim_context(cfg, feats, 0, committed)  # `start`: the position of ctx's first feature (§10.12)
     acceptance, forwards, lookups = [], 1, 0
@@ -431,7 +423,7 @@ def speculative_generate(
             proposal, d_logits = serial_walk(draft, emb, hidden, head(hidden), out[-1], temperature, generator, found)
         else:
             d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints, **trimmed)[0, 1:]
-            proposal = _draw(d_logits, temperature, generator)
+            proposal = draw(d_logits, temperature, generator)
         d_logits, proposal, looked_up = _with_lookup(found, d_logits, proposal)
         lookups += looked_up
         verify_in = torch.cat([block[:, :1], proposal[None]], dim=1)  # anchor + bs − 1 proposals
@@ -486,11 +478,7 @@ def sample_continuations(
     logits = target(input_ids=prompts, cache=cache, use_cache=True).logits[:, -1]
     out = [prompts]
     for i in range(new_tokens):
-        if temperature > 0:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(prompts.device)
-        else:
-            nxt = logits.argmax(-1, keepdim=True)
+        nxt = draw(logits, temperature, generator)[:, None]
         out.append(nxt)
         if i + 1 < new_tokens:
             logits = target(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1]
