@@ -150,21 +150,41 @@ class DFlashDecayLoss(nn.Module):
         """The loss of the logits `make_logits(*chunk)` forms from chunks of `chunk_size` rows of `inputs` (each
         `[B, T, …]`), under activation checkpointing: only a chunk's `[rows, V]` logits ever exist, and none stays
         alive for backward (`forward_fused`: the head alone; Domino: the head plus its correction)."""
+        kw = {"num_tokens": num_tokens, "block_size": block_size, "soft": soft, "prefix": prefix}
+        return self.forward_chunked_each(lambda *chunk: (make_logits(*chunk),), inputs, target_ids, block_mask, **kw)[0]
+
+    def forward_chunked_each(
+        self,
+        make_logits,
+        inputs: tuple[Tensor, ...],
+        target_ids: Tensor,
+        block_mask: Tensor,
+        num_tokens=None,
+        block_size: int | None = None,
+        soft: SoftLabels | None = None,
+        prefix: Tensor | None = None,
+    ) -> list[DLLMLossOutput]:
+        """`forward_chunked` for a `make_logits` that returns several logits of one chunk (a tuple), one loss each,
+        so the work they share is done once per chunk (Domino's curriculum: the head's logits, and them plus the
+        correction)."""
         flat, tgt = [x.flatten(0, 1) for x in inputs], target_ids.flatten()
         flat_soft = None if soft is None else SoftLabels(soft.ids.flatten(0, 1), soft.probs.flatten(0, 1))
         n = len(flat)
 
         def chunk(t, *args):
-            labels = args[n:]
-            return self.token_losses(make_logits(*args[:n]), t, SoftLabels(*labels) if labels else None)
+            labels = SoftLabels(*args[n:]) if args[n:] else None
+            return tuple(part for logits in make_logits(*args[:n]) for part in self.token_losses(logits, t, labels))
 
         parts = []
         for start in range(0, tgt.shape[0], self.chunk_size):
             rows = slice(start, start + self.chunk_size)
             labels = () if flat_soft is None else (flat_soft.ids[rows], flat_soft.probs[rows])
             parts.append(checkpoint(chunk, tgt[rows], *(x[rows] for x in flat), *labels, use_reentrant=False))
-        nll, ce, correct = (torch.cat(p).view_as(target_ids) for p in zip(*parts))
-        return self._reduce(nll, correct, block_mask, num_tokens, block_size, ce, prefix)
+        joined = [torch.cat(p).view_as(target_ids) for p in zip(*parts)]  # (nll, ce, correct) per logits
+        return [
+            self._reduce(nll, correct, block_mask, num_tokens, block_size, ce, prefix)
+            for nll, ce, correct in zip(joined[0::3], joined[1::3], joined[2::3])
+        ]
 
 
 class SoftLabels(NamedTuple):

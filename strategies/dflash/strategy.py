@@ -341,12 +341,13 @@ class DFlashStrategy(DLLMStrategy):
         bias = getattr(head, "bias", None)
         if o.use_fused_linear_ce:
 
-            def final_logits(h, g):
-                return F.linear(h, head.weight, bias) + correction(draft, h, g)
+            def final_and_base(h, g):  # the head's matmul once per chunk for both losses
+                base = F.linear(h, head.weight, bias)
+                final = base + correction(draft, h, g)
+                return (final, base) if weight else (final,)
 
-            out = ctx.loss_fn.forward_chunked(final_logits, (pred, states), e.targets, e.block_mask, **kw)
-            fused = ctx.loss_fn.forward_fused
-            base = fused(pred, head.weight, e.targets, e.block_mask, lm_head_bias=bias, **kw) if weight else None
+            out, *rest = ctx.loss_fn.forward_chunked_each(final_and_base, (pred, states), e.targets, e.block_mask, **kw)
+            base = rest[0] if rest else None
         else:
             logits = head(pred)
             out = ctx.loss_fn(logits + correction(draft, pred, states), e.targets, e.block_mask, **kw)
