@@ -22,11 +22,11 @@ from matplotlib.figure import Figure
 
 from dllm_common.store import MANIFEST, atomic_write_text, stage_key
 from dllm_common.tracking import Tracking
-from strategies.dflash.served_checks import served_notes
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.common import fmt_number as _fmt
 from tasks.evaluate import RESULT_FIELDS, eval_artifact_path
 from tasks.evaluation.data_row import data_row_table
+from tasks.evaluation.dflash_table import dflash_table
 
 STAGE = "report"
 RUNS_TAG = "dllm.report_runs"
@@ -126,7 +126,7 @@ def render_markdown(title: str, rows: list[dict], flags: dict, plots: list[str])
     lines += _comparison_table(rows, flags)
     lines += data_row_table(rows)
     lines += _flag_lines(flags)
-    lines += _dflash_table([r for r in rows if "dflash/tau" in r["metrics"]])
+    lines += dflash_table([r for r in rows if "dflash/tau" in r["metrics"]])
     lines += _curve_table(rows)
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -192,73 +192,6 @@ def _flag_lines(flags: dict) -> list[str]:
         for field, value, ref in items:
             lines.append(f"- **{strategy}**: `{field}` = {value} (others: {ref})")
     return lines + [""]
-
-
-TAU_GAP = 0.15  # |τ_sim ÷ τ − 1| above this is flagged in the DFlash table
-
-
-def _dflash_table(spec_rows: list[dict]) -> list[str]:
-    """The speculative-decoding table of the rows that have DFlash metrics (none: no table)."""
-    if not spec_rows:
-        return []
-    ks = sorted({int(k.rsplit("k", 1)[1]) for r in spec_rows for k in r["metrics"] if k.startswith("dflash/acc_k")})
-    lookup = any("dflash/tau_draft" in r["metrics"] for r in spec_rows)  # some row decoded with the context lookup
-    extra = " dflash/tau_draft | dflash/lookup_share |" if lookup else ""
-    lines = [
-        "## Speculative decoding (DFlash)",
-        "",
-        f"| strategy | dflash/tau_sim | dflash/tau |{extra} τ_sim ÷ τ | dflash/speedup | dflash/exact_match | "
-        + " | ".join(f"acc_k{k}" for k in ks)
-        + " |",
-        "|---|---|---|---|---|---|" + "---|---|" * lookup + "---|" * len(ks),
-    ]
-    gaps = []
-    for r in spec_rows:
-        m = r["metrics"]
-        # τ_sim is the draft's alone: it is set against the draft's own real τ when a lookup helped decode
-        sim, real, alone = m.get("dflash/tau_sim"), m.get("dflash/tau"), m.get("dflash/tau_draft")
-        own = alone if isinstance(alone, float) else real
-        gap = sim / own if isinstance(sim, float) and isinstance(own, float) and own > 0 else None
-        flag = " ⚠" if gap is not None and abs(gap - 1) > TAU_GAP else ""
-        if flag:
-            gaps.append(f"- **{r['strategy']}**: τ_sim {sim:.2f} vs real τ {own:.2f}")
-        cells = f" {_fmt(alone, 3)} | {_fmt(m.get('dflash/lookup_share'), 2)} |" if lookup else ""
-        lines.append(
-            f"| {r['strategy']} | {_fmt(sim, 3)} | {_fmt(real, 3)} |{cells} {_fmt(gap, 2)}{flag} | "
-            f"{_fmt(m.get('dflash/speedup'), 2)} | {_fmt(m.get('dflash/exact_match'), 2)} | "
-            + " | ".join(_fmt(m.get(f"dflash/acc_k{k}"), 3) for k in ks)
-            + " |"
-        )
-    if gaps:
-        lines += [
-            "",
-            f"⚠ τ_sim and real τ differ by more than {TAU_GAP:.0%}. They measure different text: τ_sim is "
-            "teacher-forced on held-out real text, real τ decodes the target's own continuations of held-out prompts. "
-            "A draft trained on the target's regenerated text (dflash.regenerate, docs/strategies.md §10.7) has τ_sim "
-            "well below τ by design; one trained on real text tends to the opposite. Real τ is the one that sets "
-            "the speedup:",
-            *gaps,
-        ]
-    for r in spec_rows:  # served τ (docs/evaluation.md §4.7.1): what was measured, the interval, the causes found
-        notes = served_notes(r["metrics"])
-        lines += ["", f"**{r['strategy']}**, as served: " + notes[0], *notes[1:]] if notes else []
-    return lines + [
-        "",
-        "`dflash/tau`: tokens committed per verification cycle in speculative decoding of held-out "
-        "prompts (accepted draft prefix + the target's bonus token); `dflash/tau_sim` and `acc_k` are its "
-        "teacher-forced proxy and per-offset accuracy; `dflash/speedup` = target-only greedy wall time ÷ "
-        "speculative wall time on the same prompts, same run; `dflash/exact_match` = share of prompts whose "
-        "speculative output equals target-only greedy decoding (must be 1)."
-        + (
-            " With `dflash.lookup_ngram`, `dflash/tau` decodes with the context lookup (proposals copied from "
-            "where the last tokens recurred, docs/strategies.md §10.8), `dflash/tau_draft` with the draft alone on "
-            "the same prompts, `dflash/lookup_share` = share of cycles whose proposals came from the lookup; "
-            "τ_sim ÷ τ uses the draft's own τ."
-            if lookup
-            else ""
-        ),
-        "",
-    ]
 
 
 def _curve_table(rows: list[dict]) -> list[str]:

@@ -51,7 +51,8 @@ class RegenerateConfig(ConfigSection):
     enable_thinking: bool | None = None
 
 
-SERVED_DEFAULTS = {"eval_served": True, "eval_enable_thinking": None}
+# evaluation keys added after configs were digested: dumped only when set otherwise, so a digest stays as it was
+UNWRITTEN_DEFAULTS = {"eval_served": True, "eval_enable_thinking": None, "eval_temperature": 0.0}
 
 
 class DFlashConfig(ConfigSection):
@@ -78,17 +79,19 @@ class DFlashConfig(ConfigSection):
     eval_max_new_tokens: int = Field(48, ge=1)
     # served τ (docs/evaluation.md §4.7.1): the same prompts through z-lab's `dflash_generate`, rendered with the
     # target's chat template; `eval_enable_thinking` sets the template's thinking switch (None: its default).
-    # Dumped only when set otherwise (`_served_defaults_unwritten`): a config's digest is the same as before them
     eval_served: bool = True
     eval_enable_thinking: bool | None = None
+    # > 0: the same prompts also decoded by speculative sampling at this temperature (τ as a sampling server sees it,
+    # where the draft's whole distribution counts, not only its argmax; docs/evaluation.md §4.7). Unwritten at 0
+    eval_temperature: float = Field(0.0, ge=0)
     # speculative decoding: when the last n…4 tokens recur in the prompt or output, the tokens that followed
     # them there are proposed before the draft's (0: the draft alone); docs/strategies.md §10.8
     lookup_ngram: int = Field(0, ge=0, le=4)  # ≤ strategies.dflash_draft.LOOKUP_MAX_NGRAM
 
     @model_serializer(mode="wrap")
-    def _served_defaults_unwritten(self, handler):
+    def _late_defaults_unwritten(self, handler):
         out = handler(self)
-        for key, default in SERVED_DEFAULTS.items():
+        for key, default in UNWRITTEN_DEFAULTS.items():
             if isinstance(out, dict) and key in out and out[key] == default:
                 del out[key]
         return out

@@ -55,6 +55,16 @@ from strategies.losses import DLLMLossOutput
 from strategies.registration import StrategyOptions
 from strategies.seeding import seeded_generator
 
+# the `dflash` keys only the evaluation reads: out of the training's key, in the evaluation's
+EVAL_ONLY = {
+    "eval_prompts",
+    "eval_prompt_len",
+    "eval_max_new_tokens",
+    "eval_served",
+    "eval_enable_thinking",
+    "eval_temperature",
+}
+
 
 @dataclass(frozen=True)
 class DFlashBlocks:
@@ -109,22 +119,11 @@ class DFlashStrategy(DLLMStrategy):
     @classmethod
     def train_settings(cls, spec) -> dict:
         """Where the target and its features come from (evaluation-only keys left out)."""
-        return spec.dflash.model_dump(mode="json", exclude={"eval_prompts", "eval_prompt_len", "eval_max_new_tokens"})
+        return spec.dflash.model_dump(mode="json", exclude=EVAL_ONLY)
 
     @classmethod
     def eval_settings(cls, spec) -> dict:
-        return spec.dflash.model_dump(
-            mode="json",
-            include={
-                "eval_prompts",
-                "eval_prompt_len",
-                "eval_max_new_tokens",
-                "target_torch_dtype",
-                "lookup_ngram",
-                "eval_served",
-                "eval_enable_thinking",
-            },
-        )
+        return spec.dflash.model_dump(mode="json", include=EVAL_ONLY | {"target_torch_dtype", "lookup_ngram"})
 
     @classmethod
     def complete_options(cls, options: StrategyOptions, model: nn.Module) -> StrategyOptions:

@@ -27,6 +27,7 @@ from strategies.dflash.draft import (
     speculative_generate,
 )
 from strategies.dflash.loss import acceptance_from_correct
+from strategies.seeding import seeded_generator
 from tasks.evaluation.likelihood import CausalLM, EvalResult, Evaluation, ar_nll_metrics, encode_prompts, exact_ar_nll
 from tasks.evaluation.scoring import generative_perplexity, mean_entropy
 from tasks.evaluation.served import served_acceptance
@@ -133,6 +134,38 @@ def speculative_benchmark(
     }
 
 
+def sampled_acceptance(
+    target, draft, prompts: list[list[int]], max_new_tokens: int, eos_token_id, temperature: float, seed: int, lookup=0
+) -> dict:
+    """τ of speculative sampling at `temperature` on the same prompts (docs/evaluation.md §4.7): the draft's
+    proposals drawn from its distribution at that temperature, kept by the rejection step, so acceptance rewards
+    the draft's whole distribution, not its argmax alone. Prompt i draws from its own generator, seeded from
+    (`seed`, i): a rerun gives the same tokens, and two drafts face the same seeds. With `lookup` the draft alone
+    decodes the prompts once more (`tau_draft`)."""
+
+    def acceptance(lookup_ngram: int) -> list[list[int]]:
+        return [
+            speculative_generate(
+                target,
+                draft,
+                p,
+                max_new_tokens,
+                eos_token_id,
+                temperature=temperature,
+                generator=seeded_generator(seed * 1_000_003 + i),
+                lookup_ngram=lookup_ngram,
+            ).acceptance
+            for i, p in enumerate(prompts)
+        ]
+
+    def tau(lists: list[list[int]]) -> float:
+        return sum(map(sum, lists)) / max(sum(map(len, lists)), 1)
+
+    out = acceptance(lookup)
+    alone = {"tau_draft": tau(acceptance(0))} if lookup else {}
+    return {"temperature": temperature, "tau": tau(out), **alone, "acceptance": out}
+
+
 def dflash_evaluation(ev: Evaluation) -> EvalResult:
     """DFlash metrics: τ_sim and acc_k (teacher-forced), real τ and speedup from speculative decoding
     checked token for token against target-only greedy, the target's exact NLL, and samples."""
@@ -149,6 +182,14 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     nll, se, n_tokens = exact_ar_nll(CausalLM(), target, ids, loss_mask, attn, spec.eval.batch_size)
     prompts = speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len)
     bench = speculative_benchmark(target, draft, prompts, d.eval_max_new_tokens, tokenizer.eos_token_id, d.lookup_ngram)
+    eos, temperature = tokenizer.eos_token_id, d.eval_temperature
+    sampled = (
+        sampled_acceptance(
+            target, draft, prompts, d.eval_max_new_tokens, eos, temperature, spec.eval.seed, d.lookup_ngram
+        )
+        if temperature > 0
+        else None
+    )
     # the same prompts through z-lab's decoder, chat-rendered with the target's template (docs/evaluation.md §4.7.1)
     served, served_report = served_acceptance(ev, target, draft, mask_id, prompts, meta)
     # the report's shared columns, from speculative decoding of the report's text prompts (no timing
@@ -170,6 +211,7 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
         "dflash/exact_match": bench["exact_match"],
         **{f"dflash/{k}": bench[k] for k in ("tau_draft", "lookup_share") if k in bench},
         **({"dflash/candidate_recall": recall[0] / max(recall[1], 1.0)} if draft.config.variant == DFLASH2 else {}),
+        **({f"dflash/{k}_sampled": sampled[k] for k in ("tau", "tau_draft") if k in sampled} if sampled else {}),
         **served,
         **ar_nll_metrics(nll, se, n_tokens),
         "eval/nfe": bench["target_forwards"] / len(bench["outputs"]),
@@ -181,4 +223,6 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
         metrics["eval/gen_ppl"], _ = generative_perplexity(*scorer, list(zip(texts, decoded)))
     text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
     report = {**{k: v for k, v in bench.items() if k != "outputs"}, "served": served_report}
+    if sampled:
+        report["sampled"] = sampled
     return EvalResult(strat, metrics, [], text, {"speculative.json": json.dumps(report, indent=2)})

@@ -226,13 +226,13 @@ def test_the_causes_are_refused_or_warned_about_before_training(tok, target, tmp
 
 def test_the_report_and_the_card_say_served_tau_and_the_causes_of_a_gap():
     from tasks.commands.model_card import _evaluation_section
-    from tasks.report import _dflash_table
+    from tasks.evaluation.dflash_table import dflash_table
 
     m = {"dflash/tau": 3.1, "dflash/tau_sim": 2.9, "dflash/tau_served": 2.0, "dflash/tau_served_ours": 2.9}
     m |= {"dflash/tau_full_cycles": 3.0, "dflash/tau_served_prompts": 16, "dflash/tau_served_gap": -1.0}
     m |= {"dflash/tau_served_gap_lo": -1.3, "dflash/tau_served_gap_hi": -0.7, "dflash/tau_served_mismatch": 1}
     m |= {"dflash/served_chat": 1, "dflash/served_cause_template": 1, "dflash/served_cause_mask_alias": 0}
-    report = "\n".join(_dflash_table([{"strategy": "dflash", "metrics": m}]))
+    report = "\n".join(dflash_table([{"strategy": "dflash", "metrics": m}]))
     ev = SimpleNamespace(source="run x", metrics=m, others=[], samples="", repro_card=None)
     card = "\n".join(_evaluation_section(SimpleNamespace(evaluation=ev, notes=[])))
     for text in (report, card):
@@ -240,7 +240,7 @@ def test_the_report_and_the_card_say_served_tau_and_the_causes_of_a_gap():
         assert "beyond noise" in text and "likely cause: the chat template" in text and "EOS/PAD" not in text
     assert "**dflash**, as served" in report
     plain = {"dflash/tau": 3.1, "dflash/tau_served_prompts": 0, "dflash/served_skipped": 1}
-    assert "not installed" in "\n".join(_dflash_table([{"strategy": "dflash", "metrics": plain}]))
+    assert "not installed" in "\n".join(dflash_table([{"strategy": "dflash", "metrics": plain}]))
 
 
 def test_a_budget_of_one_cycle_per_prompt_is_skipped_with_its_reason(tok, target, tmp_path):

@@ -259,6 +259,10 @@ def test_dflash_table_flags_a_gap_between_tau_sim_and_real_tau():
     assert "| dflash (dflash.lookup_ngram=2) | 1.200 | 2.100 | 1.250 | 0.20 | 0.96 |" in md
     assert "| dflash (dflash.loss_type=decay) | 2.000 | 1.900 | – | – | 1.05 |" in md
     assert "`dflash/tau_draft` with the draft alone" in md
+    assert "speculative sampling" not in md  # no row measured at a temperature: no such line
+    rows.append(row("dflash (dflash.eval_temperature=1.0)", card(), **{"dflash/tau": 2.0, "dflash/tau_sampled": 2.5}))
+    md = render_markdown("demo", rows, {}, [])
+    assert "speculative sampling at `dflash.eval_temperature`" in md and "eval_temperature=1.0) 2.500" in md
     # a row decoded with the lookup is flagged against rows without it: its τ is not the same measurement
     plain, looked = card(strategy="dflash"), card(strategy="dflash", sampler__lookup_ngram=2)
     flags = card_mismatches([row("a", plain), row("b", plain), row("c", looked)])
