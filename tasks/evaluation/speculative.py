@@ -30,7 +30,7 @@ from strategies.dflash.loss import acceptance_from_correct
 from strategies.seeding import seeded_generator
 from tasks.evaluation.likelihood import CausalLM, EvalResult, Evaluation, ar_nll_metrics, encode_prompts, exact_ar_nll
 from tasks.evaluation.scoring import generative_perplexity, mean_entropy
-from tasks.evaluation.served import served_acceptance
+from tasks.evaluation.served import ratio, served_acceptance
 from tasks.training.dflash_setup import draft_strategy, load_spec_target
 
 
@@ -158,12 +158,9 @@ def sampled_acceptance(
             for i, p in enumerate(prompts)
         ]
 
-    def tau(lists: list[list[int]]) -> float:
-        return sum(map(sum, lists)) / max(sum(map(len, lists)), 1)
-
     out = acceptance(lookup)
-    alone = {"tau_draft": tau(acceptance(0))} if lookup else {}
-    return {"temperature": temperature, "tau": tau(out), **alone, "acceptance": out}
+    alone = {"tau_draft": ratio(acceptance(0))} if lookup else {}
+    return {"temperature": temperature, "tau": ratio(out), **alone, "acceptance": out}
 
 
 def dflash_evaluation(ev: Evaluation) -> EvalResult:
