@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from flows import cli_parser
-from flows.cli_checks import check_device, check_served_target, check_tracking, set_verification
+from flows.cli_checks import check_device, check_sampled_serving, check_served_target, check_tracking, set_verification
 from flows.cli_commands import cmd_export, cmd_generate, cmd_plan, cmd_report, cmd_runs, cmd_validate
 from flows.cli_errors import USER_ERRORS, Session, run_command
 from flows.cli_errors import resume_hint as _resume_hint
@@ -82,7 +82,8 @@ def cmd_run(args) -> int:
 
     spec = load_config(args.config, args.set)
     check_device(spec)  # fail fast, before any service starts
-    for line in check_served_target(spec):  # a DFlash target's own special tokens (docs/strategies.md §10.13)
+    # a DFlash target's own special tokens; a sampled draft that learns the argmax alone (docs/strategies.md §10.13)
+    for line in [*check_served_target(spec), *check_sampled_serving(spec)]:
         print(f"dllm-flow: warning: {line}", file=sys.stderr, flush=True)
     _warn_if_too_big(spec, args.gpu_memory, Path(args.workdir))
     check_tracking(spec.tracking.uri, Path(args.workdir))

@@ -104,3 +104,14 @@ def check_served_target(spec) -> list[str]:
         f"tokenizer.path and dflash.target_model_id differ in {', '.join(diff)}: the draft trains on ids the served "
         "prompts won't use; set tokenizer.path to the target's folder"
     ]
+
+
+def check_sampled_serving(spec) -> list[str]:
+    """A DFlash pipeline measured at a sampling temperature (`dflash.eval_temperature`) whose draft trains on rows
+    the target continued greedily: a warning line naming what to set (docs/strategies.md §10.13)."""
+    from strategies.dflash.served_checks import sampling_problems
+
+    d = spec.dflash
+    if "dflash" not in spec.pipeline.strategies or spec.train.steps == 0 or d.regenerate is None:
+        return []
+    return sampling_problems(d.eval_temperature, d.regenerate.temperature)

@@ -106,6 +106,12 @@ def _add_generate(sub, commands: Commands) -> None:
         default=0,
         help="speculative sampler: when the last N..4 tokens recur in the context, propose what followed them (0: off)",
     )
+    gen.add_argument(
+        "--sampled-walk",
+        action="store_true",
+        help="speculative sampler at T > 0: a DFlash 2 / Domino draft samples its serial walk, as the engines do "
+        "(default: its backbone's distribution, accepted more often)",
+    )
     gen.add_argument("--seed", type=int, default=42)
     gen.add_argument("--infill", action="store_true", help="fill each [MASK] in the prompt with 20 tokens")
     gen.add_argument("--adapter", default=None, help="merge a LoRA adapter dir into the checkpoint first")

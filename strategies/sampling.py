@@ -42,6 +42,9 @@ class SamplerConfig:
     sampler: str = "auto"
     # speculative decoding only: propose from the context when its last n…4 tokens recur (0: off; §10.8)
     lookup_ngram: int = 0
+    # speculative decoding at T > 0 only: a DFlash 2 / Domino draft samples its serial walk, as the engines do, instead
+    # of its backbone's one-pass distribution (docs/strategies.md §10.13)
+    sampled_walk: bool = False
 
     def __post_init__(self) -> None:
         # each message names the field and its `dllm-flow generate` flag, so it reads right from either

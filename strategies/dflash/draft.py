@@ -386,6 +386,7 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     lookup_ngram: int = 0,
+    sampled_walk: bool = False,
 ) -> SpeculativeResult:
     """DFlash decoding: the draft proposes bs − 1 tokens after the anchor in one forward, the target
     verifies them in one forward, the proposals that stand plus the target's next token are committed,
@@ -398,7 +399,9 @@ def speculative_generate(
     `copy_hint` draft also reads the lookup's proposal (n = 1) as an input each cycle (`copy_hints`); with
     `lookup_ngram` > 0 the lookup still goes in front of it. A DFlash 2 draft proposes the path its selector
     walks (`CandidateSelector.walk`; Domino its chain), verified against the distributions the walk drew from; looked-up
-    tokens lead the block and the walk goes on after them."""
+    tokens lead the block and the walk goes on after them. At T > 0 such a draft proposes from its backbone's
+    one-pass distribution instead, as a DFlash draft does, which the target accepts more often than the walk's
+    (docs/strategies.md §10.13); `sampled_walk` samples the walk, as z-lab's decoder and the engines do."""
     cfg = draft.config
     bs, device = cfg.block_size, next(draft.parameters()).device
     ids = torch.tensor([prompt], device=device)
@@ -417,7 +420,8 @@ def speculative_generate(
             history = torch.tensor([list(prompt) + out], device=device)
             hints = copy_hints(history, torch.tensor([[history.shape[1] - 1]], device=device), bs, cfg.mask_token_id)
         found = context_lookup(list(prompt) + out, lookup_ngram, bs - 1) if lookup_ngram else []
-        if cfg.variant in (DFLASH2, DOMINO):  # drafted serially after the backbone: the path, its distributions
+        # drafted serially after the backbone: the path and its distributions (sampled: the backbone's, §10.13)
+        if cfg.variant in (DFLASH2, DOMINO) and (temperature <= 0 or sampled_walk):
             emb, head = _embed_and_head(target)  # (walked after the looked-up tokens, which lead the block)
             hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block, **trimmed)[0, 1:]
             proposal, d_logits = serial_walk(draft, emb, hidden, head(hidden), out[-1], temperature, generator, found)

@@ -215,6 +215,20 @@ def engine_field_problems(raw: dict, ours: dict) -> list[str]:
     return out
 
 
+def sampling_problems(serve_temperature: float, regen_temperature: float | None) -> list[str]:
+    """A draft meant for a sampling server (`dflash.eval_temperature` T > 0) trained on rows the target continued
+    greedily: it learns the target's greedy text, proposes sharper than the target samples at T, and speculative
+    sampling accepts by the overlap of the two (docs/strategies.md §10.13). One line naming what to set."""
+    if serve_temperature <= 0 or regen_temperature != 0:
+        return []
+    t = f"{serve_temperature:g}"
+    return [
+        f"dflash.regenerate.temperature is 0 (greedy rows) and dflash.eval_temperature is {t}: a draft trained on the "
+        f"target's greedy text is accepted far less when the server samples; set dflash.regenerate.temperature: {t} "
+        "(docs/strategies.md §10.13)"
+    ]
+
+
 def served_notes(m: dict, decimals: int = 3) -> list[str]:
     """Markdown lines on served τ from an evaluation's metrics `m` (none where it has no served keys): what was
     measured, the interval, and each cause found when the gap is beyond noise."""

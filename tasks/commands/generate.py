@@ -141,12 +141,16 @@ def check_request(loaded: Loaded, request: Request) -> list[int]:
         new = request.config.max_new_tokens
     if not ids:
         raise ValueError("--prompt is empty after tokenization; give some text")
-    if request.config.lookup_ngram and "lookup_ngram" not in SAMPLERS[request.sampler].settings:
-        readers = [name for name, info in SAMPLERS.items() if "lookup_ngram" in info.settings]
-        raise ValueError(
-            f"--lookup-ngram applies to the {', '.join(readers)} sampler; this checkpoint decodes "
-            f"with {request.sampler!r}: drop the flag"
-        )
+    readers = [name for name, info in SAMPLERS.items() if "lookup_ngram" in info.settings]  # the speculative one
+    for flag, given in (
+        ("--lookup-ngram", request.config.lookup_ngram),
+        ("--sampled-walk", request.config.sampled_walk),
+    ):
+        if given and request.sampler not in readers:
+            raise ValueError(
+                f"{flag} applies to the {', '.join(readers)} sampler; this checkpoint decodes with "
+                f"{request.sampler!r}: drop the flag"
+            )
     context = model_context(loaded.model)
     if context is None:
         return ids
@@ -225,6 +229,7 @@ def _speculative(loaded: Loaded, prompt_ids: list[int], config: SamplerConfig, s
         temperature=config.temperature,
         generator=torch.Generator().manual_seed(seed),  # the rejection step draws on the CPU
         lookup_ngram=config.lookup_ngram,
+        sampled_walk=config.sampled_walk,
     )
     seconds = time.perf_counter() - t0
     text = loaded.tokenizer.decode(res.tokens)

@@ -53,9 +53,14 @@ def dflash_table(spec_rows: list[dict]) -> list[str]:
             *gaps,
         ]
     at_t = [
-        f"{r['strategy']} {r['metrics']['dflash/tau_sampled']:.3f}"
+        f"{r['strategy']} {m['dflash/tau_sampled']:.3f}"
+        + (
+            f" (its serial walk, as the engines sample it: {m['dflash/tau_sampled_walk']:.3f})"
+            if "dflash/tau_sampled_walk" in m
+            else ""
+        )
         for r in spec_rows
-        if "dflash/tau_sampled" in r["metrics"]
+        if "dflash/tau_sampled" in (m := r["metrics"])
     ]
     lines += (
         ["", "τ of speculative sampling at `dflash.eval_temperature` (§4.7 of docs/evaluation.md): " + ", ".join(at_t)]

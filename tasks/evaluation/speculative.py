@@ -135,13 +135,22 @@ def speculative_benchmark(
 
 
 def sampled_acceptance(
-    target, draft, prompts: list[list[int]], max_new_tokens: int, eos_token_id, temperature: float, seed: int, lookup=0
+    target,
+    draft,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_token_id,
+    temperature: float,
+    seed: int,
+    lookup=0,
+    walk: bool = False,
 ) -> dict:
     """τ of speculative sampling at `temperature` on the same prompts (docs/evaluation.md §4.7): the draft's
     proposals drawn from its distribution at that temperature, kept by the rejection step, so acceptance rewards
     the draft's whole distribution, not its argmax alone. Prompt i draws from its own generator, seeded from
     (`seed`, i): a rerun gives the same tokens, and two drafts face the same seeds. With `lookup` the draft alone
-    decodes the prompts once more (`tau_draft`)."""
+    decodes the prompts once more (`tau_draft`). `walk`: a DFlash 2 / Domino draft samples its serial walk, as the
+    engines do, not its backbone (`speculative_generate`'s `sampled_walk`)."""
 
     def acceptance(lookup_ngram: int) -> list[list[int]]:
         return [
@@ -154,6 +163,7 @@ def sampled_acceptance(
                 temperature=temperature,
                 generator=seeded_generator(seed * 1_000_003 + i),
                 lookup_ngram=lookup_ngram,
+                sampled_walk=walk,
             ).acceptance
             for i, p in enumerate(prompts)
         ]
@@ -179,14 +189,12 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     nll, se, n_tokens = exact_ar_nll(CausalLM(), target, ids, loss_mask, attn, spec.eval.batch_size)
     prompts = speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len)
     bench = speculative_benchmark(target, draft, prompts, d.eval_max_new_tokens, tokenizer.eos_token_id, d.lookup_ngram)
-    eos, temperature = tokenizer.eos_token_id, d.eval_temperature
-    sampled = (
-        sampled_acceptance(
-            target, draft, prompts, d.eval_max_new_tokens, eos, temperature, spec.eval.seed, d.lookup_ngram
-        )
-        if temperature > 0
-        else None
-    )
+    sampled = {}  # at dflash.eval_temperature: our decoder's τ, and a serial draft's as the engines sample it
+    if d.eval_temperature > 0:
+        args = (target, draft, prompts, d.eval_max_new_tokens, tokenizer.eos_token_id, d.eval_temperature)
+        sampled["sampled"] = sampled_acceptance(*args, spec.eval.seed, d.lookup_ngram)
+        if draft.config.variant in (DFLASH2, DOMINO):
+            sampled["sampled_walk"] = sampled_acceptance(*args, spec.eval.seed, d.lookup_ngram, walk=True)
     # the same prompts through z-lab's decoder, chat-rendered with the target's template (docs/evaluation.md §4.7.1)
     served, served_report = served_acceptance(ev, target, draft, mask_id, prompts, meta)
     # the report's shared columns, from speculative decoding of the report's text prompts (no timing
@@ -208,7 +216,7 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
         "dflash/exact_match": bench["exact_match"],
         **{f"dflash/{k}": bench[k] for k in ("tau_draft", "lookup_share") if k in bench},
         **({"dflash/candidate_recall": recall[0] / max(recall[1], 1.0)} if draft.config.variant == DFLASH2 else {}),
-        **({f"dflash/{k}_sampled": sampled[k] for k in ("tau", "tau_draft") if k in sampled} if sampled else {}),
+        **{f"dflash/{k}_{how}": r[k] for how, r in sampled.items() for k in ("tau", "tau_draft") if k in r},
         **served,
         **ar_nll_metrics(nll, se, n_tokens),
         "eval/nfe": bench["target_forwards"] / len(bench["outputs"]),
@@ -220,6 +228,5 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
         metrics["eval/gen_ppl"], _ = generative_perplexity(*scorer, list(zip(texts, decoded)))
     text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
     report = {**{k: v for k, v in bench.items() if k != "outputs"}, "served": served_report}
-    if sampled:
-        report["sampled"] = sampled
+    report.update(sampled)
     return EvalResult(strat, metrics, [], text, {"speculative.json": json.dumps(report, indent=2)})

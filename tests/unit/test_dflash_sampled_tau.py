@@ -79,3 +79,17 @@ def test_eval_temperature_keys_the_evaluation_only_and_is_unwritten_at_zero():
     assert DFlashStrategy.eval_settings(hot) != DFlashStrategy.eval_settings(base)
     with pytest.raises(ValueError, match="eval_temperature"):
         load_config(ROOT / "configs" / "dflash.yaml", ["dflash.eval_temperature=-1"])
+
+
+def test_a_draft_for_a_sampling_server_trained_on_greedy_rows_is_warned_about_before_training():
+    from flows.cli_checks import check_sampled_serving
+
+    cfg = ROOT / "configs" / "dflash.yaml"  # rows the target continued greedily (regenerate.temperature 0)
+    assert check_sampled_serving(load_config(cfg)) == []  # judged greedy: nothing to say
+    (line,) = check_sampled_serving(load_config(cfg, ["dflash.eval_temperature=0.7"]))
+    assert "greedy rows" in line and "set dflash.regenerate.temperature: 0.7" in line
+    fixed = ["dflash.eval_temperature=0.7", "dflash.regenerate.temperature=0.7"]
+    assert check_sampled_serving(load_config(cfg, fixed)) == []
+    # nothing trains (an imported draft evaluated as it is): nothing to warn about
+    hot = load_config(cfg, ["dflash.eval_temperature=0.7"])
+    assert check_sampled_serving(hot.model_copy(update={"train": hot.train.model_copy(update={"steps": 0})})) == []

@@ -208,7 +208,9 @@ def test_speculative_sampling_through_the_chain_matches_target_sampling(target):
     top = p2.topk(7).indices.tolist()
     g, n, seen = torch.Generator().manual_seed(0), 200, torch.zeros(8)
     for _ in range(n):
-        token = speculative_generate(target, draft, prompt, 2, temperature=1.0, generator=g).tokens[1]
+        token = speculative_generate(target, draft, prompt, 2, temperature=1.0, generator=g, sampled_walk=True).tokens[
+            1
+        ]
         seen[top.index(token) if token in top else 7] += 1
     expected = torch.cat([p2[top], (1 - p2[top].sum()).reshape(1)]) * n
     assert chisquare(seen.numpy(), expected.numpy()).pvalue > 1e-4
