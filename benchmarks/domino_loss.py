@@ -2,8 +2,9 @@
 
 While λ > 0 Domino's objective is `(1 − λ)·L(head + correction) + λ·L(head)` (docs/strategies.md §10.15). With
 `use_fused_linear_ce` both go through checkpointed chunks of rows; the loss computes them in one pass
-(`DFlashDecayLoss.forward_chunked_each`: the head's `[rows, V]` matmul once per chunk, forward and recompute) where
-it used to run two (`forward_chunked` for the corrected logits, then `forward_fused` for the head's). Both are timed
+(`DFlashDecayLoss.forward_chunked` given both logits of a chunk: the head's `[rows, V]` matmul once per chunk,
+forward and recompute) where it used to run two (`forward_chunked` for the corrected logits, then `forward_fused`
+for the head's). Both are timed
 alternately, forward + backward, on the same inputs, after checking they give the same loss and gradients; the
 table prints the medians and new ÷ old.
 
@@ -56,7 +57,7 @@ def main() -> None:
         return proj(torch.cat([x, g], dim=-1))
 
     def two_passes():
-        out = loss.forward_chunked(lambda x, g: head(x) + correction(x, g), (pred, states), targets, mask, **kw)
+        (out,) = loss.forward_chunked(lambda x, g: (head(x) + correction(x, g),), (pred, states), targets, mask, **kw)
         base = loss.forward_fused(pred, head.weight, targets, mask, **kw)
         return (1 - WEIGHT) * out.total_loss + WEIGHT * base.total_loss
 
@@ -65,7 +66,7 @@ def main() -> None:
             base = head(x)
             return base + correction(x, g), base
 
-        out, base = loss.forward_chunked_each(both, (pred, states), targets, mask, **kw)
+        out, base = loss.forward_chunked(both, (pred, states), targets, mask, **kw)
         return (1 - WEIGHT) * out.total_loss + WEIGHT * base.total_loss
 
     old, new = two_passes(), one_pass()

@@ -126,7 +126,7 @@ class DFlashDecayLoss(nn.Module):
         """Chunks of `chunk_size` rows through linear + CE under activation checkpointing: the
         [B·T, V] logits never stay alive for backward."""
         return self.forward_chunked(
-            lambda h: F.linear(h, lm_head_weight, lm_head_bias),
+            lambda h: (F.linear(h, lm_head_weight, lm_head_bias),),
             (hidden,),
             target_ids,
             block_mask,
@@ -134,7 +134,7 @@ class DFlashDecayLoss(nn.Module):
             block_size=block_size,
             soft=soft,
             prefix=prefix,
-        )
+        )[0]
 
     def forward_chunked(
         self,
@@ -146,27 +146,11 @@ class DFlashDecayLoss(nn.Module):
         block_size: int | None = None,
         soft: SoftLabels | None = None,
         prefix: Tensor | None = None,
-    ) -> DLLMLossOutput:
-        """The loss of the logits `make_logits(*chunk)` forms from chunks of `chunk_size` rows of `inputs` (each
-        `[B, T, …]`), under activation checkpointing: only a chunk's `[rows, V]` logits ever exist, and none stays
-        alive for backward (`forward_fused`: the head alone; Domino: the head plus its correction)."""
-        kw = {"num_tokens": num_tokens, "block_size": block_size, "soft": soft, "prefix": prefix}
-        return self.forward_chunked_each(lambda *chunk: (make_logits(*chunk),), inputs, target_ids, block_mask, **kw)[0]
-
-    def forward_chunked_each(
-        self,
-        make_logits,
-        inputs: tuple[Tensor, ...],
-        target_ids: Tensor,
-        block_mask: Tensor,
-        num_tokens=None,
-        block_size: int | None = None,
-        soft: SoftLabels | None = None,
-        prefix: Tensor | None = None,
     ) -> list[DLLMLossOutput]:
-        """`forward_chunked` for a `make_logits` that returns several logits of one chunk (a tuple), one loss each,
-        so the work they share is done once per chunk (Domino's curriculum: the head's logits, and them plus the
-        correction)."""
+        """One loss per logits `make_logits(*chunk)` returns (a tuple) from chunks of `chunk_size` rows of `inputs`
+        (each `[B, T, …]`), under activation checkpointing: only a chunk's `[rows, V]` logits ever exist, none stays
+        alive for backward, and the work they share is done once per chunk (`forward_fused`: the head alone;
+        Domino: the head plus its correction, and in its curriculum the head's own logits beside them)."""
         flat, tgt = [x.flatten(0, 1) for x in inputs], target_ids.flatten()
         flat_soft = None if soft is None else SoftLabels(soft.ids.flatten(0, 1), soft.probs.flatten(0, 1))
         n = len(flat)

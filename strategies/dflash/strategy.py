@@ -345,7 +345,7 @@ class DFlashStrategy(DLLMStrategy):
                 final = base + correction(draft, h, g)
                 return (final, base) if weight else (final,)
 
-            out, *rest = ctx.loss_fn.forward_chunked_each(final_and_base, (pred, states), e.targets, e.block_mask, **kw)
+            out, *rest = ctx.loss_fn.forward_chunked(final_and_base, (pred, states), e.targets, e.block_mask, **kw)
             base = rest[0] if rest else None
         else:
             logits = head(pred)
