@@ -98,7 +98,7 @@ def cmd_generate(args) -> int:
         threshold=args.threshold,
         sampler=sampler,
         lookup_ngram=args.lookup_ngram,
-        sampled_walk=args.sampled_walk,
+        sampled_proposals=args.sampled_proposals,
         **({"cache": args.cache} if args.cache else {}),
     )
     chat = (loaded.meta.get("chat", False) or args.chat) and not args.raw

@@ -107,10 +107,11 @@ def _add_generate(sub, commands: Commands) -> None:
         help="speculative sampler: when the last N..4 tokens recur in the context, propose what followed them (0: off)",
     )
     gen.add_argument(
-        "--sampled-walk",
-        action="store_true",
-        help="speculative sampler at T > 0: a DFlash 2 / Domino draft samples its serial walk, as the engines do "
-        "(default: its backbone's distribution, accepted more often)",
+        "--sampled-proposals",
+        default=None,
+        choices=["walk", "backbone"],
+        help="speculative sampler at T > 0: a DFlash 2 / Domino draft samples its serial walk (as the engines do) or "
+        "proposes from its backbone (default: DFlash 2 its backbone, Domino its walk)",
     )
     gen.add_argument("--seed", type=int, default=42)
     gen.add_argument("--infill", action="store_true", help="fill each [MASK] in the prompt with 20 tokens")

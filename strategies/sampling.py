@@ -42,9 +42,9 @@ class SamplerConfig:
     sampler: str = "auto"
     # speculative decoding only: propose from the context when its last n…4 tokens recur (0: off; §10.8)
     lookup_ngram: int = 0
-    # speculative decoding at T > 0 only: a DFlash 2 / Domino draft samples its serial walk, as the engines do, instead
-    # of its backbone's one-pass distribution (docs/strategies.md §10.13)
-    sampled_walk: bool = False
+    # speculative decoding at T > 0 only: what a DFlash 2 / Domino draft proposes from, "walk" (as the engines do) or
+    # "backbone" (its one-pass distribution); None: the draft's default (docs/strategies.md §10.13)
+    sampled_proposals: str | None = None
 
     def __post_init__(self) -> None:
         # each message names the field and its `dllm-flow generate` flag, so it reads right from either
@@ -57,6 +57,10 @@ class SamplerConfig:
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{name} ({flag}) must be at least 1; got {getattr(self, name)}")
+        if self.sampled_proposals not in (None, "walk", "backbone"):
+            raise ValueError(
+                f"sampled_proposals (--sampled-proposals) must be walk or backbone; got {self.sampled_proposals!r}"
+            )
         if not 0 <= self.lookup_ngram <= LOOKUP_MAX_NGRAM:
             raise ValueError(
                 f"lookup_ngram (--lookup-ngram) must be in 0..{LOOKUP_MAX_NGRAM} (0: off; the lookup matches "

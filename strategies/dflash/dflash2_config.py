@@ -13,6 +13,12 @@ from __future__ import annotations
 DFLASH, DFLASH2 = "dflash", "dflash2"  # `DFlashDraftConfig.variant` / the `dflash.draft_variant` option
 JETSPEC = "jetspec"  # the DFlash draft with causal attention inside the block (docs/strategies.md §10.14)
 DOMINO = "domino"  # the DFlash draft with a serial GRU correction head (docs/strategies.md §10.15)
+# what a serial draft proposes from when speculative decoding samples (T > 0; docs/strategies.md §10.13): its walk
+# (the selector's path, the GRU's chain: what z-lab's decoder and the engines sample) or its backbone's one-pass
+# distribution. Unset: DFlash 2 its backbone (trained alone throughout, and accepted more often than its walk in
+# every measurement), Domino its walk (its backbone trains alone only during the curriculum)
+WALK, BACKBONE = "walk", "backbone"
+SAMPLED_DEFAULT = {DFLASH2: BACKBONE, DOMINO: WALK}
 # Domino's head: the GRU's state size and the projection's inner width (`dflash_config` keys, as NeMo Automodel's)
 DOMINO_DEFAULTS = {"gru_hidden_dim": 256, "emb_dim": 128}
 DOMINO_KEYS = ["embed_proj.0.weight", "embed_proj.2.weight", "prefix_gru.weight_hh_l0", "prefix_gru.weight_ih_l0"]

@@ -20,7 +20,7 @@ from dllm_common.checkpoint import DIGESTS, read_weights, verify_checkpoint
 from strategies.dflash.blocks import CopyHints, block_position_ids, copy_hints
 from strategies.dflash.config import DFlashDraftConfig, is_draft_dir
 from strategies.dflash.dflash2 import CandidateSelector, InBlockConv, conv_sublayer
-from strategies.dflash.dflash2_config import DFLASH2, DOMINO
+from strategies.dflash.dflash2_config import DFLASH2, DOMINO, SAMPLED_DEFAULT, WALK
 from strategies.dflash.domino import attach_domino_head, serial_walk
 from strategies.dflash.window import draft_masks, layer_mask, trim_context
 from strategies.sampling import LOOKUP_MAX_NGRAM, draw
@@ -375,6 +375,11 @@ def _with_lookup(found: list[int], d_logits: Tensor, proposal: Tensor) -> tuple[
     return d_logits, proposal, True
 
 
+def sampled_from(cfg: DFlashDraftConfig, choice: str | None) -> str | None:
+    """What a serial draft proposes from at T > 0: `choice` (`walk` or `backbone`), else its variant's default."""
+    return choice or SAMPLED_DEFAULT.get(cfg.variant)
+
+
 @torch.no_grad()
 def speculative_generate(
     target: nn.Module,
@@ -386,7 +391,7 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     lookup_ngram: int = 0,
-    sampled_walk: bool = False,
+    sampled_proposals: str | None = None,
 ) -> SpeculativeResult:
     """DFlash decoding: the draft proposes bs − 1 tokens after the anchor in one forward, the target
     verifies them in one forward, the proposals that stand plus the target's next token are committed,
@@ -399,9 +404,10 @@ def speculative_generate(
     `copy_hint` draft also reads the lookup's proposal (n = 1) as an input each cycle (`copy_hints`); with
     `lookup_ngram` > 0 the lookup still goes in front of it. A DFlash 2 draft proposes the path its selector
     walks (`CandidateSelector.walk`; Domino its chain), verified against the distributions the walk drew from; looked-up
-    tokens lead the block and the walk goes on after them. At T > 0 such a draft proposes from its backbone's
-    one-pass distribution instead, as a DFlash draft does, which the target accepts more often than the walk's
-    (docs/strategies.md §10.13); `sampled_walk` samples the walk, as z-lab's decoder and the engines do."""
+    tokens lead the block and the walk goes on after them. At T > 0 `sampled_proposals` says whether such a draft
+    samples its walk (`walk`, as z-lab's decoder and the engines do) or proposes from its backbone's one-pass
+    distribution as a DFlash draft does (`backbone`); unset, the draft's default (`SAMPLED_DEFAULT`: DFlash 2 its
+    backbone, Domino its walk; docs/strategies.md §10.13)."""
     cfg = draft.config
     bs, device = cfg.block_size, next(draft.parameters()).device
     ids = torch.tensor([prompt], device=device)
@@ -421,7 +427,7 @@ def speculative_generate(
             hints = copy_hints(history, torch.tensor([[history.shape[1] - 1]], device=device), bs, cfg.mask_token_id)
         found = context_lookup(list(prompt) + out, lookup_ngram, bs - 1) if lookup_ngram else []
         # drafted serially after the backbone: the path and its distributions (sampled: the backbone's, §10.13)
-        if cfg.variant in (DFLASH2, DOMINO) and (temperature <= 0 or sampled_walk):
+        if cfg.variant in (DFLASH2, DOMINO) and (temperature <= 0 or sampled_from(cfg, sampled_proposals) == WALK):
             emb, head = _embed_and_head(target)  # (walked after the looked-up tokens, which lead the block)
             hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block, **trimmed)[0, 1:]
             proposal, d_logits = serial_walk(draft, emb, hidden, head(hidden), out[-1], temperature, generator, found)

@@ -144,7 +144,7 @@ def check_request(loaded: Loaded, request: Request) -> list[int]:
     readers = [name for name, info in SAMPLERS.items() if "lookup_ngram" in info.settings]  # the speculative one
     for flag, given in (
         ("--lookup-ngram", request.config.lookup_ngram),
-        ("--sampled-walk", request.config.sampled_walk),
+        ("--sampled-proposals", request.config.sampled_proposals),
     ):
         if given and request.sampler not in readers:
             raise ValueError(
@@ -229,7 +229,7 @@ def _speculative(loaded: Loaded, prompt_ids: list[int], config: SamplerConfig, s
         temperature=config.temperature,
         generator=torch.Generator().manual_seed(seed),  # the rejection step draws on the CPU
         lookup_ngram=config.lookup_ngram,
-        sampled_walk=config.sampled_walk,
+        sampled_proposals=config.sampled_proposals,
     )
     seconds = time.perf_counter() - t0
     text = loaded.tokenizer.decode(res.tokens)

@@ -52,12 +52,13 @@ def dflash_table(spec_rows: list[dict]) -> list[str]:
             "the speedup:",
             *gaps,
         ]
+    other = {"walk": "sampling its serial walk, as the engines do", "backbone": "proposing from its backbone"}
     at_t = [
         f"{r['strategy']} {m['dflash/tau_sampled']:.3f}"
-        + (
-            f" (its serial walk, as the engines sample it: {m['dflash/tau_sampled_walk']:.3f})"
-            if "dflash/tau_sampled_walk" in m
-            else ""
+        + "".join(
+            f" ({said}: {m[f'dflash/tau_sampled_{k}']:.3f})"
+            for k, said in other.items()
+            if f"dflash/tau_sampled_{k}" in m
         )
         for r in spec_rows
         if "dflash/tau_sampled" in (m := r["metrics"])

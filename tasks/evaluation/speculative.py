@@ -17,7 +17,7 @@ from dllm_common.checkpoint import read_meta
 from dllm_common.config import EvalConfig
 from strategies import Microbatch, StepContext
 from strategies.dflash.dflash2 import block_predecessors, candidate_recall, selector_scores
-from strategies.dflash.dflash2_config import DFLASH2, DOMINO
+from strategies.dflash.dflash2_config import BACKBONE, DFLASH2, DOMINO, SAMPLED_DEFAULT, WALK
 from strategies.dflash.domino import corrected_logits
 from strategies.dflash.draft import (
     _embed_and_head,
@@ -143,14 +143,14 @@ def sampled_acceptance(
     temperature: float,
     seed: int,
     lookup=0,
-    walk: bool = False,
+    proposals: str | None = None,
 ) -> dict:
     """τ of speculative sampling at `temperature` on the same prompts (docs/evaluation.md §4.7): the draft's
     proposals drawn from its distribution at that temperature, kept by the rejection step, so acceptance rewards
     the draft's whole distribution, not its argmax alone. Prompt i draws from its own generator, seeded from
     (`seed`, i): a rerun gives the same tokens, and two drafts face the same seeds. With `lookup` the draft alone
-    decodes the prompts once more (`tau_draft`). `walk`: a DFlash 2 / Domino draft samples its serial walk, as the
-    engines do, not its backbone (`speculative_generate`'s `sampled_walk`)."""
+    decodes the prompts once more (`tau_draft`). `proposals`: what a DFlash 2 / Domino draft proposes from, its walk
+    or its backbone (`speculative_generate`'s `sampled_proposals`; None: the draft's default)."""
 
     def acceptance(lookup_ngram: int) -> list[list[int]]:
         return [
@@ -163,7 +163,7 @@ def sampled_acceptance(
                 temperature=temperature,
                 generator=seeded_generator(seed * 1_000_003 + i),
                 lookup_ngram=lookup_ngram,
-                sampled_walk=walk,
+                sampled_proposals=proposals,
             ).acceptance
             for i, p in enumerate(prompts)
         ]
@@ -189,12 +189,13 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     nll, se, n_tokens = exact_ar_nll(CausalLM(), target, ids, loss_mask, attn, spec.eval.batch_size)
     prompts = speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len)
     bench = speculative_benchmark(target, draft, prompts, d.eval_max_new_tokens, tokenizer.eos_token_id, d.lookup_ngram)
-    sampled = {}  # at dflash.eval_temperature: our decoder's τ, and a serial draft's as the engines sample it
+    sampled = {}  # at dflash.eval_temperature: the decoder's τ, and a serial draft's with its other proposals
     if d.eval_temperature > 0:
         args = (target, draft, prompts, d.eval_max_new_tokens, tokenizer.eos_token_id, d.eval_temperature)
         sampled["sampled"] = sampled_acceptance(*args, spec.eval.seed, d.lookup_ngram)
-        if draft.config.variant in (DFLASH2, DOMINO):
-            sampled["sampled_walk"] = sampled_acceptance(*args, spec.eval.seed, d.lookup_ngram, walk=True)
+        if (default := SAMPLED_DEFAULT.get(draft.config.variant)) is not None:
+            other = BACKBONE if default == WALK else WALK
+            sampled[f"sampled_{other}"] = sampled_acceptance(*args, spec.eval.seed, d.lookup_ngram, other)
     # the same prompts through z-lab's decoder, chat-rendered with the target's template (docs/evaluation.md §4.7.1)
     served, served_report = served_acceptance(ev, target, draft, mask_id, prompts, meta)
     # the report's shared columns, from speculative decoding of the report's text prompts (no timing

@@ -197,8 +197,11 @@ def test_prompt_plus_new_tokens_beyond_the_context_is_refused():
     assert len(check_request(_loaded(), Request("w " * 34, "llada", SamplerConfig(max_new_tokens=30)))) == 34
     lookup = Request("w " * 4, "llada", SamplerConfig(max_new_tokens=8, lookup_ngram=2))
     _refused(lambda: check_request(_loaded(), lookup), "--lookup-ngram applies to the speculative sampler", "'llada'")
-    walk = Request("w " * 4, "llada", SamplerConfig(max_new_tokens=8, temperature=1.0, sampled_walk=True))
-    _refused(lambda: check_request(_loaded(), walk), "--sampled-walk applies to the speculative sampler", "'llada'")
+    walk = Request("w " * 4, "llada", SamplerConfig(max_new_tokens=8, temperature=1.0, sampled_proposals="walk"))
+    _refused(
+        lambda: check_request(_loaded(), walk), "--sampled-proposals applies to the speculative sampler", "'llada'"
+    )
+    _refused(lambda: SamplerConfig(sampled_proposals="path"), "must be walk or backbone", "'path'")
     assert (
         len(check_request(_loaded(), Request("w " * 4, "speculative", SamplerConfig(max_new_tokens=8, lookup_ngram=2))))
         == 4

@@ -371,8 +371,8 @@ def test_the_walk_draws_from_the_distributions_it_returns():
 
 def test_sampled_decoding_proposes_from_the_backbone_unless_the_walk_is_asked_for(target):
     """At T > 0 the decoder proposes from the backbone's one-pass distribution (docs/strategies.md §10.13): the
-    output and acceptance do not depend on the selector's weights. `sampled_walk` samples the selector's path, as
-    the engines do, and then they do."""
+    output and acceptance do not depend on the selector's weights. `sampled_proposals="walk"` samples the selector's
+    path, as the engines do, and then they do."""
     prompts = [[1, 2, 3, 4], [5, 9, 2, 7, 1]]
 
     def run(draft, **kw):
@@ -388,7 +388,8 @@ def test_sampled_decoding_proposes_from_the_backbone_unless_the_walk_is_asked_fo
         for p in b.candidate_selector.parameters():
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 2)
     assert run(a) == run(b)
-    assert run(a, sampled_walk=True) != run(b, sampled_walk=True)
+    assert run(a, sampled_proposals="walk") != run(b, sampled_proposals="walk")
+    assert run(a, sampled_proposals="backbone") == run(a)
 
 
 def test_speculative_sampling_through_the_selector_matches_target_sampling(target):
@@ -406,9 +407,9 @@ def test_speculative_sampling_through_the_selector_matches_target_sampling(targe
     top = p2.topk(7).indices
     g, n, seen = torch.Generator().manual_seed(0), 150, torch.zeros(8)
     for _ in range(n):
-        token = speculative_generate(target, draft, prompt, 2, temperature=1.0, generator=g, sampled_walk=True).tokens[
-            1
-        ]
+        token = speculative_generate(
+            target, draft, prompt, 2, temperature=1.0, generator=g, sampled_proposals="walk"
+        ).tokens[1]
         seen[top.tolist().index(token) if token in top.tolist() else 7] += 1
     expected = torch.cat([p2[top], (1 - p2[top].sum()).reshape(1)]) / p2.sum() * n
     assert chisquare(seen.numpy(), expected.numpy()).pvalue > 1e-3

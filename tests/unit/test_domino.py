@@ -194,6 +194,31 @@ def test_domino_trains_and_decodes_the_targets_greedy_text(target):
     torch.testing.assert_close(led_rows, after, rtol=1e-5, atol=1e-5)
 
 
+def test_sampled_decoding_walks_the_chain_unless_the_backbone_is_asked_for(target):
+    """At T > 0 a Domino draft samples its corrected chain by default (its backbone trains alone only during the
+    curriculum; docs/strategies.md §10.13): the output moves with the head's weights. With
+    `sampled_proposals="backbone"` it proposes from the backbone's one pass, and the head no longer matters."""
+    prompts = [[1, 2, 3, 4], [5, 9, 2, 7, 1]]
+
+    def run(draft, **kw):
+        return [
+            speculative_generate(
+                target, draft, p, 12, temperature=1.0, generator=torch.Generator().manual_seed(i), **kw
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+    def outcome(results):
+        return [(r.tokens, r.acceptance) for r in results]
+
+    a, b = _domino(seed=1), _domino(seed=1)
+    with torch.no_grad():  # another head over the same backbone
+        b.embed_proj[2].weight.normal_(0, 2.0, generator=torch.Generator().manual_seed(3))
+    assert outcome(run(a)) != outcome(run(b))
+    assert outcome(run(a)) == outcome(run(a, sampled_proposals="walk"))
+    assert outcome(run(a, sampled_proposals="backbone")) == outcome(run(b, sampled_proposals="backbone"))
+
+
 def test_speculative_sampling_through_the_chain_matches_target_sampling(target):
     """T = 1: the second generated token (the first the draft proposes, drawn from the corrected logits) follows the
     target's own marginal: chi-square over the target's 7 likeliest tokens and the rest, 200 runs."""
@@ -208,9 +233,7 @@ def test_speculative_sampling_through_the_chain_matches_target_sampling(target):
     top = p2.topk(7).indices.tolist()
     g, n, seen = torch.Generator().manual_seed(0), 200, torch.zeros(8)
     for _ in range(n):
-        token = speculative_generate(target, draft, prompt, 2, temperature=1.0, generator=g, sampled_walk=True).tokens[
-            1
-        ]
+        token = speculative_generate(target, draft, prompt, 2, temperature=1.0, generator=g).tokens[1]
         seen[top.index(token) if token in top else 7] += 1
     expected = torch.cat([p2[top], (1 - p2[top].sum()).reshape(1)]) * n
     assert chisquare(seen.numpy(), expected.numpy()).pvalue > 1e-4

@@ -266,7 +266,7 @@ def test_dflash_table_flags_a_gap_between_tau_sim_and_real_tau():
     walked = {"dflash/tau": 2.0, "dflash/tau_sampled": 2.4, "dflash/tau_sampled_walk": 1.9}
     rows.append(row("dflash (dflash.draft_variant=dflash2)", card(), **walked))
     md = render_markdown("demo", rows, {}, [])
-    assert "dflash2) 2.400 (its serial walk, as the engines sample it: 1.900)" in md
+    assert "dflash2) 2.400 (sampling its serial walk, as the engines do: 1.900)" in md
     # a row decoded with the lookup is flagged against rows without it: its τ is not the same measurement
     plain, looked = card(strategy="dflash"), card(strategy="dflash", sampler__lookup_ngram=2)
     flags = card_mismatches([row("a", plain), row("b", plain), row("c", looked)])
