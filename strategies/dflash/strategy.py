@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dllm_common.config import DFlashConfig
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, global_sum
 from strategies.corruption import corrupt_uniform
 from strategies.dflash.blocks import CopyHints, copy_hints, sample_anchor_blocks
@@ -55,15 +56,8 @@ from strategies.losses import DLLMLossOutput
 from strategies.registration import StrategyOptions
 from strategies.seeding import seeded_generator
 
-# the `dflash` keys only the evaluation reads: out of the training's key, in the evaluation's
-EVAL_ONLY = {
-    "eval_prompts",
-    "eval_prompt_len",
-    "eval_max_new_tokens",
-    "eval_served",
-    "eval_enable_thinking",
-    "eval_temperature",
-}
+# the `dflash` keys only the evaluation reads (every `eval_*` one): out of the training's key, in the evaluation's
+EVAL_ONLY = {name for name in DFlashConfig.model_fields if name.startswith("eval_")}
 
 
 @dataclass(frozen=True)

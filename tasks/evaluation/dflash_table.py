@@ -4,6 +4,7 @@ notes (§4.7.1)."""
 
 from __future__ import annotations
 
+from strategies.dflash.dflash2_config import BACKBONE, WALK
 from strategies.dflash.served_checks import served_notes
 from tasks.common import fmt_number as _fmt
 
@@ -52,7 +53,7 @@ def dflash_table(spec_rows: list[dict]) -> list[str]:
             "the speedup:",
             *gaps,
         ]
-    other = {"walk": "sampling its serial walk, as the engines do", "backbone": "proposing from its backbone"}
+    other = {WALK: "sampling its serial walk, as the engines do", BACKBONE: "proposing from its backbone"}
     at_t = [
         f"{r['strategy']} {m['dflash/tau_sampled']:.3f}"
         + "".join(
