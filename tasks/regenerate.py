@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from dllm_common.config import PipelineSpec, RegenerateConfig
 from dllm_common.store import stage_key
-from strategies.dflash.draft import sample_continuations
+from strategies.dflash.decoding import sample_continuations
 from strategies.dflash.served_checks import chat_prompt, tokenizer_record
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.data.tokenizer import load_tokenizer

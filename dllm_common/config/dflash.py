@@ -52,7 +52,12 @@ class RegenerateConfig(ConfigSection):
 
 
 # evaluation keys added after configs were digested: dumped only when set otherwise, so a digest stays as it was
-UNWRITTEN_DEFAULTS = {"eval_served": True, "eval_enable_thinking": None, "eval_temperature": 0.0}
+UNWRITTEN_DEFAULTS = {
+    "eval_served": True,
+    "eval_enable_thinking": None,
+    "eval_temperature": 0.0,
+    "eval_tree_branches": 0,
+}
 
 
 class DFlashConfig(ConfigSection):
@@ -84,6 +89,9 @@ class DFlashConfig(ConfigSection):
     # > 0: the same prompts also decoded by speculative sampling at this temperature (τ as a sampling server sees it,
     # where the draft's whole distribution counts, not only its argmax; docs/evaluation.md §4.7). Unwritten at 0
     eval_temperature: float = Field(0.0, ge=0)
+    # > 0: the same prompts also decoded greedily with this many tree branches beside each block's proposal, the draft's
+    # runner-up at its likeliest rejection positions (docs/strategies.md §10.16): what a tree verifier would gain
+    eval_tree_branches: int = Field(0, ge=0, le=16)
     # speculative decoding: when the last n…4 tokens recur in the prompt or output, the tokens that followed
     # them there are proposed before the draft's (0: the draft alone); docs/strategies.md §10.8
     lookup_ngram: int = Field(0, ge=0, le=4)  # ≤ strategies.dflash_draft.LOOKUP_MAX_NGRAM

@@ -1,12 +1,11 @@
 """The DFlash draft and decoding (docs/strategies.md §8.5, §10): the draft model that reads the frozen
-target's hidden states as context, the target-feature extraction, and greedy speculative decoding whose
-output equals target-only greedy decoding. The anchors and mask are in `strategies.dflash.blocks`, the
-losses in `strategies.dflash.loss`.
+target's hidden states as context, the target-feature extraction, and the draft's block logits. Decoding with it
+is in `strategies.dflash.decoding` (one block per cycle) and `strategies.dflash.tree` (several branches per cycle),
+the anchors and mask in `strategies.dflash.blocks`, the losses in `strategies.dflash.loss`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,16 +13,15 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
-from transformers import DynamicCache
 
 from dllm_common.checkpoint import DIGESTS, read_weights, verify_checkpoint
-from strategies.dflash.blocks import CopyHints, block_position_ids, copy_hints
+from strategies.dflash.blocks import CopyHints, block_position_ids
 from strategies.dflash.config import DFlashDraftConfig, is_draft_dir
 from strategies.dflash.dflash2 import CandidateSelector, InBlockConv, conv_sublayer
-from strategies.dflash.dflash2_config import DFLASH2, DOMINO, SAMPLED_DEFAULT, WALK
-from strategies.dflash.domino import attach_domino_head, serial_walk
-from strategies.dflash.window import draft_masks, layer_mask, trim_context
-from strategies.sampling import LOOKUP_MAX_NGRAM, draw
+from strategies.dflash.dflash2_config import DFLASH2, DOMINO
+from strategies.dflash.domino import attach_domino_head
+from strategies.dflash.window import draft_masks, layer_mask
+from strategies.sampling import LOOKUP_MAX_NGRAM
 
 # ---------------------------------------------------------------------------------------- draft
 
@@ -241,7 +239,7 @@ def target_features(target: nn.Module, input_ids: Tensor, layer_ids: list[int], 
     return feats, out.logits, past_key_values  # the cache is updated in place
 
 
-def _embed_and_head(target: nn.Module):
+def embed_and_head(target: nn.Module):
     emb, head = target.get_input_embeddings(), target.get_output_embeddings()
     if emb is None or head is None:
         raise ValueError("Target model must expose input embeddings and lm_head.")
@@ -289,207 +287,9 @@ def draft_block_logits(
     offset: int = 0,
 ) -> Tensor:
     """Logits [B, N·bs, V] of the draft for N blocks (`draft_block_hidden` through the target's head)."""
-    emb, head = _embed_and_head(target)
+    emb, head = embed_and_head(target)
     bs = draft.config.block_size
     hidden = draft_block_hidden(
         draft, bs, emb, ctx_features, anchors, keep, block_ids, document_ids, hints=hints, offset=offset
     )
     return head(hidden)
-
-
-# ---------------------------------------------------------------------------------------- decoding
-
-
-@dataclass
-class SpeculativeResult:
-    tokens: list[int]  # generated tokens (prompt excluded)
-    acceptance: list[int]  # a_c + 1 per cycle
-    target_forwards: int
-    lookups: int = 0  # cycles whose first proposals came from the context lookup (`lookup_ngram`)
-
-    @property
-    def tau(self) -> float:
-        return sum(self.acceptance) / max(len(self.acceptance), 1)
-
-
-def speculative_accept(
-    target_probs: Tensor, draft_probs: Tensor, proposal: Tensor, generator: torch.Generator | None
-) -> tuple[int, int]:
-    """The rejection step of speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
-
-    `target_probs` [k+1, V]: the target's next-token distribution after the anchor and after each
-    proposal; `draft_probs` [k, V]: the draft's; `proposal` [k] drawn from `draft_probs`. Proposal i
-    stands with probability min(1, p_i(x_i)/q_i(x_i)); at the first rejection the next token is drawn
-    from the residual max(0, p_i − q_i) (normalized), and when all stand a bonus token is drawn from
-    p_k. Returns (proposals that stand, next token); the committed tokens follow the target's
-    distribution exactly, whatever the draft."""
-    k = proposal.shape[0]
-    p, q, x = target_probs.float().cpu(), draft_probs.float().cpu(), proposal.cpu()
-    u = torch.rand(k, generator=generator)
-    for i in range(k):
-        if u[i] * q[i, x[i]] < p[i, x[i]]:
-            continue
-        residual = (p[i] - q[i]).clamp_min(0)
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return k, int(torch.multinomial(p[k], 1, generator=generator))
-
-
-def _verify(
-    proposal: Tensor, draft_logits: Tensor, target_logits: Tensor, temperature: float, generator
-) -> tuple[int, int]:
-    """(proposals that stand, the target's next token): the longest prefix equal to the target's greedy
-    choices at temperature 0, the rejection step of speculative sampling above it."""
-    if temperature <= 0:
-        greedy = target_logits.argmax(-1)
-        accepted = 0
-        while accepted < len(proposal) and int(proposal[accepted]) == int(greedy[accepted]):
-            accepted += 1
-        return accepted, int(greedy[accepted])
-    p = torch.softmax(target_logits.float() / temperature, dim=-1)
-    q = torch.softmax(draft_logits.float() / temperature, dim=-1)
-    return speculative_accept(p, q, proposal, generator)
-
-
-def context_lookup(history: list[int], min_ngram: int, count: int) -> list[int]:
-    """Up to `count` tokens that followed the latest earlier occurrence of the longest suffix of `history`
-    (from `LOOKUP_MAX_NGRAM` down to `min_ngram` tokens) inside `history`; [] when no suffix recurs.
-    Prompt lookup (Saxena 2023) / n-gram speculation: text that repeats itself is proposed from itself."""
-    for n in range(min(LOOKUP_MAX_NGRAM, len(history) - 1), min_ngram - 1, -1):
-        suffix = history[-n:]
-        for end in range(len(history) - 2, n - 2, -1):  # `end`: last index of an earlier occurrence
-            if history[end - n + 1 : end + 1] == suffix:
-                return history[end + 1 : end + 1 + count]
-    return []
-
-
-def _with_lookup(found: list[int], d_logits: Tensor, proposal: Tensor) -> tuple[Tensor, Tensor, bool]:
-    """Proposals (and the distributions they were drawn from) with the context lookup's tokens `found` in front: a
-    looked-up token is a draw from a point mass, so the rejection step stays exact (docs/strategies.md §10.8)."""
-    if not found:
-        return d_logits, proposal, False
-    n = len(found)
-    proposal, d_logits = proposal.clone(), d_logits.clone()
-    proposal[:n] = torch.tensor(found, device=proposal.device)
-    d_logits[:n] = float("-inf")
-    d_logits[torch.arange(n, device=d_logits.device), proposal[:n]] = 0.0
-    return d_logits, proposal, True
-
-
-def sampled_from(cfg: DFlashDraftConfig, choice: str | None) -> str | None:
-    """What a serial draft proposes from at T > 0: `choice` (`walk` or `backbone`), else its variant's default."""
-    return choice or SAMPLED_DEFAULT.get(cfg.variant)
-
-
-@torch.no_grad()
-def speculative_generate(
-    target: nn.Module,
-    draft: DFlashDraftModel,
-    prompt: list[int],
-    max_new_tokens: int,
-    eos_token_id: int | None = None,
-    *,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-    lookup_ngram: int = 0,
-    sampled_proposals: str | None = None,
-) -> SpeculativeResult:
-    """DFlash decoding: the draft proposes bs − 1 tokens after the anchor in one forward, the target
-    verifies them in one forward, the proposals that stand plus the target's next token are committed,
-    and the target cache is cropped to what was committed. At temperature 0 the output is target-only
-    greedy; above it, proposals are drawn from the draft at `temperature` and verified by the rejection
-    step of speculative sampling (`speculative_accept`), so the output is distributed as the target's
-    own samples at that temperature (docs/strategies.md §10.8). With `lookup_ngram` n > 0, when the last
-    n…4 tokens (prompt and output) occurred earlier, the tokens that followed them there replace the
-    draft's first proposals (`context_lookup`); the output is unchanged, only the acceptance moves. A
-    `copy_hint` draft also reads the lookup's proposal (n = 1) as an input each cycle (`copy_hints`); with
-    `lookup_ngram` > 0 the lookup still goes in front of it. A DFlash 2 draft proposes the path its selector
-    walks (`CandidateSelector.walk`; Domino its chain), verified against the distributions the walk drew from; looked-up
-    tokens lead the block and the walk goes on after them. At T > 0 `sampled_proposals` says whether such a draft
-    samples its walk (`walk`, as z-lab's decoder and the engines do) or proposes from its backbone's one-pass
-    distribution as a DFlash draft does (`backbone`); unset, the draft's default (`SAMPLED_DEFAULT`: DFlash 2 its
-    backbone, Domino its walk; docs/strategies.md §10.13)."""
-    cfg = draft.config
-    bs, device = cfg.block_size, next(draft.parameters()).device
-    ids = torch.tensor([prompt], device=device)
-    feats, logits, cache = target_features(target, ids, cfg.target_layer_ids, past_key_values=_new_cache(target))
-    out: list[int] = [int(draw(logits[:, -1], temperature, generator))]  # the prefill's token: the first anchor
-    committed = len(prompt)  # tokens the target has processed (and whose features we hold)
-    ctx, start = trim_context(cfg, feats, 0, committed)  # `start`: the position of ctx's first feature (§10.12)
-    acceptance, forwards, lookups = [], 1, 0
-    while len(out) < max_new_tokens and not (eos_token_id is not None and out[-1] == eos_token_id):
-        anchor = torch.tensor([[committed - start]], device=device)
-        block = torch.full((1, bs), cfg.mask_token_id, device=device)
-        block[0, 0] = out[-1]
-        keep = torch.ones_like(anchor, dtype=torch.bool)
-        hints, trimmed = None, {"offset": start} if start else {}  # a windowed draft's context starts at `start`
-        if cfg.copy_hint:  # the history's last token is the anchor
-            history = torch.tensor([list(prompt) + out], device=device)
-            hints = copy_hints(history, torch.tensor([[history.shape[1] - 1]], device=device), bs, cfg.mask_token_id)
-        found = context_lookup(list(prompt) + out, lookup_ngram, bs - 1) if lookup_ngram else []
-        # drafted serially after the backbone: the path and its distributions (sampled: the backbone's, §10.13)
-        if cfg.variant in (DFLASH2, DOMINO) and (temperature <= 0 or sampled_from(cfg, sampled_proposals) == WALK):
-            emb, head = _embed_and_head(target)  # (walked after the looked-up tokens, which lead the block)
-            hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block, **trimmed)[0, 1:]
-            proposal, d_logits = serial_walk(draft, emb, hidden, head(hidden), out[-1], temperature, generator, found)
-        else:
-            d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints, **trimmed)[0, 1:]
-            proposal = draw(d_logits, temperature, generator)
-        d_logits, proposal, looked_up = _with_lookup(found, d_logits, proposal)
-        lookups += looked_up
-        verify_in = torch.cat([block[:, :1], proposal[None]], dim=1)  # anchor + bs − 1 proposals
-        v_feats, v_logits, cache = target_features(target, verify_in, cfg.target_layer_ids, past_key_values=cache)
-        forwards += 1
-        accepted, nxt = _verify(proposal, d_logits, v_logits[0], temperature, generator)
-        new = proposal[:accepted].tolist() + [nxt]
-        acceptance.append(accepted + 1)
-        out.extend(new)
-        # keep features/cache for the anchor and the accepted proposals; the bonus is the next anchor
-        ctx = torch.cat([ctx, v_feats[:, : accepted + 1]], dim=1)
-        committed += accepted + 1
-        ctx, start = trim_context(cfg, ctx, start, committed)
-        surplus = cache.get_seq_length() - committed  # rejected proposals the target already cached
-        if surplus > 0:
-            cache.crop(-surplus)
-        if eos_token_id is not None and eos_token_id in new:
-            break
-    tokens = out[:max_new_tokens]
-    if eos_token_id is not None and eos_token_id in tokens:
-        tokens = tokens[: tokens.index(eos_token_id) + 1]
-    return SpeculativeResult(tokens, acceptance, forwards, lookups)
-
-
-def _new_cache(target: nn.Module):
-    return DynamicCache(config=target.config)
-
-
-@torch.no_grad()
-def greedy_generate(
-    target: nn.Module, prompt: list[int], max_new_tokens: int, eos_token_id: int | None = None
-) -> list[int]:
-    """Target-only greedy decoding with a KV cache (the reference DFlash must reproduce)."""
-    device = next(target.parameters()).device
-    cache = _new_cache(target)
-    logits = target(input_ids=torch.tensor([prompt], device=device), cache=cache, use_cache=True).logits
-    out = [int(logits[0, -1].argmax())]
-    while len(out) < max_new_tokens and out[-1] != eos_token_id:
-        logits = target(input_ids=torch.tensor([[out[-1]]], device=device), cache=cache, use_cache=True).logits
-        out.append(int(logits[0, -1].argmax()))
-    return out
-
-
-@torch.no_grad()
-def sample_continuations(
-    target: nn.Module, prompts: Tensor, new_tokens: int, temperature: float, generator: torch.Generator | None = None
-) -> Tensor:
-    """`[B, P + new_tokens]`: each prompt row continued by the target, batched with one KV cache,
-    sampled at `temperature` (greedy at 0) from `generator` only — so the same seed regenerates the
-    same data (DFlash trains best on the target's own outputs, paper §5.1)."""
-    cache = _new_cache(target)
-    logits = target(input_ids=prompts, cache=cache, use_cache=True).logits[:, -1]
-    out = [prompts]
-    for i in range(new_tokens):
-        nxt = draw(logits, temperature, generator)[:, None]
-        out.append(nxt)
-        if i + 1 < new_tokens:
-            logits = target(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1]
-    return torch.cat(out, dim=1)

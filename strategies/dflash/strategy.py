@@ -32,7 +32,7 @@ from strategies.dflash.dflash2 import (
 )
 from strategies.dflash.dflash2_config import DFLASH, DFLASH2, DOMINO
 from strategies.dflash.domino import correction, lambda_base, prefix_states
-from strategies.dflash.draft import _embed_and_head, draft_block_hidden
+from strategies.dflash.draft import draft_block_hidden, embed_and_head
 from strategies.dflash.loss import (
     DPACE_ALPHA,
     DFlashDecayLoss,
@@ -172,7 +172,7 @@ class DFlashStrategy(DLLMStrategy):
         """The target must lend embeddings and an LM head; the features must be the draft's layers."""
         if self.target is None:
             raise ValueError("dflash.target_model_id must be set in config.")
-        _embed_and_head(self.target)  # raises when the target lacks embeddings or an LM head
+        embed_and_head(self.target)  # raises when the target lacks embeddings or an LM head
         if self.target.training or any(p.requires_grad for p in self.target.parameters()):
             raise ValueError(
                 "the DFlash target must be frozen (eval mode, requires_grad False): load it with "
@@ -283,7 +283,7 @@ class DFlashStrategy(DLLMStrategy):
         self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int, num_ar_tokens: int, is_train: bool
     ) -> DLLMLossOutput:
         e, bs = batch.extras, self.block_size
-        emb, head = _embed_and_head(self.target)
+        emb, head = embed_and_head(self.target)
         feats = e.features.to(next(ctx.model.parameters()).dtype)  # a bf16/fp16 cache feeds an fp32 draft
         h = draft_block_hidden(
             ctx.model, bs, emb, feats, e.anchors, e.keep, e.block_ids, e.documents, self.backend, e.hints

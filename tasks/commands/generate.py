@@ -21,7 +21,7 @@ from dllm_common.config import EvalConfig, context_overflow
 from dllm_common.tracking import check_tracking_server, default_tracking_uri, quiet_environment
 from strategies import strategy_class
 from strategies.absorbing import absorbing_sample, infill_sample
-from strategies.dflash.draft import speculative_generate
+from strategies.dflash.decoding import speculative_generate
 from strategies.dflash.options import SPECULATIVE
 from strategies.registration import ABSORBING
 from strategies.registry import SAMPLERS

@@ -69,6 +69,9 @@ def dflash_table(spec_rows: list[dict]) -> list[str]:
         if at_t
         else []
     )
+    trees = [tree_cell(r["strategy"], r["metrics"]) for r in spec_rows if "dflash/tau_tree" in r["metrics"]]
+    if trees:
+        lines += ["", f"τ with tree branches (docs/strategies.md §10.16; gain over τ paired, 95 %): {', '.join(trees)}"]
     for r in spec_rows:  # served τ (docs/evaluation.md §4.7.1): what was measured, the interval, the causes found
         notes = served_notes(r["metrics"])
         lines += ["", f"**{r['strategy']}**, as served: " + notes[0], *notes[1:]] if notes else []
@@ -89,3 +92,10 @@ def dflash_table(spec_rows: list[dict]) -> list[str]:
         ),
         "",
     ]
+
+
+def tree_cell(strategy: str, m: dict) -> str:
+    """`<strategy> τ_tree with K branches (gain [low, high])`, the report's tree line for one draft."""
+    low, high = m["dflash/tau_tree_gain_low"], m["dflash/tau_tree_gain_high"]
+    gain = f"{m['dflash/tau_tree_gain']:+.3f} [{low:+.3f}, {high:+.3f}]"
+    return f"{strategy} {m['dflash/tau_tree']:.3f} with {int(m['dflash/tree_branches'])} branches ({gain})"

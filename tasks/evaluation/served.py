@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from strategies.dflash.config import CONFIG, ZLAB
+from strategies.dflash.decoding import speculative_generate
 from strategies.dflash.dflash2_config import DFLASH2, DOMINO
-from strategies.dflash.draft import speculative_generate
 from strategies.dflash.served_checks import (
     CAUSES,
     chat_prompt,

@@ -16,21 +16,17 @@ import torch
 from dllm_common.checkpoint import read_meta
 from dllm_common.config import EvalConfig
 from strategies import Microbatch, StepContext
+from strategies.dflash.decoding import greedy_generate, speculative_generate
 from strategies.dflash.dflash2 import block_predecessors, candidate_recall, selector_scores
 from strategies.dflash.dflash2_config import BACKBONE, DFLASH2, DOMINO, SAMPLED_DEFAULT, WALK
 from strategies.dflash.domino import corrected_logits
-from strategies.dflash.draft import (
-    _embed_and_head,
-    draft_block_hidden,
-    draft_block_logits,
-    greedy_generate,
-    speculative_generate,
-)
+from strategies.dflash.draft import draft_block_hidden, draft_block_logits, embed_and_head
 from strategies.dflash.loss import acceptance_from_correct
+from strategies.dflash.tree import DraftTree
 from strategies.seeding import seeded_generator
 from tasks.evaluation.likelihood import CausalLM, EvalResult, Evaluation, ar_nll_metrics, encode_prompts, exact_ar_nll
 from tasks.evaluation.scoring import generative_perplexity, mean_entropy
-from tasks.evaluation.served import ratio, served_acceptance
+from tasks.evaluation.served import paired_bootstrap, ratio, served_acceptance
 from tasks.training.dflash_setup import draft_strategy, load_spec_target
 
 
@@ -57,7 +53,7 @@ def teacher_forced_acceptance(
             e = batch.extras
             b, n = e.anchors.shape
             if draft.config.variant in (DFLASH2, DOMINO):  # drafted serially: after the true predecessors
-                emb, head = _embed_and_head(strat.target)
+                emb, head = embed_and_head(strat.target)
                 h = draft_block_hidden(draft, bs, emb, e.features, e.anchors, e.keep, e.block_ids, e.documents)
                 h = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
                 previous = block_predecessors(e.block_ids, e.targets, bs)
@@ -173,6 +169,38 @@ def sampled_acceptance(
     return {"temperature": temperature, "tau": ratio(out), **alone, "acceptance": out}
 
 
+# the tree evaluation's logged metrics (dflash/<name>) and the keys of `tree_acceptance` they hold
+TREE_METRICS = {
+    "tree_branches": "branches",
+    "tau_tree": "tau",
+    "tau_tree_gain": "gain",
+    "tau_tree_gain_low": "gain_low",
+    "tau_tree_gain_high": "gain_high",
+}
+
+
+def tree_acceptance(target, draft, prompts, max_new_tokens, eos_token_id, branches, lookup, one_path, seed) -> dict:
+    """τ of greedy tree verification with `branches` branches (docs/strategies.md §10.16) on the same prompts, paired
+    against the one-path decoder's acceptance `one_path` (bootstrap 95 %), and the outputs checked equal to it."""
+    tree = DraftTree(branches)
+    runs = [
+        speculative_generate(target, draft, p, max_new_tokens, eos_token_id, lookup_ngram=lookup, tree=tree)
+        for p in prompts
+    ]
+    acceptance = [r.acceptance for r in runs]
+    gain, low, high, _ = paired_bootstrap(one_path["acceptance"], acceptance, seed)
+    same = sum(r.tokens == o for r, o in zip(runs, one_path["outputs"])) / len(prompts)
+    return {
+        "branches": branches,
+        "tau": ratio(acceptance),
+        "gain": gain,
+        "gain_low": low,
+        "gain_high": high,
+        "exact_match": same,
+        "acceptance": acceptance,
+    }
+
+
 def dflash_evaluation(ev: Evaluation) -> EvalResult:
     """DFlash metrics: τ_sim and acc_k (teacher-forced), real τ and speedup from speculative decoding
     checked token for token against target-only greedy, the target's exact NLL, and samples."""
@@ -196,6 +224,10 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
         if (default := SAMPLED_DEFAULT.get(draft.config.variant)) is not None:
             other = BACKBONE if default == WALK else WALK
             sampled[f"sampled_{other}"] = sampled_acceptance(*args, spec.eval.seed, d.lookup_ngram, other)
+    tree = {}  # with dflash.eval_tree_branches: the same prompts, tree-verified
+    if d.eval_tree_branches:
+        args = (target, draft, prompts, d.eval_max_new_tokens, tokenizer.eos_token_id, d.eval_tree_branches)
+        tree = tree_acceptance(*args, d.lookup_ngram, bench, spec.eval.seed)
     # the same prompts through z-lab's decoder, chat-rendered with the target's template (docs/evaluation.md §4.7.1)
     served, served_report = served_acceptance(ev, target, draft, mask_id, prompts, meta)
     # the report's shared columns, from speculative decoding of the report's text prompts (no timing
@@ -218,6 +250,7 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
         **{f"dflash/{k}": bench[k] for k in ("tau_draft", "lookup_share") if k in bench},
         **({"dflash/candidate_recall": recall[0] / max(recall[1], 1.0)} if draft.config.variant == DFLASH2 else {}),
         **{f"dflash/{k}_{how}": r[k] for how, r in sampled.items() for k in ("tau", "tau_draft") if k in r},
+        **{f"dflash/{name}": tree[k] for name, k in TREE_METRICS.items() if tree},
         **served,
         **ar_nll_metrics(nll, se, n_tokens),
         "eval/nfe": bench["target_forwards"] / len(bench["outputs"]),
@@ -230,4 +263,6 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
     report = {**{k: v for k, v in bench.items() if k != "outputs"}, "served": served_report}
     report.update(sampled)
+    if tree:
+        report["tree"] = tree
     return EvalResult(strat, metrics, [], text, {"speculative.json": json.dumps(report, indent=2)})

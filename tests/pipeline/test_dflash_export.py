@@ -25,7 +25,8 @@ from strategies.dflash.config import (
     parse_draft_config,
     read_draft_config,
 )
-from strategies.dflash.draft import DFlashDraftModel, draft_block_hidden, greedy_generate, target_features
+from strategies.dflash.decoding import greedy_generate
+from strategies.dflash.draft import DFlashDraftModel, draft_block_hidden, target_features
 from strategies.dflash.serving_layout import write_serving_layout
 from strategies.options import validate_config
 from tasks.commands.export import export_checkpoint

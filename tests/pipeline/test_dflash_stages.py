@@ -106,7 +106,7 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     assert {f"dflash/acc_k{k}" for k in (1, 2, 3)} <= set(m) and m["dflash/speedup"] > 0
     assert m["eval/ar_nll"] > 0 and m["eval/tokens_per_forward"] >= 1.0
     # `dllm-flow generate` rebuilds draft + target from the checkpoint: the text is the target's greedy text
-    from strategies.dflash.draft import greedy_generate
+    from strategies.dflash.decoding import greedy_generate
     from strategies.sampling import SamplerConfig
     from tasks.commands.generate import Request, check_sampler, generate
     from tasks.evaluation.trained_model import load_for_generation
@@ -345,7 +345,7 @@ def test_a_local_target_is_keyed_by_the_digest_of_its_weights(prepared, tiny_spe
 def test_regenerated_rows_are_the_targets_own_text_and_reproduce(dflash_run, tmp_path):
     """dflash.regenerate: prompts kept, continuations sampled by the target (greedy at T=0, seeded at
     T>0), only the continuation supervised, validation untouched; the draft trains on it."""
-    from strategies.dflash.draft import greedy_generate
+    from strategies.dflash.decoding import greedy_generate
     from tasks.regenerate import regenerate
     from tasks.rows import load_split
     from tasks.training.dflash_setup import load_target
@@ -380,7 +380,7 @@ def test_chat_regeneration_renders_each_prompt_as_a_user_turn_and_supervises_the
     """dflash.regenerate.chat: a row is the prompt rendered as one user turn through the chat template (as served
     prompts are rendered) and the target's greedy reply through its end of turn; only the reply is supervised, what
     follows the end of turn is padding; the draft's checkpoint records that it trained on chat rows."""
-    from strategies.dflash.draft import greedy_generate
+    from strategies.dflash.decoding import greedy_generate
     from strategies.dflash.served_checks import chat_prompt
     from tasks.regenerate import _sample_chat, regenerate
     from tasks.rows import load_split

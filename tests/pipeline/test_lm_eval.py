@@ -121,7 +121,8 @@ def test_a_dflash_draft_scores_and_generates_with_its_frozen_target(prepared):
     """A DFlash draft has no likelihood of its own: its target's exact NLL, and speculative decoding,
     which is the target's greedy text (an untrained draft only changes how many target forwards it takes)."""
     from strategies.dflash.blocks import _build_target_layer_ids
-    from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel, greedy_generate
+    from strategies.dflash.decoding import greedy_generate
+    from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
     from strategies.models import build_model, tiny_model_config
     from strategies.sampling import trim_at_eos
     from tasks.evaluation.lm_eval_model import Checkpoint

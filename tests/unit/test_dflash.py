@@ -15,7 +15,7 @@ from rankkit import run_ranks
 from stagekit import tiny_dflash_target, tiny_draft_config
 from torch.nn.attention.flex_attention import create_mask
 
-import strategies.dflash.draft as dflash_draft
+import strategies.dflash.decoding as dflash_decoding
 from strategies import Microbatch, SetupContext, StepContext, assemble_strategy
 from strategies.base import global_sum
 from strategies.dflash.blocks import (
@@ -27,14 +27,8 @@ from strategies.dflash.blocks import (
     create_dflash_sdpa_mask,
     sample_anchor_blocks,
 )
-from strategies.dflash.draft import (
-    DFlashDraftModel,
-    context_lookup,
-    draft_block_logits,
-    greedy_generate,
-    speculative_generate,
-    target_features,
-)
+from strategies.dflash.decoding import context_lookup, greedy_generate, speculative_generate
+from strategies.dflash.draft import DFlashDraftModel, draft_block_logits, target_features
 from strategies.dflash.features import CachedFeatures, OnlineFeatures, write_feature_cache
 from strategies.dflash.loss import (
     DFlashDecayLoss,
@@ -572,14 +566,14 @@ def test_decoding_gives_a_copy_hint_draft_the_hints_and_logits_training_computes
     with torch.no_grad():
         hinted.hint_proj.weight.normal_(0, 0.3, generator=g)
         hinted.hint_length.weight.normal_(0, 0.3, generator=g)
-    cycles, plain = [], dflash_draft.draft_block_logits
+    cycles, plain = [], dflash_decoding.draft_block_logits
 
     def recording(draft_, target_, ctx, anchors, keep, block_ids, hints=None):
         logits = plain(draft_, target_, ctx, anchors, keep, block_ids, hints=hints)
         cycles.append((int(anchors[0, 0]), int(block_ids[0, 0]), hints, logits))
         return logits
 
-    monkeypatch.setattr(dflash_draft, "draft_block_logits", recording)
+    monkeypatch.setattr(dflash_decoding, "draft_block_logits", recording)
     prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5, 3, 1]
     out = speculative_generate(target, hinted.eval(), prompt, 30)
     row = torch.tensor([prompt + out.tokens])
@@ -663,7 +657,7 @@ def test_perfect_proposals_are_all_accepted(pair, monkeypatch):
             logits[0, j, truth[min(start + j - 1, len(truth) - 1)]] = 10.0
         return logits
 
-    monkeypatch.setattr(dflash_draft, "draft_block_logits", oracle)
+    monkeypatch.setattr(dflash_decoding, "draft_block_logits", oracle)
     spec = speculative_generate(target, draft, prompt, max_new_tokens=40)
     assert spec.tokens == truth and spec.acceptance[:-1] == [4] * (len(spec.acceptance) - 1)
 
@@ -1001,7 +995,7 @@ def test_speculative_accept_commits_tokens_distributed_as_the_target():
     here). A chi-square test over 20k draws at significance 1e-4; the draft itself fails the same test."""
     from scipy.stats import chisquare
 
-    from strategies.dflash.draft import speculative_accept
+    from strategies.dflash.decoding import speculative_accept
 
     p = torch.tensor([[0.50, 0.20, 0.15, 0.10, 0.05], [0.05, 0.05, 0.10, 0.30, 0.50], [0.2] * 5])
     q = torch.tensor([[0.05, 0.05, 0.30, 0.30, 0.30], [0.40, 0.30, 0.10, 0.10, 0.10]])

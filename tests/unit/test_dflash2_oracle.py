@@ -15,15 +15,8 @@ import torch
 from stagekit import tiny_dflash_target, tiny_draft_config
 
 from strategies import Microbatch, StepContext, assemble_strategy
-from strategies.dflash.draft import (
-    DFlashDraftConfig,
-    DFlashDraftModel,
-    draft_block_logits,
-    greedy_generate,
-    sample_continuations,
-    speculative_generate,
-    target_features,
-)
+from strategies.dflash.decoding import greedy_generate, sample_continuations, speculative_generate
+from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel, draft_block_logits, target_features
 from strategies.dflash.features import OnlineFeatures
 
 zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash package (make install: NODEPS) is not installed")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from strategies.dflash.blocks import _build_target_layer_ids
-from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel, speculative_generate
+from strategies.dflash.decoding import speculative_generate
+from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
 from strategies.dflash.strategy import DFlashStrategy
 from strategies.models import build_model, tiny_model_config
 from strategies.options import load_config

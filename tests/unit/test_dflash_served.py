@@ -13,7 +13,8 @@ import torch
 
 from dllm_common.config import TokenizerConfig
 from strategies.dflash.blocks import _build_target_layer_ids
-from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel, speculative_generate
+from strategies.dflash.decoding import speculative_generate
+from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
 from strategies.dflash.served_checks import (
     engine_field_problems,
     engine_reading,

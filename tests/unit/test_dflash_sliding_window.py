@@ -19,14 +19,12 @@ from torch.nn.attention.flex_attention import create_mask
 from strategies import Microbatch, SetupContext, StepContext
 from strategies.dflash.blocks import build_dflash_mask_mod, create_dflash_sdpa_mask, dflash_visibility
 from strategies.dflash.config import parse_draft_config, read_draft_config
+from strategies.dflash.decoding import greedy_generate, sample_continuations, speculative_generate
 from strategies.dflash.draft import (
     DFlashDraftConfig,
     DFlashDraftModel,
     draft_block_hidden,
     draft_block_logits,
-    greedy_generate,
-    sample_continuations,
-    speculative_generate,
     target_features,
 )
 from strategies.dflash.serving_layout import write_serving_layout
@@ -258,7 +256,7 @@ def test_z_lab_decodes_the_same_greedy_tokens_and_acceptance_past_the_window(tar
     assert found <= 1e-5
     seen, plain = [], draft_block_logits
     monkeypatch.setattr(
-        "strategies.dflash.draft.draft_block_logits", lambda *a, **kw: seen.append(a[2].shape[1]) or plain(*a, **kw)
+        "strategies.dflash.decoding.draft_block_logits", lambda *a, **kw: seen.append(a[2].shape[1]) or plain(*a, **kw)
     )
     accepted = 0
     for prompt in PROMPTS:

@@ -12,17 +12,10 @@ from stagekit import tiny_dflash_target, tiny_draft_config
 
 from strategies import Microbatch, StepContext, assemble_strategy
 from strategies.dflash.config import parse_draft_config
+from strategies.dflash.decoding import greedy_generate, sample_continuations, speculative_generate
 from strategies.dflash.dflash2 import block_predecessors
 from strategies.dflash.domino import corrected_logits, domino_walk, lambda_base
-from strategies.dflash.draft import (
-    DFlashDraftModel,
-    _embed_and_head,
-    draft_block_hidden,
-    draft_block_logits,
-    greedy_generate,
-    sample_continuations,
-    speculative_generate,
-)
+from strategies.dflash.draft import DFlashDraftModel, draft_block_hidden, draft_block_logits, embed_and_head
 from strategies.dflash.features import OnlineFeatures
 from strategies.dflash.loss import DFlashDecayLoss
 from strategies.dflash.options import DFlashOptions
@@ -60,7 +53,7 @@ def _reference_final_logits(draft, embed, hidden4d, base4d, block_tokens):
 
 def test_the_corrected_logits_are_the_references(target):
     draft = _domino()
-    emb, head = _embed_and_head(target)
+    emb, head = embed_and_head(target)
     g = torch.Generator().manual_seed(0)
     b, n = 2, 3
     block_tokens = torch.randint(0, 60, (b, n, BS), generator=g)
@@ -85,7 +78,7 @@ def test_a_fresh_domino_draft_gives_the_plain_drafts_logits(target):
     plain = DFlashDraftModel(tiny_draft_config()).eval()
     fresh = _domino(randomize=False)
     assert all(torch.equal(p, fresh.state_dict()[k]) for k, p in plain.state_dict().items())
-    emb, head = _embed_and_head(target)
+    emb, head = embed_and_head(target)
     feats = torch.randn(1, 6, 64)
     anchor, keep, block = torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.bool), torch.tensor([[7, MASK, MASK, MASK]])
     with torch.no_grad():
@@ -119,7 +112,7 @@ def test_the_strategy_mixes_the_final_and_backbone_losses_by_the_curriculum(targ
     ids = torch.randint(0, 60, (2, 24), generator=torch.Generator().manual_seed(3))
     ones = torch.ones_like(ids)
     mb = Microbatch(ids, ones.float(), ones, torch.arange(2))
-    emb, head = _embed_and_head(target)
+    emb, head = embed_and_head(target)
     weights = [draft.embed_proj[2].weight, draft.prefix_gru.weight_ih_l0, draft.fc.weight]
     for training, weight in ((True, 0.6), (False, 0.0)):
         grads = []
@@ -178,7 +171,7 @@ def test_domino_trains_and_decodes_the_targets_greedy_text(target):
         assert spec.tokens == greedy_generate(target, prompt, 20)
         accepted += sum(spec.acceptance) - len(spec.acceptance)
     assert accepted > 0
-    emb, head = _embed_and_head(target)
+    emb, head = embed_and_head(target)
     feats = torch.randn(1, 6, 64)
     anchor, keep, block = torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.bool), torch.tensor([[7, MASK, MASK, MASK]])
     with torch.no_grad():

@@ -267,6 +267,12 @@ def test_dflash_table_flags_a_gap_between_tau_sim_and_real_tau():
     rows.append(row("dflash (dflash.draft_variant=dflash2)", card(), **walked))
     md = render_markdown("demo", rows, {}, [])
     assert "dflash2) 2.400 (sampling its serial walk, as the engines do: 1.900)" in md
+    assert "tree branches" not in md  # no row measured with a tree: no such line
+    tree = {"dflash/tau": 2.0, "dflash/tau_tree": 2.3, "dflash/tree_branches": 2.0, "dflash/tau_tree_gain": 0.3}
+    tree.update({"dflash/tau_tree_gain_low": 0.11, "dflash/tau_tree_gain_high": 0.52})
+    rows.append(row("dflash (dflash.eval_tree_branches=2)", card(), **tree))
+    md = render_markdown("demo", rows, {}, [])
+    assert "eval_tree_branches=2) 2.300 with 2 branches (+0.300 [+0.110, +0.520])" in md
     # a row decoded with the lookup is flagged against rows without it: its τ is not the same measurement
     plain, looked = card(strategy="dflash"), card(strategy="dflash", sampler__lookup_ngram=2)
     flags = card_mismatches([row("a", plain), row("b", plain), row("c", looked)])
