@@ -12,8 +12,8 @@ baseline's: greedy verification keeps the target's text.
         [--prompt-len 16] [--new-tokens 32] [--val-rows 32] [--lookup 0]
 
 CKPT: a DFlash draft's checkpoint folder (its target is loaded from the path the checkpoint records); DIR: the rows
-it was evaluated on (a `regenerate` or `prepare_data` store entry with a `val` split); the prompts are the
-evaluation's (`speculative_prompts` over the first `--val-rows` validation rows).
+its evaluation read, the run's `prepare_data` store entry (with `--val-rows` = `eval.val_rows` and the `dflash.eval_*`
+values, the prompts are the evaluation's own, so the one-path τ here is its `dflash/tau`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,25 @@ def decode_all(target, draft, prompts, new_tokens, eos, lookup, tree=None) -> tu
     return [r.tokens for r in runs], [r.acceptance for r in runs], time.perf_counter() - t0
 
 
+COLUMNS = (
+    "tree",
+    "K",
+    "rows per forward",
+    "τ",
+    "Δτ vs one path [95 %]",
+    "Δτ vs marginal, same K [95 %]",
+    "τ ratio",
+    "time ratio",
+    "same text",
+)
+
+
+def interval(a: list[list[int]], b: list[list[int]], seed: int) -> str:
+    """τ(b) − τ(a), paired over prompts, with its bootstrap 95 % interval."""
+    d, lo, hi, _ = paired_bootstrap(a, b, seed)
+    return f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--draft", required=True, type=Path)
@@ -61,18 +80,19 @@ def main() -> None:
     base_out, base_acc, base_s = decode_all(target, draft, prompts, args.new_tokens, eos, args.lookup)
     print(f"{len(prompts)} prompts × {args.new_tokens} tokens, block {draft.config.block_size}, lookup {args.lookup}")
     print(f"one path: τ {ratio(base_acc):.3f}, {base_s:.1f} s")
-    print("| tree | K | rows per forward | τ | Δτ vs one path [95 %] | τ ratio | time ratio | same text |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {' | '.join(COLUMNS)} |\n|{'---|' * len(COLUMNS)}")
     for k in args.branches:
+        marginal = None
         for mode in (MARGINAL, REDRAFT) if redraft is not None else (MARGINAL,):
             tree = DraftTree(k, redraft if mode == REDRAFT else None)
             out, acc, seconds = decode_all(target, draft, prompts, args.new_tokens, eos, args.lookup, tree)
-            d, lo, hi, _ = paired_bootstrap(base_acc, acc, args.seed)
+            vs_marginal = "–" if marginal is None else interval(marginal, acc, args.seed)
+            marginal = acc if mode == MARGINAL else marginal
             same = sum(a == b for a, b in zip(out, base_out))
-            print(
-                f"| {mode} | {k} | {k + 1} | {ratio(acc):.3f} | {d:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
-                f"{ratio(acc) / ratio(base_acc):.3f} | {seconds / base_s:.2f} | {same}/{len(prompts)} |"
-            )
+            vs_one = interval(base_acc, acc, args.seed)
+            cells = [mode, k, f"≤ {k + 1}", f"{ratio(acc):.3f}", vs_one, vs_marginal]
+            cells += [f"{ratio(acc) / ratio(base_acc):.3f}", f"{seconds / base_s:.2f}", f"{same}/{len(prompts)}"]
+            print(f"| {' | '.join(map(str, cells))} |")
             if same != len(prompts):
                 raise SystemExit("a tree decoder changed the greedy text: a bug (the output must be the target's)")
 
