@@ -77,7 +77,7 @@ def cmd_generate(args) -> int:
         resolve_checkpoint,
         settings_line,
     )
-    from tasks.evaluation.trained_model import load_for_generation
+    from tasks.evaluation.trained_model import load_for_generation, load_trained_model
     from tasks.training.runtime import resolve_device
 
     if args.checkpoint.startswith(("models:/", "runs:/")) and args.tracking_uri is None:
@@ -99,17 +99,21 @@ def cmd_generate(args) -> int:
         sampler=sampler,
         lookup_ngram=args.lookup_ngram,
         sampled_proposals=args.sampled_proposals,
+        tree_branches=args.tree_branches,
         **({"cache": args.cache} if args.cache else {}),
     )
+    redraft = None
+    if args.redraft:  # a second draft for the tree's branches (docs/strategies.md §10.16)
+        redraft = load_trained_model(resolve_checkpoint(args.redraft, Path(args.workdir), args.tracking_uri), device)
     chat = (loaded.meta.get("chat", False) or args.chat) and not args.raw
     for prompt in args.prompt:  # refuse a prompt that does not fit before echoing any
-        check_request(loaded, Request(prompt, sampler, config, args.seed, chat, args.infill))
+        check_request(loaded, Request(prompt, sampler, config, args.seed, chat, args.infill, redraft))
     # only the settings the sampler reads (no cache for a cacheless sampler)
     shown = settings_line(sampler, config, args.seed)
     print(f"[dllm-flow] {ckpt} ({loaded.meta['strategy']}, {shown})", file=sys.stderr, flush=True)
     for i, prompt in enumerate(args.prompt):
         print(f"[Prompt {i}] {prompt}", flush=True)
-        _generate_one(loaded, Request(prompt, sampler, config, args.seed, chat, args.infill), device)
+        _generate_one(loaded, Request(prompt, sampler, config, args.seed, chat, args.infill, redraft), device)
     return 0
 
 

@@ -113,6 +113,18 @@ def _add_generate(sub, commands: Commands) -> None:
         help="speculative sampler at T > 0: a DFlash 2 / Domino draft samples its serial walk (as the engines do) or "
         "proposes from its backbone (default: DFlash 2 its backbone, Domino its walk)",
     )
+    gen.add_argument(
+        "--tree-branches",
+        type=int,
+        default=0,
+        help="speculative sampler, greedy: verify K alternative branches beside each block (docs/strategies.md §10.16)",
+    )
+    gen.add_argument(
+        "--redraft",
+        default=None,
+        help="with --tree-branches: a second draft (path or models:/NAME@ALIAS, trained with dflash.loss_type: "
+        "variable_prefix) that re-drafts each branch behind its shown prefix",
+    )
     gen.add_argument("--seed", type=int, default=42)
     gen.add_argument("--infill", action="store_true", help="fill each [MASK] in the prompt with 20 tokens")
     gen.add_argument("--adapter", default=None, help="merge a LoRA adapter dir into the checkpoint first")

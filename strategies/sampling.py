@@ -45,6 +45,8 @@ class SamplerConfig:
     # speculative decoding at T > 0 only: what a DFlash 2 / Domino draft proposes from, "walk" (as the engines do) or
     # "backbone" (its one-pass distribution); None: the draft's default (docs/strategies.md §10.13)
     sampled_proposals: str | None = None
+    # speculative decoding at T = 0 only: tree branches verified beside each block (0: one path; §10.16)
+    tree_branches: int = 0
 
     def __post_init__(self) -> None:
         # each message names the field and its `dllm-flow generate` flag, so it reads right from either
@@ -60,6 +62,13 @@ class SamplerConfig:
         if self.sampled_proposals not in (None, "walk", "backbone"):
             raise ValueError(
                 f"sampled_proposals (--sampled-proposals) must be walk or backbone; got {self.sampled_proposals!r}"
+            )
+        if self.tree_branches < 0:
+            raise ValueError(f"tree_branches (--tree-branches) must be ≥ 0 (0: one path); got {self.tree_branches}")
+        if self.tree_branches and self.temperature > 0:
+            raise ValueError(
+                f"tree_branches (--tree-branches) verifies greedily: give --temperature 0 (got {self.temperature}) "
+                "or drop the branches"
             )
         if not 0 <= self.lookup_ngram <= LOOKUP_MAX_NGRAM:
             raise ValueError(

@@ -23,6 +23,7 @@ from strategies import strategy_class
 from strategies.absorbing import absorbing_sample, infill_sample
 from strategies.dflash.decoding import speculative_generate
 from strategies.dflash.options import SPECULATIVE
+from strategies.dflash.tree import DraftTree
 from strategies.registration import ABSORBING
 from strategies.registry import SAMPLERS
 from strategies.sampling import SamplerConfig, trim_at_eos
@@ -113,6 +114,7 @@ def settings_line(sampler: str, config: SamplerConfig, seed: int) -> str:
         "top-p": ("top_p" in info.settings, config.top_p),
         "top-k": ("top_k" in info.settings, config.top_k),
         "cache": ("cache" in info.decoding, config.cache),
+        "tree-branches": (config.tree_branches > 0, config.tree_branches),  # speculative only (check_request)
     }
     return ", ".join([f"sampler {sampler}", *(f"{k} {v}" for k, (read, v) in shown.items() if read), f"seed {seed}"])
 
@@ -127,6 +129,7 @@ class Request:
     seed: int = 0
     chat: bool = False
     infill: bool = False
+    redraft: torch.nn.Module | None = None  # the tree's second draft (`--redraft`, docs/strategies.md §10.16)
 
 
 def check_request(loaded: Loaded, request: Request) -> list[int]:
@@ -145,12 +148,18 @@ def check_request(loaded: Loaded, request: Request) -> list[int]:
     for flag, given in (
         ("--lookup-ngram", request.config.lookup_ngram),
         ("--sampled-proposals", request.config.sampled_proposals),
+        ("--tree-branches", request.config.tree_branches),
+        ("--redraft", request.redraft is not None),
     ):
         if given and request.sampler not in readers:
             raise ValueError(
                 f"{flag} applies to the {', '.join(readers)} sampler; this checkpoint decodes with "
                 f"{request.sampler!r}: drop the flag"
             )
+    if request.redraft is not None and not request.config.tree_branches:
+        raise ValueError("--redraft re-drafts tree branches: give --tree-branches K (K > 0) too, or drop --redraft")
+    if request.config.tree_branches:  # the second draft must read what the first reads (refused before any decoding)
+        speculation_tree(request).check(loaded.model.config, request.config.temperature)
     context = model_context(loaded.model)
     if context is None:
         return ids
@@ -177,7 +186,7 @@ def generate(loaded: Loaded, request: Request, device: str, stream=None) -> Gene
     if request.infill:
         return _infill(loaded, request, prompt_ids, gen, device, stream)
     if request.sampler == SPECULATIVE:
-        return _speculative(loaded, prompt_ids, config, stream, request.seed)
+        return _speculative(loaded, prompt_ids, config, stream, request.seed, speculation_tree(request))
     return _denoise(loaded, request, prompt_ids, gen, device, stream)
 
 
@@ -216,7 +225,12 @@ def _infill(loaded: Loaded, request: Request, ids: list[int], gen, device: str, 
     return Generated(text, res.nfe, ids.count(mask_id), seconds)
 
 
-def _speculative(loaded: Loaded, prompt_ids: list[int], config: SamplerConfig, stream, seed: int) -> Generated:
+def speculation_tree(request: Request) -> DraftTree | None:
+    """The tree the speculative decoder verifies (`--tree-branches`, `--redraft`), or None for one path."""
+    return DraftTree(request.config.tree_branches, request.redraft) if request.config.tree_branches else None
+
+
+def _speculative(loaded: Loaded, prompt_ids: list[int], config: SamplerConfig, stream, seed: int, tree) -> Generated:
     """The draft proposes, the frozen target verifies: the target's own text (greedy, or sampled at the
     temperature) in fewer target forwards."""
     t0 = time.perf_counter()
@@ -230,6 +244,7 @@ def _speculative(loaded: Loaded, prompt_ids: list[int], config: SamplerConfig, s
         generator=torch.Generator().manual_seed(seed),  # the rejection step draws on the CPU
         lookup_ngram=config.lookup_ngram,
         sampled_proposals=config.sampled_proposals,
+        tree=tree,
     )
     seconds = time.perf_counter() - t0
     text = loaded.tokenizer.decode(res.tokens)

@@ -83,7 +83,7 @@ def _dflash_spec_from(spec, **dflash):
     return validate_config(raw)
 
 
-def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflash_run):
+def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflash_run, capsys):
     spec, data, workdir, tgt, _, trained = dflash_run
     val = _history(workdir, trained.mlflow_run_id, "val/loss")
     assert len(val) == 4 and val[-1] < val[0]
@@ -118,6 +118,14 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     assert out.text == tok.decode(greedy_generate(strat.target, prompt, 8, tok.eos_token_id)) and out.nfe >= 1
     with pytest.raises(ValueError, match="does not fit a dflash checkpoint"):
         check_sampler("dflash", "llada", False)
+    # the CLI verifying two tree branches re-drafted by a second draft (the same checkpoint): the same greedy text
+    from flows.cli import main
+
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(ckpt), "--prompt", "O", "--max-new-tokens", "8", "--workdir", workdir]
+    assert main([*argv, "--tree-branches", "2", "--redraft", str(ckpt)]) == 0
+    shown = capsys.readouterr()
+    assert f"[Prompt 0] O\n{out.text}\n" in shown.out and "tree-branches 2" in shown.err
     bench = json.loads((Path(ev.path) / "speculative.json").read_text())
     assert sum(int(k) * v for k, v in bench["histogram"].items()) / sum(bench["histogram"].values()) == pytest.approx(
         m["dflash/tau"]

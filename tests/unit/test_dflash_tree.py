@@ -171,3 +171,22 @@ def test_eval_tree_branches_keys_the_evaluation_only_and_is_unwritten_at_zero():
     assert DFlashStrategy.eval_settings(tree) != DFlashStrategy.eval_settings(base)
     with pytest.raises(ValueError, match=key):
         load_config(ROOT / "configs" / "dflash.yaml", [f"dflash.{key}=-1"])
+
+
+def test_generate_verifies_the_tree_it_is_given_and_keeps_the_text(pair):
+    """`dllm-flow generate --tree-branches K [--redraft CKPT]`: the request's tree reaches the decoder, the text is
+    the one-path decoder's, and a second draft that reads other blocks is refused before any decoding."""
+    from types import SimpleNamespace
+
+    from strategies.sampling import SamplerConfig
+    from tasks.commands.generate import Request, _speculative, speculation_tree
+
+    target, draft, other = pair
+    tokenizer = SimpleNamespace(decode=lambda ids: " ".join(map(str, ids)), eos_token_id=None)
+    loaded = SimpleNamespace(model=draft, tokenizer=tokenizer, strategy=SimpleNamespace(target=target))
+    plain = Request("p", "speculative", SamplerConfig(max_new_tokens=20))
+    tree = Request("p", "speculative", SamplerConfig(max_new_tokens=20, tree_branches=3), redraft=other)
+    assert speculation_tree(plain) is None and speculation_tree(tree) == DraftTree(3, other)
+    one = _speculative(loaded, PROMPTS[0], plain.config, None, 0, speculation_tree(plain))
+    branched = _speculative(loaded, PROMPTS[0], tree.config, None, 0, speculation_tree(tree))
+    assert branched.text == one.text and branched.nfe <= one.nfe
