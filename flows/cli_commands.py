@@ -74,10 +74,11 @@ def cmd_generate(args) -> int:
         check_sampler,
         default_temperature,
         default_top_p,
+        load_redraft,
         resolve_checkpoint,
         settings_line,
     )
-    from tasks.evaluation.trained_model import load_for_generation, load_trained_model
+    from tasks.evaluation.trained_model import load_for_generation
     from tasks.training.runtime import resolve_device
 
     if args.checkpoint.startswith(("models:/", "runs:/")) and args.tracking_uri is None:
@@ -104,7 +105,10 @@ def cmd_generate(args) -> int:
     )
     redraft = None
     if args.redraft:  # a second draft for the tree's branches (docs/strategies.md §10.16)
-        redraft = load_trained_model(resolve_checkpoint(args.redraft, Path(args.workdir), args.tracking_uri), device)
+        if args.redraft.startswith(("models:/", "runs:/")) and args.tracking_uri is None:
+            check_registry_writable(Path(args.workdir))
+        where = (Path(args.workdir), args.tracking_uri)
+        redraft = load_redraft(args.redraft, loaded, sampler, config.tree_branches, *where, device)
     chat = (loaded.meta.get("chat", False) or args.chat) and not args.raw
     for prompt in args.prompt:  # refuse a prompt that does not fit before echoing any
         check_request(loaded, Request(prompt, sampler, config, args.seed, chat, args.infill, redraft))

@@ -38,7 +38,7 @@ _ON_DEMAND = {
     "create_dflash_sdpa_mask": "strategies.dflash.blocks:create_dflash_sdpa_mask",
     "sample_anchor_blocks": "strategies.dflash.blocks:sample_anchor_blocks",
     "DFlashDraftModel": "strategies.dflash.draft:DFlashDraftModel",
-    "speculative_generate": "strategies.dflash.draft:speculative_generate",
+    "speculative_generate": "strategies.dflash.decoding:speculative_generate",
     "DFlashDecayLoss": "strategies.dflash.loss:DFlashDecayLoss",
     "DFlashStrategy": "strategies.dflash.strategy:DFlashStrategy",
     "HybridDiffusionLLMLoss": "strategies.hybrid.loss:HybridDiffusionLLMLoss",

@@ -65,11 +65,6 @@ class SamplerConfig:
             )
         if self.tree_branches < 0:
             raise ValueError(f"tree_branches (--tree-branches) must be ≥ 0 (0: one path); got {self.tree_branches}")
-        if self.tree_branches and self.temperature > 0:
-            raise ValueError(
-                f"tree_branches (--tree-branches) verifies greedily: give --temperature 0 (got {self.temperature}) "
-                "or drop the branches"
-            )
         if not 0 <= self.lookup_ngram <= LOOKUP_MAX_NGRAM:
             raise ValueError(
                 f"lookup_ngram (--lookup-ngram) must be in 0..{LOOKUP_MAX_NGRAM} (0: off; the lookup matches "

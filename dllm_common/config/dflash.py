@@ -94,7 +94,7 @@ class DFlashConfig(ConfigSection):
     eval_tree_branches: int = Field(0, ge=0, le=16)
     # speculative decoding: when the last n…4 tokens recur in the prompt or output, the tokens that followed
     # them there are proposed before the draft's (0: the draft alone); docs/strategies.md §10.8
-    lookup_ngram: int = Field(0, ge=0, le=4)  # ≤ strategies.dflash_draft.LOOKUP_MAX_NGRAM
+    lookup_ngram: int = Field(0, ge=0, le=4)  # ≤ strategies.sampling.LOOKUP_MAX_NGRAM
 
     @model_serializer(mode="wrap")
     def _late_defaults_unwritten(self, handler):

@@ -1,6 +1,7 @@
 """DFlash's anchor blocks (docs/strategies.md §6.2, §10): which target layers feed the draft, where the blocks
 sit and what each predicts, the draft's copy hints, and the multi-block attention mask (dense and flex). The
-losses are in `strategies.dflash.loss`, the draft model and speculative decoding in `strategies.dflash.draft`.
+losses are in `strategies.dflash.loss`, the draft model in `strategies.dflash.draft`, speculative decoding in
+`strategies.dflash.decoding`.
 
 Pure PyTorch: no Prefect, no MLflow. Fixes relative to the reference: the mask is always applied
 (docs/reference-differences.md G1: no future context for any number of blocks), the non-overlapping
@@ -121,7 +122,7 @@ class CopyHints(NamedTuple):
 def copy_hints(
     input_ids: Tensor, anchors: Tensor, block_size: int, pad_id: int, document_ids: Tensor | None = None
 ) -> CopyHints:
-    """For each anchor A, what the context lookup (`strategies.dflash.draft.context_lookup` with n = 1) proposes
+    """For each anchor A, what the context lookup (`strategies.dflash.decoding.context_lookup` with n = 1) proposes
     from the history x[..A]: find the longest suffix of x[..A] (at most `LOOKUP_MAX_NGRAM` tokens) that also ends
     at an earlier position e < A, taking the latest e on ties, and hint x[e + j] at block offset j = 1..bs−1
     while e + j ≤ A. Vectorized over rows and anchors ([B, N, L] comparisons); with `document_ids` only the

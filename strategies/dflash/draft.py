@@ -1,4 +1,4 @@
-"""The DFlash draft and decoding (docs/strategies.md §8.5, §10): the draft model that reads the frozen
+"""The DFlash draft (docs/strategies.md §8.5, §10): the draft model that reads the frozen
 target's hidden states as context, the target-feature extraction, and the draft's block logits. Decoding with it
 is in `strategies.dflash.decoding` (one block per cycle) and `strategies.dflash.tree` (several branches per cycle),
 the anchors and mask in `strategies.dflash.blocks`, the losses in `strategies.dflash.loss`.

@@ -7,7 +7,8 @@ alternatives beside it and keeps the longest branch the target accepts. Here the
 - the proposal itself (what the one-path decoder verifies), then
 - at each of the `branches` positions where the draft's first wrong proposal most likely falls (`rejection_positions`),
   the proposal up to there, the draft's runner-up token at that position, and after it either the draft's own
-  proposals (`marginal`: a one-pass draft's later guesses do not depend on the earlier ones) or a second draft's,
+  proposals (`marginal`: a one-pass draft's later guesses do not depend on the earlier ones; a DFlash 2 or Domino
+  draft's walk does, so behind it they are its walk's guesses after the original token) or a second draft's,
   re-drafted behind that shown prefix (`redraft`). The second draft is one trained with `loss_type: variable_prefix`
   (§5.7), the regime D²SD trains its second drafter for: a block whose first tokens are shown.
 
@@ -24,9 +25,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from strategies.dflash.dflash2_config import DFLASH2, DOMINO
 from strategies.dflash.draft import DFlashDraftModel, draft_block_logits
+from strategies.dflash.window import trims
 
 MARGINAL, REDRAFT = "marginal", "redraft"
+# what the second draft shares with the first: the target (width, layers, vocabulary), its features and the blocks
+SAME_FIELDS = ("hidden_size", "vocab_size", "num_target_layers", "target_layer_ids", "block_size", "mask_token_id")
+SERIAL = (DFLASH2, DOMINO)
 
 
 def rejection_positions(confidence: Tensor, count: int) -> list[int]:
@@ -74,24 +80,34 @@ class DraftTree:
             raise ValueError(f"tree branches must be ≥ 0 (0: the one-path decoder); got {self.branches}")
         if temperature > 0:
             raise ValueError(
-                "tree verification is greedy only (temperature 0): sampled verification of several branches needs "
-                "a multi-draft rejection step this decoder does not implement; decode one path at temperature > 0"
+                "tree verification (--tree-branches, dflash.eval_tree_branches) is greedy only: decode at temperature "
+                f"0 (--temperature 0; got {temperature}), or drop the branches to sample (several branches would need "
+                "a multi-draft rejection step this decoder does not implement)"
             )
         if self.redraft is None:
             return
         other = self.redraft.config
-        for field in ("block_size", "target_layer_ids", "mask_token_id", "sliding_window", "layer_types"):
-            ours, theirs = getattr(cfg, field, None), getattr(other, field, None)
-            if isinstance(ours, (list, tuple)) or isinstance(theirs, (list, tuple)):
-                ours, theirs = list(ours or []), list(theirs or [])
+        for field in SAME_FIELDS:
+            ours, theirs = getattr(cfg, field), getattr(other, field)  # (layer ids: lists, as the config keeps them)
             if ours != theirs:
                 raise ValueError(
-                    f"the re-drafting draft has {field} {theirs!r} where the proposing draft has {ours!r}: it must "
-                    "read the same target features and blocks; train it from the same config (with "
-                    "dflash.loss_type: variable_prefix)"
+                    f"the re-drafting draft has {field} {theirs!r} where the proposing draft has {ours!r}: it must be "
+                    "a draft for the same target, reading the same features and blocks; train it from the same "
+                    "config with dflash.loss_type: variable_prefix"
                 )
+        if other.variant in SERIAL:
+            raise ValueError(
+                f"the re-drafting draft is a {other.variant} draft, which drafts serially: the tree re-drafts with one "
+                "pass (its selector or chain would be ignored); give a dflash or jetspec draft"
+            )
         if other.copy_hint:
             raise ValueError("a copy_hint draft cannot re-draft branches (it reads hints per anchor); use one without")
+        if trims(cfg) and not (trims(other) and other.sliding_window <= cfg.sliding_window):
+            raise ValueError(
+                f"the proposing draft slides over {cfg.sliding_window} positions in every layer, so the decoder keeps "
+                "only that much context, and the re-drafting draft would read further back; give one whose every "
+                f"layer slides over at most {cfg.sliding_window}"
+            )
 
     def rows(
         self, target: nn.Module, ctx: Tensor, anchor: Tensor, block: Tensor, proposal: Tensor, d_logits: Tensor, **kw

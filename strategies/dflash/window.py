@@ -59,12 +59,17 @@ def layer_mask(mask, layer_type: str):
     return mask[layer_type] if isinstance(mask, dict) else mask
 
 
+def trims(cfg) -> bool:
+    """Whether every layer of the draft `cfg` slides, so the decoder drops the context none of them can read."""
+    return set(cfg.layer_types) == {SLIDING}
+
+
 def trim_context(cfg, ctx: Tensor, start: int, committed: int) -> tuple[Tensor, int]:
     """The decoder's context features [B, S, n·H] (the first at position `start`) without those no layer of the draft
     `cfg` can read any more: when every layer slides, the next block (anchor at `committed`) reads positions from
     committed − window + 1 on, so the features before it are dropped and the draft's cost per cycle stops growing
     with the sequence. Returns the features kept and the position of the first."""
-    if set(cfg.layer_types) != {SLIDING}:
+    if not trims(cfg):
         return ctx, start
     first = max(start, committed - cfg.sliding_window + 1)
     return ctx[:, first - start :], first

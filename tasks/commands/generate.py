@@ -9,6 +9,7 @@ registrations, says what each one does and which settings it reads (`settings_li
 from __future__ import annotations
 
 import dataclasses
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 import mlflow
 import torch
 
+from dllm_common.checkpoint import read_meta
 from dllm_common.config import EvalConfig, context_overflow
 from dllm_common.tracking import check_tracking_server, default_tracking_uri, quiet_environment
 from strategies import strategy_class
@@ -28,7 +30,7 @@ from strategies.registration import ABSORBING
 from strategies.registry import SAMPLERS
 from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.evaluation.likelihood import encode_prompts
-from tasks.evaluation.trained_model import Loaded
+from tasks.evaluation.trained_model import Loaded, load_trained_model
 
 INFILL_SPAN = 20  # each [MASK] in an --infill prompt becomes this many mask tokens
 
@@ -41,9 +43,11 @@ class Generated:
     seconds: float
 
 
-def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None, scratch: Path | None = None) -> Path:
+def resolve_checkpoint(
+    ref: str, workdir: Path, tracking_uri: str | None = None, scratch: Path | None = None, flag: str = "--checkpoint"
+) -> Path:
     """A checkpoint directory from a path (a checkpoint, or a train store entry holding `model/`) or an
-    MLflow model URI (`models:/NAME@ALIAS`, `models:/NAME/VERSION`, `runs:/ID/model`)."""
+    MLflow model URI (`models:/NAME@ALIAS`, `models:/NAME/VERSION`, `runs:/ID/model`); errors name `flag`."""
     if ref.startswith(("models:/", "runs:/")):
         quiet_environment()
         check_tracking_server(tracking_uri, "--tracking-uri")
@@ -55,7 +59,7 @@ def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None,
             local = mlflow.artifacts.download_artifacts(artifact_uri=ref, dst_path=str(dest))
         except Exception as exc:  # MlflowException for an unknown name/alias/version
             raise FileNotFoundError(
-                f"--checkpoint {ref}: not found in the MLflow registry at {uri} ({exc}); "
+                f"{flag} {ref}: not found in the MLflow registry at {uri} ({exc}); "
                 "check the name and alias (dllm-flow registers <pipeline>-<strategy> with alias "
                 "'latest'), or pass --workdir / --tracking-uri"
             ) from None
@@ -63,7 +67,7 @@ def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None,
     path = Path(ref)
     if not path.exists():
         raise FileNotFoundError(
-            f"--checkpoint {ref}: the path does not exist; give a checkpoint directory (a train run's model/ "
+            f"{flag} {ref}: the path does not exist; give a checkpoint directory (a train run's model/ "
             "folder or an exported one) or a models:/NAME@ALIAS URI"
         )
     for candidate in (path, path / "model"):
@@ -71,7 +75,7 @@ def resolve_checkpoint(ref: str, workdir: Path, tracking_uri: str | None = None,
         if has_config and (candidate / "dllm.json").is_file():
             return candidate
     raise FileNotFoundError(
-        f"--checkpoint {ref}: not a dllm-flow checkpoint (expected config.json and dllm.json "
+        f"{flag} {ref}: not a dllm-flow checkpoint (expected config.json and dllm.json "
         "in it or in its model/ folder), nor a models:/NAME@ALIAS URI"
     )
 
@@ -223,6 +227,35 @@ def _infill(loaded: Loaded, request: Request, ids: list[int], gen, device: str, 
     text = tokenizer.decode(res.tokens[0].tolist())
     _emit(stream, text)
     return Generated(text, res.nfe, ids.count(mask_id), seconds)
+
+
+def load_redraft(ref: str, loaded: Loaded, sampler: str, branches: int, workdir: Path, tracking_uri, device: str):
+    """The tree's second draft (`--redraft`): refused before it is loaded unless the speculative sampler verifies tree
+    branches, refused unless it is a DFlash draft for the same target (the weights' digest), loaded with a warning when
+    it was not trained with `loss_type: variable_prefix` (such a draft re-drafts no better than the marginal tree,
+    docs/strategies.md §10.16). Its shape against the first draft is checked by `check_request`."""
+    if sampler != SPECULATIVE:
+        raise ValueError(f"--redraft applies to the speculative sampler; this checkpoint decodes with {sampler!r}")
+    if not branches:
+        raise ValueError("--redraft re-drafts tree branches: give --tree-branches K (K > 0) too, or drop --redraft")
+    ckpt = resolve_checkpoint(ref, workdir, tracking_uri, flag="--redraft")
+    meta = read_meta(ckpt)
+    if meta.get("strategy") != "dflash":
+        raise ValueError(f"--redraft {ref}: a {meta.get('strategy')} checkpoint; give a DFlash draft's")
+    ours, theirs = loaded.meta["target"], meta.get("target", {})
+    if ours.get("weights_digest") != theirs.get("weights_digest"):
+        raise ValueError(
+            f"--redraft {ref}: a draft for the target at {theirs.get('path')}, not for --checkpoint's target at "
+            f"{ours.get('path')} (their weights differ); give a draft trained for the same target"
+        )
+    loss = meta.get("options", {}).get("loss_type")
+    if loss != "variable_prefix":
+        print(
+            f"[dllm-flow] warning: --redraft {ref} was trained with dflash.loss_type {loss}, not variable_prefix: a "
+            "draft never shown a prefix re-drafts no better than the marginal tree (docs/strategies.md §10.16)",
+            file=sys.stderr,
+        )
+    return load_trained_model(ckpt, device)
 
 
 def speculation_tree(request: Request) -> DraftTree | None:

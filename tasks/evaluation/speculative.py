@@ -176,6 +176,7 @@ TREE_METRICS = {
     "tau_tree_gain": "gain",
     "tau_tree_gain_low": "gain_low",
     "tau_tree_gain_high": "gain_high",
+    "tree_exact_match": "exact_match",  # must be 1: the tree keeps the target's greedy text
 }
 
 

@@ -126,6 +126,11 @@ def test_draft_trains_publishes_a_self_describing_checkpoint_and_evaluates(dflas
     assert main([*argv, "--tree-branches", "2", "--redraft", str(ckpt)]) == 0
     shown = capsys.readouterr()
     assert f"[Prompt 0] O\n{out.text}\n" in shown.out and "tree-branches 2" in shown.err
+    assert "trained with dflash.loss_type decay, not variable_prefix" in shown.err  # a plain draft: warned
+    assert main([*argv, "--redraft", str(ckpt)]) != 0  # no branches to re-draft: refused before loading
+    assert "--redraft re-drafts tree branches: give --tree-branches K" in capsys.readouterr().err
+    assert main([*argv, "--tree-branches", "2", "--redraft", str(Path(workdir) / "nowhere")]) != 0
+    assert "--redraft " in (err := capsys.readouterr().err) and "the path does not exist" in err
     bench = json.loads((Path(ev.path) / "speculative.json").read_text())
     assert sum(int(k) * v for k, v in bench["histogram"].items()) / sum(bench["histogram"].values()) == pytest.approx(
         m["dflash/tau"]

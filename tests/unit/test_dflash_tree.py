@@ -174,19 +174,60 @@ def test_eval_tree_branches_keys_the_evaluation_only_and_is_unwritten_at_zero():
 
 
 def test_generate_verifies_the_tree_it_is_given_and_keeps_the_text(pair):
-    """`dllm-flow generate --tree-branches K [--redraft CKPT]`: the request's tree reaches the decoder, the text is
-    the one-path decoder's, and a second draft that reads other blocks is refused before any decoding."""
+    """`dllm-flow generate --tree-branches K [--redraft CKPT]`: the request's tree reaches the decoder and the text is
+    the one-path decoder's; a temperature, or a second draft that reads other blocks, is refused by `check_request`
+    before any decoding."""
     from types import SimpleNamespace
 
     from strategies.sampling import SamplerConfig
-    from tasks.commands.generate import Request, _speculative, speculation_tree
+    from tasks.commands.generate import Request, _speculative, check_request, speculation_tree
 
     target, draft, other = pair
-    tokenizer = SimpleNamespace(decode=lambda ids: " ".join(map(str, ids)), eos_token_id=None)
+
+    def tokenizer(text, add_special_tokens=False):
+        return {"input_ids": [int(t) for t in text.split()]}
+
+    tokenizer.decode, tokenizer.eos_token_id = (lambda ids: " ".join(map(str, ids))), None
     loaded = SimpleNamespace(model=draft, tokenizer=tokenizer, strategy=SimpleNamespace(target=target))
-    plain = Request("p", "speculative", SamplerConfig(max_new_tokens=20))
-    tree = Request("p", "speculative", SamplerConfig(max_new_tokens=20, tree_branches=3), redraft=other)
+    plain = Request("3 1 4 1 5", "speculative", SamplerConfig(max_new_tokens=20))
+    tree = Request("3 1 4 1 5", "speculative", SamplerConfig(max_new_tokens=20, tree_branches=3), redraft=other)
     assert speculation_tree(plain) is None and speculation_tree(tree) == DraftTree(3, other)
-    one = _speculative(loaded, PROMPTS[0], plain.config, None, 0, speculation_tree(plain))
-    branched = _speculative(loaded, PROMPTS[0], tree.config, None, 0, speculation_tree(tree))
-    assert branched.text == one.text and branched.nfe <= one.nfe
+    ids = check_request(loaded, tree)
+    one = _speculative(loaded, ids, plain.config, None, 0, speculation_tree(plain))
+    branched = _speculative(loaded, ids, tree.config, None, 0, speculation_tree(tree))
+    assert branched.text == one.text == " ".join(map(str, greedy_generate(target, ids, 20)))
+    hot = Request("3 1", "speculative", SamplerConfig(max_new_tokens=8, tree_branches=2, temperature=0.7))
+    with pytest.raises(ValueError, match=r"greedy only: decode at temperature 0 \(--temperature 0; got 0.7\)"):
+        check_request(loaded, hot)
+    wide = DFlashDraftModel(tiny_draft_config(block_size=8)).eval()
+    mismatched = Request("3 1", "speculative", SamplerConfig(max_new_tokens=8, tree_branches=2), redraft=wide)
+    with pytest.raises(ValueError, match="block_size 8 where the proposing draft has 4"):
+        check_request(loaded, mismatched)
+
+
+def test_every_cycle_reads_the_committed_features_after_a_branch_other_than_the_proposal(pair, monkeypatch):
+    """The cache and features the decoder carries on with are the winning branch's: at every cycle the draft's
+    context equals the target's features of prompt + output up to the anchor, and the anchor is the last committed
+    token — with the oracle branch taken every cycle, with marginal and re-drafted branches, and with the lookup."""
+    from strategies.dflash import decoding
+    from strategies.dflash.draft import target_features
+
+    target, draft, other = pair
+    seen, plain = [], decoding.draft_block_logits
+
+    def recording(model, target_, ctx, anchors, keep, block_ids, **kw):
+        seen.append((ctx.clone(), int(anchors[0, 0]), int(block_ids[0, 0]), kw.get("offset", 0)))
+        return plain(model, target_, ctx, anchors, keep, block_ids, **kw)
+
+    monkeypatch.setattr(decoding, "draft_block_logits", recording)
+    for prompt in PROMPTS[:2]:
+        greedy = greedy_generate(target, prompt, 40)
+        for tree, lookup in ((_OracleTree(greedy, len(prompt)), 0), (DraftTree(3), 2), (DraftTree(2, other), 0)):
+            seen.clear()
+            out = speculative_generate(target, draft, prompt, 30, tree=tree, lookup_ngram=lookup)
+            row = torch.tensor([prompt + out.tokens])
+            feats, _, _ = target_features(target, row, list(draft.config.target_layer_ids))
+            assert len(seen) == len(out.acceptance) > 3
+            for ctx, anchor, token, offset in seen:
+                assert offset == 0 and token == int(row[0, anchor])
+                assert torch.allclose(ctx, feats[:, :anchor], atol=1e-5)
