@@ -93,8 +93,9 @@ def features_dir(ref: StageRef) -> Path:
 def draft_strategy(
     name: str, options, draft, target, *, mask_token_id: int | None = None, cache=None
 ) -> AssembledStrategy:
-    """The draft strategy `name` over a draft and its frozen target; features from `cache` or a target forward."""
-    top_k = getattr(options, "distill_top_k", 0)
+    """The draft strategy `name` over a draft and its frozen target; features from `cache` or a target forward.
+    `options`: the strategy's options, typed or as a checkpoint records them (a dict: `dllm-flow generate`)."""
+    top_k = options.get("distill_top_k", 0) if isinstance(options, dict) else getattr(options, "distill_top_k", 0)
     features = cache if cache is not None else OnlineFeatures(target, list(draft.config.target_layer_ids), top_k)
     return assemble_strategy(
         name, options, draft, None, mask_token_id=mask_token_id, resources={"target": target, "features": features}

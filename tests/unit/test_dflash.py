@@ -1050,3 +1050,16 @@ def test_speculative_sampling_matches_target_sampling_on_a_model(pair):
     again = speculative_generate(target, draft, prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(3))
     same = speculative_generate(target, draft, prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(3))
     assert again.tokens == same.tokens  # the seed alone decides the sample
+
+
+def test_a_draft_trained_on_the_targets_top_k_loads_from_its_checkpoints_options(pair):
+    """`dllm-flow generate` rebuilds a draft's strategy from the options its checkpoint records (a dict): a draft
+    trained with `distill_top_k` gets online features holding that many of the target's tokens, as evaluation's
+    typed options do (it used to get none and was refused: 'the target-feature source holds the target's top 0')."""
+    from tasks.training.dflash_setup import draft_strategy
+
+    target, draft = pair
+    options = {"block_size": 4, "distill_top_k": 8}
+    built = draft_strategy("dflash", options, draft, target, mask_token_id=MASK)
+    assert built.strategy.features.top_k == 8
+    assert draft_strategy("dflash", {"block_size": 4}, draft, target, mask_token_id=MASK).strategy.features.top_k == 0
