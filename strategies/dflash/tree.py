@@ -8,7 +8,7 @@ alternatives beside it and keeps the longest branch the target accepts. Here the
 - at each of the `branches` positions where the draft's first wrong proposal most likely falls (`rejection_positions`),
   the proposal up to there, the draft's runner-up token at that position, and after it either the draft's own
   proposals (`marginal`: a one-pass draft's later guesses do not depend on the earlier ones; a DFlash 2 or Domino
-  draft's walk does, so behind it they are its walk's guesses after the original token) or a second draft's,
+  draft's walk does, so behind it they continue the original token, not the runner-up) or a second draft's,
   re-drafted behind that shown prefix (`redraft`). The second draft is one trained with `loss_type: variable_prefix`
   (§5.7), the regime D²SD trains its second drafter for: a block whose first tokens are shown.
 
