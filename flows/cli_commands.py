@@ -81,8 +81,11 @@ def cmd_generate(args) -> int:
     from tasks.evaluation.trained_model import load_for_generation
     from tasks.training.runtime import resolve_device
 
-    if args.checkpoint.startswith(("models:/", "runs:/")) and args.tracking_uri is None:
-        check_registry_writable(Path(args.workdir))  # MLflow would retry a read-only store for ~2 minutes
+    def check_registry(ref: str) -> None:  # a models:/ or runs:/ reference reads the workdir's registry
+        if ref.startswith(("models:/", "runs:/")) and args.tracking_uri is None:
+            check_registry_writable(Path(args.workdir))  # MLflow would retry a read-only store for ~2 minutes
+
+    check_registry(args.checkpoint)
     ckpt = resolve_checkpoint(args.checkpoint, Path(args.workdir), args.tracking_uri)
     device = resolve_device(args.device)
     loaded = load_for_generation(ckpt, device, args.adapter)
@@ -105,10 +108,8 @@ def cmd_generate(args) -> int:
     )
     redraft = None
     if args.redraft:  # a second draft for the tree's branches (docs/strategies.md §10.16)
-        if args.redraft.startswith(("models:/", "runs:/")) and args.tracking_uri is None:
-            check_registry_writable(Path(args.workdir))
-        where = (Path(args.workdir), args.tracking_uri)
-        redraft = load_redraft(args.redraft, loaded, sampler, config.tree_branches, *where, device)
+        check_registry(args.redraft)
+        redraft = load_redraft(args.redraft, loaded, sampler, config, Path(args.workdir), args.tracking_uri, device)
     chat = (loaded.meta.get("chat", False) or args.chat) and not args.raw
     for prompt in args.prompt:  # refuse a prompt that does not fit before echoing any
         check_request(loaded, Request(prompt, sampler, config, args.seed, chat, args.infill, redraft))

@@ -70,10 +70,6 @@ class DraftTree:
     branches: int
     redraft: DFlashDraftModel | None = None
 
-    @property
-    def mode(self) -> str:
-        return REDRAFT if self.redraft is not None else MARGINAL
-
     def check(self, cfg, temperature: float) -> None:
         """Refuse what the tree cannot verify or the second draft cannot read, naming what to change."""
         if self.branches < 0:

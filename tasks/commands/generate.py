@@ -148,20 +148,7 @@ def check_request(loaded: Loaded, request: Request) -> list[int]:
         new = request.config.max_new_tokens
     if not ids:
         raise ValueError("--prompt is empty after tokenization; give some text")
-    readers = [name for name, info in SAMPLERS.items() if "lookup_ngram" in info.settings]  # the speculative one
-    for flag, given in (
-        ("--lookup-ngram", request.config.lookup_ngram),
-        ("--sampled-proposals", request.config.sampled_proposals),
-        ("--tree-branches", request.config.tree_branches),
-        ("--redraft", request.redraft is not None),
-    ):
-        if given and request.sampler not in readers:
-            raise ValueError(
-                f"{flag} applies to the {', '.join(readers)} sampler; this checkpoint decodes with "
-                f"{request.sampler!r}: drop the flag"
-            )
-    if request.redraft is not None and not request.config.tree_branches:
-        raise ValueError("--redraft re-drafts tree branches: give --tree-branches K (K > 0) too, or drop --redraft")
+    check_speculative_flags(request.sampler, request.config, request.redraft is not None)
     if request.config.tree_branches:  # the second draft must read what the first reads (refused before any decoding)
         speculation_tree(request).check(loaded.model.config, request.config.temperature)
     context = model_context(loaded.model)
@@ -172,6 +159,25 @@ def check_request(loaded: Loaded, request: Request) -> list[int]:
     if problem:
         raise ValueError(problem)
     return ids
+
+
+def check_speculative_flags(sampler: str, config: SamplerConfig, redraft: bool) -> None:
+    """Refuse a flag only the speculative sampler reads given for another sampler, and `--redraft` (`redraft`:
+    given) without tree branches to re-draft."""
+    readers = [name for name, info in SAMPLERS.items() if "lookup_ngram" in info.settings]  # the speculative one
+    for flag, given in (
+        ("--lookup-ngram", config.lookup_ngram),
+        ("--sampled-proposals", config.sampled_proposals),
+        ("--tree-branches", config.tree_branches),
+        ("--redraft", redraft),
+    ):
+        if given and sampler not in readers:
+            raise ValueError(
+                f"{flag} applies to the {', '.join(readers)} sampler; this checkpoint decodes with {sampler!r}: "
+                "drop the flag"
+            )
+    if redraft and not config.tree_branches:
+        raise ValueError("--redraft re-drafts tree branches: give --tree-branches K (K > 0) too, or drop --redraft")
 
 
 def model_context(model) -> int | None:
@@ -229,15 +235,13 @@ def _infill(loaded: Loaded, request: Request, ids: list[int], gen, device: str, 
     return Generated(text, res.nfe, ids.count(mask_id), seconds)
 
 
-def load_redraft(ref: str, loaded: Loaded, sampler: str, branches: int, workdir: Path, tracking_uri, device: str):
+def load_redraft(ref: str, loaded: Loaded, sampler: str, config: SamplerConfig, workdir: Path, tracking_uri, device):
     """The tree's second draft (`--redraft`): refused before it is loaded unless the speculative sampler verifies tree
-    branches, refused unless it is a DFlash draft for the same target (the weights' digest), loaded with a warning when
-    it was not trained with `loss_type: variable_prefix` (such a draft re-drafts no better than the marginal tree,
-    docs/strategies.md §10.16). Its shape against the first draft is checked by `check_request`."""
-    if sampler != SPECULATIVE:
-        raise ValueError(f"--redraft applies to the speculative sampler; this checkpoint decodes with {sampler!r}")
-    if not branches:
-        raise ValueError("--redraft re-drafts tree branches: give --tree-branches K (K > 0) too, or drop --redraft")
+    branches (`check_speculative_flags`), refused unless it is a DFlash draft for the same target (the weights'
+    digest), loaded with a warning when it was not trained with `loss_type: variable_prefix` (such a draft re-drafts
+    no better than the marginal tree, docs/strategies.md §10.16). Its shape against the first draft is checked by
+    `check_request`."""
+    check_speculative_flags(sampler, config, redraft=True)
     ckpt = resolve_checkpoint(ref, workdir, tracking_uri, flag="--redraft")
     meta = read_meta(ckpt)
     if meta.get("strategy") != "dflash":

@@ -17,7 +17,10 @@ from tasks.evaluation.trained_model import Loaded
 
 WATCHED = {*USER_SETTINGS, *DECODING_SETTINGS}
 # reads that are not decoding: the dataclass's own machinery, generate's flag check and its settings line
-NOT_DECODING = {"__post_init__", "__init__", "__repr__", "__eq__", "__hash__", "check_request", "settings_line"}
+NOT_DECODING = {
+    *("__post_init__", "__init__", "__repr__", "__eq__", "__hash__"),
+    *("check_request", "check_speculative_flags", "settings_line"),
+}
 READS: set[str] = set()
 
 
