@@ -62,22 +62,6 @@ def speculative_accept(
     return k, int(torch.multinomial(p[k], 1, generator=generator))
 
 
-def _verify(
-    proposal: Tensor, draft_logits: Tensor, target_logits: Tensor, temperature: float, generator
-) -> tuple[int, int]:
-    """(proposals that stand, the target's next token): the longest prefix equal to the target's greedy
-    choices at temperature 0, the rejection step of speculative sampling above it."""
-    if temperature <= 0:
-        greedy = target_logits.argmax(-1)
-        accepted = 0
-        while accepted < len(proposal) and int(proposal[accepted]) == int(greedy[accepted]):
-            accepted += 1
-        return accepted, int(greedy[accepted])
-    p = torch.softmax(target_logits.float() / temperature, dim=-1)
-    q = torch.softmax(draft_logits.float() / temperature, dim=-1)
-    return speculative_accept(p, q, proposal, generator)
-
-
 def context_lookup(history: list[int], min_ngram: int, count: int) -> list[int]:
     """Up to `count` tokens that followed the latest earlier occurrence of the longest suffix of `history`
     (from `LOOKUP_MAX_NGRAM` down to `min_ngram` tokens) inside `history`; [] when no suffix recurs.
@@ -175,11 +159,14 @@ def speculative_generate(
             cache.batch_repeat_interleave(len(rows))
         v_feats, v_logits, cache = target_features(target, verify_in, cfg.target_layer_ids, past_key_values=cache)
         forwards += 1
-        if len(rows) > 1:
+        if temperature <= 0:  # the longest prefix equal to the target's greedy choices, over every row
             branch, accepted, nxt = select_branch(rows, v_logits)
+        else:  # one row (a tree is greedy only): the rejection step of speculative sampling
+            p = torch.softmax(v_logits[0].float() / temperature, dim=-1)
+            q = torch.softmax(d_logits.float() / temperature, dim=-1)
+            branch, (accepted, nxt) = 0, speculative_accept(p, q, proposal, generator)
+        if len(rows) > 1:
             cache.batch_select_indices(torch.tensor([branch], device=device))
-        else:
-            branch, (accepted, nxt) = 0, _verify(proposal, d_logits, v_logits[0], temperature, generator)
         new = rows[branch, :accepted].tolist() + [nxt]
         acceptance.append(accepted + 1)
         out.extend(new)
