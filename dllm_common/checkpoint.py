@@ -8,7 +8,9 @@ Layout of a checkpoint dir:
     trainer_state.pt         optional: optimizer + scheduler state (loaded with weights_only=True)
     digests.json             sha256 of every file above, written last
 
-A file whose digest does not match is never deserialized: `CorruptCheckpointError` names it.
+A file whose digest does not match is never deserialized: `CorruptCheckpointError` names it. Nor is a weights file
+whose header declares a tensor the model cannot take (`check_weights_fit`: another kind of dtype, another shape),
+whoever wrote it: `WeightsMismatchError` names the file, the tensor and the flag or key that pointed there.
 Checkpoints are written to a temp dir and renamed into place, so a crash never leaves a torn one.
 """
 
@@ -18,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,10 @@ MAX_SHARD_SIZE = "5GB"  # transformers' default: one file below it, shards and a
 
 class CorruptCheckpointError(RuntimeError):
     pass
+
+
+class WeightsMismatchError(CorruptCheckpointError):
+    """A weights file whose header declares a tensor the model it is loaded into cannot take."""
 
 
 def write_checkpoint(
@@ -201,13 +208,15 @@ def tied_groups(model) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def load_weights_into(model, path: Path) -> None:
-    """Verify `path`, then load its safetensors weights into `model` (strict)."""
+def load_weights_into(model, path: Path, where: str | None = None) -> None:
+    """Verify `path`, check its tensors' headers against `model` (`check_weights_fit`; `where`: the flag or key
+    that named the checkpoint, for the message), then load its safetensors weights into `model` (strict)."""
     # lazy: dllm_common stays torch-free at import (flows imports this module with torch blocked);
     # resolved per call, so a test can stand in for load_model
     from safetensors.torch import load_model
 
     verify_checkpoint(path)
+    check_weights_fit(model, [Path(path) / name for name in weight_files(path)], where)
     if not (Path(path) / WEIGHTS_INDEX).is_file():
         load_model(model, str(Path(path) / WEIGHTS), strict=True)
         return
@@ -220,6 +229,113 @@ def load_weights_into(model, path: Path) -> None:
         raise CorruptCheckpointError(
             f"{path}: its weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
+
+
+# ------------------------------------------------------------------ weights checked against the model before loading
+
+HEADER_BYTES = 8  # a safetensors file starts with its JSON header's length, a little-endian u64
+
+
+def safetensors_header(file: Path) -> dict[str, dict]:
+    """Every tensor a safetensors file declares (name → {"dtype", "shape", "data_offsets"}), read from its header
+    alone: no tensor is read. `ValueError` saying why for a file that has no readable header."""
+    file = Path(file)
+    with open(file, "rb") as f:
+        head = f.read(HEADER_BYTES)
+        if len(head) < HEADER_BYTES:
+            raise ValueError(f"{file} is damaged: shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        if HEADER_BYTES + length > file.stat().st_size:
+            raise ValueError(f"{file} is damaged: its header declares more bytes than the file holds")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} is damaged: its {length}-byte header is not a safetensors JSON header")
+    return {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+
+
+def is_float_code(dtype: str) -> bool:
+    """Whether a safetensors dtype code is a floating-point one (F64, F32, F16, BF16, F8_E4M3, ...)."""
+    return dtype == "BF16" or dtype.startswith("F")
+
+
+def _model_name(name: str, expected: dict, prefix: str) -> str | None:
+    """The model's name for stored tensor `name`: itself, or with the base model's prefix added or dropped (as
+    transformers' `from_pretrained` loads a base model's weights into a causal LM and back); None: not the model's
+    (a name the loader renames or a quantizer reads: left to it)."""
+    for candidate in (
+        name,
+        f"{prefix}.{name}" if prefix else None,
+        name.removeprefix(f"{prefix}.") if prefix else None,
+    ):
+        if candidate in expected:
+            return candidate
+    return None
+
+
+def weights_misfit(model, files: list[Path], prefix: str = "") -> str | None:
+    """The first tensor the safetensors `files` declare that `model` cannot take, or None: a floating-point tensor
+    of the model's stored as integers or booleans (or the reverse; loading would cast the bits into garbage), or
+    another shape. Another float dtype (bf16 for an fp32 model) fits: loading casts it. Only headers are read."""
+    expected = {name: t for name, t in model.state_dict().items()}
+    for file in files:
+        for name, entry in sorted(safetensors_header(file).items()):
+            key = _model_name(name, expected, prefix)
+            if key is None:
+                continue
+            tensor, code, shape = expected[key], str(entry.get("dtype")), list(entry.get("shape") or [])
+            floating = tensor.is_floating_point()
+            if is_float_code(code) != floating or shape != list(tensor.shape):
+                kind = "a floating-point tensor" if floating else f"a {str(tensor.dtype).removeprefix('torch.')} tensor"
+                return (
+                    f"{file} stores {name} as {code} {shape}, but the model expects {kind} {list(tensor.shape)} there"
+                )
+    return None
+
+
+def check_weights_fit(model, files: list[Path], where: str | None = None, prefix: str = "") -> None:
+    """Refuse, before any weights are loaded, safetensors `files` whose headers declare a tensor `model` cannot take
+    (`weights_misfit`), in one line naming `where` (the flag or config key that pointed at the files: `model.path`,
+    `--checkpoint`, ...; None: a checkpoint the pipeline itself wrote), the file, the tensor, what it declares and
+    what the model has. A file whose digests were recomputed after its header was rewritten (another tool's
+    export, a download) passes `verify_checkpoint` but not this (docs/operations.md, "Bad input: refused as early
+    as it can be seen"). `prefix`: the base model's prefix (`_model_name`)."""
+    label = where or "checkpoint"
+    try:  # a missing file is the loader's to report, as before
+        problem = weights_misfit(model, [Path(f) for f in files if Path(f).is_file()], prefix)
+    except ValueError as exc:
+        raise WeightsMismatchError(f"{label}: {exc}; replace it with the file as it was saved") from None
+    if problem is not None:
+        fix = f"point {where} at ones that were" if where else "put back the files that were"
+        raise WeightsMismatchError(f"{label}: {problem}: these weights were not saved from this model; {fix}")
+
+
+def stored_weight_files(source: str | Path) -> list[Path]:
+    """The safetensors files `from_pretrained` reads from `source`: a local folder's index shards
+    (model.safetensors.index.json) or its model.safetensors; a hub id's, fetched into the Hugging Face cache as
+    `from_pretrained` would fetch them. [] where there are none (pytorch_model.bin, GGUF) or the hub cannot give
+    them: `from_pretrained` then says why."""
+    local = Path(source)
+    if local.is_dir():
+        if (local / WEIGHTS_INDEX).is_file():
+            return [local / name for name in weight_files(local)]
+        return [local / WEIGHTS] if (local / WEIGHTS).is_file() else []
+    from huggingface_hub import hf_hub_download  # lazy: only a hub id reaches here
+
+    def fetch(name: str) -> Path | None:
+        try:
+            return Path(hf_hub_download(str(source), name))
+        except Exception:  # noqa: BLE001 - offline, unknown repo, no such file: from_pretrained says which
+            return None
+
+    index = fetch(WEIGHTS_INDEX)
+    if index is None:
+        single = fetch(WEIGHTS)
+        return [single] if single is not None else []
+    shards = [fetch(name) for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [] if None in shards else shards
 
 
 def load_trainer_state(path: Path) -> dict[str, Any] | None:

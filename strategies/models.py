@@ -10,6 +10,7 @@ with ids only. Which path applies is recorded on the model config as `dllm_atten
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from dllm_common.checkpoint import check_weights_fit, stored_weight_files
 from strategies.model_files import check_model_folder, check_weights_cover, resolve_model_path
 from strategies.registry import model_shape, model_shapes
 
@@ -194,8 +196,10 @@ def load_pretrained(
     gguf_file: str | None = None,
     attn_implementation: str = "sdpa",
     dllm_attention: str | None = None,
+    where: str = "model.path",
 ) -> nn.Module:
-    """Load a causal LM from a local dir or hub id (hub access only if the user has one)."""
+    """Load a causal LM from a local dir or hub id (hub access only if the user has one), its weights' headers
+    checked against the model first (`check_pretrained_weights`; `where`: the key that named it)."""
 
     given, path = path, resolve_model_path(path)
     check_model_folder(given, path, gguf_file)  # one line naming model.path, not the library's error
@@ -204,6 +208,8 @@ def load_pretrained(
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k != "dtype"})
+    if not gguf_file:  # a GGUF file's tensors are the GGUF reader's to de-quantize
+        check_pretrained_weights(path, where, config, trust_remote_code=trust_remote_code)
     model, info = AutoModelForCausalLM.from_pretrained(
         path, attn_implementation=attn_implementation, output_loading_info=True, **kwargs
     )
@@ -212,6 +218,29 @@ def load_pretrained(
         dllm_attention = NATIVE if trust_remote_code and getattr(config, "auto_map", None) else BIDIRECTIONAL_MASK
     model.config.dllm_attention = dllm_attention
     return model
+
+
+def check_pretrained_weights(path: str, where: str, config=None, build=None, trust_remote_code: bool = False) -> None:
+    """Before `from_pretrained` reads the weights at `path` (a local folder or hub id): every tensor its safetensors
+    headers declare, against the module its config builds on the meta device (shapes and dtypes, no memory, no
+    initialization), `check_weights_fit` refusing a misfit in one line naming `where`. `build(config)`: the
+    module's class (default: the Auto causal LM). A quantized checkpoint's tensors are the quantizer's to read."""
+    files = stored_weight_files(path)
+    if not files:
+        return
+    config = copy.deepcopy(config or AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+    if getattr(config, "quantization_config", None):
+        return
+    try:
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):
+            model = (
+                build(config)
+                if build
+                else AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            )
+    except Exception:  # noqa: BLE001 - remote code that cannot be built on the meta device: from_pretrained checks it
+        return
+    check_weights_fit(model, files, where, getattr(model, "base_model_prefix", ""))
 
 
 def full_attention_mask(input_ids: Tensor) -> Tensor:
@@ -408,6 +437,7 @@ def apply_adapter(model: nn.Module, adapter_dir) -> None:
     cfg = json.loads(cfg_file.read_text())
     lm = backbone_lm(model)
     add_lora(lm, r=cfg["r"], alpha=cfg["alpha"], dropout=0.0, target_modules=cfg["target_modules"])
+    check_weights_fit(lm, [weights], "--adapter")
     state = load_file(str(weights))
     missing = [k for k in lm.state_dict() if "lora_" in k and k not in state]
     if missing or not state:

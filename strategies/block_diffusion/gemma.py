@@ -38,7 +38,7 @@ from transformers.models.diffusion_gemma.modeling_diffusion_gemma import Diffusi
 from strategies.block_diffusion.options import DIFFUSION_GEMMA
 from strategies.head import HeadProjection, softcap_logits
 from strategies.model_files import resolve_model_path
-from strategies.models import DLLMOutput, tiny_diffusion_gemma_config, tiny_shape
+from strategies.models import DLLMOutput, check_pretrained_weights, tiny_diffusion_gemma_config, tiny_shape
 
 PUBLISHED = "DiffusionGemmaForBlockDiffusion"  # the class a checkpoint names: transformers' own
 
@@ -95,7 +95,9 @@ class DiffusionGemmaCanvas(DiffusionGemmaForBlockDiffusion):
         path = resolve_model_path(m.path)
         if m.gguf_file:
             raise ValueError("model.gguf_file: a DiffusionGemma checkpoint is read from safetensors; unset it")
-        cls.check_checkpoint_config(AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code), m.path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)
+        cls.check_checkpoint_config(config, m.path)
+        check_pretrained_weights(path, "model.path", config, build=cls)  # its headers, before any weight is read
         return cls.from_pretrained(path, dtype=getattr(torch, m.dtype), attn_implementation=m.attn_implementation)
 
     @classmethod

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from dllm_common.checkpoint import DIGESTS, read_weights, verify_checkpoint
+from dllm_common.checkpoint import DIGESTS, check_weights_fit, read_weights, verify_checkpoint, weight_files
 from strategies.dflash.blocks import CopyHints, block_position_ids
 from strategies.dflash.config import DFlashDraftConfig, is_draft_dir
 from strategies.dflash.dflash2 import CandidateSelector, InBlockConv, conv_sublayer
@@ -207,13 +207,15 @@ class DFlashDraftModel(nn.Module):
         return cls(DFlashDraftConfig.from_dir(path))
 
     @classmethod
-    def load(cls, path: str | Path, device="cpu") -> DFlashDraftModel:
-        """A draft folder in either layout (a dllm-flow checkpoint's digests verified first), its weights in the
-        draft's dtype (fp32); the weight names must be exactly the draft's."""
+    def load(cls, path: str | Path, device="cpu", where: str | None = None) -> DFlashDraftModel:
+        """A draft folder in either layout (a dllm-flow checkpoint's digests verified first, then every tensor's
+        header against the draft: `check_weights_fit`, naming `where`, the flag or key that named the folder), its
+        weights in the draft's dtype (fp32); the weight names must be exactly the draft's."""
         path = Path(path)
         model = cls.from_config_dir(path)
         if (path / DIGESTS).is_file():
             verify_checkpoint(path)
+        check_weights_fit(model, [path / name for name in weight_files(path)], where)
         state = read_weights(path)
         expected = set(model.state_dict())
         extra, missing = sorted(set(state) - expected), sorted(expected - set(state))

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dllm_common.config import ScorerConfig
 from dllm_common.store import sha256_file, stage_key
 from strategies.model_files import resolve_model_path
+from strategies.models import check_pretrained_weights
 from tasks.common import store_for
 from tasks.evaluation.likelihood import ratio_with_se
 
@@ -80,8 +81,12 @@ def save_dequantized(model, tokenizer, dest: Path) -> None:
     tokenizer.save_pretrained(dest)
 
 
-def load_causal_lm(path: str, gguf_file: str | None, trust_remote_code: bool):
+def load_causal_lm(path: str, gguf_file: str | None, trust_remote_code: bool, where: str = "eval.scorer.path"):
+    """(model, tokenizer) at `path`; safetensors weights have their headers checked against the model first, a misfit
+    named with `where` (the key that named the model). A GGUF file is the GGUF reader's to de-quantize."""
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if not gguf_file:
+        check_pretrained_weights(path, where, trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     return model, tokenizer

@@ -15,10 +15,12 @@ from tasks.data.tokenizer import load_tokenizer
 from tasks.training.dflash_setup import draft_strategy, load_target
 
 
-def load_trained_model(ckpt: Path, device: str):
-    """The checkpoint's module (wrapped, LoRA-adapted or a DFlash draft as recorded), digests verified first."""
+def load_trained_model(ckpt: Path, device: str, where: str | None = None):
+    """The checkpoint's module (wrapped, LoRA-adapted or a DFlash draft as recorded), digests verified first, then its
+    weights' headers against the module (a misfit named with `where`: `--checkpoint`, `--redraft`; None: a checkpoint
+    the pipeline wrote)."""
     model = model_from_config_dir(ckpt)
-    load_weights_into(model, ckpt)  # verifies every digest first
+    load_weights_into(model, ckpt, where)  # verifies every digest, then every tensor's header
     return model.to(device).eval()
 
 
@@ -61,10 +63,11 @@ class Loaded(NamedTuple):
     meta: dict
 
 
-def load_for_generation(ckpt: Path, device: str, adapter: str | None = None) -> Loaded:
-    """(model, tokenizer, strategy, mask id, meta) — the strategy rebuilt from the checkpoint's record."""
+def load_for_generation(ckpt: Path, device: str, adapter: str | None = None, where: str | None = None) -> Loaded:
+    """(model, tokenizer, strategy, mask id, meta) — the strategy rebuilt from the checkpoint's record; `where`: the
+    flag that named the checkpoint (`--checkpoint`), which a misfit of its weights names."""
     meta = read_meta(ckpt)
-    model = load_trained_model(ckpt, device)
+    model = load_trained_model(ckpt, device, where)
     if adapter:
         apply_adapter(model, adapter)
     tokenizer = checkpoint_tokenizer(ckpt, model)
@@ -75,7 +78,9 @@ def load_for_generation(ckpt: Path, device: str, adapter: str | None = None) -> 
         section = meta.get(name, {})  # a checkpoint from before typed options kept its strategy's config section
         dtype = t.get("torch_dtype", section.get("target_torch_dtype", "float32"))
         remote = t.get("trust_remote_code", section.get("target_trust_remote_code", False))
-        target = load_target(t["path"], dtype, device, remote)
+        target = load_target(
+            t["path"], dtype, device, remote, f"{where or 'the checkpoint'}'s target (dllm.json target.path)"
+        )
         built = draft_strategy(name, options, model, target, mask_token_id=meta["mask_token_id"])
     else:
         built = assemble_strategy(name, options, model, tokenizer, mask_token_id=meta["mask_token_id"])

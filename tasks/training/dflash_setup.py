@@ -38,15 +38,22 @@ from strategies.dflash.served_checks import (
 )
 from strategies.dflash.window_config import attention_shape_fields
 from strategies.model_files import resolve_model_path
-from strategies.models import model_from_config_dir, tokenizer_token_ids
+from strategies.models import check_pretrained_weights, model_from_config_dir, tokenizer_token_ids
 from strategies.options import resolve_options
 from tasks.common import StageRef
 from tasks.data.tokenizer import load_tokenizer, refuse_mask_alias
 from tasks.training.runtime import Trainee, compile_layers
 
 
-def load_target(model_path: str | Path, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
-    """The frozen target (eval mode, no grad): a dllm-flow checkpoint is digest-verified before loading."""
+def load_target(
+    model_path: str | Path,
+    dtype: str = "float32",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    where: str | None = None,
+):
+    """The frozen target (eval mode, no grad): a dllm-flow checkpoint is digest-verified before loading; either kind
+    has its weights' headers checked against the model first, a misfit named with `where` (the key that named it)."""
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -55,16 +62,19 @@ def load_target(model_path: str | Path, dtype: str = "float32", device: str = "c
         )
     if (path / DIGESTS).is_file():
         model = model_from_config_dir(path)
-        load_weights_into(model, path)
+        load_weights_into(model, path, where)
     else:
+        check_pretrained_weights(str(path), where or "the DFlash target", trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code)
     return model.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
 
 
 def load_spec_target(spec: PipelineSpec, model_path: str | Path, device: str):
-    """`load_target` with the config's `dflash.target_torch_dtype` and `target_trust_remote_code`."""
+    """`load_target` with the config's `dflash.target_torch_dtype` and `target_trust_remote_code`; a misfit of its
+    weights names `dflash.target_model_id` (unset: the target the pipeline trained, a checkpoint of its own)."""
     d = spec.dflash
-    return load_target(model_path, d.target_torch_dtype, device, d.target_trust_remote_code)
+    where = "dflash.target_model_id" if d.target_model_id else None
+    return load_target(model_path, d.target_torch_dtype, device, d.target_trust_remote_code, where)
 
 
 def layer_ids_for(spec: PipelineSpec, target: StageRef) -> list[int]:
@@ -249,7 +259,7 @@ def import_draft(spec: PipelineSpec, options, target) -> DFlashDraftModel:
         lines = engine_field_problems(json.loads((folder / CONFIG).read_text()), ours)
         if lines:
             raise ValueError(f"the DFlash draft at {where}: {lines[0]}")
-    draft = DFlashDraftModel.load(folder)
+    draft = DFlashDraftModel.load(folder, where="model.path")
     cfg = draft.config
     check_draft_fits_target(cfg, target, where, read.verifier)
     facts = target_facts(target)
