@@ -155,8 +155,17 @@ class Store:
         workers never compute the same expensive entry: the second waits, then finds it published.
         The kernel drops the lock when its holder dies, so a crashed worker never wedges the store."""
         path = self.root / stage / f"{key}.lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as handle:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "a")  # noqa: SIM115 (closed below, after the lock is released)
+        except OSError as exc:  # a store made read-only while the run went on (`check_workdir` probes it first)
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            raise PermissionError(
+                f"{path.parent} is not writable ({exc.strerror}): stage {stage} publishes there; make it writable "
+                "(remount it read-write) or pass --workdir DIR with a writable path"
+            ) from None
+        with handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
             try:
                 yield

@@ -95,7 +95,10 @@ def check_workdir(workdir: str | Path) -> Path:
         raise PermissionError(
             f"workdir {p} is not writable ({exc.strerror}); pass --workdir DIR with a writable path"
         ) from None
-    for folder in (p / "store", p / "runs"):  # a read-only mount inside it: refused here, not by a stage's write
+    # a read-only mount inside it (the store, one stage's folder of it, the run records): refused here, before any
+    # stage, not by a stage's first write after the stages before it ran
+    stages = sorted(f for f in (p / "store").iterdir() if f.is_dir()) if (p / "store").is_dir() else []
+    for folder in (p / "store", *stages, p / "runs"):
         if folder.is_dir():
             refuse_read_only(
                 folder,

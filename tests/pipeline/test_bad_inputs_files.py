@@ -259,6 +259,38 @@ def test_run_on_a_read_only_store_names_it_in_one_line(tmp_path, read_only, caps
     )
 
 
+def test_run_with_one_read_only_stage_folder_is_refused_before_any_stage(tmp_path, read_only, capsys):
+    """A read-only mount at one stage's folder (store/train) is found by the workdir check, before prepare_data
+    runs, not by the train stage's lock after it."""
+    from flows.cli import main
+
+    workdir = tmp_path / "w"
+    train = read_only(workdir / "store" / "train")
+    assert main(["run", str(ROOT / "configs/smoke.yaml"), "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"dllm-flow: error: {train} is not writable (Read-only file system): every stage publishes and every run "
+        "records there; make it writable (remount it read-write) or pass --workdir DIR with a writable path\n"
+    )
+    assert not (workdir / "store" / "prepare_data").exists()  # no stage ran
+
+
+def test_a_stage_lock_in_a_read_only_folder_is_one_line(tmp_path, read_only):
+    """The store made read-only after the workdir check (mid-run): the stage's lock names the folder, no raw
+    OSError about a .lock file."""
+    from dllm_common.store import Store
+
+    store = Store(tmp_path / "store")
+    train = read_only(tmp_path / "store" / "train")
+    with pytest.raises(PermissionError) as caught:
+        with store.lock("train", "abc"):
+            pass
+    assert str(caught.value) == (
+        f"{train} is not writable (Read-only file system): stage train publishes there; make it writable "
+        "(remount it read-write) or pass --workdir DIR with a writable path"
+    )
+
+
 # ---------------------------------------------------------------- 5. `resume with:` only where resuming helps
 
 
