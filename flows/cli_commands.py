@@ -88,7 +88,7 @@ def cmd_generate(args) -> int:
     check_registry(args.checkpoint)
     ckpt = resolve_checkpoint(args.checkpoint, Path(args.workdir), args.tracking_uri)
     device = resolve_device(args.device)
-    loaded = load_for_generation(ckpt, device, args.adapter)
+    loaded = load_for_generation(ckpt, device, args.adapter, where="--checkpoint")
     sampler = check_sampler(loaded.meta["strategy"], args.sampler, args.infill)
     temperature = args.temperature if args.temperature is not None else default_temperature(sampler)
     config = SamplerConfig(

@@ -14,14 +14,16 @@ a local `model.path` folder and the lm-eval task names. See docs/architecture.md
 
 from __future__ import annotations
 
+import copy
 import difflib
+import sys
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from dllm_common import config as pipeline_config
-from dllm_common.config import ConfigError, PipelineSpec
+from dllm_common.config import ConfigError, PipelineSpec, shown
 from dllm_common.harness_tasks import check_harness_tasks
 from strategies.block_diffusion.options import BlockDiffusionOptions
 from strategies.dflash.options import DFlashOptions
@@ -94,10 +96,10 @@ def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
     Returns each strategy's resolved options."""
     unknown = [n for n in spec.pipeline.strategies if n not in REGISTRY]
     if unknown:
-        raise ConfigError(f"pipeline.strategies: unknown strategy {unknown[0]!r}; allowed: {sorted(REGISTRY)}")
+        raise ConfigError(f"pipeline.strategies: unknown strategy {shown(unknown[0])}; allowed: {sorted(REGISTRY)}")
     for name in spec.dllm.overrides:
         if name not in REGISTRY:
-            raise ConfigError(f"dllm.overrides: unknown strategy {name!r}; allowed: {sorted(REGISTRY)}")
+            raise ConfigError(f"dllm.overrides: unknown strategy {shown(name)}; allowed: {sorted(REGISTRY)}")
         if name not in spec.pipeline.strategies:  # nothing would read it: a typo or a strategy dropped from the list
             raise ConfigError(
                 f"dllm.overrides.{name}: {name!r} is not in pipeline.strategies {list(spec.pipeline.strategies)}; "
@@ -106,7 +108,9 @@ def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
     for name in spec.eval.overrides:
         if name not in spec.pipeline.strategies:
             raise ConfigError(
-                f"eval.overrides.{name}: {name!r} is not in pipeline.strategies {list(spec.pipeline.strategies)}; "
+                f"eval.overrides.{name if len(name) <= 60 else shown(name)}: {shown(name)} is not in "
+                f"pipeline.strategies "
+                f"{list(spec.pipeline.strategies)}; "
                 f"remove the entry (--set eval.overrides={{}} drops them all) or add the strategy"
             )
         if not REGISTRY[name].samples:
@@ -180,11 +184,88 @@ def validate_config(raw: dict, source: str = "<dict>") -> PipelineSpec:
     return spec
 
 
+def _strategy_list(raw: dict) -> list[str] | None:
+    pipeline = raw.get("pipeline")
+    listed = pipeline.get("strategies") if isinstance(pipeline, dict) else None
+    return listed if isinstance(listed, list) and all(isinstance(n, str) for n in listed) else None
+
+
+def narrow_strategies(file_raw: dict, raw: dict) -> tuple[dict, list[str]]:
+    """`raw` (the file with its overrides applied) without the settings that only the strategies the overrides
+    dropped from the file's own `pipeline.strategies` read, and the dotted keys set aside. Rerunning one row of a
+    comparison (`--set 'pipeline.strategies=[mdlm]'`) is not a typo: the file's `eval.overrides.<dropped>`,
+    `dllm.overrides.<dropped>`, the dropped strategies' own sections and the shared `dllm:` keys no remaining
+    strategy reads are set aside (docs/configuration.md, "Running some of a config's strategies"). A key that no
+    registered strategy reads, or an override for a strategy the file never listed, is still refused."""
+    listed, kept = _strategy_list(file_raw), _strategy_list(raw)
+    if listed is None or kept is None or listed == kept:
+        return raw, []
+    dropped = [n for n in dict.fromkeys(listed) if n not in kept and n in REGISTRY]
+    if not dropped:
+        return raw, []
+    out = copy.deepcopy(raw)
+    ignored: list[str] = []
+
+    def drop(section: dict, key: str, dotted: str) -> None:
+        if isinstance(section, dict) and key in section:
+            del section[key]
+            ignored.append(dotted)
+
+    def at(tree: dict, keys: tuple[str, ...]) -> Any:
+        for key in keys:
+            if not isinstance(tree, dict) or key not in tree:
+                return _ABSENT
+            tree = tree[key]
+        return tree
+
+    def in_file(*keys: str) -> bool:  # only what the file set: a value given on the command line is checked as ever
+        return at(file_raw, keys) is not _ABSENT and at(file_raw, keys) == at(raw, keys)
+
+    kept_reads = {k for n in kept if n in REGISTRY for k in REGISTRY[n].options.model_fields}
+    dropped_reads = {k for n in dropped for k in REGISTRY[n].options.model_fields}
+    dllm = out.get("dllm")
+    if isinstance(dllm, dict):
+        for key in [k for k in dllm if k != "overrides" and k in dropped_reads and k not in kept_reads]:
+            if in_file("dllm", key):
+                drop(dllm, key, f"dllm.{key}")
+        for name in dropped:
+            if in_file("dllm", "overrides", name):
+                drop(dllm.get("overrides"), name, f"dllm.overrides.{name}")
+    for name in dropped:
+        evaluation = out.get("eval")
+        if isinstance(evaluation, dict) and in_file("eval", "overrides", name):
+            drop(evaluation.get("overrides"), name, f"eval.overrides.{name}")
+        section = REGISTRY[name].section
+        if (
+            section is not None
+            and in_file(section)
+            and not any(REGISTRY[n].section == section for n in kept if n in REGISTRY)
+        ):
+            drop(out, section, section)
+    return out, ignored
+
+
+_NOTED: set[tuple[str, tuple[str, ...]]] = set()
+_ABSENT = object()
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineSpec:
     """The pipeline file at `path` with `overrides` (`key=value`) applied, checked as a whole: the schema, every
     strategy's options, a local model.path folder, and the lm-eval task names (`eval.lm_eval`), so a name the
-    harness does not know fails here, not after training. The one loader every entry point uses."""
-    raw = pipeline_config.apply_overrides(pipeline_config.read_yaml(path), overrides or [])
+    harness does not know fails here, not after training. The one loader every entry point uses. Overrides that
+    narrow the file's own strategy list set aside what only the dropped strategies read, with one note
+    (`narrow_strategies`)."""
+    file_raw = pipeline_config.read_yaml(path)
+    raw, ignored = narrow_strategies(file_raw, pipeline_config.apply_overrides(file_raw, overrides or []))
     spec = validate_config(raw, str(path))
+    noted = (str(path), tuple(overrides or []))
+    if ignored and noted not in _NOTED:  # once per process: `run` loads the config again inside its flow
+        _NOTED.add(noted)
+        print(
+            f"dllm-flow: note: pipeline.strategies narrowed to {list(spec.pipeline.strategies)}: ignoring "
+            f"{', '.join(ignored)} (read only by the strategies dropped from {path})",
+            file=sys.stderr,
+            flush=True,
+        )
     check_harness_tasks(spec.eval.lm_eval)
     return spec

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from dllm_common.config import shown
 from strategies.block_diffusion import options as block_diffusion
 from strategies.dflash import options as dflash
 from strategies.hybrid import options as hybrid
@@ -53,7 +54,7 @@ def registration(name: str) -> Registration:
         return REGISTRY[name]
     except KeyError:
         raise ValueError(
-            f"unknown strategy {name!r}: pipeline.strategies takes registered strategies, {sorted(REGISTRY)}"
+            f"unknown strategy {shown(name)}: pipeline.strategies takes registered strategies, {sorted(REGISTRY)}"
         ) from None
 
 

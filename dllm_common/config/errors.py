@@ -9,3 +9,13 @@ class ConfigError(ValueError):
 class TrainingDiverged(ConfigError):
     """A NaN or infinite loss, gradient norm or weight: the training stopped at that step and nothing was
     published. A user error: a setting (most often the learning rate) is what to change (docs/operations.md)."""
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """`repr(value)` for an error line, cut to `limit` characters with the full length named: a 100,000-character
+    strategy name is echoed as its start, not whole."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    length = f" ({len(value)} characters)" if isinstance(value, str) else ""
+    return f"{text[: limit - 1]}…{length}"
