@@ -183,13 +183,14 @@ class Checkpointer:
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             kept = f"the step-{self.saved_step} checkpoint is kept" if self.saved_step else "no earlier checkpoint"
+            again = "continues from the kept checkpoint" if self.saved_step else "starts the training again"
             causes = _causes(exc)
             if is_disk_full(exc):  # also torch's zip writer's "unexpected pos" over a write that failed
                 raise DiskFullError(
                     errno.ENOSPC,
                     f"no space left on the device while writing the step-{step} checkpoint in {self.directory} "
                     f"({kept}; the partial write is removed): free space (or point --workdir at a larger disk), "
-                    "then `dllm-flow resume` continues from the kept checkpoint",
+                    f"then `dllm-flow resume` {again}",
                 ) from None
             if isinstance(exc, CheckpointException):
                 first = causes[0]

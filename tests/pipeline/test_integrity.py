@@ -123,6 +123,20 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_previou
     assert json.loads((model_dir(ref) / "dllm.json").read_text())["step"] == 6
 
 
+def test_a_full_disk_at_the_first_checkpoint_says_a_resume_starts_again(prepared, tiny_spec, tmp_path, fault):
+    """No earlier checkpoint: the line does not promise one to continue from."""
+    data, _ = prepared
+    fault("checkpoint.shards=enospc@1")  # the step-2 checkpoint, the first
+    with pytest.raises(DiskFullError) as err:
+        train(_spec(tiny_spec), "mdlm", data, str(tmp_path / "w"))
+    checkpoint = next((tmp_path / "w" / "store" / "train").glob("*.work")) / "checkpoint"  # never written
+    assert str(err.value) == (
+        f"no space left on the device while writing the step-2 checkpoint in {checkpoint} (no earlier checkpoint; "
+        "the partial write is removed): free space (or point --workdir at a larger disk), then `dllm-flow resume` "
+        "starts the training again"
+    )
+
+
 def test_a_damaged_resumable_checkpoint_is_set_aside_and_the_training_starts_over(
     prepared, tiny_spec, tmp_path, fault, capfd
 ):
