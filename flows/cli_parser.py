@@ -7,12 +7,29 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 
+from dllm_common.config.dflash import MAX_TREE_BRANCHES
+
 DEFAULT_WORKDIR = "work"
 EXPORT_FORMATS = ("zlab", "speculators", "dllm-flow")  # tasks/commands/export_draft.py FORMATS (torch-free here)
 GPU_MEMORY_ENV = "DLLM_FLOW_GPU_MEMORY"  # the training GPU's memory, e.g. 80GB (docs/planning.md)
 VERIFY_HELP = "re-hash every reused stage's files (default: sizes only); a damaged stage is set aside and rebuilt"
 
 Commands = Mapping[str, Callable[[argparse.Namespace], int]]  # subcommand → the function that runs it
+
+
+def tree_branches(text: str) -> int:
+    """`--tree-branches K`: 0 … MAX_TREE_BRANCHES, the bound of `dflash.eval_tree_branches` (the draft's block bounds
+    it too: `tasks.commands.generate.check_tree_branches`, once the checkpoint is loaded)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of branches") from None
+    if not 0 <= value <= MAX_TREE_BRANCHES:
+        raise argparse.ArgumentTypeError(
+            f"{value} is outside 0..{MAX_TREE_BRANCHES} (0: one path; at most {MAX_TREE_BRANCHES} branches beside each "
+            "block, as dflash.eval_tree_branches)"
+        )
+    return value
 
 
 def build_parser(commands: Commands) -> argparse.ArgumentParser:
@@ -115,9 +132,11 @@ def _add_generate(sub, commands: Commands) -> None:
     )
     gen.add_argument(
         "--tree-branches",
-        type=int,
+        type=tree_branches,
         default=0,
-        help="speculative sampler, greedy: verify K alternative branches beside each block (docs/strategies.md §10.16)",
+        metavar="K",
+        help=f"speculative sampler, greedy: verify K alternative branches beside each block, K ≤ {MAX_TREE_BRANCHES} "
+        "and < the draft's block size (docs/strategies.md §10.16)",
     )
     gen.add_argument(
         "--redraft",

@@ -5,9 +5,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_serializer, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from dllm_common.config.context import MAX_SEQ_LEN
 from dllm_common.config.sections import ConfigSection, refuse_long_warmup
+
+# the most tree branches verified beside a block's proposal (`dflash.eval_tree_branches`, `dllm-flow generate
+# --tree-branches`; docs/strategies.md §10.16): each is a row of the target's verifying forward
+MAX_TREE_BRANCHES = 16
+# the hottest `dflash.eval_temperature`: τ_sampled is τ as a sampling server sees it (docs/evaluation.md §4.7), and
+# servers sample at 0–2 (the OpenAI API's range); hotter, both distributions flatten toward uniform and τ climbs to
+# the block size (every uniform proposal accepted against a uniform target), a measure of the flattening, not the draft
+MAX_EVAL_TEMPERATURE = 2.0
 
 
 class PretrainTargetConfig(ConfigSection):
@@ -78,20 +87,23 @@ class DFlashConfig(ConfigSection):
     # cached: the cache_target stage; online: a target forward per step
     target_features: Literal["cached", "online"] = "cached"
     cache_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    # speculative decoding at evaluation: held-out prompts = the first `eval_prompt_len` tokens of val rows
+    # speculative decoding at evaluation: held-out prompts = the first `eval_prompt_len` tokens of val rows (refused
+    # at load by the dflash options' check, docs/configuration.md: a prompt as long as a row, more prompts written than
+    # the rows the evaluation reads, a prompt and its continuation longer than the target's context)
     eval_prompts: int = Field(16, ge=1)
     eval_prompt_len: int = Field(16, ge=1)
-    eval_max_new_tokens: int = Field(48, ge=1)
+    eval_max_new_tokens: int = Field(48, ge=1, le=MAX_SEQ_LEN)  # and prompt + new ≤ the target's context (at load)
     # served τ (docs/evaluation.md §4.7.1): the same prompts through z-lab's `dflash_generate`, rendered with the
     # target's chat template; `eval_enable_thinking` sets the template's thinking switch (None: its default).
     eval_served: bool = True
     eval_enable_thinking: bool | None = None
     # > 0: the same prompts also decoded by speculative sampling at this temperature (τ as a sampling server sees it,
     # where the draft's whole distribution counts, not only its argmax; docs/evaluation.md §4.7). Unwritten at 0
-    eval_temperature: float = Field(0.0, ge=0)
+    eval_temperature: float = Field(0.0, ge=0)  # ≤ MAX_EVAL_TEMPERATURE
     # > 0: the same prompts also decoded greedily with this many tree branches beside each block's proposal, the draft's
     # runner-up at its likeliest rejection positions (docs/strategies.md §10.16): what a tree verifier would gain
-    eval_tree_branches: int = Field(0, ge=0, le=16)
+    # (≤ MAX_TREE_BRANCHES, and at most the block's bs − 1 proposed positions: refused at load where the block is known)
+    eval_tree_branches: int = Field(0, ge=0, le=MAX_TREE_BRANCHES)
     # speculative decoding: when the last n…4 tokens recur in the prompt or output, the tokens that followed
     # them there are proposed before the draft's (0: the draft alone); docs/strategies.md §10.8
     lookup_ngram: int = Field(0, ge=0, le=4)  # ≤ strategies.sampling.LOOKUP_MAX_NGRAM
@@ -103,6 +115,18 @@ class DFlashConfig(ConfigSection):
             if isinstance(out, dict) and key in out and out[key] == default:
                 del out[key]
         return out
+
+    @field_validator("eval_temperature")
+    @classmethod
+    def _temperature_a_server_samples_at(cls, value: float) -> float:
+        if value > MAX_EVAL_TEMPERATURE:
+            raise ValueError(
+                f"dflash.eval_temperature ({value:g}) is above {MAX_EVAL_TEMPERATURE:g}: τ_sampled measures "
+                f"speculative sampling as a server runs it, at 0–{MAX_EVAL_TEMPERATURE:g}; hotter, target and draft "
+                "both flatten toward uniform and τ climbs to the block size whatever the draft. Set it to at most "
+                f"{MAX_EVAL_TEMPERATURE:g} (0: greedy τ only)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _target(self) -> DFlashConfig:

@@ -25,6 +25,11 @@ DOMINO_KEYS = ["embed_proj.0.weight", "embed_proj.2.weight", "prefix_gru.weight_
 ARCHITECTURE2 = "DFlash2DraftModel"
 # the shapes of the convolutions and the selector: the reference's defaults (Automodel's qwen3_dflash2.yaml)
 SHAPE_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+# why a kernel is no longer than the block (docs/strategies.md §10.11: the taps never reach across a block)
+KERNEL_WHY = (
+    "tap j of the in-block convolution reads the position j back inside the same block, so a block has room for as "
+    "many taps as it has positions"
+)
 
 
 def dflash2_problem(cfg) -> str | None:
@@ -41,6 +46,8 @@ def dflash2_problem(cfg) -> str | None:
         return "a Domino draft reads no copy hint (copy_hint)" if cfg.copy_hint else None
     if cfg.hidden_size % cfg.conv_group_size:
         return f"conv_group_size ({cfg.conv_group_size}) must divide hidden_size ({cfg.hidden_size})"
+    if cfg.conv_kernel_size > cfg.block_size:
+        return f"conv_kernel_size ({cfg.conv_kernel_size}) is larger than block_size ({cfg.block_size}): {KERNEL_WHY}"
     if cfg.vocab_size is not None and cfg.selector_top_k > cfg.vocab_size:
         return f"selector_top_k ({cfg.selector_top_k}) is larger than the vocabulary ({cfg.vocab_size})"
     if cfg.copy_hint:

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from dllm_common.config import ConfigError, PipelineSpec
-from strategies.dflash.dflash2_config import DFLASH, DFLASH2, DOMINO, DOMINO_DEFAULTS, JETSPEC, SHAPE_DEFAULTS
-from strategies.dflash.window_config import attention_shape_problem
+from dllm_common.config import ConfigError, DFlashConfig, PipelineSpec, context_overflow, local_max_positions
+from strategies.dflash.config import is_draft_dir, read_draft_config
+from strategies.dflash.dflash2_config import (
+    DFLASH,
+    DFLASH2,
+    DOMINO,
+    DOMINO_DEFAULTS,
+    JETSPEC,
+    KERNEL_WHY,
+    SHAPE_DEFAULTS,
+)
+from strategies.dflash.window_config import attention_shape_problem, vocabulary_problem
+from strategies.model_files import resolve_model_path
 from strategies.registration import Registration, SamplerInfo, StrategyOptions
 
 SPECULATIVE = "speculative"  # the draft proposes a block, the frozen target verifies it
@@ -187,8 +199,36 @@ class DFlashOptions(StrategyOptions):
                 raise ConfigError(
                     f"model.num_layers ({spec.model.num_layers}) vs dflash.pretrain.num_layers: {problem}"
                 )
-        if not self.block_size:  # 0: the draft checkpoint's, known at run time
-            return
+        problem = target_layers_problem(spec) or eval_keys_problem(spec)
+        if problem:
+            raise ConfigError(problem)
+        self._check_target_vocabulary(spec, where)
+        hidden, group = spec.model.hidden_size, self.conv_group_size
+        if self.draft_variant == DFLASH2 and spec.model.kind == "tiny" and hidden % group:  # a new draft, that wide
+            key, fits = where("conv_group_size"), max(g for g in range(1, group + 1) if hidden % g == 0)
+            raise ConfigError(
+                f"{key} ({group}) does not divide model.hidden_size ({hidden}), the DFlash 2 draft's width: each group "
+                f"of {group} channels shares one tap correction; set {key} to a divisor of {hidden} (e.g. {fits})"
+            )
+        if self.block_size:
+            self._check_block_size(spec, where)
+        self._check_tree_branches(spec, where)
+
+    def _check_tree_branches(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
+        """`dflash.eval_tree_branches` against the positions a block proposes, where the block size is known: the
+        options', or (0) that of a local draft `model.path` imports."""
+        imported = None if self.block_size else imported_block_size(spec)
+        size, branches = self.block_size or imported or 0, spec.dflash.eval_tree_branches
+        if size and branches > size - 1:
+            source = where("block_size") if self.block_size else f"the draft's at model.path {spec.model.path}"
+            raise ConfigError(
+                f"dflash.eval_tree_branches ({branches}) is more than a block of {size} ({source}) has proposed "
+                f"positions: each branch puts the draft's runner-up at one of its {size - 1} positions after the "
+                f"anchor; set it to at most {size - 1}, or 0 for no tree"
+            )
+
+    def _check_block_size(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
+        """What `block_size` bounds: the rows that train it, a DFlash 2 kernel, non-overlapping blocks per row."""
         # an anchor block is kept only in a row with ≥ 2 × block_size supervised tokens
         # (strategies.dflash.blocks.sample_anchor_blocks): with a larger block, no block ever trains
         key, size, seq_len, regen = where("block_size"), self.block_size, spec.data.seq_len, spec.dflash.regenerate
@@ -204,6 +244,39 @@ class DFlashOptions(StrategyOptions):
                 f"{key} ({size}) {what}: DFlash keeps an anchor block only in a row with at least 2 × {size} = "
                 f"{2 * size} supervised tokens, and a row has {why}, so no block would ever train. Set {key} to "
                 f"at most {supervised // 2}, or use longer rows"
+            )
+        if self.draft_variant == DFLASH2 and self.conv_kernel_size > size:
+            kernel = where("conv_kernel_size")
+            raise ConfigError(
+                f"{kernel} ({self.conv_kernel_size}) is larger than {key} ({size}): {KERNEL_WHY}; set {kernel} to at "
+                f"most {size}"
+            )
+        fits = (seq_len - 1) // size  # blocks side by side after a row's first token (sample_anchor_blocks)
+        if not self.overlap_anchors and self.num_blocks_per_sample > fits:
+            count = where("num_blocks_per_sample")
+            raise ConfigError(
+                f"{count} ({self.num_blocks_per_sample}) non-overlapping blocks of {size} ({key}) do not fit in a "
+                f"row of data.seq_len ({seq_len}) tokens: with {where('overlap_anchors')} false at most {fits} fit "
+                f"after the row's first token and the others never train; set {count} to at most {fits}, or "
+                "overlap_anchors: true"
+            )
+
+    def _check_target_vocabulary(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
+        """The top-k options (`vocabulary_problem`) and the [MASK] id against the target's vocabulary, where the config
+        tells it: the embedded target's tokenizer, a local target's config.json (else at setup, before any step)."""
+        known = target_vocabulary(spec)
+        if known is None:
+            return
+        size, source = known
+        problem = vocabulary_problem(self, size, source)
+        if problem:
+            raise ConfigError(f"{where(problem[0])} {problem[1]}")
+        if self.mask_token_id is not None and self.mask_token_id >= size and spec.dflash.target_model_id is not None:
+            key = where("mask_token_id")  # (the embedded target's: `StrategyOptions.check_against`)
+            raise ConfigError(
+                f"{key} ({self.mask_token_id}) is outside the target's vocabulary of {size} tokens ({source}); valid "
+                f"ids are 0..{size - 1}. Set {key} to an unused token id below {size}, or leave it unset to use the "
+                "tokenizer's [MASK] token"
             )
 
     def config_vocab_known(self, spec: PipelineSpec) -> bool:
@@ -228,6 +301,112 @@ def layer_count_problem(num_target_layers: int, num_draft_layers: int) -> str | 
         f"a {num_draft_layers}-layer draft reads {num_draft_layers} distinct target layers among 1 … T − 3, so it "
         f"needs a target with at least {max(4, num_draft_layers + 3)} layers (got {num_target_layers}); use fewer "
         "draft layers, a deeper target, or dflash.target_layer_ids"
+    )
+
+
+def local_target_config(spec: PipelineSpec) -> dict | None:
+    """The config.json of a local target (`dflash.target_model_id` a folder or `package:NAME`, no GGUF file) read as
+    JSON, its `text_config` over it; None for the embedded target, a hub id, a GGUF file or an unreadable one."""
+    d = spec.dflash
+    if d.target_model_id is None or d.target_gguf_file:
+        return None
+    try:
+        raw = json.loads((Path(resolve_model_path(d.target_model_id)) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # a missing package or folder, a hub id: the target stage reads it
+        return None
+    if not isinstance(raw, dict):
+        return None
+    text = raw.get("text_config")
+    return {**raw, **text} if isinstance(text, dict) else raw
+
+
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def target_vocabulary(spec: PipelineSpec) -> tuple[int, str] | None:
+    """(the most tokens the target can have, where that comes from) as the config tells it, or None (then it is
+    checked at setup, before any training step: `window_config.options_mismatch`)."""
+    d = spec.dflash
+    if d.target_model_id is None:
+        if spec.tokenizer.kind != "train_bpe":
+            return None
+        return spec.tokenizer.vocab_size, "tokenizer.vocab_size, the most the embedded target's tokenizer holds"
+    size = _count((local_target_config(spec) or {}).get("vocab_size"))
+    return (
+        None if size is None else (size, f"vocab_size in the config.json of dflash.target_model_id {d.target_model_id}")
+    )
+
+
+def target_layers_problem(spec: PipelineSpec) -> str | None:
+    """`dflash.target_layer_ids` outside the target's layers, where the config tells how many it has (the embedded
+    target's `dflash.pretrain.num_layers`, a local target's config.json), or None."""
+    d = spec.dflash
+    if not d.target_layer_ids:
+        return None
+    if d.target_model_id is None:
+        depth, source = d.pretrain.num_layers, "dflash.pretrain.num_layers"
+    else:
+        depth = _count((local_target_config(spec) or {}).get("num_hidden_layers"))
+        source = f"num_hidden_layers in the config.json of dflash.target_model_id {d.target_model_id}"
+    bad = [i for i in d.target_layer_ids if i < 0 or (depth is not None and i >= depth)]
+    if not bad:
+        return None
+    valid = f"0 … {depth - 1} (the target has {depth} layers: {source})" if depth else "0 or more"
+    return f"dflash.target_layer_ids {list(d.target_layer_ids)}: {bad} are not target layers; give layer ids in {valid}"
+
+
+def imported_block_size(spec: PipelineSpec) -> int | None:
+    """The block size of the draft `model.path` imports, read from a local folder's config.json; None for a new
+    draft, a hub id or a folder the train stage refuses with its own message."""
+    m = spec.model
+    if m.kind != "pretrained" or not m.path:
+        return None
+    try:
+        folder = Path(resolve_model_path(m.path))
+        return read_draft_config(folder).config.block_size if is_draft_dir(folder) else None
+    except (OSError, ValueError):
+        return None
+
+
+def eval_keys_problem(spec: PipelineSpec) -> str | None:
+    """What is wrong with the evaluation's speculative-decoding keys against the rows and the target, or None: a prompt
+    (`eval_prompt_len`) as long as a row; and, for values other than the defaults (which stay accepted as they are:
+    fewer prompts, or decoding past a short target's context), more prompts than the evaluation reads validation
+    rows, or a prompt and its continuation (`eval_max_new_tokens`) longer than the target's context."""
+    d, seq_len, default = spec.dflash, spec.data.seq_len, {k: f.default for k, f in DFlashConfig.model_fields.items()}
+    if d.eval_prompt_len >= seq_len:
+        return (
+            f"dflash.eval_prompt_len ({d.eval_prompt_len}) leaves nothing to continue in a row of data.seq_len "
+            f"({seq_len}) tokens: the evaluation's prompts are the first eval_prompt_len tokens of validation rows "
+            f"longer than that; set it to at most {seq_len - 1}"
+        )
+    rows, rows_key = spec.eval.val_rows, "eval.val_rows"
+    if spec.data.max_val_rows is not None and spec.data.max_val_rows < rows:
+        rows, rows_key = spec.data.max_val_rows, "data.max_val_rows"
+    if d.eval_prompts > rows and d.eval_prompts != default["eval_prompts"]:
+        return (
+            f"dflash.eval_prompts ({d.eval_prompts}) is more than the {rows} validation rows the evaluation reads "
+            f"({rows_key}): each prompt is the start of one of them, so at most {rows} would be decoded; set it to at "
+            f"most {rows}, or raise {rows_key}"
+        )
+    keys = ("eval_prompt_len", "eval_max_new_tokens")
+    if all(getattr(d, k) == default[k] for k in keys):
+        return None
+    if d.target_model_id is None:
+        context, context_of = seq_len, "the embedded target's context (data.seq_len)"
+    else:
+        context = None if d.target_gguf_file else local_max_positions(d.target_model_id)
+        context_of = f"the context of dflash.target_model_id {d.target_model_id} (max_position_embeddings)"
+    if context is None:
+        return None
+    return context_overflow(
+        d.eval_prompt_len,
+        d.eval_max_new_tokens,
+        context,
+        prompt="dflash.eval_prompt_len",
+        new="dflash.eval_max_new_tokens",
+        context_of=context_of,
     )
 
 

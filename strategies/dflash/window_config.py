@@ -15,10 +15,13 @@ drafters and their readers write and read it in the Qwen3 config's own keys:
 dllm-flow's draft is bidirectional inside a block, or causal in every layer (a JetSpec draft, `is_causal: true`,
 docs/strategies.md §10.14), so a config that one of these readers would run causally where it was trained
 bidirectionally, or without its window, is refused by name; a window smaller than the block (which the engines
-apply inside the block too) is refused as well.
+apply inside the block too) is refused as well. The last section checks a new draft's `dflash` options against the
+draft they build or the draft imported: its attention, and the top-k options its vocabulary bounds.
 """
 
 from __future__ import annotations
+
+from strategies.dflash.dflash2_config import DFLASH2
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 QWEN3_MAX_WINDOW_LAYERS = 28  # transformers' Qwen3Config default, read when a config has no `layer_types`
@@ -139,8 +142,29 @@ def attention_shape_problem(options, model) -> tuple[str, str] | None:
     return None
 
 
+def vocabulary_problem(options, vocab_size: int | None, source: str) -> tuple[str, str] | None:
+    """(the key at fault, what is wrong) with a `dflash` option that picks among the target's `vocab_size` tokens
+    (`source` says where that size comes from), or None: the distillation label's top k (`distill_top_k`, a top-k of
+    the target's logits) and a DFlash 2 selector's candidates (`selector_top_k`, a top-k of the draft's)."""
+    if vocab_size is None:
+        return None
+    checks = [("distill_top_k", "the soft label keeps the target's k most probable next tokens (0: hard labels)")]
+    if options.draft_variant == DFLASH2:
+        checks.append(("selector_top_k", "the path selector keeps each position's k most probable candidates"))
+    for key, why in checks:
+        value = getattr(options, key)
+        if value > vocab_size:
+            return key, (
+                f"({value}) is more than the target's vocabulary of {vocab_size} tokens ({source}): {why}; set it to "
+                f"at most {vocab_size}"
+            )
+    return None
+
+
 def options_mismatch(options, cfg) -> str | None:
-    """What the `dflash` attention options ask that the draft `cfg` (a new one, or one imported) is not, or None."""
+    """What the `dflash` attention options ask that the draft `cfg` (a new one, or one imported) is not, or a top k
+    its vocabulary cannot give (`vocabulary_problem`; the strategy checks this at setup, before any training step),
+    or None."""
     kv = options.draft_num_key_value_heads
     checks = (
         ("draft_sliding_window", options.draft_sliding_window, cfg.sliding_window),
@@ -155,4 +179,5 @@ def options_mismatch(options, cfg) -> str | None:
                 f"{cfg.num_hidden_layers}): unset dflash.{key} (an imported draft brings its own attention) or set it "
                 f"to {has}"
             )
-    return None
+    problem = vocabulary_problem(options, cfg.vocab_size, "the rows of its embedding")
+    return None if problem is None else f"dflash.{problem[0]} {problem[1]}"

@@ -20,6 +20,7 @@ import torch
 
 from dllm_common.checkpoint import read_meta
 from dllm_common.config import EvalConfig, context_overflow
+from dllm_common.config.dflash import MAX_TREE_BRANCHES
 from dllm_common.tracking import check_tracking_server, default_tracking_uri, quiet_environment
 from strategies import strategy_class
 from strategies.absorbing import absorbing_sample, infill_sample
@@ -149,6 +150,7 @@ def check_request(loaded: Loaded, request: Request) -> list[int]:
     if not ids:
         raise ValueError("--prompt is empty after tokenization; give some text")
     check_speculative_flags(request.sampler, request.config, request.redraft is not None)
+    check_tree_branches(loaded.model, request.config.tree_branches)
     if request.config.tree_branches:  # the second draft must read what the first reads (refused before any decoding)
         speculation_tree(request).check(loaded.model.config, request.config.temperature)
     context = model_context(loaded.model)
@@ -178,6 +180,25 @@ def check_speculative_flags(sampler: str, config: SamplerConfig, redraft: bool) 
             )
     if redraft and not config.tree_branches:
         raise ValueError("--redraft re-drafts tree branches: give --tree-branches K (K > 0) too, or drop --redraft")
+
+
+def check_tree_branches(draft, branches: int) -> None:
+    """Refuse `--tree-branches` above `MAX_TREE_BRANCHES` (the bound of `dflash.eval_tree_branches`) or above the
+    positions the draft's block proposes (block size − 1: a branch puts the draft's runner-up at one of them,
+    docs/strategies.md §10.16); no branches, or a model without a block size (not a draft), pass."""
+    if not branches:
+        return
+    if not 0 < branches <= MAX_TREE_BRANCHES:
+        raise ValueError(
+            f"--tree-branches {branches} is outside 0..{MAX_TREE_BRANCHES} (the bound of dflash.eval_tree_branches)"
+        )
+    size = getattr(getattr(draft, "config", None), "block_size", None)
+    if isinstance(size, int) and branches > size - 1:
+        raise ValueError(
+            f"--tree-branches {branches} is more branches than the draft's block has positions: its block size is "
+            f"{size}, so a block proposes {size - 1} tokens after its anchor and a branch changes one of them; give "
+            f"--tree-branches {size - 1} or fewer"
+        )
 
 
 def model_context(model) -> int | None:
@@ -242,6 +263,7 @@ def load_redraft(ref: str, loaded: Loaded, sampler: str, config: SamplerConfig, 
     no better than the marginal tree, docs/strategies.md §10.16). Its shape against the first draft is checked by
     `check_request`."""
     check_speculative_flags(sampler, config, redraft=True)
+    check_tree_branches(loaded.model, config.tree_branches)  # before the second draft loads
     ckpt = resolve_checkpoint(ref, workdir, tracking_uri, flag="--redraft")
     meta = read_meta(ckpt)
     if meta.get("strategy") != "dflash":
