@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from dllm_common.checkpoint import DIGESTS, checkpoint_digest, read_meta
-from dllm_common.config import ConfigError, PipelineSpec, context_overflow
+from dllm_common.config import ConfigError, PipelineSpec, canonical_json, context_overflow
 from dllm_common.harness_tasks import LMEVAL_MISSING
 from dllm_common.store import stage_key
 from strategies import assemble_strategy, strategy_class
@@ -55,9 +55,10 @@ __all__ = ["encode_prompts", "evaluate", "evaluate_task", "stage_of"]
 STAGE = "evaluate"
 
 
-def stage_of(
-    spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str, **_
-) -> tuple[str, str]:
+def eval_slice(spec: PipelineSpec, strategy: str) -> dict:
+    """The settings an evaluation of `strategy` runs with (its key's config part, recorded on the MLflow run its
+    metrics land in): `eval:` with the strategy's overrides, the strategy's own evaluation settings, lm-eval's
+    versions."""
     spec = for_strategy(spec, strategy)
     harness = spec.eval.lm_eval
     config = {
@@ -69,6 +70,20 @@ def stage_of(
         config["settings"] = settings
     if harness is not None:
         config["lm_eval"] = harness_versions(harness.include_path)
+    return config
+
+
+def code_key(spec: PipelineSpec, strategy: str, train_key: str, data_key: str) -> str:
+    """The evaluation's key less the checkpoint's content digest: what the settings, the training's key and the
+    code decide, computable before any training (docs/results/quickstart.json records it)."""
+    upstream = {"train": train_key, "data": data_key}
+    return stage_key(STAGE, eval_slice(spec, strategy), upstream, stage_code_version(__name__, strategy))
+
+
+def stage_of(
+    spec: PipelineSpec, strategy: str, trained: StageRef, data: StageRef, workdir: str, **_
+) -> tuple[str, str]:
+    config = eval_slice(spec, strategy)
     # the checkpoint's content digest: a training rebuilt bit for bit (a damaged entry) keeps its evaluations,
     # one rebuilt with other weights (another machine's numerics) is evaluated again
     upstream = {"train": trained.key, "checkpoint": checkpoint_digest(model_dir(trained)), "data": data.key}
@@ -326,11 +341,34 @@ def _write_result(ev: Evaluation, result: EvalResult, data_key: str, out: Path) 
         (out / name).write_text(content)
 
 
+EVAL_TAG = "dllm.eval"  # dllm.eval.<key[:12]>: one evaluation's settings; dllm.eval.latest: whose metrics show
+
+
+def evaluation_tags(tracker, key: str, settings: dict) -> dict[str, str]:
+    """The tags that say which settings produced the metrics on a training's run. A training reused by a later
+    pipeline with other evaluation settings (`dflash.eval_temperature`, `eval.num_samples`, ...) gets that
+    evaluation's metrics too: each evaluation records its settings under its own key, `dllm.eval.latest` names
+    the one whose values the run shows last, and a run holding several says so (`dllm.eval.note`); each
+    evaluation's files stay under `eval_artifact_path(key)` (docs/architecture.md, "The MLflow contract")."""
+    short = key[:12]
+    tags = tracker.client.get_run(tracker.run_id).data.tags
+    earlier = sorted({k[len(EVAL_TAG) + 1 :] for k in tags if k.startswith(EVAL_TAG + ".")} - {"latest", "note", short})
+    out = {f"{EVAL_TAG}.{short}": canonical_json(settings)[:5000], f"{EVAL_TAG}.latest": short}
+    if earlier:
+        out[f"{EVAL_TAG}.note"] = (
+            f"this run holds {len(earlier) + 1} evaluations with different settings ({', '.join([*earlier, short])}); "
+            f"the metrics' latest values are evaluation {short}'s (settings in tag {EVAL_TAG}.{short}, files under "
+            f"{eval_artifact_path(key)}/); each earlier one's are under eval/<its key>/"
+        )
+    return out
+
+
 def _log_to_training_run(spec: PipelineSpec, trained: StageRef, entry, workdir: str) -> None:
     """Metrics on the trained model's run, the quality-vs-NFE curve, artifacts under `eval/<key>/`."""
     metrics = json.loads((entry.path / "metrics.json").read_text())
     curve = json.loads((entry.path / "curve.json").read_text())
     tracker = tracking_for(spec, workdir).reopen(trained.mlflow_run_id)
+    tracker.set_tags(evaluation_tags(tracker, entry.key, eval_slice(spec, entry.manifest["strategy"])))
     tracker.log_metrics(metrics, step=spec.train.steps)
     for point in curve:  # the quality-vs-NFE curve, one MLflow step per step budget
         tracker.log_metrics({f"eval_curve/{k}": v for k, v in point.items() if k != "steps"}, step=point["steps"])
