@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dllm_common.config import PipelineSpec
+from dllm_common.config import ConfigError, PipelineSpec
 from dllm_common.store import stage_key
 from strategies.dflash.features import write_feature_cache
-from strategies.options import resolve_options
+from strategies.dflash.window_config import vocabulary_problem
+from strategies.options import option_source, resolve_options
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.rows import load_split
 from tasks.training.dflash_setup import features_dir, layer_ids_for, load_spec_target
@@ -67,6 +68,12 @@ def _build(spec: PipelineSpec, target: StageRef, data: StageRef, out: Path) -> d
 
 def cache_target(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str) -> StageRef:
     """Publish (or reuse) the feature cache of `target` over both prepared splits."""
+    # a top-k past the target's vocabulary, which config validation could not see (a hub or GGUF target, a
+    # pretrained tokenizer): one line naming the key, not torch's `selected index k out of range` mid-cache
+    source = f"{target.info.get('source') or 'the target trained by this pipeline'}: its config's vocab_size"
+    problem = vocabulary_problem(resolve_options(spec, "dflash"), target.info.get("vocab_size"), source)
+    if problem:
+        raise ConfigError(f"{option_source(spec, 'dflash', problem[0])} {problem[1]}")
     stage, key = stage_of(spec, target, data, workdir)
     entry, reused = store_for(workdir).reuse_or_build(stage, key, lambda out: _build(spec, target, data, out))
     ref = StageRef.of(entry, reused)

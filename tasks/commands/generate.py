@@ -281,7 +281,7 @@ def load_redraft(ref: str, loaded: Loaded, sampler: str, config: SamplerConfig, 
             "draft never shown a prefix re-drafts no better than the marginal tree (docs/strategies.md §10.16)",
             file=sys.stderr,
         )
-    return load_trained_model(ckpt, device)
+    return load_trained_model(ckpt, device, where="--redraft")
 
 
 def speculation_tree(request: Request) -> DraftTree | None:

@@ -256,3 +256,22 @@ def test_generate_refuses_more_branches_than_the_drafts_block_has_positions(tmp_
         check_request(loaded, request)
     with pytest.raises(ValueError, match=message):  # before the second draft is looked for
         load_redraft(str(tmp_path / "absent"), loaded, "speculative", request.config, tmp_path, None, "cpu")
+
+
+def test_the_feature_cache_refuses_a_top_k_past_the_recorded_targets_vocabulary(tmp_path):
+    """A hub or GGUF target's vocabulary is known once its stage recorded it: cache_target refuses the top-k there,
+    before building anything, where torch's `selected index k out of range` came mid-cache."""
+    from tasks.cache_target import cache_target
+    from tasks.common import StageRef
+
+    spec = load_config(CONFIG, ["dflash.distill_top_k=100"])  # fits the embedded 2048 tokens: loads
+    target = StageRef("target", "t" * 16, str(tmp_path), info={"vocab_size": 64, "source": "org/tiny-target"})
+    data = StageRef("prepare_data", "d" * 16, str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        cache_target(spec, target, data, str(tmp_path / "w"))
+    assert str(err.value) == (
+        "dflash.distill_top_k (100) is more than the target's vocabulary of 64 tokens (org/tiny-target: its config's "
+        "vocab_size): the soft label keeps the target's k most probable next tokens (0: hard labels); set it to at "
+        "most 64"
+    )
+    assert not (tmp_path / "w").exists()  # nothing built
