@@ -1,10 +1,13 @@
 """The config's sections (pipeline, data, tokenizer, model, train with its peft, tracking, dllm) and what every
-section shares (`ConfigSection`: unknown keys, infinities and booleans for numbers refused; `refuse_long_warmup`).
+section shares (`ConfigSection`: unknown keys, infinities and booleans for numbers refused; `refuse_long_warmup`;
+`special_file`: a FIFO, device or socket where a file is read).
 The eval and dflash sections are `evaluation` and `dflash`; the whole pipeline is `spec.PipelineSpec`."""
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -76,6 +79,35 @@ class PipelineConfig(ConfigSection):
         return self
 
 
+def special_file(path: str | os.PathLike) -> str | None:
+    """What `path` is when it is something no config or data file can be: 'a FIFO (named pipe)', 'a character
+    device', 'a block device' or 'a socket' (a symlink is followed); None for a file, a directory or nothing there
+    (a missing path is named where it is read). A stat alone: nothing is opened, so a FIFO is never waited on."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # missing, a symlink loop, a name with a NUL byte
+        return None
+    kinds = {
+        stat.S_ISFIFO: "a FIFO (named pipe)",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+    }
+    return next((kind for test, kind in kinds.items() if test(mode)), None)
+
+
+# the longest document (or row) prepare_data tokenizes, in characters: a book is 1-5 million, and tokenizing 10
+# million takes about 2 GB with the BPE trained here (a 100 MB line made the tokenizer abort the process);
+# refused before any tokenizer sees it (docs/operations.md, "Bad input: refused as early as it can be seen")
+MAX_DOCUMENT_CHARS = 10_000_000
+# what each source reads from data.path, named when data.path is something else
+DATA_PATH_EXPECTED = {
+    "jsonl": "a .jsonl file",
+    "parquet": "a .parquet file or a directory of them",
+    "hf": "a directory written by Dataset.save_to_disk (or a dataset name)",
+}
+
+
 class DataConfig(ConfigSection):
     """Where text comes from and how it becomes fixed-length training rows."""
 
@@ -94,6 +126,8 @@ class DataConfig(ConfigSection):
     max_val_rows: int | None = Field(256, ge=1)
     seed: int = 0
     num_proc: int | None = Field(None, ge=1)  # tokenizing processes (None: every core, at most 8); not in the key
+    # a longer document, or row, is refused naming its file and line (or row) before it is tokenized
+    max_document_chars: int = Field(MAX_DOCUMENT_CHARS, ge=1)
 
     @field_validator("seq_len")
     @classmethod
@@ -109,6 +143,19 @@ class DataConfig(ConfigSection):
     def _path_needed(self) -> DataConfig:
         if self.source != "shakespeare" and not self.path:
             raise ValueError(f"data.path is required when data.source is {self.source!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _path_is_no_pipe_or_device(self) -> DataConfig:
+        # a stat at load, so `dllm-flow validate` refuses it: opened, a FIFO waits for a writer and /dev/zero never
+        # ends a line; prepare_data reads its input three times, which a stream cannot give back
+        kind = special_file(self.path) if self.source != "shakespeare" and self.path else None
+        if kind:
+            raise ValueError(
+                f"data.path {self.path!r} is {kind}, not a file: prepare_data reads its data three times, which a "
+                f"pipe, device or socket cannot give back; save the data as {DATA_PATH_EXPECTED[self.source]} and "
+                "point data.path there"
+            )
         return self
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -13,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from dllm_common.config.errors import ConfigError
+from dllm_common.config.sections import special_file
 from dllm_common.config.spec import PipelineSpec
 
 
@@ -201,14 +203,40 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return data
 
 
+# the largest config file read, in bytes: the shipped configs are a few KB, and PyYAML parses 0.2-0.4 MB a second of
+# prompts on 2 cores (far less of short values): a 50 MB prompt took 60 s and 1.9 GB before it was refused
+# (docs/operations.md, "Bad input: refused as early as it can be seen")
+CONFIG_MAX_BYTES = 1 << 20
+
+
 def read_yaml(path: str | Path) -> dict:
+    """The config file at `path` as a mapping; what is no YAML file, or one over `CONFIG_MAX_BYTES` (from its size,
+    before it is read), is one `ConfigError` line."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"config file {p} is a directory; pass the path of a YAML file, e.g. configs/quickstart.yaml")
+    kind = special_file(p)
+    if kind:
+        raise ConfigError(
+            f"config file {p} is {kind}, not a file (a config is read more than once in a run); write the config to "
+            "a file and pass its path"
+        )
     if not p.is_file():
         raise ConfigError(f"config file not found: {p} (pass the path of a YAML file, e.g. configs/quickstart.yaml)")
     try:
-        raw = load_yaml(p.read_text(encoding="utf-8"))
+        with open(p, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            data = handle.read(CONFIG_MAX_BYTES + 1) if size <= CONFIG_MAX_BYTES else b""
+    except OSError as exc:
+        raise ConfigError(f"config file {p} cannot be read ({exc.strerror or exc})") from None
+    if size > CONFIG_MAX_BYTES or len(data) > CONFIG_MAX_BYTES:  # the second: it grew while it was read
+        raise ConfigError(
+            f"config file {p} is {max(size, len(data))} bytes, more than the {CONFIG_MAX_BYTES} a config may hold "
+            "(the shipped ones are a few KB); shorten its long values, e.g. eval.prompts entries (only the first "
+            "eval.num_samples are sampled)"
+        )
+    try:
+        raw = load_yaml(_universal_newlines(data.decode("utf-8")))
     except (DuplicateKeyError, AliasExpansionError) as exc:
         raise ConfigError(f"config file {p}: {exc}") from None
     except RecursionError:  # yaml's parser recurses once per level of nesting
@@ -229,6 +257,11 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(raw).__name__}")
     return raw
+
+
+def _universal_newlines(text: str) -> str:
+    """`\\r\\n` and `\\r` as `\\n`, as `Path.read_text` reads a file (line numbers in errors stay the file's)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def validate_schema(raw: dict, source: str = "<dict>") -> PipelineSpec:

