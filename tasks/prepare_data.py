@@ -37,7 +37,7 @@ STAGE = "prepare_data"
 
 def data_slice(spec: PipelineSpec) -> dict:
     """What the prepared rows depend on (how many processes tokenize them is not part of it)."""
-    data = spec.data.model_dump(mode="json", exclude={"num_proc"})
+    data = spec.data.model_dump(mode="json", exclude={"num_proc", "max_document_chars"})  # neither changes a row
     tokenizer = spec.tokenizer.model_dump(mode="json", exclude={"allow_mask_alias"})  # checked, never tokenizes
     return {"data": data, "tokenizer": tokenizer}
 

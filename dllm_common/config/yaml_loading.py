@@ -13,7 +13,7 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from dllm_common.config.errors import ConfigError
+from dllm_common.config.errors import ConfigError, shown
 from dllm_common.config.sections import special_file
 from dllm_common.config.spec import PipelineSpec
 
@@ -172,20 +172,21 @@ def load_yaml(text: str) -> Any:
 def parse_override(item: str) -> tuple[list[str], Any]:
     """`a.b.c=value` → (['a','b','c'], value parsed as YAML)."""
     if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like dotted.key=value")
+        raise ConfigError(f"override {shown(item)} must look like dotted.key=value")
     key, raw = item.split("=", 1)
     if not key.strip():
-        raise ConfigError(f"override {item!r} has an empty key")
+        raise ConfigError(f"override {shown(item)} has an empty key")
     if raw == "":
         return key.strip().split("."), ""
     try:
         return key.strip().split("."), load_yaml(raw)
     except (DuplicateKeyError, AliasExpansionError) as exc:
-        raise ConfigError(f"override {item!r}: {exc}") from None
+        raise ConfigError(f"override {shown(item)}: {exc}") from None
     except yaml.YAMLError as exc:
         where = f" ({exc.problem})" if getattr(exc, "problem", None) else ""
         raise ConfigError(
-            f"override {item!r}: the value {raw!r} is not valid YAML{where}; quote it as a string or fix the brackets"
+            f"override {shown(item)}: the value {shown(raw)} is not valid YAML{where}; quote it as a string or fix the "
+            "brackets"
         ) from None
 
 
@@ -197,7 +198,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         for k in keys[:-1]:
             child = node.setdefault(k, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {k!r} is not a section")
+                raise ConfigError(f"override {shown(item)}: {shown(k)} is not a section")
             node = child
         node[keys[-1]] = value
     return data

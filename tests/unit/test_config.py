@@ -1,5 +1,7 @@
 """Declarative config: every shipped YAML validates; bad input gets one clear message."""
 
+import re
+
 import pytest
 from conftest import ROOT
 from pydantic import ValidationError
@@ -216,3 +218,20 @@ def test_dflash_options_come_from_its_section_over_the_shared_values():
         validate_config({"pipeline": {"strategies": ["dflash"]}, "dflash": {"block_size": 1}})
     with pytest.raises(ConfigError, match=r"dflash: \['block_size'\] set but 'dflash' is not in pipeline.strategies"):
         validate_config({"dflash": {"block_size": 8}})
+
+
+def test_a_huge_name_or_override_is_echoed_as_its_start_and_length():
+    """A 100,000-character strategy name (or override) is named by its start and its length, not echoed whole."""
+    from strategies.options import load_config
+
+    name = "x" * 100_000
+    quickstart = ROOT / "configs" / "quickstart.yaml"
+    for override, start in (
+        (f"pipeline.strategies=[{name}]", "pipeline.strategies: unknown strategy 'xxx"),
+        (f"eval.overrides={{{name}: {{temperature: 1}}}}", "override 'eval.overrides={xxx"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config(quickstart, [override])
+        message = str(err.value)
+        assert message.startswith(start) and len(message) < 400, message[:400]
+        assert re.search(r"… \(1000\d\d characters\)", message), message  # the name's or the override's length
