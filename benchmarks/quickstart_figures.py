@@ -1,8 +1,8 @@
 """The quickstart's documented figures, measured: runs `dllm-flow run configs/quickstart.yaml` in a fresh workdir
 (or reads one that ran) and writes docs/results/quickstart.json — steps, wall time per stage, the fixed-noise
 val/loss first → last, eval/nelbo, and the samples' gen_ppl and entropy beside the data row's. The README quotes
-these numbers and tests/unit/test_docs.py holds them to this file and the file to configs/quickstart.yaml, so the
-README says what a newcomer's run prints.
+these numbers and tests/unit/test_docs.py holds them to this file and the file to configs/quickstart.yaml and to the
+code (the stage keys it records, `stage_keys`), so the README says what a newcomer's run prints.
 
     .venv/bin/python benchmarks/quickstart_figures.py              # run the quickstart, write the JSON
     .venv/bin/python benchmarks/quickstart_figures.py --workdir W  # a workdir that ran it already (no timing of
@@ -38,6 +38,29 @@ def config_digest(path: Path = CONFIG) -> str:
     return hashlib.sha256(canonical_json(spec.model_dump(mode="json")).encode()).hexdigest()[:16]
 
 
+def stage_keys(path: Path = CONFIG) -> dict[str, str]:
+    """The quickstart's stage keys as today's code computes them, without running anything: prepare_data's and
+    train's whole keys, and evaluate's less the checkpoint's digest (`tasks.evaluate.code_key`). Each key covers
+    the stage's config slice and every module it runs (docs/architecture.md, "Stage keys"), so the figures are
+    pinned to the code that produced them: a change anywhere on the quickstart's path changes a key."""
+    from types import SimpleNamespace
+
+    from strategies.options import load_config
+    from tasks.evaluate import code_key
+    from tasks.prepare_data import stage_of as data_stage
+    from tasks.train import stage_of as train_stage
+
+    spec = load_config(str(path))
+    [strategy] = spec.pipeline.strategies
+    _, data = data_stage(spec, workdir="")
+    _, train = train_stage(spec, strategy, SimpleNamespace(key=data), "")
+    return {
+        "prepare_data": data,
+        f"train[{strategy}]": train,
+        f"evaluate[{strategy}] (less the checkpoint digest)": code_key(spec, strategy, train, data),
+    }
+
+
 def _cpu() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -60,6 +83,22 @@ def figures(workdir: Path, wall_seconds: float | None) -> dict:
     statuses = {s["name"]: s["status"] for s in record["stages"]}
     if set(statuses.values()) != {"COMPLETED"}:
         raise SystemExit(f"{workdir}: the last run reused stages {statuses}; measure a fresh workdir")
+    from tasks.common import StageRef
+    from tasks.evaluate import stage_of as evaluate_stage
+
+    keys = stage_keys()
+    published = {p.parent.name for p in (workdir / "store").glob("*/*/manifest.json")}
+    data_key, train_key = list(keys.values())[:2]
+    refs = {
+        s: StageRef(s, k, str(workdir / "store" / s / k)) for s, k in (("prepare_data", data_key), ("train", train_key))
+    }
+    wanted = dict(zip(list(keys)[:2], (data_key, train_key), strict=True))
+    if train_key in published:  # the evaluation's whole key: its checkpoint's digest too
+        [strategy] = spec.pipeline.strategies
+        _, wanted[f"evaluate[{strategy}]"] = evaluate_stage(spec, strategy, refs["train"], refs["prepare_data"], "")
+    stale = [stage for stage, key in wanted.items() if key not in published]
+    if stale:
+        raise SystemExit(f"{workdir}: {stale} ran with other code or config than this checkout's; measure it again")
     train = json.loads(next((workdir / "store" / "train").glob("*/manifest.json")).read_text())
     evaluated = json.loads(next((workdir / "store" / "evaluate").glob("*/manifest.json")).read_text())
     metrics = evaluated["info"]["metrics"]
@@ -73,6 +112,7 @@ def figures(workdir: Path, wall_seconds: float | None) -> dict:
         "machine": {"cpus": os.cpu_count(), "cpu": _cpu()},
         "config": "configs/quickstart.yaml",
         "config_digest": config_digest(),
+        "stage_keys": keys,
         "steps": spec.train.steps,
         "wall_seconds": None if wall_seconds is None else round(wall_seconds, 1),
         "stage_seconds": stages,

@@ -236,6 +236,9 @@ def load_weights_into(model, path: Path, where: str | None = None) -> None:
 HEADER_BYTES = 8  # a safetensors file starts with its JSON header's length, a little-endian u64
 
 
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own bound on its JSON header
+
+
 def safetensors_header(file: Path) -> dict[str, dict]:
     """Every tensor a safetensors file declares (name → {"dtype", "shape", "data_offsets"}), read from its header
     alone: no tensor is read. `ValueError` saying why for a file that has no readable header."""
@@ -247,6 +250,11 @@ def safetensors_header(file: Path) -> dict[str, dict]:
         (length,) = struct.unpack("<Q", head)
         if HEADER_BYTES + length > file.stat().st_size:
             raise ValueError(f"{file} is damaged: its header declares more bytes than the file holds")
+        if length > MAX_HEADER_BYTES:  # a damaged length inside a large file: never read gigabytes as JSON
+            raise ValueError(
+                f"{file} is damaged: its header declares {length} bytes, more than a safetensors header may hold "
+                f"({MAX_HEADER_BYTES})"
+            )
         try:
             header = json.loads(f.read(length))
         except ValueError:

@@ -155,7 +155,7 @@ def dllm_pipeline(
     spec = (
         validate_config(config, f"recorded config of run {resumed_from}")
         if config
-        else load_config(config_path, overrides)
+        else load_config(config_path, overrides, note=False)  # the command that started the flow noted it
     )
     wd = check_workdir(workdir)
     record = RunRecord(

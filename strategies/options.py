@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dllm_common import config as pipeline_config
-from dllm_common.config import ConfigError, PipelineSpec, shown
+from dllm_common.config import ConfigError, PipelineSpec, cut, shown
 from dllm_common.harness_tasks import check_harness_tasks
 from strategies.block_diffusion.options import BlockDiffusionOptions
 from strategies.dflash.options import DFlashOptions
@@ -108,8 +108,7 @@ def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
     for name in spec.eval.overrides:
         if name not in spec.pipeline.strategies:
             raise ConfigError(
-                f"eval.overrides.{name if len(name) <= 60 else shown(name)}: {shown(name)} is not in "
-                f"pipeline.strategies "
+                f"eval.overrides.{cut(name)}: {'it' if len(name) > 60 else repr(name)} is not in pipeline.strategies "
                 f"{list(spec.pipeline.strategies)}; "
                 f"remove the entry (--set eval.overrides={{}} drops them all) or add the strategy"
             )
@@ -122,7 +121,7 @@ def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
     unknown = sorted(set(spec.dllm.shared()) - set(known))
     if unknown:  # no strategy at all reads it: a typo or a key of another tool, not a missing strategy
         named = [
-            f"dllm.{k}" + "".join(f" (did you mean dllm.{m}?)" for m in difflib.get_close_matches(k, known, n=1))
+            f"dllm.{cut(k)}" + "".join(f" (did you mean dllm.{m}?)" for m in difflib.get_close_matches(k, known, n=1))
             for k in unknown
         ]
         it = "it" if len(unknown) == 1 else "them"
@@ -245,22 +244,19 @@ def narrow_strategies(file_raw: dict, raw: dict) -> tuple[dict, list[str]]:
     return out, ignored
 
 
-_NOTED: set[tuple[str, tuple[str, ...]]] = set()
 _ABSENT = object()
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineSpec:
+def load_config(path: str | Path, overrides: list[str] | None = None, note: bool = True) -> PipelineSpec:
     """The pipeline file at `path` with `overrides` (`key=value`) applied, checked as a whole: the schema, every
     strategy's options, a local model.path folder, and the lm-eval task names (`eval.lm_eval`), so a name the
     harness does not know fails here, not after training. The one loader every entry point uses. Overrides that
-    narrow the file's own strategy list set aside what only the dropped strategies read, with one note
-    (`narrow_strategies`)."""
+    narrow the file's own strategy list set aside what only the dropped strategies read, with one note on stderr
+    (`narrow_strategies`; `note=False` leaves it out)."""
     file_raw = pipeline_config.read_yaml(path)
     raw, ignored = narrow_strategies(file_raw, pipeline_config.apply_overrides(file_raw, overrides or []))
     spec = validate_config(raw, str(path))
-    noted = (str(path), tuple(overrides or []))
-    if ignored and noted not in _NOTED:  # once per process: `run` loads the config again inside its flow
-        _NOTED.add(noted)
+    if ignored and note:  # `note=False`: a second load of what the command already loaded (the run's flow)
         print(
             f"dllm-flow: note: pipeline.strategies narrowed to {list(spec.pipeline.strategies)}: ignoring "
             f"{', '.join(ignored)} (read only by the strategies dropped from {path})",

@@ -95,10 +95,16 @@ def check_workdir(workdir: str | Path) -> Path:
         raise PermissionError(
             f"workdir {p} is not writable ({exc.strerror}); pass --workdir DIR with a writable path"
         ) from None
-    # a read-only mount inside it (the store, one stage's folder of it, the run records): refused here, before any
-    # stage, not by a stage's first write after the stages before it ran
-    stages = sorted(f for f in (p / "store").iterdir() if f.is_dir()) if (p / "store").is_dir() else []
-    for folder in (p / "store", *stages, p / "runs"):
+    # a read-only mount at one stage's folder of the store: refused here, before any stage, not by that stage's first
+    # write after the stages before it ran (the mount's flag alone: a folder another user owns in a shared store
+    # may belong to a stage this pipeline never runs)
+    for folder in sorted(f for f in (p / "store").iterdir() if f.is_dir()) if (p / "store").is_dir() else []:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            raise PermissionError(
+                f"{folder} is on a read-only mount: stage {folder.name} publishes there; remount it read-write or "
+                "pass --workdir DIR with a writable path"
+            )
+    for folder in (p / "store", p / "runs"):  # a read-only mount inside it: refused here, not by a stage's write
         if folder.is_dir():
             refuse_read_only(
                 folder,

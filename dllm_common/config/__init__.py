@@ -6,7 +6,7 @@ the strategies' checks.
 
 Its modules, each importing only those above it:
 
-- `errors`: `ConfigError`, `TrainingDiverged` and `shown` (a value cut for an error line);
+- `errors`: `ConfigError`, `TrainingDiverged` and `cut` / `shown` (a key / a value cut for an error line);
 - `context`: context lengths read without loading a model (`MAX_SEQ_LEN`, `local_max_positions`,
   `context_overflow`);
 - `sections`: what every section shares, and the pipeline, data, tokenizer, model, train, tracking and dllm
@@ -23,7 +23,7 @@ Every public name of these modules is importable from the package itself.
 from dllm_common.config.context import MAX_CHARS_PER_TOKEN, MAX_SEQ_LEN, context_overflow, local_max_positions
 from dllm_common.config.dflash import DFlashConfig, PretrainTargetConfig, RegenerateConfig
 from dllm_common.config.digest import canonical_json, config_sha256, flatten
-from dllm_common.config.errors import ConfigError, TrainingDiverged, shown
+from dllm_common.config.errors import ConfigError, TrainingDiverged, cut, shown
 from dllm_common.config.evaluation import (
     OPEN_ENDED_TEMPERATURE,
     OPEN_ENDED_TOP_P,
@@ -99,6 +99,7 @@ __all__ = [
     "read_yaml",
     "refuse_boolean_number",
     "refuse_long_warmup",
+    "cut",
     "shown",
     "validate_schema",
 ]

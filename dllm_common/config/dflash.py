@@ -13,6 +13,24 @@ from dllm_common.config.sections import ConfigSection, refuse_long_warmup
 # the most tree branches verified beside a block's proposal (`dflash.eval_tree_branches`, `dllm-flow generate
 # --tree-branches`; docs/strategies.md §10.16): each is a row of the target's verifying forward
 MAX_TREE_BRANCHES = 16
+
+
+def tree_branches_problem(branches: int, block_size: int | None, key: str, block: str) -> str | None:
+    """What is wrong with `branches` tree branches (`key` names the setting: `dflash.eval_tree_branches`,
+    `--tree-branches`) beside blocks of `block_size` (`block` says where that size comes from; None: not known
+    yet), or None: the one bound every entry point checks. A branch puts the draft's runner-up at one of the
+    block_size − 1 positions after its anchor, and each branch is a row of the target's verifying forward."""
+    if branches > MAX_TREE_BRANCHES:
+        return f"{key} ({branches}) is more than {MAX_TREE_BRANCHES}, the most tree branches verified beside a block"
+    if block_size and branches > block_size - 1:
+        return (
+            f"{key} ({branches}) is more than a block of {block_size} ({block}) has proposed positions: each branch "
+            f"puts the draft's runner-up at one of its {block_size - 1} positions after the anchor; set it to at most "
+            f"{block_size - 1}, or 0 for no tree"
+        )
+    return None
+
+
 # the hottest `dflash.eval_temperature`: τ_sampled is τ as a sampling server sees it (docs/evaluation.md §4.7), and
 # servers sample at 0–2 (the OpenAI API's range); hotter, both distributions flatten toward uniform and τ climbs to
 # the block size (every uniform proposal accepted against a uniform target), a measure of the flattening, not the draft

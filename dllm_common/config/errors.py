@@ -11,6 +11,11 @@ class TrainingDiverged(ConfigError):
     published. A user error: a setting (most often the learning rate) is what to change (docs/operations.md)."""
 
 
+def cut(text: str, limit: int = 60) -> str:
+    """`text` (a key, a dotted path) for an error line, cut to `limit` characters with its full length named."""
+    return text if len(text) <= limit else f"{text[: limit - 1]}… ({len(text)} characters)"
+
+
 def shown(value: object, limit: int = 60) -> str:
     """`repr(value)` for an error line, cut to `limit` characters with the full length named: a 100,000-character
     strategy name is echoed as its start, not whole."""

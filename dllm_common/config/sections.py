@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from dllm_common.config.context import MAX_SEQ_LEN
+from dllm_common.config.errors import shown
 
 
 def _numeric(annotation) -> bool:
@@ -64,8 +65,9 @@ class PipelineConfig(ConfigSection):
         if not PIPELINE_NAME.fullmatch(name):
             fixed = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:100] or "dllm"
             raise ValueError(
-                f"pipeline.name {name!r} must be 1 to 100 letters, digits, '.', '_' or '-', starting with a letter or "
-                f"digit: it names the MLflow experiment, runs and registered models (NAME-STRATEGY); e.g. {fixed!r}"
+                f"pipeline.name {shown(name)} must be 1 to 100 letters, digits, '.', '_' or '-', starting with a "
+                "letter or digit: it names the MLflow experiment, runs and registered models (NAME-STRATEGY); e.g. "
+                f"{fixed!r}"
             )
         return name
 

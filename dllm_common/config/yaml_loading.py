@@ -13,7 +13,7 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from dllm_common.config.errors import ConfigError, shown
+from dllm_common.config.errors import ConfigError, cut, shown
 from dllm_common.config.sections import special_file
 from dllm_common.config.spec import PipelineSpec
 
@@ -21,18 +21,18 @@ from dllm_common.config.spec import PipelineSpec
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<top level>"
-        value = e.get("input")
+        path = cut(".".join(str(p) for p in e["loc"]) or "<top level>", 120)
+        value = shown(e.get("input"), 200)
         if e["type"] == "extra_forbidden":
             parent = _section_for(e["loc"][:-1])
             allowed = sorted(parent.model_fields) if parent else []
-            lines.append(f"  {path}: unknown key (value {value!r}); allowed keys here: {allowed}")
+            lines.append(f"  {path}: unknown key (value {value}); allowed keys here: {allowed}")
         elif not e["loc"] or (e["type"] == "value_error" and f"{path}" in e["msg"]):
             # a rule that names its keys itself (across sections, or across one section's keys): its message alone,
             # not the whole section or config it was given
             lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"  {path}: {e['msg']} (got {value!r})")
+            lines.append(f"  {path}: {e['msg']} (got {value})")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dllm_common.config import ConfigError, DFlashConfig, PipelineSpec, context_overflow, local_max_positions
+from dllm_common.config.dflash import tree_branches_problem
 from strategies.dflash.config import is_draft_dir, read_draft_config
 from strategies.dflash.dflash2_config import (
     DFLASH,
@@ -219,13 +220,10 @@ class DFlashOptions(StrategyOptions):
         options', or (0) that of a local draft `model.path` imports."""
         imported = None if self.block_size else imported_block_size(spec)
         size, branches = self.block_size or imported or 0, spec.dflash.eval_tree_branches
-        if size and branches > size - 1:
-            source = where("block_size") if self.block_size else f"the draft's at model.path {spec.model.path}"
-            raise ConfigError(
-                f"dflash.eval_tree_branches ({branches}) is more than a block of {size} ({source}) has proposed "
-                f"positions: each branch puts the draft's runner-up at one of its {size - 1} positions after the "
-                f"anchor; set it to at most {size - 1}, or 0 for no tree"
-            )
+        source = where("block_size") if self.block_size else f"the draft's at model.path {spec.model.path}"
+        problem = tree_branches_problem(branches, size, "dflash.eval_tree_branches", source)
+        if problem:
+            raise ConfigError(problem)
 
     def _check_block_size(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
         """What `block_size` bounds: the rows that train it, a DFlash 2 kernel, non-overlapping blocks per row."""
@@ -371,9 +369,10 @@ def imported_block_size(spec: PipelineSpec) -> int | None:
 
 def eval_keys_problem(spec: PipelineSpec) -> str | None:
     """What is wrong with the evaluation's speculative-decoding keys against the rows and the target, or None: a prompt
-    (`eval_prompt_len`) as long as a row; and, for values other than the defaults (which stay accepted as they are:
-    fewer prompts, or decoding past a short target's context), more prompts than the evaluation reads validation
-    rows, or a prompt and its continuation (`eval_max_new_tokens`) longer than the target's context."""
+    (`eval_prompt_len`) as long as a row; and, beyond what the defaults ask (which stay accepted as they are: fewer
+    prompts, or decoding past a short target's context, and so does anything less), more prompts than the
+    evaluation reads validation rows, or a prompt and its continuation (`eval_max_new_tokens`) longer than the
+    target's context."""
     d, seq_len, default = spec.dflash, spec.data.seq_len, {k: f.default for k, f in DFlashConfig.model_fields.items()}
     if d.eval_prompt_len >= seq_len:
         return (
@@ -384,14 +383,14 @@ def eval_keys_problem(spec: PipelineSpec) -> str | None:
     rows, rows_key = spec.eval.val_rows, "eval.val_rows"
     if spec.data.max_val_rows is not None and spec.data.max_val_rows < rows:
         rows, rows_key = spec.data.max_val_rows, "data.max_val_rows"
-    if d.eval_prompts > rows and d.eval_prompts != default["eval_prompts"]:
+    if d.eval_prompts > max(rows, default["eval_prompts"]):  # fewer than the default never fails where it passes
         return (
             f"dflash.eval_prompts ({d.eval_prompts}) is more than the {rows} validation rows the evaluation reads "
             f"({rows_key}): each prompt is the start of one of them, so at most {rows} would be decoded; set it to at "
             f"most {rows}, or raise {rows_key}"
         )
     keys = ("eval_prompt_len", "eval_max_new_tokens")
-    if all(getattr(d, k) == default[k] for k in keys):
+    if sum(getattr(d, k) for k in keys) <= sum(default[k] for k in keys):  # no longer than the defaults' decode
         return None
     if d.target_model_id is None:
         context, context_of = seq_len, "the embedded target's context (data.seq_len)"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from dllm_common.config.dflash import tree_branches_problem
 from strategies.dflash.dflash2_config import DFLASH2, DOMINO
 from strategies.dflash.draft import DFlashDraftModel, draft_block_logits
 from strategies.dflash.window import trims
@@ -74,12 +75,10 @@ class DraftTree:
         """Refuse what the tree cannot verify or the second draft cannot read, naming what to change."""
         if self.branches < 0:
             raise ValueError(f"tree branches must be ≥ 0 (0: the one-path decoder); got {self.branches}")
-        if self.branches > cfg.block_size - 1:  # a draft imported with dflash.block_size 0 learns its block here
-            raise ValueError(
-                f"{self.branches} tree branches (--tree-branches, dflash.eval_tree_branches) are more than the draft's "
-                f"block of {cfg.block_size} has positions after its anchor ({cfg.block_size - 1}); give at most "
-                f"{cfg.block_size - 1}"
-            )
+        # a draft imported with dflash.block_size 0 learns its block here
+        problem = tree_branches_problem(self.branches, cfg.block_size, "tree branches", "the draft's")
+        if problem:
+            raise ValueError(f"{problem} (--tree-branches, dflash.eval_tree_branches)")
         if temperature > 0:
             raise ValueError(
                 "tree verification (--tree-branches, dflash.eval_tree_branches) is greedy only: decode at temperature "

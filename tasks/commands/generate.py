@@ -20,7 +20,7 @@ import torch
 
 from dllm_common.checkpoint import read_meta
 from dllm_common.config import EvalConfig, context_overflow
-from dllm_common.config.dflash import MAX_TREE_BRANCHES
+from dllm_common.config.dflash import tree_branches_problem
 from dllm_common.tracking import check_tracking_server, default_tracking_uri, quiet_environment
 from strategies import strategy_class
 from strategies.absorbing import absorbing_sample, infill_sample
@@ -183,22 +183,13 @@ def check_speculative_flags(sampler: str, config: SamplerConfig, redraft: bool) 
 
 
 def check_tree_branches(draft, branches: int) -> None:
-    """Refuse `--tree-branches` above `MAX_TREE_BRANCHES` (the bound of `dflash.eval_tree_branches`) or above the
-    positions the draft's block proposes (block size − 1: a branch puts the draft's runner-up at one of them,
-    docs/strategies.md §10.16); no branches, or a model without a block size (not a draft), pass."""
-    if not branches:
-        return
-    if not 0 < branches <= MAX_TREE_BRANCHES:
-        raise ValueError(
-            f"--tree-branches {branches} is outside 0..{MAX_TREE_BRANCHES} (the bound of dflash.eval_tree_branches)"
-        )
+    """Refuse `--tree-branches` past the bound of `dflash.eval_tree_branches` or the positions the draft's block
+    proposes (`tree_branches_problem`, docs/strategies.md §10.16); a model without a block size (not a draft) is held
+    to the first only."""
     size = getattr(getattr(draft, "config", None), "block_size", None)
-    if isinstance(size, int) and branches > size - 1:
-        raise ValueError(
-            f"--tree-branches {branches} is more branches than the draft's block has positions: its block size is "
-            f"{size}, so a block proposes {size - 1} tokens after its anchor and a branch changes one of them; give "
-            f"--tree-branches {size - 1} or fewer"
-        )
+    problem = tree_branches_problem(branches, size if isinstance(size, int) else None, "--tree-branches", "the draft's")
+    if problem:
+        raise ValueError(problem)
 
 
 def model_context(model) -> int | None:

@@ -269,8 +269,8 @@ def test_run_with_one_read_only_stage_folder_is_refused_before_any_stage(tmp_pat
     assert main(["run", str(ROOT / "configs/smoke.yaml"), "--workdir", str(workdir)]) == 2
     err = capsys.readouterr().err
     assert err == (
-        f"dllm-flow: error: {train} is not writable (Read-only file system): every stage publishes and every run "
-        "records there; make it writable (remount it read-write) or pass --workdir DIR with a writable path\n"
+        f"dllm-flow: error: {train} is on a read-only mount: stage train publishes there; remount it read-write or "
+        "pass --workdir DIR with a writable path\n"
     )
     assert not (workdir / "store" / "prepare_data").exists()  # no stage ran
 

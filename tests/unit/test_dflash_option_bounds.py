@@ -133,13 +133,20 @@ def test_the_lines_say_what_bounds_the_key_and_the_value_to_set():
 
 def test_a_default_eval_key_that_does_not_fit_short_rows_still_loads():
     """The defaults (16 prompts of 16 tokens, 48 new ones) are kept on a short config, as every recorded config
-    reloads them: only a value written otherwise is held to the rows and the target's context."""
+    reloads them, and so is anything less: only a value beyond them is held to the rows and the target's context."""
     short = ["data.seq_len=32", "dflash.block_size=4", "eval.val_rows=8", "eval.sample_length=16"]
     spec = load_config(CONFIG, short)
     assert (spec.dflash.eval_prompts, spec.dflash.eval_max_new_tokens) == (16, 48)
     assert validate_config(spec.model_dump(mode="json")) == spec  # as `resume` and a torchrun rank reload it
-    with pytest.raises(ConfigError, match=r"^dflash\.eval_prompts \(9\) is more than the 8 validation rows"):
-        load_config(CONFIG, [*short, "dflash.eval_prompts=9"])
+    # less than a default never fails where the default passes: fewer prompts, a shorter prompt or continuation
+    for fewer in ("dflash.eval_prompts=9", "dflash.eval_prompt_len=8", "dflash.eval_max_new_tokens=40"):
+        assert load_config(CONFIG, [*short, fewer])
+    with pytest.raises(ConfigError, match=r"^dflash\.eval_prompts \(17\) is more than the 8 validation rows"):
+        load_config(CONFIG, [*short, "dflash.eval_prompts=17"])
+    with pytest.raises(
+        ConfigError, match=r"^dflash\.eval_prompt_len \(16 tokens\) \+ dflash\.eval_max_new_tokens \(49\)"
+    ):
+        load_config(CONFIG, [*short, "dflash.eval_max_new_tokens=49"])
 
 
 def _local_target(folder: Path, **config) -> str:
@@ -158,8 +165,8 @@ def test_a_local_targets_config_bounds_the_top_k_the_layers_and_the_context(tmp_
         "dflash.target_layer_ids=[1,4]": r"^dflash\.target_layer_ids \[1, 4\]: \[4\] are not target layers; give layer "
         r"ids in 0 … 3",
         "dllm.mask_token_id=100": r"^dllm\.mask_token_id \(100\) is outside the target's vocabulary of 100 tokens",
-        "dflash.eval_max_new_tokens=33": r"^dflash\.eval_prompt_len \(8 tokens\) \+ dflash\.eval_max_new_tokens \(33\) "
-        r"= 41 positions, more than the context of dflash\.target_model_id",
+        "dflash.eval_max_new_tokens=57": r"^dflash\.eval_prompt_len \(8 tokens\) \+ dflash\.eval_max_new_tokens \(57\) "
+        r"= 65 positions, more than the context of dflash\.target_model_id",
     }
     for bad, message in cases.items():
         with pytest.raises(ConfigError, match=message):
@@ -237,13 +244,13 @@ def test_generate_refuses_more_branches_than_the_drafts_block_has_positions(tmp_
     draft = SimpleNamespace(config=tiny_draft_config())  # block 4: 3 positions after the anchor
     check_tree_branches(draft, 3)
     message = (
-        r"^--tree-branches 4 is more branches than the draft's block has positions: its block size is 4, so a block "
-        r"proposes 3 tokens after its anchor and a branch changes one of them; give --tree-branches 3 or fewer$"
+        r"^--tree-branches \(4\) is more than a block of 4 \(the draft's\) has proposed positions: each branch puts "
+        r"the draft's runner-up at one of its 3 positions after the anchor; set it to at most 3, or 0 for no tree$"
     )
     with pytest.raises(ValueError, match=message):
         check_tree_branches(draft, 4)
     with pytest.raises(
-        ValueError, match=rf"^--tree-branches {MAX_TREE_BRANCHES + 1} is outside 0\.\.{MAX_TREE_BRANCHES}"
+        ValueError, match=rf"^--tree-branches \({MAX_TREE_BRANCHES + 1}\) is more than {MAX_TREE_BRANCHES}, the most"
     ):
         check_tree_branches(SimpleNamespace(config=tiny_draft_config(block_size=32)), MAX_TREE_BRANCHES + 1)
 

@@ -3,6 +3,7 @@
 
 import re
 
+import pytest
 from conftest import ROOT
 
 SOURCES = [
@@ -56,6 +57,43 @@ def _quickstart_paragraph() -> str:
     return readme[start : readme.index("\n\n", start)]
 
 
+REMEASURE = ".venv/bin/python benchmarks/quickstart_figures.py"
+
+
+def assert_measured_with_this_code(figures: dict) -> None:
+    """The recorded figures were measured by the code of this checkout: each stage key the JSON carries (config
+    slice + every module the stage runs) is the one computed now, without training."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from quickstart_figures import stage_keys
+
+    now = stage_keys()
+    changed = [
+        f"{stage}: measured at {figures['stage_keys'].get(stage)}, now {key}"
+        for stage, key in now.items()
+        if figures["stage_keys"].get(stage) != key
+    ]
+    assert not changed, (
+        "the quickstart's code or config changed since docs/results/quickstart.json was measured "
+        f"({'; '.join(changed)}): its figures may have moved. Re-measure with `{REMEASURE}` and update the "
+        "README's quickstart paragraph"
+    )
+
+
+def test_a_changed_key_fails_the_figures_check():
+    """The check fails when a stage key moves (here: the recorded train key edited), naming the command that
+    re-measures."""
+    import json
+
+    figures = json.loads((ROOT / "docs" / "results" / "quickstart.json").read_text())
+    stage = next(s for s in figures["stage_keys"] if s.startswith("train["))
+    figures["stage_keys"][stage] = "0" * 24
+    with pytest.raises(AssertionError, match=re.escape(f"{stage}: measured at {'0' * 24}, now ")) as err:
+        assert_measured_with_this_code(figures)
+    assert REMEASURE in str(err.value)
+
+
 def test_the_readme_quotes_the_last_measured_quickstart_run():
     """README's quickstart figures are those of docs/results/quickstart.json (benchmarks/quickstart_figures.py,
     a real run), and that file describes the quickstart config as it is: a config changed since (more steps,
@@ -71,6 +109,7 @@ def test_the_readme_quotes_the_last_measured_quickstart_run():
 
     assert figures["steps"] == load_config(str(ROOT / "configs" / "quickstart.yaml")).train.steps
     assert figures["config_digest"] == config_digest(), "configs/quickstart.yaml changed: run quickstart_figures.py"
+    assert_measured_with_this_code(figures)
     text = " ".join(_quickstart_paragraph().split())  # as read, whatever the line breaks
     v, e = figures["val_loss"], figures["eval"]
     for quoted in (

@@ -317,3 +317,18 @@ def test_an_adapter_is_refused_naming_the_flag(tmp_path):
     with pytest.raises(WeightsMismatchError) as exc:
         apply_adapter(_llama(), folder)
     _assert_names(exc, "--adapter:", folder / "adapter_model.safetensors", name, "F32 [32, 2]", "[2, 32]")
+
+
+def test_a_header_length_past_the_formats_bound_is_refused_without_reading_it(tmp_path, monkeypatch):
+    """A damaged length inside a large file is refused from the number, not read as gigabytes of JSON."""
+    import struct
+
+    from dllm_common import checkpoint
+
+    monkeypatch.setattr(checkpoint, "MAX_HEADER_BYTES", 64)
+    file = tmp_path / "big.safetensors"
+    file.write_bytes(struct.pack("<Q", 1000) + b" " * 2000)  # a 1000-byte header in a file that holds it
+    with pytest.raises(
+        ValueError, match=r"its header declares 1000 bytes, more than a safetensors header may hold \(64\)"
+    ):
+        safetensors_header(file)
