@@ -7,6 +7,8 @@ rounds in another order, so a difference the size of the seed spread is trajecto
 
     .venv/bin/python benchmarks/optimizer_quality.py                  # 2 seeds × 2 optimizers (~20 min on 2 cores)
     .venv/bin/python benchmarks/optimizer_quality.py --seeds 0 --steps 200   # a quick look
+    .venv/bin/python benchmarks/optimizer_quality.py --seeds 0 --optimizers loop --set train.threads=1  # rounding
+                                                                   # alone moved: the loop on one thread
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, help="train.steps (default: the quickstart's)")
+    parser.add_argument("--optimizers", nargs="+", choices=["fused", "loop"], default=["fused", "loop"])
+    parser.add_argument("--set", action="append", default=[], help="KEY=VALUE on the config, e.g. train.threads=1")
     parser.add_argument("--out", type=Path, help="write the runs as JSON here")
     args = parser.parse_args()
     from flows.environment import prefect_env
@@ -77,9 +81,9 @@ def main() -> int:
     torch.set_num_threads(2)
     runs = []
     for seed in args.seeds:
-        overrides = [f"train.seed={seed}"] + ([f"train.steps={args.steps}"] if args.steps else [])
+        overrides = [f"train.seed={seed}", *args.set] + ([f"train.steps={args.steps}"] if args.steps else [])
         spec = load_config(ROOT / "configs" / "quickstart.yaml", overrides)
-        for optimizer in ("fused", "loop"):
+        for optimizer in args.optimizers:
             workdir = root / f"{optimizer}-seed{seed}"
             if optimizer == "loop":
                 with per_tensor_adamw():
@@ -91,7 +95,7 @@ def main() -> int:
     print("\n| optimizer | seed | val/loss (last) | eval/nelbo | gen_ppl |\n|---|---|---|---|---|")
     for r in runs:
         print(f"| {r['optimizer']} | {r['seed']} | {r['val_loss']:.3f} | {r['nelbo']:.3f} | {r['gen_ppl']:.1f} |")
-    for metric in ("val_loss", "nelbo", "gen_ppl"):
+    for metric in ("val_loss", "nelbo", "gen_ppl") if len(args.optimizers) == 2 else ():
         by = {o: [r[metric] for r in runs if r["optimizer"] == o] for o in ("fused", "loop")}
         means = {o: statistics.fmean(v) for o, v in by.items()}
         seed_spread = max(max(v) - min(v) for v in by.values())
