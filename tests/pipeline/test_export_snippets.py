@@ -176,8 +176,8 @@ def dllm_flow_generate(folder: Path, case: Case) -> tuple[list[int], str]:
 
     seen, real = {}, tasks.evaluation.trained_model.load_for_generation
 
-    def load(ckpt, device, adapter=None):
-        loaded = real(ckpt, device, adapter)
+    def load(ckpt, device, adapter=None, **kwargs):  # where= names the flag a misfit is reported against
+        loaded = real(ckpt, device, adapter, **kwargs)
         return loaded._replace(tokenizer=_Recording(loaded.tokenizer, case.eos, seen))
 
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()):
