@@ -18,9 +18,11 @@ from dllm_common.config import validate_schema
 
 STEPS = 300
 # measured at this config (300 steps, one run each, seed 0): the default ("learned") gen_ppl 5.73x, entropy 0.87x
-# the data row's; "analytic" (the earlier default) 2.32x and 0.62x, commas and colons. At this size gen_ppl alone does
-# not separate them (a low entropy flatters it): the entropy bar is the compare config's (0.8x), gen_ppl's a sanity cap
-GEN_PPL, ENTROPY = 8.0, 0.8
+# the data row's on an Intel Xeon, 9.50x and 0.81x on an AMD EPYC (2026-12-07: the same seed rounds into another
+# trajectory on another processor, docs/results/log.md); "analytic" (the earlier default) 2.32x and 0.62x, commas and
+# colons. At this size gen_ppl alone does not separate them (a low entropy flatters it): the entropy bar is the
+# compare config's (0.8x), gen_ppl's a sanity cap (16 samples: noisy) against a model that learnt nothing
+GEN_PPL, ENTROPY = 12.0, 0.8
 EVIDENCE = os.environ.get("BD_SAMPLES_EVIDENCE")  # None: the strategy's default
 PROMPTS = ["My lord,", "What say you", "I pray you", "Good my lord", "Come, sir", "Thou art", "How now", "I will"]
 PROMPTS += ["Let me", "Why, then", "Speak", "The king", "Nay, but", "Is it", "And so", "If you"]
