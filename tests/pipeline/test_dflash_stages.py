@@ -220,7 +220,10 @@ def test_errors_name_what_to_change(dflash_run, tiny_spec):
             workdir,
             inputs={"target": tgt, "features": feats},
         )
-    with pytest.raises(ValueError, match="outside the target's 4 layers"):
+    # a layer past the embedded target's: refused at config load now, naming the key (issue 52)
+    with pytest.raises(
+        ValueError, match=r"dflash\.target_layer_ids \[7\]: \[7\] are not target layers; give layer ids in 0 … 3"
+    ):
         cache_target(_dflash_spec_from(spec, target_layer_ids=[7]), tgt, data, workdir)
     with pytest.raises(FileNotFoundError, match="not a local directory and not in the Hugging Face cache"):
         target(_dflash_spec_from(spec, target_model_id="nobody/no-such-model"), data, workdir)
