@@ -91,7 +91,7 @@ def cmd_run(args) -> int:
     result = _run_pipeline(args, config_path=str(args.config), overrides=args.set)
     if isinstance(result, int):
         return result
-    report = f"report: {result['report']}" if result["report"] else "its report is node 0's"
+    report = f"report: {result['report']}" if result.get("report") else "its report is node 0's"
     print(f"[dllm-flow] pipeline run {result['run_id']} completed; {report}")
     print(f"[dllm-flow] browse it with: dllm-flow ui --workdir {Path(args.workdir).resolve()}")
     return 0

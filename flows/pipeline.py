@@ -17,16 +17,13 @@ import contextlib
 import contextvars
 import hashlib
 import logging
-import re
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
 from prefect.exceptions import MissingContextError
 
 from dllm_common.config import PipelineSpec, config_sha256, flatten
@@ -66,11 +63,6 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
         return get_run_logger()
     except MissingContextError:
         return logging.getLogger("dllm_flow")
-
-
-def report_artifact_key(pipeline_name: str) -> str:
-    """Prefect artifact keys take lowercase letters, digits and dashes."""
-    return "dllm-report-" + (re.sub(r"[^a-z0-9]+", "-", pipeline_name.lower()).strip("-") or "pipeline")
 
 
 @dataclass
@@ -297,145 +289,85 @@ def cancel_flow_run(flow_run_id: str | None, message: str) -> None:
         logging.getLogger("dllm_flow").warning("could not mark flow run %s cancelled: %s", flow_run_id, exc)
 
 
-def _stage_tasks() -> SimpleNamespace:
-    """The task layer's Prefect tasks and the strategy registry, imported when a flow runs (they import
-    torch), not when flows/ is imported."""
-    from dllm_common.harness_tasks import check_harness_tasks
+def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str) -> dict:
+    """Run the graph the declared stages give for `spec` (`tasks.stages.derive`): the pipeline stages before the
+    strategies, each strategy's chain (fanned out, `pipeline.max_parallel` at a time), the pipeline stages after.
+    Imported here, not at module level: the task layer imports torch (a CPU pipeline worker never needs it)."""
     from strategies import strategy_class
-    from tasks import cache_target, evaluate, prepare_data, regenerate, report, target, train
+    from tasks.stages import StageContext, derive
     from tasks.training import distributed
 
-    return SimpleNamespace(
-        strategy_class=strategy_class,
-        prepare_data=prepare_data.prepare_data_task,
-        target=target.target_task,
-        target_stage_name=target.stage_name,
-        regenerate=regenerate.regenerate_task,
-        cache_target=cache_target.cache_target_task,
-        train=train.train_task,
-        train_remote=train.train_remote_task,
-        evaluate=evaluate.evaluate_task,
-        check_samples_fit=evaluate.check_samples_fit,
-        check_harness_tasks=check_harness_tasks,
-        report=report.report_task,
-        publish_report=report.publish_report,
-        ParentRun=report.ParentRun,
-        node_rank=distributed.node_rank,
-        terminate_children=distributed.terminate_children,
-    )
-
-
-def _upstream(spec: PipelineSpec, run: StageRunner, t: SimpleNamespace, data: StageRef, parent_run_id: str):
-    """The stages the pipeline's strategies declare (a frozen target, its regenerated text, its feature
-    cache), each run once; returns (inputs by role, the regenerated data or None)."""
-    classes = [t.strategy_class(name) for name in spec.pipeline.strategies]
-    roles = {role for cls in classes for role in cls.upstream_stages(spec)}
-    regenerated = any(cls.training_data(spec) == "regenerated" for cls in classes)
-    inputs: dict[str, StageRef] = {}
-    if "target" in roles or regenerated:
-        inputs["target"] = run(
-            t.target_stage_name(spec),
-            t.target,
-            spec=spec,
-            data=data,
-            workdir=str(run.record_dir),
-            parent_run_id=parent_run_id,
-        )
-    new_data = None
-    if regenerated:
-        new_data = run(
-            "regenerate", t.regenerate, spec=spec, target=inputs["target"], data=data, workdir=str(run.record_dir)
-        )
-    if "features" in roles:  # the target's features over the rows its users train on
-        inputs["features"] = run(
-            "cache_target",
-            t.cache_target,
-            spec=spec,
-            target=inputs["target"],
-            data=new_data or data,
-            workdir=str(run.record_dir),
-        )
-    return inputs, new_data
-
-
-def _stages(spec: PipelineSpec, wd: Path, record: RunRecord, parent_run_id: str) -> dict:
-    workdir, t = str(wd), _stage_tasks()
-    run = StageRunner(record, wd, store_result_storage(wd))
-    t.check_harness_tasks(spec.eval.lm_eval)  # a resumed or deployed run checks too (cached after the CLI's check)
-    data = run("prepare_data", t.prepare_data, spec=spec, workdir=workdir)
-    # node k > 0 of a multi-node training only lends its ranks to the trainings: node 0 evaluates and reports
-    follower = t.node_rank(spec.train) > 0
-    if not follower:  # what only the data's tokenizer shows, refused before any training
-        t.check_samples_fit(spec, data)
-    upstream, regenerated = _upstream(spec, run, t, data, parent_run_id)
-    trainer = t.train_remote if spec.pipeline.train_deployment else t.train
-
-    def chain(strategy: str) -> tuple[StageRef, StageRef | None]:
-        """One strategy: its training, then (as soon as that ends) its evaluation."""
-        cls = t.strategy_class(strategy)
-        own = {role: upstream[role] for role in cls.upstream_stages(spec)}
-        train_data = regenerated if cls.training_data(spec) == "regenerated" else data
-        trained = run(
-            f"train[{strategy}]",
-            trainer,
-            spec=spec,
-            strategy=strategy,
-            data=train_data,
-            workdir=workdir,
-            parent_run_id=parent_run_id,
-            inputs=own or None,
-        )
-        if follower:
-            return trained, None
-        evaluated = run(
-            f"evaluate[{strategy}]",
-            t.evaluate,
-            spec=spec,
-            strategy=strategy,
-            trained=trained,
-            data=data,
-            workdir=workdir,
-        )
-        return trained, evaluated
-
-    results = fan_out(chain, spec.pipeline.strategies, spec.pipeline.max_parallel, t.terminate_children)
-    trained = [results[s][0] for s in spec.pipeline.strategies]
-    evaluated = [results[s][1] for s in spec.pipeline.strategies]
+    graph = derive(spec, strategy_class)
+    # node k > 0 of a multi-node training only lends its ranks to the trainings: node 0 runs the rest
+    follower = distributed.node_rank(spec.train) > 0
+    ctx = StageContext(spec, str(wd), parent_run_id, record.run_id)
+    runner = GraphRunner(graph, ctx, StageRunner(record, wd, store_result_storage(wd)), follower)
+    runner.run_checks()
+    for node in graph.head:
+        runner.execute(node)
+    strategies = [s for s in spec.pipeline.strategies if s in graph.chains]
+    fan_out(runner.chain, strategies, spec.pipeline.max_parallel, distributed.terminate_children)
     if follower:
-        print(f"[dllm-flow] node {t.node_rank(spec.train)} of {spec.train.nnodes}: trainings done; node 0 evaluates")
-        return {"run_id": record.run_id, "report": None, "stages": {s.name: s.status for s in record.stages}}
-    rep = run(
-        "report",
-        t.report,
-        pipeline_name=spec.pipeline.name,
-        trained=trained,
-        evaluated=evaluated,
-        workdir=workdir,
-        tracking_uri=spec.tracking.uri,
-        experiment=spec.tracking.experiment,
-    )
-    parent = t.ParentRun(parent_run_id, spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
-    t.publish_report(rep, trained, evaluated, workdir, parent)
-    publish_report_artifact(Path(rep.path) / "report.md", spec.pipeline.name, record, wd, parent_run_id)
-    return {
-        "run_id": record.run_id,
-        "report": str(Path(rep.path) / "report.md"),
-        "stages": {s.name: s.status for s in record.stages},
-    }
+        rank = distributed.node_rank(spec.train)
+        print(f"[dllm-flow] node {rank} of {spec.train.nnodes}: trainings done; node 0 runs the rest")
+    else:
+        for node in graph.tail:
+            runner.execute(node)
+    return {"run_id": record.run_id, **runner.outputs, "stages": {s.name: s.status for s in record.stages}}
 
 
-def publish_report_artifact(report_md: Path, pipeline_name: str, record: RunRecord, wd: Path, parent_run_id: str):
-    """The report as a markdown artifact of the flow run (its Artifacts tab in the Prefect UI). Its plots
-    are files beside report.md, which the Prefect UI cannot show: they are named by their paths instead."""
-    text = re.sub(r"!\[[^\]]*\]\(([^)]+)\)", lambda m: f"- `{wd / m.group(1)}`", report_md.read_text())
-    create_markdown_artifact(
-        markdown=text,
-        key=report_artifact_key(pipeline_name),
-        description=(
-            f"dllm-flow report of pipeline run {record.run_id} ({pipeline_name}); "
-            f"MLflow parent run {parent_run_id}; {wd / 'report.md'}"
-        ),
-    )
-    run_logger().info(
-        "report: %s, published as Prefect artifact %s", wd / "report.md", report_artifact_key(pipeline_name)
-    )
+@dataclass
+class GraphRunner:
+    """Runs a derived graph's nodes through `StageRunner` (each its stage's Prefect task), handing each the refs
+    of the nodes it reads and the context values its function takes; the stages' checks run as soon as the roles
+    they read exist."""
+
+    graph: object
+    ctx: object
+    run: StageRunner
+    follower: bool
+    refs: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    checks: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        seen = set()
+        for node in self.graph.nodes():
+            if node.stage.name in seen or (self.follower and node.stage.leader_only):
+                continue
+            seen.add(node.stage.name)
+            self.checks += [(node.stage.produces, roles, check) for roles, check in node.stage.checks]
+
+    def run_checks(self) -> None:
+        """The declared checks whose roles the pipeline stages run so far produced (each once)."""
+        have = {n.stage.produces: self.refs[n.name] for n in self.graph.head if n.name in self.refs}
+        for item in list(self.checks):
+            _, roles, check = item
+            if all(role in have for role in roles):
+                self.checks.remove(item)
+                check(self.ctx.spec, **{role: have[role] for role in roles})
+
+    def chain(self, strategy: str) -> list:
+        return [self.execute(node) for node in self.graph.chains[strategy]]
+
+    def _value(self, value):
+        if isinstance(value, dict):
+            return {role: self._value(v) for role, v in value.items()}
+        if isinstance(value, list):
+            return [self.refs.get(n.name) for n in value if self.refs.get(n.name) is not None]
+        return self.refs.get(value.name)
+
+    def execute(self, node) -> StageRef | None:
+        """Run `node` (None: skipped, on a follower node, or because what it reads was skipped)."""
+        stage, ctx = node.stage, self.ctx
+        if self.follower and (stage.leader_only or any(self.refs.get(u.name) is None for u in node.upstream())):
+            return None
+        kwargs = {param: self._value(value) for param, value in node.inputs.items()}
+        wanted = stage.parameters(ctx.spec)
+        kwargs.update({k: v for k, v in ctx.values(node.strategy).items() if k in wanted})
+        ref = self.refs[node.name] = self.run(node.name, stage.task_of(ctx.spec), **kwargs)
+        if stage.after is not None:
+            self.outputs.update(stage.after(ref, kwargs, ctx) or {})
+        if not node.strategy:
+            self.run_checks()
+        return ref

@@ -15,11 +15,13 @@ from pathlib import Path
 
 from dllm_common.config import ConfigError, PipelineSpec
 from dllm_common.store import stage_key
+from strategies import strategy_class
 from strategies.dflash.features import write_feature_cache
 from strategies.dflash.window_config import vocabulary_problem
 from strategies.options import option_source, resolve_options
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.rows import load_split
+from tasks.stages import Stage
 from tasks.training.dflash_setup import features_dir, layer_ids_for, load_spec_target
 from tasks.training.runtime import stage_device
 
@@ -88,3 +90,12 @@ def cache_target(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: 
 
 
 cache_target_task = prefect_task(cache_target, name="cache_target", stage_of=stage_of)
+
+
+def _consumes(spec: PipelineSpec, _strategy) -> dict:
+    """The target's features over the rows its users train on: the regenerated ones where a strategy does."""
+    regenerated = any(strategy_class(s).training_data(spec) == "regenerated" for s in spec.pipeline.strategies)
+    return {"target": "target", "data": "regenerated" if regenerated else "data"}
+
+
+DECLARATION = Stage(name=STAGE, task=cache_target_task, produces="features", consumes=_consumes, on_demand=True)

@@ -492,6 +492,19 @@ def _ref(entry, strategy: str, reused: bool) -> StageRef:
 
 
 # logged into the training's MLflow run: a training rebuilt in a new run gets its reused evaluations again
+from dllm_common.harness_tasks import check_harness_tasks  # noqa: E402
+from tasks.stages import Stage  # noqa: E402
+
 evaluate_task = prefect_task(
     evaluate, name="evaluate", stage_of=stage_of, side_effects_for=lambda trained, **_: trained.mlflow_run_id or ""
+)
+DECLARATION = Stage(
+    name=STAGE,
+    task=evaluate_task,
+    produces="evaluated",
+    consumes={"trained": "trained", "data": "data"},
+    per_strategy=True,
+    leader_only=True,
+    # refused before any training: lm-eval tasks that do not exist, samples longer than the model's context
+    checks=(((), lambda spec: check_harness_tasks(spec.eval.lm_eval)), (("data",), check_samples_fit)),
 )

@@ -31,6 +31,7 @@ from tasks.data.documents import (
 from tasks.data.split_rows import SplitRows
 from tasks.data.tokenizer import document_texts, load_tokenizer, refuse_mask_alias, train_tokenizer
 from tasks.data.tokenizing import tokenized_documents
+from tasks.stages import Stage
 
 STAGE = "prepare_data"
 
@@ -144,3 +145,4 @@ def _summarize(train: dict, val: dict, val_ids: list[str], tokenizer, cfg: DataC
 
 
 prepare_data_task = prefect_task(prepare_data, name="prepare_data", stage_of=stage_of)
+DECLARATION = Stage(name=STAGE, task=prepare_data_task, produces="data")

@@ -28,6 +28,7 @@ from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.data.tokenizer import load_tokenizer
 from tasks.prepare_data import data_ref
 from tasks.rows import load_split, write_split
+from tasks.stages import Stage
 from tasks.training.dflash_setup import load_spec_target
 from tasks.training.runtime import stage_device
 
@@ -171,3 +172,11 @@ def _sample_chat(spec: PipelineSpec, target: StageRef, tokenizer, ids: torch.Ten
 
 
 regenerate_task = prefect_task(regenerate, name="regenerate", stage_of=stage_of)
+# run when a strategy trains on the target's own text (`training_data(spec) == "regenerated"`)
+DECLARATION = Stage(
+    name=STAGE,
+    task=regenerate_task,
+    produces="regenerated",
+    consumes={"target": "target", "data": "data"},
+    on_demand=True,
+)

@@ -12,6 +12,8 @@ vs entropy, quality vs NFE), written to the store, copied to the workdir and log
 from __future__ import annotations
 
 import json
+import logging
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -19,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from prefect import get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.exceptions import MissingContextError
 
 from dllm_common.store import MANIFEST, atomic_write_text, stage_key
 from dllm_common.tracking import Tracking
@@ -27,6 +32,7 @@ from tasks.common import fmt_number as _fmt
 from tasks.evaluate import RESULT_FIELDS, eval_artifact_path
 from tasks.evaluation.data_row import data_row_table
 from tasks.evaluation.dflash_table import dflash_table
+from tasks.stages import Roles, Stage, declarations, report_columns
 
 STAGE = "report"
 RUNS_TAG = "dllm.report_runs"
@@ -35,9 +41,17 @@ PLOTS = ("training_curves.png", "nelbo.png", "genppl_vs_entropy.png", "quality_v
 
 
 def stage_of(
-    pipeline_name: str, trained: list[StageRef], evaluated: list[StageRef], workdir: str, **_
+    pipeline_name: str,
+    trained: list[StageRef],
+    evaluated: list[StageRef],
+    workdir: str,
+    reported: dict | None = None,
+    **_,
 ) -> tuple[str, str]:
-    upstream = {r.stage: r.key for r in [*trained, *evaluated]}
+    """`reported`: the refs of the stages the graph puts before the report for their report columns (by role;
+    `tasks.stages.Stage.report_columns`): a new result in one of them renders the report again."""
+    extra = [r for refs in (reported or {}).values() for r in (refs if isinstance(refs, list) else [refs])]
+    upstream = {r.stage: r.key for r in [*trained, *evaluated, *extra]}
     # the report renders from the trainings' MLflow runs: a training rebuilt in a new run is reported again
     config = {"pipeline": pipeline_name, "runs": [t.mlflow_run_id for t in trained]}
     return STAGE, stage_key(STAGE, config, upstream, stage_code_version(__name__))
@@ -170,6 +184,7 @@ def _comparison_table(rows: list[dict], flags: dict) -> list[str]:
         ("eval/nfe", lambda r: _fmt(r["metrics"].get("eval/nfe"), 1)),
         ("eval/tokens_per_forward", lambda r: _fmt(r["metrics"].get("eval/tokens_per_forward"), 2)),
         ("eval/tokens_per_s", lambda r: _fmt(r["metrics"].get("eval/tokens_per_s"), 1)),
+        *_declared_columns(rows),
         ("MLflow run", lambda r: r["run_id"]),
     ]
     lines = ["| " + " | ".join(head for head, _ in columns) + " |", "|" + "---|" * len(columns)]
@@ -182,6 +197,15 @@ def _comparison_table(rows: list[dict], flags: dict) -> list[str]:
         "`eval/entropy` (unigram, nats): low entropy flatters gen_ppl.",
     ]
     return [*lines, "", " ".join(notes), ""]
+
+
+def _declared_columns(rows: list[dict]) -> list[tuple[str, object]]:
+    """The columns declared stages add (`Stage.report_columns`), where some row has the metric."""
+    return [
+        (c.header, lambda r, c=c: _fmt(r["metrics"].get(c.metric), c.digits))
+        for c in report_columns()
+        if any(c.metric in r["metrics"] for r in rows)
+    ]
 
 
 def _flag_lines(flags: dict) -> list[str]:
@@ -380,6 +404,7 @@ def report(
     workdir: str,
     tracking_uri: str | None = None,
     experiment: str | None = None,
+    reported: dict | None = None,
 ) -> StageRef:
     """Render the report into the store (cached by the upstream keys) from the strategies' MLflow runs.
     `publish_report` then tags the parent run and hands the report to the workdir and the parent,
@@ -388,7 +413,7 @@ def report(
     missing = [r["strategy"] for r in runs if not r["run_id"]]
     if missing:
         raise ValueError(f"the report renders from MLflow, but train[{', '.join(missing)}] has no MLflow run")
-    stage, key = stage_of(pipeline_name, trained, evaluated, workdir)
+    stage, key = stage_of(pipeline_name, trained, evaluated, workdir, reported)
 
     def build(tmp: Path) -> dict:
         client = Tracking(Path(workdir), tracking_uri, experiment or pipeline_name).client
@@ -426,4 +451,48 @@ def publish_report(
             tracking.client.log_artifact(parent.run_id, str(f), "report")
 
 
+def report_artifact_key(pipeline_name: str) -> str:
+    """Prefect artifact keys take lowercase letters, digits and dashes."""
+    return "dllm-report-" + (re.sub(r"[^a-z0-9]+", "-", pipeline_name.lower()).strip("-") or "pipeline")
+
+
+def publish_report_artifact(report_md: Path, pipeline_name: str, run_id: str, wd: Path, parent_run_id: str) -> None:
+    """The report as a markdown artifact of the flow run (its Artifacts tab in the Prefect UI). Its plots
+    are files beside report.md, which the Prefect UI cannot show: they are named by their paths instead."""
+    text = re.sub(r"!\[[^\]]*\]\(([^)]+)\)", lambda m: f"- `{wd / m.group(1)}`", report_md.read_text())
+    create_markdown_artifact(
+        markdown=text,
+        key=report_artifact_key(pipeline_name),
+        description=(
+            f"dllm-flow report of pipeline run {run_id} ({pipeline_name}); "
+            f"MLflow parent run {parent_run_id}; {wd / 'report.md'}"
+        ),
+    )
+    try:
+        log = get_run_logger()
+    except MissingContextError:
+        log = logging.getLogger("dllm_flow")
+    log.info("report: %s, published as Prefect artifact %s", wd / "report.md", report_artifact_key(pipeline_name))
+
+
+def _publish(ref: StageRef, refs: dict, ctx) -> dict:
+    """After the report stage ran (or was reused): the parent run's tag and files, the workdir's copy, the Prefect
+    artifact; the flow's result names the report."""
+    spec = ctx.spec
+    parent = ParentRun(ctx.parent_run_id, spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
+    publish_report(ref, refs["trained"], refs["evaluated"], ctx.workdir, parent)
+    report_md = Path(ref.path) / "report.md"
+    publish_report_artifact(report_md, spec.pipeline.name, ctx.run_id, Path(ctx.workdir), ctx.parent_run_id)
+    return {"report": str(report_md)}
+
+
+def _consumes(_spec, _strategy) -> dict:
+    """Every strategy's training and evaluation, and the results of every stage that adds report columns."""
+    reported = tuple(dict.fromkeys(s.produces for s in declarations() if s.report_columns))
+    return {"trained": "trained", "evaluated": "evaluated", "reported": Roles(reported, optional=True)}
+
+
 report_task = prefect_task(report, name="report", stage_of=stage_of)
+DECLARATION = Stage(
+    name=STAGE, task=report_task, produces="report", consumes=_consumes, leader_only=True, after=_publish
+)

@@ -31,6 +31,7 @@ from strategies.models import build_model, set_token_ids, tiny_model_config
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.data.tokenizer import load_tokenizer
 from tasks.evaluation.scoring import load_causal_lm, save_dequantized
+from tasks.stages import Stage
 from tasks.training.loop import LoopRun, LoopSettings, train_loop
 from tasks.training.runtime import OptimSettings, Split, Trainee, make_optimizer, stage_device, tracking_for
 
@@ -253,3 +254,7 @@ def _ref(entry, reused: bool) -> StageRef:
 
 
 target_task = prefect_task(target, name="target", stage_of=stage_of)
+# run when a stage reads the target (a strategy's `upstream_stages`, the regenerated data); named by what it does
+DECLARATION = Stage(
+    name="target", task=target_task, produces="target", consumes={"data": "data"}, on_demand=True, title=stage_name
+)

@@ -27,6 +27,7 @@ from strategies import strategy_class
 from strategies.models import lora_state_dict, merge_lora
 from strategies.options import resolve_options, validate_config
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
+from tasks.stages import Roles, Stage
 from tasks.training import distributed
 from tasks.training.loop import LoopRun, LoopSettings, train_loop
 from tasks.training.resume import Checkpointer, layout
@@ -442,3 +443,22 @@ def train_on_deployment(
 
 train_task = prefect_task(train, name="train", stage_of=stage_of)
 train_remote_task = prefect_task(train_on_deployment, name="train", stage_of=stage_of)
+
+
+def _consumes(spec: PipelineSpec, strategy: str) -> dict:
+    """The rows the strategy trains on (prepared, or the target's regenerated text) and the upstream stages it
+    declares (DFlash: its frozen target and the target's cached features)."""
+    cls = strategy_class(strategy)
+    data = "regenerated" if cls.training_data(spec) == "regenerated" else "data"
+    return {"data": data, "inputs": Roles(tuple(cls.upstream_stages(spec)))}
+
+
+DECLARATION = Stage(
+    name=STAGE,
+    task=train_task,
+    produces="trained",
+    consumes=_consumes,
+    per_strategy=True,
+    # on a GPU work pool when the YAML names its deployment (a worker runs the same function on the same store)
+    task_for=lambda spec: train_remote_task if spec.pipeline.train_deployment else train_task,
+)

@@ -165,3 +165,21 @@ def tiny_draft_config(**changes):
         vocab_size=64,
     )
     return replace(base, **changes)
+
+
+def expected_statuses(config: str, rebuilt: set[str] = frozenset(), overrides=()) -> dict[str, str]:
+    """The run record's stage statuses a rerun of `config` should show when the stages in `rebuilt` must run again:
+    they and every stage downstream of them COMPLETED, the rest REUSED (`rebuilt` empty: a first run, all
+    COMPLETED). The stages come from their declarations (`tasks.stages.derive`), so a new stage needs no edit here."""
+    from strategies import strategy_class
+    from strategies.options import load_config
+    from tasks.stages import derive
+
+    nodes = derive(load_config(config, list(overrides), note=False), strategy_class).nodes()
+    if not rebuilt:
+        return {n.name: "COMPLETED" for n in nodes}
+    ran = set(rebuilt)
+    for n in nodes:  # topological order: upstream first
+        if any(u.name in ran for u in n.upstream()):
+            ran.add(n.name)
+    return {n.name: "COMPLETED" if n.name in ran else "REUSED" for n in nodes}
