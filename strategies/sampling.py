@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from strategies.decoding_cache import check_cache_mode
+from strategies.drawing import LOOKUP_MAX_NGRAM, draw  # noqa: F401 (draw: re-exported, the samplers' import)
 
 Denoiser = Callable[[Tensor, Tensor], Tensor]
-LOOKUP_MAX_NGRAM = 4  # the longest suffix speculative decoding's context lookup matches (`lookup_ngram` ≤ it)
 
 
 @dataclass(frozen=True)
@@ -108,15 +108,6 @@ def truncate(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
         cut = sorted_p.masked_fill(before >= top_p, math.inf).amin(dim=-1, keepdim=True)
         keep &= probs >= cut
     return logits.masked_fill(~keep, -math.inf)
-
-
-def draw(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor:
-    """Tokens `[n]` from logits `[n, V]`: the argmax at temperature 0, else one draw per row from
-    softmax(logits / temperature), on the CPU so that a seeded `generator` gives the same tokens on any device."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
 
 
 Progress = Callable[[Tensor], None]  # called with the canvas after each finished block (streaming)

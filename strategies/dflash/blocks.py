@@ -21,7 +21,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from strategies.corruption import check_args
 from strategies.dflash.config import default_layer_ids
 from strategies.dflash.options import layer_count_problem
-from strategies.sampling import LOOKUP_MAX_NGRAM
+from strategies.drawing import LOOKUP_MAX_NGRAM
 
 
 def _build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

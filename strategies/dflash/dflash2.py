@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from strategies.dflash.config import DFlashDraftConfig
-from strategies.sampling import draw
+from strategies.drawing import draw
 
 CODEBOOK_STD = 0.02  # the reference's initializer_range for the predecessor codebook and the context gate
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from strategies.dflash.dflash2_config import DFLASH2, DOMINO
-from strategies.sampling import draw
+from strategies.drawing import draw
 
 
 def attach_domino_head(model: nn.Module, cfg) -> None:

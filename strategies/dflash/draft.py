@@ -21,7 +21,7 @@ from strategies.dflash.dflash2 import CandidateSelector, InBlockConv, conv_subla
 from strategies.dflash.dflash2_config import DFLASH2, DOMINO
 from strategies.dflash.domino import attach_domino_head
 from strategies.dflash.window import draft_masks, layer_mask
-from strategies.sampling import LOOKUP_MAX_NGRAM
+from strategies.drawing import LOOKUP_MAX_NGRAM
 
 # ---------------------------------------------------------------------------------------- draft
 
