@@ -8,7 +8,6 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from strategies.block_diffusion.options import BLOCK_DIFFUSION
-from strategies.decoding_cache import EncoderCache, cacheable
 from strategies.head import HeadProjection
 from strategies.models import DLLMOutput
 
@@ -96,12 +95,10 @@ class BlockDiffusionLM(nn.Module):
         logits = self.decode(kv, canvas_ids, decoder_attention_mask, decoder_position_ids, soft)
         return DLLMOutput(logits=logits, encoder_logits=encoder_logits)
 
-    def encoder_cache(self) -> EncoderCache | None:
-        """The exact encoder cache for sampling (docs/decoding.md), where the backbone can be cached."""
-        return EncoderCache(self) if cacheable(self.lm) else None
-
     def decode_cached(self, kv, canvas_ids: Tensor, positions: Tensor, previous: Tensor | None) -> Tensor:
-        """One sampler step over `EncoderCache.extend`'s K/V: the canvas sees the whole context and itself."""
+        """One sampler step over `EncoderCache.extend`'s K/V: the canvas sees the whole context and itself. (The
+        sampler builds that cache, `strategies.block_diffusion.sampling.encoder_cache`: decoding code stays out of
+        the model shape, which every training stage's key holds.)"""
         width = kv[0][0].shape[-2] + canvas_ids.shape[1]
         mask = torch.ones(1, 1, canvas_ids.shape[1], width, dtype=torch.bool, device=canvas_ids.device)
         soft = None if previous is None else self._soft_embedding(previous)

@@ -12,6 +12,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from strategies.block_diffusion.model import BlockDiffusionLM
+from strategies.decoding_cache import EncoderCache, cacheable
 from strategies.masks import build_block_diffusion_training_mask
 from strategies.posteriors import own_token_log_likelihood, reverse_step
 from strategies.sampling import (
@@ -91,6 +93,17 @@ class _CanvasInputs(NamedTuple):
     masks: dict  # block-causal canvas masks {"full_attention", "sliding_attention"}
 
 
+def encoder_cache(model):
+    """The exact encoder cache the sampler decodes over (docs/decoding.md): the model's own where it keeps one
+    (DiffusionGemma's `encoder_cache()`), `EncoderCache` over a `BlockDiffusionLM` whose backbone can be cached;
+    None: every step re-encodes the context."""
+    own = getattr(model, "encoder_cache", None)
+    if own is not None:
+        return own()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper: its model
+    return EncoderCache(base) if isinstance(base, BlockDiffusionLM) and cacheable(base.lm) else None
+
+
 def _canvas_decode_row(
     job: _CanvasDecoding, prompt: list[int], n_blocks: int, steps: int, on_block: Progress | None
 ) -> tuple[Tensor, int]:
@@ -99,8 +112,7 @@ def _canvas_decode_row(
     context = torch.tensor(prompt, dtype=torch.long, device=job.device)
     produced: list[Tensor] = []
     nfe = 0
-    cached = getattr(job.model, "encoder_cache", None) if job.config.cache != "none" else None
-    encoder = cached() if cached is not None else None
+    encoder = encoder_cache(job.model) if job.config.cache != "none" else None
     for _ in range(n_blocks):
         canvas, used = _canvas_decode_block(job, context, steps, encoder)
         nfe += used
