@@ -37,8 +37,17 @@ def cmd_validate(args) -> int:
 
     spec = load_config(args.config, args.set)
     options = printed_options(spec)  # no mask_token_id for a strategy that never reads one
-    print(json.dumps({"config": spec.model_dump(mode="json"), "strategy_options": options}, indent=2))
+    stages = [{"stage": name, "reads": reads, "produces": role} for name, reads, role in stage_table(spec)]
+    print(json.dumps({"config": spec.model_dump(mode="json"), "strategy_options": options, "stages": stages}, indent=2))
     return 0
+
+
+def stage_table(spec) -> list[tuple[str, str, str]]:
+    """The stages `dllm-flow run` would run for `spec`, in order, as the declarations derive them (tasks/stages.py)."""
+    from strategies import strategy_class
+    from tasks.stages import derive
+
+    return derive(spec, strategy_class).table()
 
 
 def cmd_runs(args) -> int:

@@ -283,6 +283,11 @@ def test_validate_prints_resolved_config(capsys):
     options = json.loads(compare.stdout)["strategy_options"]
     assert options["block_diffusion"]["block_size"] == 16 and options["hybrid"]["block_size"] is None
     assert options["idlm"]["block_length"] == 3 and "block_length" not in options["mdlm"]
+    # the stages `run` would run, as the declarations derive them (tasks/stages.py)
+    stages = json.loads(compare.stdout)["stages"]
+    assert stages[0] == {"stage": "prepare_data", "reads": "–", "produces": "data"}
+    assert stages[-1]["stage"] == "report" and stages[-1]["reads"].count("evaluate[") == 5
+    assert {"stage": "evaluate[idlm]", "reads": "train[idlm], prepare_data", "produces": "evaluated"} in stages
 
 
 def test_sigkilled_training_is_marked_crashed_and_resume_reruns_it(tmp_path, capsys, prefect_api):
