@@ -1,8 +1,9 @@
-"""Structure numbers of the source packages (flows, tasks, strategies, dllm_common), printed as a table.
+"""Structure numbers of the source packages (flows, tasks, strategies, dllm_common) and benchmarks/, as a table.
 
 Longest function, functions over 60 lines, functions with more than 6 parameters, imports inside
-functions, modules over 400 lines, import cycles inside a package and the strategy-name branches in
-`flows/` and `tasks/`. Run `python benchmarks/code_structure.py [--list]` before and after a change.
+functions, modules over 400 and 500 lines, test files over 800 lines, private names imported from another module,
+import cycles inside a package and the strategy-name branches in `flows/` and `tasks/`. Run
+`python benchmarks/code_structure.py [--list]` before and after a change.
 """
 
 from __future__ import annotations
@@ -82,10 +83,30 @@ def import_cycles(package: str) -> list[list[str]]:
     return cycles
 
 
+def private_imports(tree, rel: str) -> list[str]:
+    """`from module import _name` of a first-party module: a private name used outside the module defining it."""
+    return [
+        f"{rel}:{node.lineno} {node.module}.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+
+
+def test_files_over(limit: int) -> list[str]:
+    found = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        lines = path.read_text().count("\n")
+        if lines > limit:
+            found.append(f"{path.relative_to(ROOT)} ({lines})")
+    return found
+
+
 def measure() -> dict:
-    funcs, nested, big_modules, branches, cycles = [], 0, [], [], []
-    for package in PACKAGES:
-        cycles += import_cycles(package)
+    funcs, nested, big_modules, branches, cycles, private = [], 0, [], [], [], []
+    for package in (*PACKAGES, "benchmarks"):
+        cycles += import_cycles(package) if package != "benchmarks" else []
         for path in sorted((ROOT / package).rglob("*.py")):
             text = path.read_text()
             tree = ast.parse(text)
@@ -94,6 +115,7 @@ def measure() -> dict:
             if lines > 400:
                 big_modules.append((rel, lines))
             nested += _nested_imports(tree)
+            private += private_imports(tree, rel)
             for fn in _functions(tree):
                 funcs.append((rel, fn.name, fn.end_lineno - fn.lineno + 1, _param_count(fn)))
             if package in ("flows", "tasks"):
@@ -108,6 +130,9 @@ def measure() -> dict:
         "functions with more than 6 parameters": [f"{f[0]}:{f[1]} ({f[3]})" for f in funcs if f[3] > 6],
         "imports inside functions": nested,
         "modules over 400 lines": [f"{m} ({n})" for m, n in big_modules],
+        "modules over 500 lines (benchmarks/ included)": [f"{m} ({n})" for m, n in big_modules if n > 500],
+        "test files over 800 lines": test_files_over(800),
+        "private names imported across modules (tests excepted)": private,
         "import cycles": [" -> ".join(c) for c in cycles],
         "strategy-name literals in flows/ and tasks/": branches,
     }
