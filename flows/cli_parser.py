@@ -117,6 +117,20 @@ def _add_generate(sub, commands: Commands) -> None:
         choices=["none", "exact", "prefix", "dual"],
         help="K/V reuse across steps (docs/decoding.md); default: the sampler's (exact)",
     )
+    _add_speculative_options(gen)
+    gen.add_argument("--seed", type=int, default=42)
+    gen.add_argument("--infill", action="store_true", help="fill each [MASK] in the prompt with 20 tokens")
+    gen.add_argument("--adapter", default=None, help="merge a LoRA adapter dir into the checkpoint first")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--raw", action="store_true", help="never use the chat template")
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--workdir", default=DEFAULT_WORKDIR, help="its MLflow registry resolves models:/ URIs")
+    gen.add_argument("--tracking-uri", default=None)
+    gen.set_defaults(func=commands["generate"])
+
+
+def _add_speculative_options(gen) -> None:
+    """`generate`'s options that only the speculative sampler (a DFlash draft) reads."""
     gen.add_argument(
         "--lookup-ngram",
         type=int,
@@ -144,15 +158,6 @@ def _add_generate(sub, commands: Commands) -> None:
         help="with --tree-branches: a second draft (path or models:/NAME@ALIAS, trained with dflash.loss_type: "
         "variable_prefix) that re-drafts each branch behind its shown prefix",
     )
-    gen.add_argument("--seed", type=int, default=42)
-    gen.add_argument("--infill", action="store_true", help="fill each [MASK] in the prompt with 20 tokens")
-    gen.add_argument("--adapter", default=None, help="merge a LoRA adapter dir into the checkpoint first")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--raw", action="store_true", help="never use the chat template")
-    gen.add_argument("--device", default="auto")
-    gen.add_argument("--workdir", default=DEFAULT_WORKDIR, help="its MLflow registry resolves models:/ URIs")
-    gen.add_argument("--tracking-uri", default=None)
-    gen.set_defaults(func=commands["generate"])
 
 
 def _inspection_commands(sub, commands: Commands) -> None:

@@ -201,17 +201,22 @@ def launch(job, out: Path) -> None:
     args_file = job.work / f"torchrun-args-node{rank}.json"
     args_file.write_text(json.dumps({"job": json.loads(job.to_json()), "out": str(out)}))
     (job.work / CHILD_ERROR).unlink(missing_ok=True)
-    cmd = torchrun_command(train, args_file)
     nproc = f"{train.nproc_per_node} processes" + (f" on node {rank} of {train.nnodes}" if train.nnodes > 1 else "")
     if train.world_size == 1:
         nproc = "1 process (a child process, beside the other strategies)"
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(job.spec.train.threads or 1))
     what = "torchrun" if train.world_size > 1 else "training"
     print(f"[dllm-flow] train[{job.strategy}]: launching {what} with {nproc}", flush=True)
     if interrupt.requested():  # a run being stopped starts no training
         raise interrupt.Interrupted(interrupt.requested(), f"train[{job.strategy}] was not started")
-    # its own session: a Ctrl-C to the run's group reaches the run alone, which forwards one SIGTERM
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(job.spec.train.threads or 1))
+    code = _run_child(torchrun_command(train, args_file), env, train.world_size > 1)
+    _raise_for_exit(job, code)
+
+
+def _run_child(cmd: list[str], env: dict, torchrun: bool) -> int:
+    """Start the training process in its own session (a Ctrl-C to the run's group reaches the run alone, which
+    forwards one SIGTERM), relay its output, wait for it; a signal stops it after its checkpoint."""
     proc = subprocess.Popen(
         cmd,
         env=env,
@@ -229,12 +234,12 @@ def launch(job, out: Path) -> None:
         pump.start()
     where = (
         "torchrun stopped; the ranks resume from their last periodic checkpoint"
-        if train.world_size > 1
+        if torchrun
         else "each training process checkpoints the step it is on, then stops"
     )
     interrupt.note(where)
     try:
-        code = proc.wait()
+        return proc.wait()
     except BaseException:  # interrupted (dllm_common/interrupt.py): torchrun stops its ranks, then itself
         proc.terminate()
         try:
@@ -249,13 +254,17 @@ def launch(job, out: Path) -> None:
             interrupt.note("")
         for pump in pumps:
             pump.join(timeout=5)
+
+
+def _raise_for_exit(job, code: int) -> None:
+    """A failed training as one error: stopped with the run, rank 0's own error, or the exit status."""
     if code != 0 and interrupt.requested():  # stopped with the run (fanned out: this is a worker thread)
         raise interrupt.Interrupted(interrupt.requested(), f"train[{job.strategy}] checkpointed and stopped")
     if code != 0:
         error = job.work / CHILD_ERROR
         if error.is_file():  # rank 0's error as one line of its own type; its traceback into the log file
             raise child_error(job.strategy, json.loads(error.read_text()))
-        who = "torchrun" if train.world_size > 1 else "the training process"
+        who = "torchrun" if job.spec.train.world_size > 1 else "the training process"
         raise RuntimeError(
             f"{who} for train[{job.strategy}] exited with status {code}; see the rank logs above. "
             "Rerun to resume from the last checkpoint."
