@@ -258,30 +258,6 @@ def causal_flops(spec, name: str, vocab: int) -> tuple[float, float]:
     return float(tracer.flops), share()
 
 
-def expected(spec, name: str) -> tuple[float, str]:
-    """The ratio a strategy's method predicts against the causal step, fwd = 1 unit and bwd = 2, and why."""
-    if name == "mdlm":
-        return 1.0, "one fwd+bwd, same shape"
-    if name == "scdd":
-        return 1.0, "one fwd+bwd; + vocab-sized loss terms at every position (mask + uniform channels)"
-    if name == "hybrid":
-        return 2.0, "two fwd+bwd: diffusion + causal branch"
-    if name == "idlm":
-        return 2.0, "one fwd+bwd over 2L under its mask (linear parts 2x, attention more)"
-    if name == "block_diffusion":
-        return 7 / 3, "encoder fwd+bwd + canvas fwd+bwd + no-grad canvas fwd (self-conditioning)"
-    if strategy_class(name).trains == "draft":
-        options = resolve_options(spec, name)
-        blocks = getattr(options, "num_blocks_per_sample", 1) * options.block_size
-        share = (
-            spec.model.num_layers
-            * min(blocks, spec.data.seq_len)
-            / (spec.dflash.pretrain.num_layers * spec.data.seq_len)
-        )
-        return share, "draft layers x block positions / target layers x L (+ the target's head)"
-    return float("nan"), "no model of its method here"
-
-
 # ------------------------------------------------------------------ timing
 
 
@@ -367,10 +343,10 @@ def strat_ms(pairs, side: int) -> float:
     return statistics.median(p[side] for p in pairs) * 1000
 
 
-# ------------------------------------------------------------------ the table
+# ------------------------------------------------------------------ the run
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"), help="default: fp32 on CPU, bf16 on GPU")
@@ -404,6 +380,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.json and args.no_flops:
         ap.error("--json writes measured ÷ FLOPs: leave out --no-flops")
+    return args
+
+
+def settle(args: argparse.Namespace) -> float | None:
+    """Checks, the clock, the defaults of the device's table; returns the peak TFLOP/s the MFU columns use."""
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("step_cost: no CUDA device here (run without --device cuda for the CPU table)")
     if args.threads:
@@ -418,32 +399,24 @@ def main() -> None:
     for flag, value in zip(("hidden", "layers", "heads", "seq", "batch", "vocab", "steps"), defaults):
         if getattr(args, flag) is None:
             setattr(args, flag, value)
-    spec, draft_spec = make_spec(args), make_spec(args, draft=True)
-    names = args.strategies or list(REGISTRY)
-    peak = None
     if args.device == "cuda":
         gpu = torch.cuda.get_device_name(0)
-        peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
-    elif args.peak_tflops:  # the MFU columns of a CPU run against a given peak (their code path, on this machine)
-        peak = args.peak_tflops
-    print(
-        f"[step_cost] {args.device} threads={torch.get_num_threads()} torch {torch.__version__} dtype={args.dtype} "
-        f"hidden={args.hidden} layers={args.layers} heads={args.heads} seq={args.seq} batch={args.batch} "
-        f"vocab={args.vocab} steps={args.steps} clock={args.clock} fused_head={spec.train.fused_head} "
-        f"compile={spec.train.compile} attn={args.attn}",
-        flush=True,
-    )
+        return args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
+    return args.peak_tflops  # the MFU columns of a CPU run against a given peak (their code path, on this machine)
+
+
+def measure_all(names: list[str], args, spec, draft_spec) -> tuple[dict, dict, dict]:
+    """(results, spec per strategy, failures): one strategy failing (a kernel, memory) must not hide the others."""
     results, spec_of, failures = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             t0 = time.time()
             spec_of[name] = draft_spec if strategy_class(name).trains == "draft" else spec
-            try:  # one strategy failing (a kernel, memory) must not hide the others' rows
+            try:
                 res = measure(spec_of[name], name, args, Path(tmp))
             except Exception as exc:  # noqa: BLE001
-                failures[name] = (
-                    f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
-                )
+                text = str(exc).strip()
+                failures[name] = f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
                 print(f"[step_cost] {name}: FAILED, {failures[name]}", flush=True)
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
@@ -453,6 +426,23 @@ def main() -> None:
                 res["causal_flops"], res["causal_causal_share"] = causal_flops(spec_of[name], name, args.vocab)
             results[name] = res
             print(f"[step_cost] {name}: {res['ratio']:.2f}x the causal step ({time.time() - t0:.0f} s)", flush=True)
+    return results, spec_of, failures
+
+
+def main() -> None:
+    args = parse_args()
+    peak = settle(args)
+    spec, draft_spec = make_spec(args), make_spec(args, draft=True)
+    print(
+        f"[step_cost] {args.device} threads={torch.get_num_threads()} torch {torch.__version__} dtype={args.dtype} "
+        f"hidden={args.hidden} layers={args.layers} heads={args.heads} seq={args.seq} batch={args.batch} "
+        f"vocab={args.vocab} steps={args.steps} clock={args.clock} fused_head={spec.train.fused_head} "
+        f"compile={spec.train.compile} attn={args.attn}",
+        flush=True,
+    )
+    results, spec_of, failures = measure_all(args.strategies or list(REGISTRY), args, spec, draft_spec)
+    from step_cost_table import print_table  # benchmarks/: the table and each method's expected ratio
+
     print_table(spec_of, results, args, peak)
     if args.json:
         from step_cost_json import write_run  # benchmarks/: the file dllm-flow plan --step-cost reads
@@ -461,41 +451,6 @@ def main() -> None:
     for name, why in failures.items():
         print(f"- {name}: FAILED, {why}")
     sys.exit(1 if failures else 0)
-
-
-def print_table(spec_of: dict, results: dict, args, peak: float | None) -> None:
-    tokens = args.seq * args.batch
-    head = (
-        "| strategy | step ms | causal ms | measured | expected (method) | FLOPs ratio | measured ÷ FLOPs "
-        "| ÷ FLOPs, causal attention at ½ | causal GFLOP/s |"
-    )
-    rule = "|---|---|---|---|---|---|---|---|---|"
-    if peak:
-        head, rule = head + " MFU (6·N·tok/s) | counted-FLOPs util |", rule + "---|---|"
-    print("\n" + head + "\n" + rule)
-    notes = []
-    nan = float("nan")
-    for name, r in results.items():
-        exp, why = expected(spec_of[name], name)
-        notes.append(f"- {name}: expected {exp:.2f}: {why}")
-        flops = r.get("flops", nan) / r.get("causal_flops", nan)
-        halved = flops * (1 - r.get("flops_causal_share", nan) / 2) / (1 - r.get("causal_causal_share", nan) / 2)
-        rate = r.get("causal_flops", nan) / r["causal"] / 1e6  # FLOPs per ms → GFLOP/s
-        line = (
-            f"| {name} | {r['strategy']:.1f} | {r['causal']:.1f} | {r['ratio']:.2f} | {exp:.2f} | {flops:.2f} "
-            f"| {r['ratio'] / flops:.2f} | {r['ratio'] / halved:.2f} | {rate:,.1f} |"
-        )
-        if peak:
-            seconds = r["strategy"] / 1000
-            mfu = 6 * r["params"] * tokens / seconds / (peak * 1e12)
-            util = r.get("flops", float("nan")) / seconds / (peak * 1e12)
-            line += f" {mfu:.1%} | {util:.1%} |"
-        print(line)
-    print("\n" + "\n".join(notes))
-    if args.explain:
-        from step_cost_explain import print_explain
-
-        print_explain(results)
 
 
 if __name__ == "__main__":
