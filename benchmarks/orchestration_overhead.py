@@ -77,6 +77,17 @@ def _wait(url: str, seconds: int = 300) -> None:
     raise RuntimeError(f"{url} did not answer")
 
 
+def _measure(repeats: int, tmp: Path, env: dict, deployed_env: dict) -> dict[str, list[float]]:
+    """Seconds of each path per repeat: plain stage calls, `dllm-flow run` in its process, a deployment run."""
+    rows: dict[str, list[float]] = {"plain": [], "in-process": [], "deployment": []}
+    run = [str(VENV / "bin" / "dllm-flow"), "run", "configs/smoke.yaml", "--workdir"]
+    for r in range(repeats):
+        rows["plain"].append(_timed([sys.executable, "-c", PLAIN, str(tmp / f"plain{r}")], env))
+        rows["in-process"].append(_timed([*run, str(tmp / f"inproc{r}")], env))
+        rows["deployment"].append(_timed([sys.executable, "-c", TRIGGER, str(tmp / f"deployed{r}")], deployed_env))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=1)
@@ -120,24 +131,7 @@ def main() -> None:
             )
         )
         time.sleep(5)
-        rows: dict[str, list[float]] = {"plain": [], "in-process": [], "deployment": []}
-        for r in range(args.repeats):
-            rows["plain"].append(_timed([sys.executable, "-c", PLAIN, str(tmp / f"plain{r}")], env))
-            rows["in-process"].append(
-                _timed(
-                    [
-                        str(VENV / "bin" / "dllm-flow"),
-                        "run",
-                        "configs/smoke.yaml",
-                        "--workdir",
-                        str(tmp / f"inproc{r}"),
-                    ],
-                    env,
-                )
-            )
-            rows["deployment"].append(
-                _timed([sys.executable, "-c", TRIGGER, str(tmp / f"deployed{r}")], {**served, "PREFECT_API_URL": api})
-            )
+        rows = _measure(args.repeats, tmp, env, {**served, "PREFECT_API_URL": api})
     finally:
         for p in reversed(procs):
             if p.poll() is None:

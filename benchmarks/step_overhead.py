@@ -48,6 +48,17 @@ def pipeline_step(run: LoopRun, settings: LoopSettings, step: int, rows) -> None
     train_step(run, settings, ctx, run.train.microbatches(rows, settings.micro_batch_size, "cpu"))
 
 
+def pipeline_run(spec, model, split: Split, mask_id: int) -> tuple[LoopRun, LoopSettings]:
+    """The pipeline's side: an MDLM trainee stepped through the training loop's own step."""
+    strategy = MDLMStrategy()
+    trainee = Trainee(
+        model=model, tokenizer=None, strategy=strategy, loss_fn=strategy.create_loss_fn(), mask_token_id=mask_id
+    )
+    opt, sched = make_optimizer(model, OptimSettings.of(spec.train))
+    run = LoopRun(trainee=trainee, stepper=model, opt=opt, sched=sched, train=split, val=split, device="cpu")
+    return run, LoopSettings.of(spec.train, "benchmark")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
@@ -76,17 +87,7 @@ def main() -> None:
     loss_mask = torch.ones(data.shape)
     attn = torch.ones(data.shape, dtype=torch.long)
 
-    pipe_model = copy.deepcopy(base)
-    strategy = MDLMStrategy()
-    trainee = Trainee(
-        model=pipe_model, tokenizer=None, strategy=strategy, loss_fn=strategy.create_loss_fn(), mask_token_id=mask_id
-    )
-    pipe_opt, pipe_sched = make_optimizer(pipe_model, OptimSettings.of(spec.train))
-    split = Split(data, loss_mask, attn)
-    run = LoopRun(
-        trainee=trainee, stepper=pipe_model, opt=pipe_opt, sched=pipe_sched, train=split, val=split, device="cpu"
-    )
-    settings = LoopSettings.of(spec.train, "benchmark")
+    run, settings = pipeline_run(spec, copy.deepcopy(base), Split(data, loss_mask, attn), mask_id)
     bare_model = copy.deepcopy(base)
     bare_opt, _ = make_optimizer(bare_model, OptimSettings.of(spec.train))
     gen = torch.Generator().manual_seed(1)
