@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from strategies.absorbing import absorbing_sample
+from strategies.base_evaluation import SampleRequest
 from strategies.sampling import SamplerConfig
 from tasks.evaluation.scoring import generative_perplexity, mean_entropy
 
@@ -118,12 +118,10 @@ def main() -> None:
 
         def run(config, own=True):
             gen = torch.Generator().manual_seed(0)
-            kw = dict(
-                mask_token_id=mask, pad_token_id=tokenizer.pad_token_id or 0, config=config, generator=gen, device="cpu"
-            )
+            request = SampleRequest(prompts, mask, tokenizer.pad_token_id or 0, config, gen, "cpu")
             if own:
-                return strategy.sample(model, prompts, **kw)
-            return absorbing_sample(strategy.denoiser(model), prompts, **kw)
+                return strategy.sample(model, request)
+            return strategy.evaluator.absorbing_sample(model, request)
 
         def line(label, res, seconds):
             ids = [res.generated(i).tolist() for i in range(len(prompts))]
@@ -211,14 +209,14 @@ def cache_runs(name, model, strategy, prompts, mask, pad, args) -> dict:
         for mode in modes:
             cfg = dataclasses.replace(base, cache=mode)
             gen = torch.Generator().manual_seed(0)
-            kw = dict(mask_token_id=mask, pad_token_id=pad, config=cfg, generator=gen, device="cpu")
+            request = SampleRequest(prompts, mask, pad, cfg, gen, "cpu")
             counter = ForwardCounter(model)
             t0 = time.perf_counter()
             with torch.no_grad():
                 if name == "scdd":
-                    res = absorbing_sample(strategy.denoiser(model), prompts, **kw)
+                    res = strategy.evaluator.absorbing_sample(model, request)
                 else:
-                    res = strategy.sample(model, prompts, **kw)
+                    res = strategy.sample(model, request)
             times[mode].append(time.perf_counter() - t0)
             counter.handle.remove()
             out[mode] = (res, counter.calls, counter.positions)

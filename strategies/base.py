@@ -6,6 +6,10 @@ corruption of every micro-batch (`pre_step`), the micro-batch forward/backward
 (`forward_backward`) and setup-time validation (`setup_extra`). Hooks receive a `StepContext`
 (what a step needs, nothing more) and return values; nothing is stashed in shared buffers.
 
+What only evaluation runs (samplers, likelihood rows, the samplers' denoiser, extra evaluation metrics) is the
+strategy's evaluator (`strategies/base_evaluation.py`, `strategies/<name>/evaluation.py`), loaded on the first
+call of one of those hooks; this module imports none of it, so training's stage key holds no sampler.
+
 A strategy is built from its typed, frozen options (`Options`, declared in its package's `options.py`) and
 declares what the pipeline's tasks need from it: what it trains (`trains`), how it is evaluated
 (`evaluation`, `likelihoods`), its samplers, whether it uses a [MASK] token, its upstream stages and
@@ -26,11 +30,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dllm_common.config import ConfigError
-from strategies.absorbing import absorbing_sample
-from strategies.decoding_cache import bidirectional_denoiser
-from strategies.losses import DLLMLossOutput, absorbing_nelbo_rows
+from strategies.corruption import mask_at_level
+from strategies.losses import DLLMLossOutput
 from strategies.models import model_logits
 from strategies.registration import ABSORBING, StrategyOptions
+from strategies.registry import evaluator_class
 from strategies.seeding import corruption_sample_seed, seeded_generator
 
 
@@ -305,6 +309,23 @@ class DLLMStrategy:
         `mask_token_id` is `StepContext.mask_token_id`: None only where `uses_mask_token` is False."""
         raise NotImplementedError
 
+    def corrupt_at_level(
+        self,
+        clean_ids: Tensor,
+        loss_mask: Tensor,
+        mask_token_id: int | None,
+        t: Tensor,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """The strategy's own corruption of clean rows `[B, L]` at the given noise level t `[B]` (one per row, in
+        [0, 1]) → (noisy ids, noise mask `[B, L]` bool): only supervised positions (`loss_mask`) are corrupted,
+        each draw from `generator` (the same generator state gives the same rows). What the likelihood
+        estimators, calibration and post-training stages corrupt with, where `apply_corruption` draws its own
+        level. Default: the absorbing [MASK] kernel (`strategies.corruption.mask_at_level`), each supervised
+        position masked with probability t. `mask_token_id`: None only where `uses_mask_token` is False. A
+        strategy whose kernel has no such level raises NotImplementedError saying why."""
+        return mask_at_level(clean_ids, loss_mask, mask_token_id, t, generator)
+
     @staticmethod
     def without_attention_mask(batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """The batch minus `attention_mask` / `use_cache`: what every dLLM `prepare_batch` starts from."""
@@ -364,40 +385,29 @@ class DLLMStrategy:
         diffusion = num_noise if self.normalization_mode == "noise" else num_supervised
         return diffusion, num_supervised
 
-    def eval_metrics(self, model: nn.Module, rows: tuple[Tensor, Tensor, Tensor], batch_size: int) -> dict:
-        """Strategy-specific evaluation metrics over the validation rows (ids, loss_mask, attention_mask);
-        the evaluate stage adds them to the common ones. Default: none."""
-        return {}
-
     def validate_data(self, loss_mask: Tensor, attention_mask: Tensor) -> None:
         """Reject a dataset the strategy cannot train on (before any step runs). Default: anything goes."""
 
-    def sample(
-        self,
-        model: nn.Module,
-        prompts: list[list[int]],
-        *,
-        mask_token_id: int | None,
-        pad_token_id: int,
-        config,
-        generator: torch.Generator | None,
-        device: str,
-        on_block=None,
-    ):
-        """Generate continuations of `prompts` (default: the absorbing sampler over `denoiser`);
-        `on_block(canvas)` is called after each finished block (streaming). `mask_token_id` is the checkpoint's
-        resolved id: None only where `uses_mask_token` is False and none was recorded."""
+    # ------------------------------------------------------------------ evaluation hooks (the evaluator's)
 
-        return absorbing_sample(
-            self.denoiser(model),
-            prompts,
-            mask_token_id=mask_token_id,
-            pad_token_id=pad_token_id,
-            config=config,
-            generator=generator,
-            device=device,
-            on_block=on_block,
-        )
+    @property
+    def evaluator(self):
+        """This strategy's evaluation hooks (`strategies.base_evaluation.DLLMEvaluator`, or the subclass its
+        registration names), imported and built on first use; never touched while training."""
+        built = self.__dict__.get("_evaluator")
+        if built is None:
+            built = self.__dict__["_evaluator"] = evaluator_class(type(self))(self)
+        return built
+
+    def sample(self, model: nn.Module, request):
+        """Generate continuations of `request.prompts` (a `strategies.base_evaluation.SampleRequest`) with the
+        sampler `request.config.sampler` names: "auto" (or the first of `samplers`) runs the strategy's own, the
+        absorbing sampler (`ABSORBING`) runs over the strategy's denoiser where `samplers` offers it. The request's
+        `mask_token_id` is the checkpoint's resolved id: None only where `uses_mask_token` is False."""
+        wanted = request.config.sampler
+        if wanted == ABSORBING and ABSORBING in self.samplers and self.samplers[0] != ABSORBING:
+            return self.evaluator.absorbing_sample(model, request)
+        return self.evaluator.sample(model, request)
 
     def nelbo_rows(
         self,
@@ -407,15 +417,27 @@ class DLLMStrategy:
         mask_token_id: int | None,
         t: Tensor,
         generator: torch.Generator,
+        **options,
     ) -> Tensor:
-        """One-sample NELBO estimate per row at masking level t [B] (read where `likelihoods` has "nelbo").
-        Default: the absorbing kernel's bound over `denoiser` (`strategies.losses.absorbing_nelbo_rows`).
-        `mask_token_id`: as in `sample`, None only where `uses_mask_token` is False."""
-        return absorbing_nelbo_rows(self.denoiser(model), clean_ids, loss_mask, mask_token_id, t, generator)
+        """One-sample NELBO estimate per row at masking level t [B] (read where `likelihoods` has "nelbo"), by
+        the evaluator (default: the absorbing bound over `denoiser`). `mask_token_id`: None only where
+        `uses_mask_token` is False."""
+        return self.evaluator.nelbo_rows(model, clean_ids, loss_mask, mask_token_id, t, generator, **options)
+
+    def ar_nll_rows(
+        self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Exact left-to-right NLL per row, (Σ nll, count), where `likelihoods` has "ar_nll" (the evaluator's)."""
+        return self.evaluator.ar_nll_rows(model, clean_ids, loss_mask, attention_mask)
 
     def denoiser(self, model: nn.Module):
-        """`(x [B,T], attention_mask [B,T]) → logits [B,T,V]` for the samplers (bidirectional by default)."""
-        return bidirectional_denoiser(model)  # `model_logits`; cacheable (docs/decoding.md)
+        """`(x [B,T], attention_mask [B,T]) → logits [B,T,V]` for the samplers (the evaluator's)."""
+        return self.evaluator.denoiser(model)
+
+    def eval_metrics(self, model: nn.Module, rows: tuple[Tensor, Tensor, Tensor], batch_size: int) -> dict:
+        """Strategy-specific evaluation metrics over the validation rows (ids, loss_mask, attention_mask), the
+        evaluator's; the evaluate stage adds them to the common ones."""
+        return self.evaluator.eval_metrics(model, rows, batch_size)
 
     def forward_backward(
         self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int, num_ar_tokens: int, is_train: bool

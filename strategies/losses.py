@@ -153,11 +153,19 @@ def uniform_diffusion_nelbo_terms(
 
 
 def absorbing_nelbo_rows(
-    denoise, clean_ids: Tensor, loss_mask: Tensor, mask_token_id: int, t: Tensor, generator: torch.Generator
+    denoise,
+    clean_ids: Tensor,
+    loss_mask: Tensor,
+    mask_token_id: int,
+    t: Tensor,
+    generator: torch.Generator,
+    corrupt=mask_at_level,
 ) -> Tensor:
     """One-sample NELBO estimate per row of the absorbing [MASK] kernel at masking level t [B]:
-    (1/t)·Σ_{masked ∧ ℓ} −log p_θ(x|z) (docs/evaluation.md §4.1), with `denoise(x, attention_mask) → logits`."""
-    noisy, noise = mask_at_level(clean_ids, loss_mask, mask_token_id, t, generator)
+    (1/t)·Σ_{masked ∧ ℓ} −log p_θ(x|z) (docs/evaluation.md §4.1), with `denoise(x, attention_mask) → logits`.
+    `corrupt(clean_ids, loss_mask, mask_token_id, t, generator) → (noisy, noise mask)` is the kernel at level t:
+    a strategy's own (`DLLMStrategy.corrupt_at_level`), the absorbing `mask_at_level` by default."""
+    noisy, noise = corrupt(clean_ids, loss_mask, mask_token_id, t, generator)
     logits = denoise(noisy, None)
     nll = per_token_nll(logits.float(), clean_ids) * (noise & loss_mask.bool())
     return nll.sum(dim=1) / t

@@ -116,6 +116,12 @@ ABSORBING_SAMPLER = SamplerInfo(
 )
 
 
+# The evaluation hooks a strategy whose registration names none runs (the absorbing sampler and bound over a
+# bidirectional denoiser). Spelled "module:Class", which the stage keys follow only on demand (docs/architecture.md,
+# "Stage keys"): the training stages never hold it, the evaluation stages do.
+BASE_EVALUATOR = "strategies.base_evaluation:DLLMEvaluator"
+
+
 def load_object(ref: str | type) -> type:
     """A class given as itself or as "module:Class" (the module imported now)."""
     if isinstance(ref, type):
@@ -128,15 +134,18 @@ def load_object(ref: str | type) -> type:
 class Registration:
     """One registered strategy: its options, its class, its samplers and its model shapes.
 
-    `implementation`: the class, or where it lives as "module:Class" (imported on first use, so reading
-    options never needs torch). `samplers`: name → `SamplerInfo`, the strategy's own first (what its `sample`
-    runs and `dllm-flow generate --sampler auto` picks); the class's `samplers` must list the same names
-    (`load` checks). `section`: a config section that holds its options too. `samples`: its evaluation draws
-    samples with `eval:`'s sampler settings (a speculative draft's does not: the class's `evaluation`, which
-    `load` checks too). `models`: the model shapes it trains, by the name a checkpoint records
-    (`config.dllm_architecture`), as classes or "module:Class": a wrapper of a causal LM built as
-    `Shape(lm, mask_token_id)`, or a module that recognizes its own checkpoint folder (`describes(path)`) and
-    rebuilds itself from it (`from_config_dir`)."""
+        `implementation`: the class, or where it lives as "module:Class" (imported on first use, so reading
+        options never needs torch). `samplers`: name → `SamplerInfo`, the strategy's own first (what its `sample`
+        runs and `dllm-flow generate --sampler auto` picks); the class's `samplers` must list the same names
+        (`load` checks). `section`: a config section that holds its options too. `samples`: its evaluation draws
+        samples with `eval:`'s sampler settings (a speculative draft's does not: the class's `evaluation`, which
+        `load` checks too). `models`: the model shapes it trains, by the name a checkpoint records
+        (`config.dllm_architecture`), as classes or "module:Class": a wrapper of a causal LM built as
+        `Shape(lm, mask_token_id)`, or a module that recognizes its own checkpoint folder (`describes(path)`) and
+        rebuilds itself from it (`from_config_dir`). `evaluator`: the strategy's evaluation hooks (its samplers,
+    likelihood rows, denoiser and evaluation metrics: a `strategies.base_evaluation.DLLMEvaluator` subclass), as the
+    class or "module:Class", loaded only when a hook is called; None: the base evaluator (`BASE_EVALUATOR`). They
+    live apart from the class so that the training stages' keys never hold them (`modules`)."""
 
     options: type[StrategyOptions]
     implementation: str | type
@@ -144,16 +153,31 @@ class Registration:
     section: str | None = None
     samples: bool = True
     models: Mapping[str, str | type] = field(default_factory=dict)
+    evaluator: str | type | None = None
 
     def __post_init__(self) -> None:
         if not self.samplers:
             raise ValueError("a Registration declares at least one sampler (name → SamplerInfo)")
 
-    def modules(self, models_only: bool = False) -> tuple[str, ...]:
+    def modules(self, models_only: bool = False, evaluation: bool = False) -> tuple[str, ...]:
         """The modules this registration loads on demand — its class's and its model shapes' (`models_only`: the
-        shapes') — which the stages of the strategy key their code by (docs/architecture.md, "Stage keys")."""
+        shapes'), and with `evaluation` its evaluator's — which the stages of the strategy key their code by
+        (docs/architecture.md, "Stage keys"): a training stage by the first, an evaluation stage by all three."""
         refs = (*(() if models_only else (self.implementation,)), *self.models.values())
+        if evaluation:
+            refs = (*refs, self.evaluator_ref)
         return tuple(dict.fromkeys(r.partition(":")[0] if isinstance(r, str) else r.__module__ for r in refs))
+
+    @property
+    def evaluator_ref(self) -> str | type:
+        """The evaluator class or where it lives (`BASE_EVALUATOR` where the registration names none)."""
+        return BASE_EVALUATOR if self.evaluator is None else self.evaluator
+
+    def implements(self, cls: type) -> bool:
+        """Whether `cls` is this registration's class (named by "module:Class" or given as itself), without
+        importing anything."""
+        ref = self.implementation
+        return cls is ref if isinstance(ref, type) else ref == f"{cls.__module__}:{cls.__qualname__}"
 
     def load(self) -> type:
         """The strategy class, checked against this registration (its options, samplers and evaluation)."""

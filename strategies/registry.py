@@ -20,12 +20,14 @@ from strategies.dflash import options as dflash
 from strategies.hybrid import options as hybrid
 from strategies.idlm import options as idlm
 from strategies.mdlm import options as mdlm
-from strategies.registration import Registration, SamplerInfo, load_object
+from strategies.registration import BASE_EVALUATOR, Registration, SamplerInfo, load_object
 from strategies.scdd import options as scdd
 
 __all__ = [
     "REGISTRY",
     "SAMPLERS",
+    "evaluation_api",
+    "evaluator_class",
     "model_shape",
     "model_shapes",
     "on_demand_modules",
@@ -129,13 +131,31 @@ def model_shapes() -> dict[str, type]:
     return {name: load_object(ref) for name, ref in _merged("model shape", _models_of(REGISTRY)).items()}
 
 
-def on_demand_modules(strategy: str) -> tuple[str, ...]:
+def on_demand_modules(strategy: str, evaluation: bool = False) -> tuple[str, ...]:
     """The modules a stage of `strategy` may load through the registry: its class's and its model shapes'
     (`Registration.modules`), and every registered strategy's model shapes, since a checkpoint folder is offered
-    to each shape that recognizes folders (`models.model_from_config_dir`). The stages of one strategy key their
-    code by these (docs/architecture.md, "Stage keys")."""
+    to each shape that recognizes folders (`models.model_from_config_dir`); with `evaluation` (a stage that runs
+    evaluation hooks: samples, likelihood rows) its evaluator's too. The stages of one strategy key their code by
+    these (docs/architecture.md, "Stage keys"), so editing a sampler re-runs evaluation and never training."""
     shapes = (reg.modules(models_only=True) for reg in REGISTRY.values())
-    return tuple(dict.fromkeys([*registration(strategy).modules(), *(m for mods in shapes for m in mods)]))
+    own = registration(strategy).modules(evaluation=evaluation)
+    return tuple(dict.fromkeys([*own, *(m for mods in shapes for m in mods)]))
+
+
+def evaluation_api() -> str:
+    """The module every evaluator derives from (`strategies.base_evaluation`, where `SampleRequest` lives): a
+    stage whose import closure holds it runs evaluation hooks, and is keyed by its strategy's evaluator."""
+    return BASE_EVALUATOR.partition(":")[0]
+
+
+def evaluator_class(cls: type) -> type:
+    """The evaluator of strategy class `cls` (imported now): that of the registration of `cls` or of the nearest
+    registered class it derives from (a test's subclass evaluates as its parent), else the base evaluator."""
+    for klass in cls.__mro__:
+        for reg in REGISTRY.values():
+            if reg.implements(klass):
+                return load_object(reg.evaluator_ref)
+    return load_object(BASE_EVALUATOR)
 
 
 def model_shape(name: str) -> type:

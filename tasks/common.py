@@ -16,7 +16,7 @@ from typing import Any
 
 from prefect import task
 
-from dllm_common.lineage import code_digest, same_project
+from dllm_common.lineage import code_digest, import_closure, same_project
 from dllm_common.store import Store, refuse_read_only
 
 
@@ -40,18 +40,25 @@ class StageRef:
         return cls(name or entry.stage, entry.key, str(entry.path), reused, merged.get(run_id_key), merged)
 
 
-def stage_code_version(entry: str, strategy: str | None = None) -> str:
+def stage_code_version(entry: str, strategy: str | None = None, evaluation: bool | None = None) -> str:
     """The code version in a stage's key: a digest of every first-party module the stage module `entry` imports,
     directly or not (`dllm_common.lineage`), and for a stage of one strategy, of the modules the registry loads
     on demand for it (`strategies.registry.on_demand_modules`) and their imports. Editing any of them rebuilds
     the stage and everything downstream; no list of modules is kept by hand (docs/architecture.md, "Stage
-    keys")."""
+    keys").
+
+    `evaluation`: whether the stage runs the strategy's evaluation hooks (samplers, likelihood rows), so that its
+    evaluator's modules are keyed too; None (the default) decides from the code: a stage whose import closure
+    holds the evaluators' base module (`strategies.registry.evaluation_api`, where `SampleRequest` lives) does.
+    A training stage never does, so editing a sampler re-runs evaluation and never training."""
     if strategy is None:
         return code_digest(entry)
-    from strategies.registry import on_demand_modules
+    from strategies.registry import evaluation_api, on_demand_modules
 
+    if evaluation is None:
+        evaluation = evaluation_api() in import_closure(entry)
     own, other = [], []  # a strategy registered from a package outside the project is keyed by its own closure
-    for module in on_demand_modules(strategy):
+    for module in on_demand_modules(strategy, evaluation=evaluation):
         (own if same_project(entry, module) else other).append(module)
     return "-".join([code_digest(entry, *own), *(code_digest(m) for m in other)])
 

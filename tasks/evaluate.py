@@ -26,6 +26,7 @@ from dllm_common.config import ConfigError, PipelineSpec, canonical_json, contex
 from dllm_common.harness_tasks import LMEVAL_MISSING
 from dllm_common.store import stage_key
 from strategies import assemble_strategy, strategy_class
+from strategies.base_evaluation import SampleRequest
 from strategies.registry import SAMPLERS
 from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
@@ -164,15 +165,8 @@ def draw_samples(
     cfg = sampler_config(spec, strategy, steps, tokenizer.eos_token_id, greedy)
     gen = torch.Generator(device=device).manual_seed(spec.eval.seed)
     t0 = time.perf_counter()
-    result = strategy.sample(
-        model,
-        prompts,
-        mask_token_id=mask_token_id,
-        pad_token_id=tokenizer.pad_token_id or 0,
-        config=cfg,
-        generator=gen,
-        device=device,
-    )
+    request = SampleRequest(prompts, mask_token_id, tokenizer.pad_token_id or 0, cfg, gen, device)
+    result = strategy.sample(model, request)
     seconds = time.perf_counter() - t0
     ids = [trim_at_eos(result.generated(i), tokenizer.eos_token_id) for i in range(len(prompts))]
     per_row = spec.eval.sample_length

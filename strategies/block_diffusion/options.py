@@ -114,4 +114,5 @@ REGISTRATION = Registration(
         BLOCK_DIFFUSION: "strategies.block_diffusion.model:BlockDiffusionLM",
         DIFFUSION_GEMMA: "strategies.block_diffusion.gemma:DiffusionGemmaCanvas",
     },
+    evaluator="strategies.block_diffusion.evaluation:BlockDiffusionEvaluator",
 )

@@ -30,13 +30,11 @@ import torch
 from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, StepContext, global_sum
-from strategies.block_diffusion.loss import MIN_LEVEL, OwnTokenCanvasLoss
+from strategies.block_diffusion.loss import OwnTokenCanvasLoss
 from strategies.block_diffusion.options import ARCHITECTURES, BLOCK_DIFFUSION, SAMPLERS, BlockDiffusionOptions
-from strategies.block_diffusion.sampling import block_canvas_sample
 from strategies.corruption import check_rows, corrupt_uniform_random, replace_at_level
-from strategies.losses import DLLMLossOutput, FlatCrossEntropyLoss, encoder_ar_loss, uniform_diffusion_nelbo_terms
+from strategies.losses import DLLMLossOutput, FlatCrossEntropyLoss, encoder_ar_loss
 from strategies.masks import build_block_diffusion_training_mask
-from strategies.posteriors import own_token_removed
 from strategies.registration import StrategyOptions
 from strategies.seeding import seeded_generator
 
@@ -221,6 +219,16 @@ class BlockDiffusionStrategy(DLLMStrategy):
             p_mask = level[:, None].expand_as(p_mask).to(p_mask.dtype).contiguous()
         return noisy, noise, p_mask
 
+    def corrupt_at_level(self, clean_ids, loss_mask, mask_token_id, t, generator=None):
+        """Uniform replacement at level t [B] (`replace_at_level`): each supervised token replaced by a uniform
+        draw from the vocabulary with probability t; no [MASK] (`mask_token_id` is not read)."""
+        if self.vocab_size is None:
+            raise ValueError(
+                "BlockDiffusionStrategy requires dllm.vocab_size (replacement tokens are drawn "
+                "uniformly from it); set dllm.vocab_size or assemble the strategy for a model"
+            )
+        return replace_at_level(clean_ids, loss_mask, self.vocab_size, t, generator)
+
     @staticmethod
     def split_prompt_response(input_ids: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
         """prefix_b = index of the first supervised token (L if none); response = positions ≥ prefix_b."""
@@ -324,75 +332,3 @@ class BlockDiffusionStrategy(DLLMStrategy):
         if is_train:
             (loss.total_loss * ctx.loss_scale).backward()
         return loss
-
-    def nelbo_rows(
-        self,
-        model: nn.Module,
-        clean_ids: Tensor,
-        loss_mask: Tensor,
-        mask_token_id: int | None,
-        t: Tensor,
-        generator: torch.Generator,
-        attention_mask: Tensor | None = None,
-    ) -> Tensor:
-        """Blockwise bound per row at noise level t [B]: every response block scored given the clean
-        blocks before it (docs/evaluation.md §4.2), each token by the continuous-time uniform-noise term.
-
-        The term's x̂ is the clean-token distribution that has not seen the token's own noisy value: the
-        model's output under "analytic" own-token evidence; under "learned" the model predicts the
-        posterior, whose own-token evidence is divided out first (`own_token_removed`)."""
-        vocab = self.vocab_size or model.config.vocab_size
-        batch, length = clean_ids.shape
-        t = t.clamp(MIN_LEVEL, 1 - MIN_LEVEL)
-        noisy, noise = replace_at_level(clean_ids, loss_mask, vocab, t, generator)
-        ones = torch.ones(batch, length, device=clean_ids.device)
-        window = build_response_window(
-            clean_ids,
-            noisy,
-            noise,
-            loss_mask,
-            ones,
-            attention_mask,
-            self.block_size,
-            None,
-            sliding_window(model),
-        )
-        batch_view = CorruptedBatch(
-            clean_ids,
-            noisy,
-            noise,
-            ones,
-            loss_mask,
-            attention_mask if attention_mask is not None else torch.ones_like(loss_mask),
-        )
-        logits = model(**self.model_inputs(batch_view, window)).logits
-        x_hat = logits
-        if self.own_token_evidence == "learned":
-            x_hat = own_token_removed(logits, window.canvas_ids, (1 - t)[:, None], vocab)
-        terms = uniform_diffusion_nelbo_terms(x_hat, window.target_ids, window.canvas_ids, 1 - t, vocab)
-        return (terms * window.loss_mask).sum(dim=1)
-
-    def sample(
-        self,
-        model: nn.Module,
-        prompts: list[list[int]],
-        *,
-        mask_token_id: int | None,
-        pad_token_id: int,
-        config,
-        generator: torch.Generator | None,
-        device: str,
-        on_block=None,
-    ):
-        return block_canvas_sample(
-            model,
-            prompts,
-            vocab_size=self.vocab_size or model.config.vocab_size,
-            block_size=min(self.block_size, config.block_size),
-            pad_token_id=pad_token_id,
-            config=config,
-            generator=generator,
-            device=device,
-            on_block=on_block,
-            own_token_evidence=self.own_token_evidence,
-        )

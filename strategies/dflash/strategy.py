@@ -212,6 +212,12 @@ class DFlashStrategy(DLLMStrategy):
     ):
         return corrupt_uniform(input_ids, loss_mask, mask_token_id, eps=eps, generator=generator)
 
+    def corrupt_at_level(self, clean_ids, loss_mask, mask_token_id, t, generator=None):
+        raise NotImplementedError(
+            "dflash's corruption has no noise level: a draft is trained on anchor blocks (an anchor token, then "
+            "[MASK]s the target's context must fill, docs/strategies.md §10), not on rows corrupted at a level t"
+        )
+
     def prepare_batch(self, batch, noisy, noise_mask, clean):
         return batch
 

@@ -46,4 +46,5 @@ REGISTRATION = Registration(
     "strategies.hybrid.strategy:HybridStrategy",
     SAMPLERS,
     models={HYBRID: "strategies.hybrid.model:HybridLM"},
+    evaluator="strategies.hybrid.evaluation:HybridEvaluator",
 )

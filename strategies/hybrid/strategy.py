@@ -10,16 +10,13 @@ gives an exact left-to-right NLL (`eval/ar_nll`); the diffusion branch an MDLM b
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, DLLMStrategy, SetupContext, StepContext
 from strategies.corruption import corrupt_blockwise, corrupt_uniform
-from strategies.decoding_cache import bidirectional_denoiser
 from strategies.hybrid.loss import HybridDiffusionLLMLoss
 from strategies.hybrid.options import HYBRID, SAMPLERS, HybridOptions
-from strategies.hybrid.sampling import hybrid_sample
-from strategies.losses import DLLMLossOutput, causal_nll_rows
+from strategies.losses import DLLMLossOutput
 from strategies.registration import StrategyOptions
 
 
@@ -97,37 +94,3 @@ class HybridStrategy(DLLMStrategy):
         if is_train:
             (loss.total_loss * ctx.loss_scale).backward()
         return loss
-
-    def denoiser(self, model: nn.Module):
-        """The diffusion branch on ids that already carry [MASK] (the sampler's contract)."""
-        return bidirectional_denoiser(model, getattr(model, "lm", None), call=lambda x, attn: model(input_ids=x).logits)
-
-    def sample(
-        self,
-        model: nn.Module,
-        prompts: list[list[int]],
-        *,
-        mask_token_id: int,
-        pad_token_id: int,
-        config,
-        generator: torch.Generator | None,
-        device: str,
-        on_block=None,
-    ):
-        """Blocks seeded by the causal branch, completed by the diffusion branch (Nemotron decoding)."""
-        return hybrid_sample(
-            model,
-            prompts,
-            mask_token_id=mask_token_id,
-            pad_token_id=pad_token_id,
-            config=config,
-            generator=generator,
-            device=device,
-            on_block=on_block,
-        )
-
-    def ar_nll_rows(
-        self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Exact left-to-right NLL of the supervised tokens under the causal branch: (Σ nll, count) per row."""
-        return causal_nll_rows(model.causal_logits(clean_ids, attention_mask), clean_ids, loss_mask, attention_mask)

@@ -37,4 +37,9 @@ SAMPLERS = {
     ),
 }
 
-REGISTRATION = Registration(IDLMOptions, "strategies.idlm.strategy:IDLMStrategy", SAMPLERS)
+REGISTRATION = Registration(
+    IDLMOptions,
+    "strategies.idlm.strategy:IDLMStrategy",
+    SAMPLERS,
+    evaluator="strategies.idlm.evaluation:IDLMEvaluator",
+)

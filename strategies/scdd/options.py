@@ -45,4 +45,9 @@ SAMPLERS = {
     ABSORBING: ABSORBING_SAMPLER,
 }
 
-REGISTRATION = Registration(SCDDOptions, "strategies.scdd.strategy:SCDDStrategy", SAMPLERS)
+REGISTRATION = Registration(
+    SCDDOptions,
+    "strategies.scdd.strategy:SCDDStrategy",
+    SAMPLERS,
+    evaluator="strategies.scdd.evaluation:SCDDEvaluator",
+)

@@ -13,11 +13,10 @@ from torch import Tensor, nn
 
 from strategies.base import CorruptedBatch, DLLMStrategy, SetupContext, StepContext
 from strategies.corruption import corrupt_mix
-from strategies.models import add_time_conditioning, model_logits, time_embedding, time_input
+from strategies.models import add_time_conditioning, time_input
 from strategies.registration import StrategyOptions
 from strategies.scdd.loss import SCDDLoss
 from strategies.scdd.options import SAMPLERS, SCDDOptions
-from strategies.scdd.sampling import scdd_ancestral_sample
 from strategies.scdd.schedule import scdd_grid_times, scdd_schedule
 
 
@@ -31,7 +30,8 @@ class SCDDStrategy(DLLMStrategy):
     def __init__(self, options: SCDDOptions | dict | None = None) -> None:
         super().__init__(options)
         self.vocab_size: int | None = self.options.vocab_size
-        # the loss also scores evaluation rows (`nelbo_rows`); an unresolved mask id is 0 until assembled
+        # the loss also scores evaluation rows (the evaluator's `nelbo_rows`); an unresolved mask id is 0 until
+        # assembled
         self.loss_fn: SCDDLoss | None = self.create_loss_fn(self.options) if self.vocab_size is not None else None
 
     def create_loss_fn(self, dllm_cfg: StrategyOptions | dict | None = None) -> nn.Module:
@@ -121,20 +121,13 @@ class SCDDStrategy(DLLMStrategy):
                 ctx, batch, num_diffusion_tokens=num_diffusion_tokens, num_ar_tokens=num_ar_tokens, is_train=is_train
             )
 
-    def nelbo_rows(
-        self,
-        model: nn.Module,
-        clean_ids: Tensor,
-        loss_mask: Tensor,
-        mask_token_id: int,
-        t: Tensor,
-        generator: torch.Generator,
-    ) -> Tensor:
-        """Per-row discrete-time NELBO term at t snapped to the training grid {1/T, …, (T−1)/T}."""
-        steps = self.loss_fn.num_timesteps
-        t = (torch.ceil(t * steps) / steps).clamp(1 / steps, 1 - 1 / steps)
+    def corrupt_at_level(self, clean_ids, loss_mask, mask_token_id, t, generator=None):
+        """The mixed kernel at time t [B] (`corrupt_mix` with the schedule's channel masses at t, no warm-up):
+        what training's kernel does at its grid times; the bound snaps t to the grid first."""
+        if self.loss_fn is None:
+            raise ValueError("SCDDStrategy needs dllm.vocab_size before corruption (set it, or assemble the strategy)")
         mask_prob, uniform_prob = self._channel_probs(t)
-        noisy, _ = corrupt_mix(
+        return corrupt_mix(
             clean_ids,
             loss_mask,
             mask_token_id,
@@ -143,73 +136,7 @@ class SCDDStrategy(DLLMStrategy):
             uniform_prob=uniform_prob,
             generator=generator,
         )
-        logits = model_logits(model, {"input_ids": noisy}, time=t)
-        p = t[:, None].expand_as(clean_ids)
-        bound = self.loss_fn.bound()  # the bound's weights whatever the training weighting
-        return torch.stack(
-            [
-                bound(
-                    logits[i : i + 1].float(),
-                    clean_ids[i : i + 1],
-                    None,
-                    p[i : i + 1],
-                    loss_mask[i : i + 1],
-                    noisy_input_ids=noisy[i : i + 1],
-                    num_diffusion_tokens=1,
-                ).total_loss
-                for i in range(len(clean_ids))
-            ]
-        )
 
     def schedule_at(self, t: Tensor):
         loss = self.loss_fn
         return scdd_schedule(t, max_ratio=loss.max_ratio, gamma_shape=loss.gamma_shape, t_peak=loss.t_peak)
-
-    def sample(
-        self,
-        model: nn.Module,
-        prompts: list[list[int]],
-        *,
-        mask_token_id: int,
-        pad_token_id: int,
-        config,
-        generator: torch.Generator | None,
-        device: str,
-        on_block=None,
-    ):
-        """Ancestral posterior sampling with the training schedule, then the noise-removal pass (§11.5)."""
-        if self.loss_fn is None:
-            raise ValueError("SCDDStrategy needs dllm.vocab_size before sampling (the sampler uses its schedule)")
-        timed = time_embedding(model) is not None
-        denoise = (lambda x, attn, t: model_logits(model, {"input_ids": x}, time=t)) if timed else self.denoiser(model)
-        return scdd_ancestral_sample(
-            denoise,
-            prompts,
-            mask_token_id=mask_token_id,
-            pad_token_id=pad_token_id,
-            vocab_size=self.vocab_size,
-            schedule=self.schedule_at,
-            config=config,
-            generator=generator,
-            device=device,
-            on_block=on_block,
-            time_input=timed,
-            noise_removal=self.options.noise_removal,
-            tempering=self.options.tempering,
-            eps=self.options.eps,
-        )
-
-    def denoiser(self, model: nn.Module):
-        """The bidirectional denoiser (the absorbing sampler's, `--sampler llada`). A time-conditioned backbone
-        reads each row's share of [MASK] among its attended positions as t (absorbed(t) ≈ t for the default
-        schedule), and decodes uncached: the K/V caches run the backbone without the time input."""
-        if time_embedding(model) is None:
-            return super().denoiser(model)
-
-        def denoise(x: Tensor, attn: Tensor | None) -> Tensor:
-            seen = torch.ones_like(x, dtype=torch.bool) if attn is None else attn.bool()
-            masked = ((x == self.options.mask_token_id) & seen).sum(1)
-            t = (masked.float() / seen.sum(1).clamp_min(1).float()).clamp(0, 1)
-            return model_logits(model, {"input_ids": x}, time=t)
-
-        return denoise

@@ -23,11 +23,11 @@ from dllm_common.config import EvalConfig, context_overflow
 from dllm_common.config.dflash import tree_branches_problem
 from dllm_common.tracking import check_tracking_server, default_tracking_uri, quiet_environment
 from strategies import strategy_class
-from strategies.absorbing import absorbing_sample, infill_sample
+from strategies.absorbing import infill_sample
+from strategies.base_evaluation import SampleRequest
 from strategies.dflash.decoding import speculative_generate
 from strategies.dflash.options import SPECULATIVE
 from strategies.dflash.tree import DraftTree
-from strategies.registration import ABSORBING
 from strategies.registry import SAMPLERS
 from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.evaluation.likelihood import encode_prompts
@@ -316,19 +316,11 @@ def _denoise(loaded: Loaded, request: Request, prompt_ids: list[int], gen, devic
             stream(text[len(shown[0]) :])
             shown[0] = text
 
-    kwargs = dict(
-        mask_token_id=mask_id,
-        pad_token_id=tokenizer.pad_token_id or 0,
-        config=dataclasses.replace(request.config, eos_token_id=eos),
-        generator=gen,
-        device=device,
-        on_block=on_block,
-    )
+    # `config.sampler` names the sampler (`check_sampler`): the strategy's own, or the absorbing one over its denoiser
+    config = dataclasses.replace(request.config, eos_token_id=eos, sampler=request.sampler)
+    sample = SampleRequest([prompt_ids], mask_id, tokenizer.pad_token_id or 0, config, gen, device, on_block)
     t0 = time.perf_counter()
-    if request.sampler == ABSORBING:
-        res = absorbing_sample(loaded.strategy.denoiser(loaded.model), [prompt_ids], **kwargs)
-    else:
-        res = loaded.strategy.sample(loaded.model, [prompt_ids], **kwargs)
+    res = loaded.strategy.sample(loaded.model, sample)
     seconds = time.perf_counter() - t0
     ids = trim_at_eos(res.generated(0), eos)
     text = tokenizer.decode(ids)

@@ -31,6 +31,7 @@ from lm_eval.utils import handle_non_serializable
 from dllm_common.config import LMEvalConfig
 from dllm_common.harness_tasks import task_manager
 from strategies import speculative_generate
+from strategies.base_evaluation import SampleRequest
 from strategies.losses import causal_nll_rows
 from strategies.sampling import SamplerConfig, trim_at_eos
 from strategies.seeding import seeded_generator
@@ -226,7 +227,7 @@ class DLLMFlowLM(LM):
 
     def _check_causal_path(self, ids, loss_mask, attn, nll) -> None:
         """On the first batch: the causal path above must give the strategy's own `ar_nll_rows`."""
-        if self._causal_path_checked or not hasattr(self.strategy, "ar_nll_rows"):
+        if self._causal_path_checked or self.strategy.trains == "draft":  # a draft's causal path: the target's own
             return
         ref, _ = self.strategy.ar_nll_rows(self.model, ids, loss_mask, attn)
         if not torch.allclose(ref.float(), nll, rtol=1e-3, atol=1e-3):
@@ -264,15 +265,8 @@ class DLLMFlowLM(LM):
     # ------------------------------------------------------------------ generation
 
     def _sample(self, prompt: list[int], config: SamplerConfig, gen: torch.Generator) -> torch.Tensor:
-        result = self.strategy.sample(
-            self.model,
-            [prompt],
-            mask_token_id=self.mask_id,
-            pad_token_id=self.tokenizer.pad_token_id or 0,
-            config=config,
-            generator=gen,
-            device=str(self.device),
-        )
+        request = SampleRequest([prompt], self.mask_id, self.tokenizer.pad_token_id or 0, config, gen, str(self.device))
+        result = self.strategy.sample(self.model, request)
         return result.generated(0)
 
     @torch.no_grad()

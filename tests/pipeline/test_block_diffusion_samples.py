@@ -60,6 +60,7 @@ def measure(spec, data, ckpt, work) -> dict:
     scored by SmolLM2 (gen_ppl) and by their unigram entropy."""
     from dllm_common.config import ScorerConfig
     from strategies import assemble_strategy
+    from strategies.base_evaluation import SampleRequest
     from strategies.options import resolve_options
     from strategies.sampling import SamplerConfig, trim_at_eos
     from tasks.evaluation.likelihood import encode_prompts
@@ -81,15 +82,7 @@ def measure(spec, data, ckpt, work) -> dict:
         eos_token_id=tokenizer.eos_token_id,
     )
     generator = torch.Generator().manual_seed(0)
-    out = strategy.sample(
-        model,
-        prompts,
-        mask_token_id=0,
-        pad_token_id=tokenizer.pad_token_id or 0,
-        config=config,
-        generator=generator,
-        device="cpu",
-    )
+    out = strategy.sample(model, SampleRequest(prompts, 0, tokenizer.pad_token_id or 0, config, generator, "cpu"))
     samples = [trim_at_eos(out.generated(i), tokenizer.eos_token_id) for i in range(len(prompts))]
     ids, _, _ = load_split(data.path, "val")
     width = sorted(len(p) for p in prompts)[len(prompts) // 2]

@@ -1,8 +1,8 @@
 """The recipe of docs/architecture.md ("How a strategy plugs in"), followed by a test: a small strategy defined
-here (its options, its class, its sampler and its registration) is registered at run time and goes through the
-pipeline's stages — config validation, prepare_data, train, evaluate, report and `dllm-flow generate` — with
-nothing in `flows/`, `tasks/` or `strategies/` edited for it. If a step of the recipe stops being enough, this
-test fails."""
+here (its options, its class, its evaluator with its sampler, and its registration) is registered at run time and
+goes through the pipeline's stages — config validation, prepare_data, train, evaluate, report and `dllm-flow
+generate` — with nothing in `flows/`, `tasks/` or `strategies/` edited for it. If a step of the recipe stops being
+enough, this test fails."""
 
 import json
 
@@ -13,6 +13,7 @@ from stagekit import through_the_stages
 from torch import nn
 
 from strategies import DLLM_STRATEGIES, SAMPLERS, DLLMStrategy, registered
+from strategies.base_evaluation import DLLMEvaluator, SampleRequest
 from strategies.corruption import mask_at_level
 from strategies.losses import DLLMLossOutput, nll_at
 from strategies.options import validate_config
@@ -87,22 +88,18 @@ class FixedRateStrategy(DLLMStrategy):
         noisy, noise = mask_at_level(input_ids, loss_mask, mask_token_id, rate, generator)
         return noisy, noise, torch.full(input_ids.shape, rate, device=input_ids.device)
 
-    def sample(self, model, prompts, *, mask_token_id, pad_token_id, config, generator, device, on_block=None):
-        return one_shot_fill(
-            self.denoiser(model),
-            prompts,
-            mask_token_id=mask_token_id,
-            pad_token_id=pad_token_id,
-            config=config,
-            generator=generator,
-            device=device,
-            on_block=on_block,
-        )
+
+class FixedRateEvaluator(DLLMEvaluator):
+    """Its evaluation hooks: the one-shot sampler over the base evaluator's bidirectional denoiser (kept apart
+    from the class, so that editing the sampler re-runs evaluation and never training)."""
+
+    def sample(self, model, request: SampleRequest):
+        return one_shot_fill(self.denoiser(model), request.prompts, **request.keywords())
 
 
 # ---------------------------------------------------------------- step 4: the registration
 
-REGISTRATION = Registration(FixedRateOptions, FixedRateStrategy, SAMPLERS_OF_FIXED_RATE)
+REGISTRATION = Registration(FixedRateOptions, FixedRateStrategy, SAMPLERS_OF_FIXED_RATE, evaluator=FixedRateEvaluator)
 
 
 def _spec(tiny_spec, **dllm):

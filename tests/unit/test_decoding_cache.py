@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from strategies import BlockDiffusionStrategy, HybridStrategy, IDLMStrategy, MDLMStrategy
 from strategies.absorbing import absorbing_sample
+from strategies.base_evaluation import SampleRequest
 from strategies.block_diffusion.model import BlockDiffusionLM
 from strategies.decoding_cache import (
     BidirectionalDecoder,
@@ -32,15 +33,7 @@ def _lm(family="llama", seed=0):
 
 
 def _sample(strategy, model, config, seed=0):
-    return strategy.sample(
-        model,
-        PROMPTS,
-        mask_token_id=M,
-        pad_token_id=PAD,
-        config=config,
-        generator=torch.Generator().manual_seed(seed),
-        device="cpu",
-    )
+    return strategy.sample(model, SampleRequest(PROMPTS, M, PAD, config, torch.Generator().manual_seed(seed), "cpu"))
 
 
 SETTINGS = [

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from strategies import IDLMLoss, IDLMStrategy, Microbatch, SetupContext, StepContext, get_dllm_strategy
+from strategies.base_evaluation import SampleRequest
 from strategies.losses import per_token_nll
 from strategies.models import build_model, tiny_model_config
 
@@ -115,7 +116,7 @@ def test_alpha_ia_is_the_expected_acceptance_of_decode_proposals_under_the_verif
     ids = torch.randint(0, 31, (2, 8))
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0, 0, 0]])
     attn = torch.tensor([[1] * 8, [1] * 6 + [0] * 2])
-    sums, counts = strategy.introspective_acceptance_rows(model, ids, loss_mask, attn)
+    sums, counts = strategy.evaluator.introspective_acceptance_rows(model, ids, loss_mask, attn)
     assert counts.tolist() == [6, 4]  # supervised ∧ valid, position 0 excluded
     noisy = torch.where(loss_mask.bool(), torch.full_like(ids, 31), ids)
     logits = strategy.joint_logits(model, noisy, ids, attn.bool()).float()
@@ -216,9 +217,7 @@ def test_isd_is_listed_after_the_default_sampler_and_runs_through_sample():
     agree = _Halves(torch.stack([_peaked(NEXT[t]) for t in range(3)]), lambda d, t: _peaked(_chain(NEXT, t, d + 1)))
     strategy = IDLMStrategy({"block_length": 2, "mask_token_id": 3})
     config = SamplerConfig(max_new_tokens=9, temperature=0.0, sampler="isd", cache="none")
-    res = strategy.sample(
-        agree, [[0], [1, 2]], mask_token_id=3, pad_token_id=0, config=config, generator=None, device="cpu"
-    )
+    res = strategy.sample(agree, SampleRequest([[0], [1, 2]], 3, 0, config))
     assert res.generated(0).tolist() == _greedy_causal(agree, [0], 9, 3)
     assert res.generated(1).tolist() == _greedy_causal(agree, [1, 2], 9, 3)
     assert res.nfe == 4  # 1 + 3 + 3 + 2 tokens: the first forward commits one, every later one k + 1 = 3

@@ -14,6 +14,7 @@ from strategies import (
     assemble_strategy,
     get_dllm_strategy,
 )
+from strategies.base_evaluation import SampleRequest
 from strategies.models import build_model, model_logits, time_embedding, tiny_model_config
 from strategies.sampling import SamplerConfig
 from strategies.seeding import seeded_generator as gen
@@ -61,7 +62,7 @@ def test_errors_of_spec_16():
             torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), M, eps=1e-3, block_size=None, half_life_ratio=None
         )
     with pytest.raises(ValueError, match="SCDDStrategy needs dllm.vocab_size before sampling"):
-        SCDDStrategy().sample(None, [[1]], mask_token_id=M, pad_token_id=0, config=None, generator=None, device="cpu")
+        SCDDStrategy().sample(None, SampleRequest([[1]], M, 0, SamplerConfig()))
     model = build_model(tiny_model_config("llama", V, 8, 16, 1, 2, None, None, True), 0)
     with pytest.raises(ValueError, match="requires dllm.mask_token_id"):
         _strategy().setup_extra(SetupContext(model, None, None))
@@ -177,7 +178,7 @@ def test_time_conditioning_reads_t_in_training_in_the_bound_and_in_the_samplers(
 
     seen.clear()
     config = SamplerConfig(steps=3, max_new_tokens=4, temperature=1.0)
-    s.sample(model, [[1, 2]], mask_token_id=M, pad_token_id=0, config=config, generator=gen(1), device="cpu")
+    s.sample(model, SampleRequest([[1, 2]], M, 0, config, gen(1)))
     assert torch.allclose(torch.cat(seen), torch.linspace(1, 1e-3, 4))  # each step's t, then eps in the final pass
     seen.clear()
     x = torch.tensor([[1, M, M, 4], [M, M, M, M]])
@@ -209,18 +210,18 @@ def test_checkpoints_with_and_without_time_conditioning_load(tmp_path):
     t = torch.tensor([0.3, 0.8])
     assert torch.equal(model_logits(model, {"input_ids": ids}, time=t), model_logits(timed, {"input_ids": ids}, time=t))
     config = SamplerConfig(steps=2, max_new_tokens=3)
-    out = s.sample(model, [[1]], mask_token_id=M, pad_token_id=0, config=config, generator=gen(0), device="cpu")
+    out = s.sample(model, SampleRequest([[1]], M, 0, config, gen(0)))
     assert not (out.generated(0) == M).any() and out.revised is not None
 
 
 def test_sampler_options_reach_the_sampler(monkeypatch):
     """`noise_removal` and `tempering` (docs/strategies.md §11.5): the defaults, and the reference's behaviour."""
     seen = {}
-    monkeypatch.setattr("strategies.scdd.strategy.scdd_ancestral_sample", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr("strategies.scdd.evaluation.scdd_ancestral_sample", lambda *a, **kw: seen.update(kw))
     model, config = _tiny_model(), SamplerConfig(steps=2, max_new_tokens=3)
     for options, want in (({}, ("posterior", "draws")), (dict(noise_removal="argmax", tempering="weights"), None)):
         s = _strategy(**options)
-        s.sample(model, [[1]], mask_token_id=M, pad_token_id=0, config=config, generator=None, device="cpu")
+        s.sample(model, SampleRequest([[1]], M, 0, config))
         assert (seen["noise_removal"], seen["tempering"]) == (want or ("argmax", "weights"))
         assert seen["time_input"] is False and seen["eps"] == s.options.eps
 

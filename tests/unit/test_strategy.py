@@ -11,14 +11,23 @@ from strategies import (
     MDLMCrossEntropyLoss,
     MDLMStrategy,
     Microbatch,
+    SCDDStrategy,
     StepContext,
     get_dllm_strategy,
     strategy_class,
 )
+from strategies.base_evaluation import DLLMEvaluator
 from strategies.models import build_model, tiny_model_config
 from strategies.options import MDLMOptions
-from strategies.registration import ABSORBING, ABSORBING_SAMPLER, Registration, SamplerInfo, StrategyOptions
-from strategies.registry import REGISTRY, SAMPLERS, model_shapes, register, registered
+from strategies.registration import (
+    ABSORBING,
+    ABSORBING_SAMPLER,
+    Registration,
+    SamplerInfo,
+    StrategyOptions,
+    load_object,
+)
+from strategies.registry import REGISTRY, SAMPLERS, model_shapes, on_demand_modules, register, registered
 
 
 def test_an_unknown_strategy_is_refused_naming_pipeline_strategies_and_the_registered_ones():
@@ -41,8 +50,12 @@ def test_every_registered_strategy_is_well_formed(mode):
     assert all(SAMPLERS[name] == info for name, info in reg.samplers.items())
     assert cls.evaluation in ("diffusion", "speculative") and reg.samples == (cls.evaluation == "diffusion")
     assert set(cls.likelihoods) <= {"nelbo", "ar_nll"}
+    evaluator = type(s.evaluator)  # the evaluation hooks: the registration's evaluator, else the base one
+    assert issubclass(evaluator, DLLMEvaluator) and s.evaluator.strategy is s
+    assert evaluator is (DLLMEvaluator if reg.evaluator is None else load_object(reg.evaluator))
     if cls.evaluation == "diffusion":  # the evaluate stage estimates each with the strategy's own method
         assert all(callable(getattr(cls, f"{kind}_rows", None)) for kind in cls.likelihoods)
+        assert "ar_nll" not in cls.likelihoods or evaluator.ar_nll_rows is not DLLMEvaluator.ar_nll_rows
     assert cls.model_architecture is None or cls.model_architecture in reg.models
     assert not hasattr(s, "loss_log_key")  # docs/reference-differences.md G12: no unread loss key
     values = {"vocab_size": 64, "mask_token_id": 63, "block_size": 4}
@@ -82,6 +95,29 @@ def test_a_strategy_registered_at_run_time_appears_everywhere_and_leaves_again()
     assert "other" not in REGISTRY and "other" not in DLLM_STRATEGIES and "other" not in SAMPLERS
     with pytest.raises(ValueError, match="unknown strategy 'other'"):
         strategy_class("other")
+
+
+class _OtherEvaluator(DLLMEvaluator):
+    pass
+
+
+def test_a_run_time_registration_without_an_evaluator_falls_back_to_the_base_one():
+    """Its evaluation hooks are the base evaluator's (keyed by evaluation stages only); one given as a class is
+    used as it is, and an unregistered subclass evaluates as the registered class it derives from."""
+    with registered("other", Registration(OtherOptions, _Other, OTHER_SAMPLERS)):
+        assert type(get_dllm_strategy("other").evaluator) is DLLMEvaluator
+        assert "strategies.base_evaluation" in on_demand_modules("other", evaluation=True)
+        assert "strategies.base_evaluation" not in on_demand_modules("other")
+    with registered("other", Registration(OtherOptions, _Other, OTHER_SAMPLERS, evaluator=_OtherEvaluator)):
+        assert type(get_dllm_strategy("other").evaluator) is _OtherEvaluator
+        assert __name__ in on_demand_modules("other", evaluation=True)
+
+    class Unregistered(SCDDStrategy):
+        pass
+
+    from strategies.scdd.evaluation import SCDDEvaluator
+
+    assert type(Unregistered({"vocab_size": 8}).evaluator) is SCDDEvaluator
 
 
 def test_a_registration_that_disagrees_with_its_class_or_another_strategy_is_refused():
@@ -225,11 +261,16 @@ def test_the_mask_id_a_hook_gets_is_typed_none_where_it_can_be(mode):
     token (`uses_mask_token` False): the base hooks and the contexts say `int | None` and when it is None, and
     such a strategy's own overrides do too (block_diffusion's `sample` and `nelbo_rows` said `int`)."""
     from strategies.base import DLLMStrategy, SetupContext
+    from strategies.base_evaluation import SampleRequest
 
-    for carrier in (StepContext, SetupContext, *(getattr(DLLMStrategy, hook) for hook in MASK_ID_HOOKS)):
+    hooks = [getattr(DLLMStrategy, hook) for hook in MASK_ID_HOOKS]
+    hooks += [getattr(DLLMEvaluator, hook) for hook in MASK_ID_HOOKS if hasattr(DLLMEvaluator, hook)]
+    for carrier in (StepContext, SetupContext, SampleRequest, *hooks):
         assert _admits_none(carrier), carrier.__qualname__
         assert "None" in (carrier.__doc__ or ""), f"{carrier.__qualname__} does not say when the mask id is None"
     cls = DLLM_STRATEGIES[mode]
     if not cls.uses_mask_token:
-        for hook in MASK_ID_HOOKS:
-            assert _admits_none(getattr(cls, hook)), f"{cls.__name__}.{hook} types mask_token_id as never None"
+        evaluator = type(cls().evaluator)
+        owners = [cls, *([evaluator] * (evaluator is not DLLMEvaluator))]
+        for owner, hook in ((o, h) for o in owners for h in MASK_ID_HOOKS if hasattr(o, h)):
+            assert _admits_none(getattr(owner, hook)), f"{owner.__name__}.{hook} types mask_token_id as never None"
