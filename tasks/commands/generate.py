@@ -257,7 +257,7 @@ def load_redraft(ref: str, loaded: Loaded, sampler: str, config: SamplerConfig, 
     check_tree_branches(loaded.model, config.tree_branches)  # before the second draft loads
     ckpt = resolve_checkpoint(ref, workdir, tracking_uri, flag="--redraft")
     meta = read_meta(ckpt)
-    if meta.get("strategy") != "dflash":
+    if not trains_a_draft(meta.get("strategy")):
         raise ValueError(f"--redraft {ref}: a {meta.get('strategy')} checkpoint; give a DFlash draft's")
     ours, theirs = loaded.meta["target"], meta.get("target", {})
     if ours.get("weights_digest") != theirs.get("weights_digest"):
@@ -273,6 +273,15 @@ def load_redraft(ref: str, loaded: Loaded, sampler: str, config: SamplerConfig, 
             file=sys.stderr,
         )
     return load_trained_model(ckpt, device, where="--redraft")
+
+
+def trains_a_draft(strategy: str | None) -> bool:
+    """Whether checkpoints of `strategy` are drafts trained against a frozen target (its class's `trains`); an
+    unknown or missing strategy name is not."""
+    try:
+        return strategy_class(strategy).trains == "draft"
+    except (TypeError, ValueError):
+        return False
 
 
 def speculation_tree(request: Request) -> DraftTree | None:
