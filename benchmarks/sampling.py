@@ -78,7 +78,8 @@ def timed(fn, repeats: int):
     return result, statistics.median(times)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line, with the defaults of the chosen comparison filled in."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--compare", choices=["threshold", "cache"], default="threshold")
     ap.add_argument("--workdir", default=None, help="default work/compare (threshold), work/quickstart (cache)")
@@ -95,6 +96,11 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(0)
     if args.compare == "cache":
         compare_caches(args)
