@@ -82,7 +82,7 @@ def check_served_target(spec) -> list[str]:
     from strategies.model_files import resolve_model_path
 
     d, t = spec.dflash, spec.tokenizer
-    if "dflash" not in spec.pipeline.strategies or not d.target_model_id or d.target_gguf_file:
+    if not _trains_a_draft(spec) or not d.target_model_id or d.target_gguf_file:
         return []
     target_ids = local_tokenizer_ids(resolve_model_path(d.target_model_id))
     if target_ids is None:
@@ -106,12 +106,19 @@ def check_served_target(spec) -> list[str]:
     ]
 
 
+def _trains_a_draft(spec) -> bool:
+    """Whether a strategy of the pipeline trains a draft against a frozen target (its class says so)."""
+    from strategies import strategy_class
+
+    return any(strategy_class(s).trains == "draft" for s in spec.pipeline.strategies)
+
+
 def check_sampled_serving(spec) -> list[str]:
     """A DFlash pipeline measured at a sampling temperature (`dflash.eval_temperature`) whose draft trains on rows
     the target continued greedily: a warning line naming what to set (docs/strategies.md §10.13)."""
     from strategies.dflash.served_checks import sampling_problems
 
     d = spec.dflash
-    if "dflash" not in spec.pipeline.strategies or spec.train.steps == 0 or d.regenerate is None:
+    if not _trains_a_draft(spec) or spec.train.steps == 0 or d.regenerate is None:
         return []
     return sampling_problems(d.eval_temperature, d.regenerate.temperature)

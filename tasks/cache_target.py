@@ -29,9 +29,14 @@ STAGE = "cache_target"
 __all__ = ["cache_target", "cache_target_task", "features_dir", "stage_of"]
 
 
+def _reader(spec: PipelineSpec) -> str:
+    """The strategy that reads the cache: the first of the pipeline's that declares the `features` stage."""
+    return next(s for s in spec.pipeline.strategies if "features" in strategy_class(s).upstream_stages(spec))
+
+
 def _top_k(spec: PipelineSpec) -> int:
     """How many of the target's most probable next tokens to store per position (`dflash.distill_top_k`)."""
-    return resolve_options(spec, "dflash").distill_top_k
+    return resolve_options(spec, _reader(spec)).distill_top_k
 
 
 def stage_of(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str, **_) -> tuple[str, str]:
@@ -73,9 +78,10 @@ def cache_target(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: 
     # a top-k past the target's vocabulary, which config validation could not see (a hub or GGUF target, a
     # pretrained tokenizer): one line naming the key, not torch's `selected index k out of range` mid-cache
     source = f"{target.info.get('source') or 'the target trained by this pipeline'}: its config's vocab_size"
-    problem = vocabulary_problem(resolve_options(spec, "dflash"), target.info.get("vocab_size"), source)
+    reader = _reader(spec)
+    problem = vocabulary_problem(resolve_options(spec, reader), target.info.get("vocab_size"), source)
     if problem:
-        raise ConfigError(f"{option_source(spec, 'dflash', problem[0])} {problem[1]}")
+        raise ConfigError(f"{option_source(spec, reader, problem[0])} {problem[1]}")
     stage, key = stage_of(spec, target, data, workdir)
     entry, reused = store_for(workdir).reuse_or_build(stage, key, lambda out: _build(spec, target, data, out))
     ref = StageRef.of(entry, reused)
