@@ -24,7 +24,7 @@ import time
 import torch
 
 from strategies import Microbatch, SetupContext, StepContext
-from strategies.dflash.blocks import _build_target_layer_ids, create_dflash_block_mask, create_dflash_sdpa_mask
+from strategies.dflash.blocks import build_target_layer_ids, create_dflash_block_mask, create_dflash_sdpa_mask
 from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
 from strategies.dflash.features import CachedFeatures, write_feature_cache
 from strategies.dflash.strategy import DFlashStrategy
@@ -41,7 +41,7 @@ def make_pair(vocab: int, seq: int, hidden: int, target_layers: int, draft_layer
         .eval()
         .requires_grad_(False)
     )
-    ids = _build_target_layer_ids(target_layers, draft_layers)
+    ids = build_target_layer_ids(target_layers, draft_layers)
     torch.manual_seed(1)
     draft = DFlashDraftModel(DFlashDraftConfig(hidden, draft_layers, 4, block, ids, vocab - 1))
     return target, draft

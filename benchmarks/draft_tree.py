@@ -27,10 +27,10 @@ import torch
 
 from strategies.dflash.decoding import speculative_generate
 from strategies.dflash.tree import MARGINAL, REDRAFT, DraftTree
-from tasks.evaluation.served import paired_bootstrap, ratio
-from tasks.evaluation.speculative import speculative_prompts
 from tasks.evaluation.trained_model import load_for_generation, load_trained_model
 from tasks.rows import load_split
+from tasks.speculative.acceptance import speculative_prompts
+from tasks.speculative.served import paired_bootstrap, ratio
 
 
 def decode_all(target, draft, prompts, new_tokens, eos, lookup, tree=None) -> tuple[list, list[list[int]], float]:

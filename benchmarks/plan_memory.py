@@ -113,7 +113,7 @@ def dflash_inputs(spec, size: str, work: Path) -> dict:
     cache over the rows the step trains on."""
     import torch
 
-    from strategies.dflash.blocks import _build_target_layer_ids
+    from strategies.dflash.blocks import build_target_layer_ids
     from strategies.dflash.features import write_feature_cache
     from strategies.models import build_model, tiny_model_config
     from tasks.commands.plan import synthetic_rows
@@ -129,7 +129,7 @@ def dflash_inputs(spec, size: str, work: Path) -> dict:
 
         target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
         ids = synthetic_rows(spec, "dflash", rows * micro, vocab, spec.train.seed).input_ids
-        layer_ids = _build_target_layer_ids(TARGET_LAYERS, DRAFT_LAYERS)
+        layer_ids = build_target_layer_ids(TARGET_LAYERS, DRAFT_LAYERS)
         with torch.no_grad():
             write_feature_cache(target, {"train": ids}, layer_ids, cache / "features", dtype="bf16")
     info = {"model_path": str(target_dir), "num_layers": TARGET_LAYERS}

@@ -171,15 +171,15 @@ def dflash_pair(spec, name: str, vocab: int, rows: torch.Tensor, device: str, wo
     `pretrain_target` builds it, its features written once over `rows` as `cache_target` writes them."""
     from strategies.dflash.features import CachedFeatures, write_feature_cache
     from tasks.common import StageRef
-    from tasks.target import _new_target
-    from tasks.training import dflash_setup
+    from tasks.speculative import setup as dflash_setup
+    from tasks.speculative.target import new_target
 
     options = resolve_options(spec, name)
-    target = _new_target(spec, vocab).to(device).eval().requires_grad_(False)
+    target = new_target(spec, vocab).to(device).eval().requires_grad_(False)
     mask_id = _mask_id(options, vocab)
     ref = StageRef("target", "bench", "", info={"num_layers": target.config.num_hidden_layers})
     fields = dflash_setup.new_draft_fields(spec, options)  # the variant's modules and the attention shape
-    draft = dflash_setup._new_draft(spec, target, ref, options.block_size, mask_id, options.copy_hint, fields)
+    draft = dflash_setup.new_draft(spec, target, ref, options.block_size, mask_id, options.copy_hint, fields)
     layers = list(draft.config.target_layer_ids)
     write_feature_cache(
         target, {"train": rows}, layers, work, dtype=spec.dflash.cache_dtype, top_k=options.distill_top_k
@@ -188,7 +188,7 @@ def dflash_pair(spec, name: str, vocab: int, rows: torch.Tensor, device: str, wo
     if spec.train.compile:  # as draft_trainee does
         compile_layers(draft)
     trainee = Trainee.assembled(draft.to(device), None, built, spec.train.precision)
-    return trainee, causal_trainee(spec, _new_target(spec, vocab))
+    return trainee, causal_trainee(spec, new_target(spec, vocab))
 
 
 # ------------------------------------------------------------------ FLOPs: the planner's count
@@ -232,9 +232,9 @@ def causal_flops(spec, name: str, vocab: int) -> tuple[float, float]:
     tracer = _Tracer()
     with tracer, torch.random.fork_rng(devices=[]):
         if strategy_class(name).trains == "draft":
-            from tasks.target import _new_target
+            from tasks.speculative.target import new_target
 
-            model = _new_target(spec, vocab)
+            model = new_target(spec, vocab)
         else:
             model = backbone(spec, name, vocab, causal=True)
         fused = bool(spec.train.fused_head and make_head_deferrable(model, spec.train.head_chunk_rows))

@@ -87,8 +87,8 @@ def cmd_generate(args) -> int:
         resolve_checkpoint,
         settings_line,
     )
+    from tasks.devices import resolve_device
     from tasks.evaluation.trained_model import load_for_generation
-    from tasks.training.runtime import resolve_device
 
     def check_registry(ref: str) -> None:  # a models:/ or runs:/ reference reads the workdir's registry
         if ref.startswith(("models:/", "runs:/")) and args.tracking_uri is None:

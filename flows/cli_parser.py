@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dllm_common.config.dflash import MAX_TREE_BRANCHES
 
 DEFAULT_WORKDIR = "work"
-EXPORT_FORMATS = ("zlab", "speculators", "dllm-flow")  # tasks/commands/export_draft.py FORMATS (torch-free here)
+EXPORT_FORMATS = ("zlab", "speculators", "dllm-flow")  # tasks/speculative/export.py FORMATS (torch-free here)
 GPU_MEMORY_ENV = "DLLM_FLOW_GPU_MEMORY"  # the training GPU's memory, e.g. 80GB (docs/planning.md)
 VERIFY_HELP = "re-hash every reused stage's files (default: sizes only); a damaged stage is set aside and rebuilt"
 

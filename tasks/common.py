@@ -16,8 +16,10 @@ from typing import Any
 
 from prefect import task
 
+from dllm_common.config import PipelineSpec
 from dllm_common.lineage import code_digest, import_closure, same_project
 from dllm_common.store import Store, refuse_read_only
+from dllm_common.tracking import Tracking
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ def stage_code_version(entry: str, strategy: str | None = None, evaluation: bool
     for module in on_demand_modules(strategy, evaluation=evaluation):
         (own if same_project(entry, module) else other).append(module)
     return "-".join([code_digest(entry, *own), *(code_digest(m) for m in other)])
+
+
+def tracking_for(spec: PipelineSpec, workdir: str | Path) -> Tracking:
+    """The pipeline's MLflow tracking (the workdir's sqlite store unless `tracking.uri` is set)."""
+    return Tracking(Path(workdir), spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
 
 
 def store_for(workdir: str | Path) -> Store:

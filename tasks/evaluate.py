@@ -1,7 +1,7 @@
 """Stage `evaluate[strategy]`: likelihood metrics on validation rows, sample quality and sampling
 cost at several step budgets, and a reproducibility card (docs/evaluation.md; metric names shared by
 every strategy). The likelihood estimators are in `tasks.evaluation.likelihood`; a strategy evaluated by
-acceptance instead (`evaluation == "speculative"`, DFlash) goes through `tasks.evaluation.speculative`. With
+acceptance instead (`evaluation == "speculative"`, DFlash) goes through `tasks.speculative.acceptance`. With
 `eval.lm_eval` set, lm-evaluation-harness tasks run on the trained model too (`tasks.evaluation.lm_eval_model`).
 """
 
@@ -29,8 +29,9 @@ from strategies import assemble_strategy, strategy_class
 from strategies.base_evaluation import SampleRequest
 from strategies.registry import SAMPLERS
 from strategies.sampling import SamplerConfig, trim_at_eos
-from tasks.common import StageRef, prefect_task, stage_code_version, store_for
+from tasks.common import StageRef, prefect_task, stage_code_version, store_for, tracking_for
 from tasks.data.tokenizer import load_tokenizer
+from tasks.devices import resolve_device
 from tasks.evaluation.context import sampling_context
 from tasks.evaluation.data_row import data_row_metrics
 from tasks.evaluation.likelihood import (
@@ -44,11 +45,10 @@ from tasks.evaluation.likelihood import (
     supervised_bytes,
 )
 from tasks.evaluation.scoring import gen_ppl_with_interval, load_scorer, mean_entropy, prompt_nll
-from tasks.evaluation.speculative import dflash_evaluation
 from tasks.evaluation.trained_model import checkpoint_tokenizer, load_trained_model
 from tasks.rows import document_ids, load_split, open_doc_starts
+from tasks.speculative.acceptance import dflash_evaluation
 from tasks.train import model_dir
-from tasks.training.runtime import resolve_device, tracking_for
 
 __all__ = ["encode_prompts", "evaluate", "evaluate_task", "stage_of"]
 

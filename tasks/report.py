@@ -31,7 +31,7 @@ from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.common import fmt_number as _fmt
 from tasks.evaluate import RESULT_FIELDS, eval_artifact_path
 from tasks.evaluation.data_row import data_row_table
-from tasks.evaluation.dflash_table import dflash_table
+from tasks.speculative.table import dflash_table
 from tasks.stages import Roles, Stage, declarations, report_columns
 
 STAGE = "report"

@@ -140,9 +140,9 @@ class Stage:
 # key holds another's code). A new stage adds one line here, or registers itself at run time (`register`).
 STAGES: dict[str, str] = {
     "prepare_data": "tasks.prepare_data:DECLARATION",
-    "target": "tasks.target:DECLARATION",
-    "regenerate": "tasks.regenerate:DECLARATION",
-    "cache_target": "tasks.cache_target:DECLARATION",
+    "target": "tasks.speculative.target:DECLARATION",
+    "regenerate": "tasks.speculative.regenerate:DECLARATION",
+    "cache_target": "tasks.speculative.cache_target:DECLARATION",
     "train": "tasks.train:DECLARATION",
     "evaluate": "tasks.evaluate:DECLARATION",
     "report": "tasks.report:DECLARATION",

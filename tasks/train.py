@@ -26,12 +26,13 @@ from dllm_common.store import stage_key
 from strategies import strategy_class
 from strategies.models import lora_state_dict, merge_lora
 from strategies.options import resolve_options, validate_config
-from tasks.common import StageRef, prefect_task, stage_code_version, store_for
+from tasks.common import StageRef, prefect_task, stage_code_version, store_for, tracking_for
+from tasks.devices import stage_device
 from tasks.stages import Roles, Stage
 from tasks.training import distributed
 from tasks.training.loop import LoopRun, LoopSettings, train_loop
 from tasks.training.resume import Checkpointer, layout
-from tasks.training.runtime import OptimSettings, Split, make_optimizer, stage_device, tracking_for
+from tasks.training.runtime import OptimSettings, Split, make_optimizer
 from tasks.training.trainee import build_trainee
 
 STAGE = "train"

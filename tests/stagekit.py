@@ -150,7 +150,7 @@ def tiny_draft_config(**changes):
     reading 2 of the target's 5 layers, [MASK] = 63; `changes` replace fields."""
     from dataclasses import replace
 
-    from strategies.dflash.blocks import _build_target_layer_ids
+    from strategies.dflash.blocks import build_target_layer_ids
     from strategies.dflash.draft import DFlashDraftConfig
 
     base = DFlashDraftConfig(
@@ -159,7 +159,7 @@ def tiny_draft_config(**changes):
         num_attention_heads=4,
         num_key_value_heads=2,
         block_size=4,
-        target_layer_ids=_build_target_layer_ids(5, 2),
+        target_layer_ids=build_target_layer_ids(5, 2),
         mask_token_id=63,
         num_target_layers=5,
         vocab_size=64,

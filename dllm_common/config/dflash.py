@@ -101,7 +101,7 @@ class DFlashConfig(ConfigSection):
     target_trust_remote_code: bool = False
     pretrain: PretrainTargetConfig = PretrainTargetConfig()
     regenerate: RegenerateConfig | None = None  # None → train on the prepared rows as they are
-    target_layer_ids: tuple[int, ...] | None = None  # None → _build_target_layer_ids(target, draft layers)
+    target_layer_ids: tuple[int, ...] | None = None  # None → build_target_layer_ids(target, draft layers)
     # cached: the cache_target stage; online: a target forward per step
     target_features: Literal["cached", "online"] = "cached"
     cache_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"

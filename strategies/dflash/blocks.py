@@ -24,11 +24,11 @@ from strategies.dflash.options import layer_count_problem
 from strategies.drawing import LOOKUP_MAX_NGRAM
 
 
-def _build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Target layers whose hidden states feed the draft: the middle one for a 1-layer draft, else
     evenly spaced from 1 to T − 3, `round(1 + i·(T − 4)/(D − 1))`."""
     check_args(
-        "_build_target_layer_ids",
+        "build_target_layer_ids",
         integers={"num_target_layers": (num_target_layers, 1), "num_draft_layers": (num_draft_layers, 1)},
     )
     problem = layer_count_problem(num_target_layers, num_draft_layers)

@@ -6,6 +6,7 @@ the anchors and mask in `strategies.dflash.blocks`, the losses in `strategies.df
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -207,12 +208,15 @@ class DFlashDraftModel(nn.Module):
         return cls(DFlashDraftConfig.from_dir(path))
 
     @classmethod
-    def load(cls, path: str | Path, device="cpu", where: str | None = None) -> DFlashDraftModel:
+    def load(
+        cls, path: str | Path, device="cpu", where: str | None = None, config: DFlashDraftConfig | None = None
+    ) -> DFlashDraftModel:
         """A draft folder in either layout (a dllm-flow checkpoint's digests verified first, then every tensor's
         header against the draft: `check_weights_fit`, naming `where`, the flag or key that named the folder), its
-        weights in the draft's dtype (fp32); the weight names must be exactly the draft's."""
+        weights in the draft's dtype (fp32); the weight names must be exactly the draft's. `config`: the folder's
+        config.json as already read (a copy is taken), so it is not read again."""
         path = Path(path)
-        model = cls.from_config_dir(path)
+        model = cls(copy.deepcopy(config)) if config is not None else cls.from_config_dir(path)
         if (path / DIGESTS).is_file():
             verify_checkpoint(path)
         check_weights_fit(model, [path / name for name in weight_files(path)], where)

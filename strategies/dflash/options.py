@@ -292,7 +292,7 @@ def variable_prefix_block_problem(block_size: int) -> str:
 
 def layer_count_problem(num_target_layers: int, num_draft_layers: int) -> str | None:
     """What is wrong with a draft of `num_draft_layers` reading a target of `num_target_layers` by the default
-    layer choice (`strategies.dflash.blocks._build_target_layer_ids`: distinct layers among 1 … T − 3), or None."""
+    layer choice (`strategies.dflash.blocks.build_target_layer_ids`: distinct layers among 1 … T − 3), or None."""
     if num_draft_layers == 1 or (num_target_layers >= 4 and num_draft_layers <= num_target_layers - 3):
         return None
     return (

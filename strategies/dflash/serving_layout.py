@@ -1,7 +1,7 @@
 """The files a serving engine reads of a DFlash draft (docs/strategies.md §10.10): config.json in the z-lab or the
 speculators layout and model.safetensors under the engines' names. `dllm-flow export` writes them with the
-tokenizer and the dllm-flow record beside them (`tasks.commands.export_draft`); the evaluation writes them alone,
-to load the draft in z-lab's own classes (`tasks.evaluation.served`)."""
+tokenizer and the dllm-flow record beside them (`tasks.speculative.export`); the evaluation writes them alone,
+to load the draft in z-lab's own classes (`tasks.speculative.served`)."""
 
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ class DFlashStrategy(DLLMStrategy):
         if self.target.training or any(p.requires_grad for p in self.target.parameters()):
             raise ValueError(
                 "the DFlash target must be frozen (eval mode, requires_grad False): load it with "
-                "tasks.training.dflash_setup.load_target, or call .eval().requires_grad_(False) on it"
+                "tasks.speculative.setup.load_target, or call .eval().requires_grad_(False) on it"
             )
         variant = getattr(setup.model.config, "variant", DFLASH)
         if variant != self.options.draft_variant:
@@ -203,7 +203,7 @@ class DFlashStrategy(DLLMStrategy):
 
     def check_mask_token(self, mask_token_id: int, model: nn.Module) -> None:
         """The draft has no embedding of its own: its [MASK] row is the target's, checked against the target
-        when it is loaded (`tasks/training/dflash_setup.py`)."""
+        when it is loaded (`tasks/speculative/setup.py`)."""
 
     # ------------------------------------------------------------------ interface-only hooks (docs/strategies.md §8.5)
 

@@ -64,12 +64,12 @@ from strategies.dflash.config import LEGACY_CONFIG, is_draft_dir, read_draft_con
 from strategies.models import merge_lora, model_from_config_dir, tokenizer_token_ids
 from strategies.registry import model_shape
 from strategies.sampling import SamplerConfig
-from tasks.commands.export_draft import DLLM_FLOW, draft_format, write_draft_export
 from tasks.commands.generate import default_temperature, default_top_p, resolve_checkpoint
 from tasks.commands.model_card import CARD, DLLM_SUBDIR, Layout, model_card
 from tasks.commands.provenance import Evaluation, Provenance, find_provenance
 from tasks.data.tokenizer import load_tokenizer
 from tasks.evaluation.trained_model import check_vocabulary, checkpoint_options
+from tasks.speculative.export import DLLM_FLOW, draft_format, write_draft_export
 
 CONFIG = "config.json"
 META = "dllm.json"
@@ -89,7 +89,7 @@ def export_checkpoint(
     fmt: str | None = None,
 ) -> Path:
     """Write CHECKPOINT as a Hugging Face folder at `out` (see the module doc); returns `out`. `fmt`: a DFlash
-    draft's layout (`tasks.commands.export_draft.FORMATS`; None: the z-lab one)."""
+    draft's layout (`tasks.speculative.export.FORMATS`; None: the z-lab one)."""
     out = Path(out)
     refuse_published(out, workdir)
     _refuse_existing(out)
@@ -325,7 +325,7 @@ def write_export(
     dest: Path, source: Source, found: Provenance, name: str, max_shard_size: int | str, fmt: str | None = None
 ) -> str:
     """Fill `dest`; returns the layout written ("shared", "separate", or a draft's:
-    `tasks.commands.export_draft.FORMATS`)."""
+    `tasks.speculative.export.FORMATS`)."""
     backbone, extra = backbone_tensors(source)
     settings = generation_settings(source, found.evaluation)
     generation = transformers_generation(source, settings)

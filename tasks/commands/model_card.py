@@ -17,10 +17,10 @@ from dllm_common.config import flatten
 from strategies import strategy_class
 from strategies.dflash.served_checks import served_notes
 from strategies.model_files import resolve_model_path
-from tasks.commands.export_draft import draft_files_lines, draft_rows
 from tasks.commands.provenance import Checkpoint, Provenance
 from tasks.commands.snippets import program as sampling_program
 from tasks.evaluation.trained_model import checkpoint_options
+from tasks.speculative.export import draft_files_lines, draft_rows
 
 CARD = "README.md"
 DLLM_SUBDIR = "model"  # where `resolve_checkpoint` finds a checkpoint inside a folder
@@ -49,7 +49,7 @@ class CardSource(Checkpoint, Protocol):
 class Layout:
     """What the export wrote at the top level of the folder."""
 
-    name: str  # "shared", "separate", or a DFlash draft's layout (tasks/commands/export_draft.py)
+    name: str  # "shared", "separate", or a DFlash draft's layout (tasks/speculative/export.py)
     config: dict  # its config.json
     weight_files: tuple[str, ...]
     extra: tuple[str, ...]  # the strategy wrapper's own tensors, left out of the backbone

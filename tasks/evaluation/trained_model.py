@@ -12,7 +12,7 @@ from dllm_common.checkpoint import CorruptCheckpointError, load_weights_into, re
 from strategies import assemble_strategy, strategy_class
 from strategies.models import apply_adapter, backbone_lm, model_from_config_dir
 from tasks.data.tokenizer import load_tokenizer
-from tasks.training.dflash_setup import draft_strategy, load_target
+from tasks.speculative.setup import draft_strategy, load_target
 
 
 def load_trained_model(ckpt: Path, device: str, where: str | None = None):

@@ -6,36 +6,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from dllm_common.config import PipelineSpec
-from dllm_common.tracking import Tracking
 from strategies import Microbatch
 from strategies.head import deferred_logits
 from strategies.models import backbone_lm
 from tasks.rows import document_ids, open_doc_starts, open_split
-
-
-def resolve_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device is 'cuda' but no CUDA device is visible; use train.device: auto or cpu")
-    return name
-
-
-def stage_device(spec: PipelineSpec) -> str:
-    """What every stage that runs a model starts with: `train.threads` applied, `train.device` resolved."""
-    if spec.train.threads:
-        torch.set_num_threads(spec.train.threads)
-    return resolve_device(spec.train.device)
-
-
-def tracking_for(spec: PipelineSpec, workdir: str | Path) -> Tracking:
-    """The pipeline's MLflow tracking (the workdir's sqlite store unless `tracking.uri` is set)."""
-    return Tracking(Path(workdir), spec.tracking.uri, spec.tracking.experiment or spec.pipeline.name)
 
 
 def compile_layers(model) -> int:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from dllm_common import interrupt
 from dllm_common.store import atomic_write_text
+from tasks.devices import resolve_device
 from tasks.train import TrainJob, run_training
 from tasks.training import distributed
 from tasks.training.distributed import CHILD_ERROR
-from tasks.training.runtime import resolve_device
 
 
 def main(args_path: str) -> None:

@@ -2,7 +2,8 @@
 
 A strategy that trains the backbone (`trains == "denoiser"`) gets a tiny model built from `model:`
 or a pretrained checkpoint, optional LoRA adapters and activation checkpointing, wrapped in the
-strategy's model shape. A strategy that trains a draft (DFlash) is assembled in `tasks.training.dflash_setup`.
+strategy's model shape. A strategy that trains a draft (DFlash) gets its draft and frozen target from the
+speculative wing's builders (`tasks.speculative.setup`), assembled here (`draft_trainee`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from dllm_common.config import PipelineSpec
 from strategies import assemble_strategy, strategy_class
 from strategies.assembly import candidate_mask_token_id
+from strategies.dflash.features import CachedFeatures
 from strategies.head import make_head_deferrable
 from strategies.models import (
     NATIVE,
@@ -22,13 +24,24 @@ from strategies.models import (
     set_token_ids,
     tiny_model_config,
     tiny_shape,
+    tokenizer_token_ids,
     wrap_for_architecture,
 )
 from strategies.options import resolve_options
 from strategies.registry import model_shape
 from tasks.common import StageRef
 from tasks.data.tokenizer import load_tokenizer, refuse_mask_alias
-from tasks.training import dflash_setup
+from tasks.speculative.setup import (
+    DraftSetup,
+    check_mask_row,
+    check_served_before_training,
+    draft_strategy,
+    features_dir,
+    import_draft,
+    load_spec_target,
+    new_draft,
+    new_draft_fields,
+)
 from tasks.training.runtime import Trainee, compile_layers
 
 
@@ -99,5 +112,47 @@ def build_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, in
     """The model, tokenizer and assembled strategy `train[name]` trains (`inputs`: its upstream stages)."""
     check_capabilities(spec, name)
     if strategy_class(name).trains == "draft":
-        return dflash_setup.draft_trainee(spec, name, data, device, inputs or {})
+        return draft_trainee(spec, name, data, device, inputs or {})
     return denoiser_trainee(spec, name, data, device)
+
+
+def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, inputs: dict) -> Trainee:
+    """What `train[name]` trains: the draft, against the target stage's model and (cached) features."""
+    if "target" not in inputs:
+        raise ValueError(
+            f"train[{name}] needs its target stage: run it through the pipeline "
+            f"(pretrain_target / target → cache_target → train[{name}])"
+        )
+    setup = DraftSetup.of(spec)  # the options and an imported draft's config, resolved and read once
+    options = setup.options if setup.strategy == name else resolve_options(spec, name)
+    if options.attention_backend == "flex_attention" and not str(device).startswith("cuda"):
+        raise ValueError(
+            "dflash.attention_backend 'flex_attention' trains on CUDA only (flex attention has no CPU "
+            "backward in torch 2.13); use 'sdpa' here"
+        )
+    tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
+    target = load_spec_target(spec, inputs["target"].info["model_path"], device)
+    if spec.model.kind == "pretrained":  # continued, or (train.steps: 0) published as it is to be evaluated
+        draft = import_draft(spec, options, target, setup if setup.strategy == name else None)
+        mask_id = draft.config.mask_token_id
+    else:
+        mask_id = candidate_mask_token_id(options, tokenizer)
+        check_mask_row(mask_id, target)
+        fields = new_draft_fields(spec, options)
+        draft = new_draft(spec, target, inputs["target"], options.block_size, mask_id, options.copy_hint, fields)
+    refuse_mask_alias(spec, tokenizer, {f"the mask token id train[{name}] resolves": mask_id})
+    check_served_before_training(
+        spec.tokenizer.allow_mask_alias,
+        spec.chat_rows,
+        tokenizer,
+        target,
+        inputs["target"].info["model_path"],
+        mask_id,
+    )
+    for key, value in tokenizer_token_ids(tokenizer).items():  # the tokenizer's, whatever the target's config says
+        setattr(draft.config, key, value)
+    cache = CachedFeatures(features_dir(inputs["features"])) if "features" in inputs else None
+    built = draft_strategy(name, options, draft, target, mask_token_id=mask_id, cache=cache)
+    if spec.train.compile:
+        compile_layers(draft)
+    return Trainee.assembled(draft.to(device), tokenizer, built, spec.train.precision)

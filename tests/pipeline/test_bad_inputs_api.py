@@ -11,7 +11,7 @@ import torch
 
 from dllm_common.config import ConfigError
 from strategies import corruption as C
-from strategies.dflash.blocks import _build_target_layer_ids
+from strategies.dflash.blocks import build_target_layer_ids
 from strategies.options import validate_config
 from strategies.sampling import SamplerConfig
 from strategies.scdd.schedule import scdd_grid_times
@@ -140,16 +140,16 @@ def test_levels_of_every_accepted_shape_still_work():
             "corrupt_mix: vocab_size must be an integer >= 3, got 2",
         ),
         (
-            lambda: _build_target_layer_ids(2.5, 1),
-            "_build_target_layer_ids: num_target_layers must be an integer >= 1, got 2.5",
+            lambda: build_target_layer_ids(2.5, 1),
+            "build_target_layer_ids: num_target_layers must be an integer >= 1, got 2.5",
         ),
         (
-            lambda: _build_target_layer_ids(12, 0),
-            "_build_target_layer_ids: num_draft_layers must be an integer >= 1, got 0",
+            lambda: build_target_layer_ids(12, 0),
+            "build_target_layer_ids: num_draft_layers must be an integer >= 1, got 0",
         ),
         (
-            lambda: _build_target_layer_ids(12, 2.0),
-            "_build_target_layer_ids: num_draft_layers must be an integer >= 1, got 2.0",
+            lambda: build_target_layer_ids(12, 2.0),
+            "build_target_layer_ids: num_draft_layers must be an integer >= 1, got 2.0",
         ),
     ],
 )
@@ -161,7 +161,7 @@ def test_good_sizes_still_work():
     assert C.corrupt_blockwise(IDS, LM, 11, block_size=3, half_life_ratio=0.5)[0].shape == IDS.shape
     assert C.corrupt_uniform_random(IDS, LM, 1, block_size=8)[0].max() <= 9
     assert scdd_grid_times(3, 2, 0.0).tolist() == [0.5, 0.5, 0.5]
-    assert _build_target_layer_ids(12, 1) == [6]
+    assert build_target_layer_ids(12, 1) == [6]
 
 
 # ---------------------------------------------------------------- 4. generate: context and checkpoint path

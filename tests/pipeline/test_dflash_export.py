@@ -30,11 +30,11 @@ from strategies.dflash.draft import DFlashDraftModel, draft_block_hidden, target
 from strategies.dflash.serving_layout import write_serving_layout
 from strategies.options import validate_config
 from tasks.commands.export import export_checkpoint
-from tasks.commands.export_draft import FORMATS
 from tasks.evaluate import evaluate
-from tasks.target import target as target_stage
+from tasks.speculative.export import FORMATS
+from tasks.speculative.setup import check_draft_fits_target, draft_source, load_target
+from tasks.speculative.target import target as target_stage
 from tasks.train import model_dir, train
-from tasks.training.dflash_setup import check_draft_fits_target, draft_source, load_target
 
 BLOCK = 4
 # what says where a folder came from (lineage: stage keys, run ids, the evaluation its sampler settings came from)
@@ -361,7 +361,7 @@ def test_an_imported_draft_must_fit_its_target(exported, tmp_path):
         with pytest.raises(ValueError, match=message):
             train(_imported(spec, folders["zlab"], **dflash), "dflash", data, workdir, inputs={"target": tgt})
     with pytest.raises(ValueError, match=r"dflash.target_layer_ids \[0, 2\] differ from the layers the draft"):
-        from tasks.training.dflash_setup import layer_ids_for
+        from tasks.speculative.setup import layer_ids_for
 
         layer_ids_for(_imported(spec, folders["zlab"], target_layer_ids=[0, 2]), tgt)
     old = tmp_path / "old-draft"

@@ -13,11 +13,11 @@ from stagekit import dflash_spec, through_the_stages
 
 from dllm_common.config import ConfigError
 from strategies.options import validate_config
-from tasks.cache_target import cache_target
-from tasks.cache_target import stage_of as cache_stage_of
 from tasks.data.tokenizer import load_tokenizer
 from tasks.evaluate import evaluate
-from tasks.target import target
+from tasks.speculative.cache_target import cache_target
+from tasks.speculative.cache_target import stage_of as cache_stage_of
+from tasks.speculative.target import target
 from tasks.train import model_dir, train
 
 
@@ -42,7 +42,7 @@ def test_pretrained_target_learns_and_is_a_frozen_causal_lm(dflash_run):
     assert tgt.stage == "pretrain_target" and tgt.info["num_layers"] == 4 and tgt.info["hidden_size"] == 32
     val = _history(workdir, tgt.mlflow_run_id, "val/loss")
     assert len(val) == 3 and val[-1] < val[0] - 0.5
-    from tasks.training.dflash_setup import load_target
+    from tasks.speculative.setup import load_target
 
     model = load_target(tgt.info["model_path"])
     assert not model.training and not any(p.requires_grad for p in model.parameters())
@@ -54,7 +54,7 @@ def test_cache_holds_the_selected_layers_of_every_row_and_is_reused(dflash_run, 
 
     from strategies.dflash.draft import target_features
     from tasks.rows import load_split
-    from tasks.training.dflash_setup import load_target
+    from tasks.speculative.setup import load_target
 
     info = feats.info
     assert info["layer_ids"] == [2]  # one draft layer reads the middle of a 4-layer target
@@ -180,8 +180,8 @@ def test_cached_and_online_features_train_the_same_draft(prepared, tiny_spec, tm
 def _build_cache(args):
     spec_json, data, workdir, tgt = args
     from strategies.options import validate_config as _v
-    from tasks.cache_target import cache_target as _c
     from tasks.common import StageRef
+    from tasks.speculative.cache_target import cache_target as _c
 
     ref = _c(_v(spec_json), StageRef(**tgt), StageRef(**data), workdir)
     return ref.reused
@@ -342,7 +342,7 @@ def test_dflash_pipeline_runs_and_a_second_draft_reuses_target_and_cache(tmp_pat
 def test_a_local_target_is_keyed_by_the_digest_of_its_weights(prepared, tiny_spec, tmp_path):
     from strategies.models import build_model, tiny_model_config
     from tasks.prepare_data import load_tokenizer
-    from tasks.target import stage_of as target_stage_of
+    from tasks.speculative.target import stage_of as target_stage_of
 
     data, _ = prepared
     vocab = len(load_tokenizer(f"{data.path}/tokenizer"))
@@ -362,9 +362,9 @@ def test_regenerated_rows_are_the_targets_own_text_and_reproduce(dflash_run, tmp
     """dflash.regenerate: prompts kept, continuations sampled by the target (greedy at T=0, seeded at
     T>0), only the continuation supervised, validation untouched; the draft trains on it."""
     from strategies.dflash.decoding import greedy_generate
-    from tasks.regenerate import regenerate
     from tasks.rows import load_split
-    from tasks.training.dflash_setup import load_target
+    from tasks.speculative.regenerate import regenerate
+    from tasks.speculative.setup import load_target
 
     spec, data, workdir, tgt, _, _ = dflash_run
     greedy = _dflash_spec_from(spec, regenerate={"prompt_len": 8, "temperature": 0.0, "max_rows": 16})
@@ -398,9 +398,9 @@ def test_chat_regeneration_renders_each_prompt_as_a_user_turn_and_supervises_the
     follows the end of turn is padding; the draft's checkpoint records that it trained on chat rows."""
     from strategies.dflash.decoding import greedy_generate
     from strategies.dflash.served_checks import chat_prompt
-    from tasks.regenerate import _sample_chat, regenerate
     from tasks.rows import load_split
-    from tasks.training.dflash_setup import load_target
+    from tasks.speculative.regenerate import _sample_chat, regenerate
+    from tasks.speculative.setup import load_target
 
     spec, data, workdir, tgt, _, _ = dflash_run
     chat = _dflash_spec_from(spec, regenerate={"prompt_len": 6, "temperature": 0.0, "max_rows": 8, "chat": True})

@@ -134,8 +134,8 @@ def test_dflash_draft_under_two_gloo_processes_matches_one_process(prepared, tin
     """DDP over the DFlash draft (target frozen on every rank, cached features read per global row)."""
     from stagekit import dflash_spec
 
-    from tasks.cache_target import cache_target
-    from tasks.target import target
+    from tasks.speculative.cache_target import cache_target
+    from tasks.speculative.target import target
 
     data, _ = prepared
     base = dflash_spec(tiny_spec)

@@ -120,19 +120,19 @@ def test_exact_causal_path_equals_the_models_own_logits(loaded):
 def test_a_dflash_draft_scores_and_generates_with_its_frozen_target(prepared):
     """A DFlash draft has no likelihood of its own: its target's exact NLL, and speculative decoding,
     which is the target's greedy text (an untrained draft only changes how many target forwards it takes)."""
-    from strategies.dflash.blocks import _build_target_layer_ids
+    from strategies.dflash.blocks import build_target_layer_ids
     from strategies.dflash.decoding import greedy_generate
     from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
     from strategies.models import build_model, tiny_model_config
     from strategies.sampling import trim_at_eos
     from tasks.evaluation.lm_eval_model import Checkpoint
     from tasks.prepare_data import load_tokenizer
-    from tasks.training.dflash_setup import draft_strategy
+    from tasks.speculative.setup import draft_strategy
 
     tok = load_tokenizer(str(Path(prepared[0].path) / "tokenizer"))
     target = build_model(tiny_model_config("llama", len(tok), 32, 32, 2, 2, None, None, False), seed=0)
     target = target.eval().requires_grad_(False)
-    layers = _build_target_layer_ids(2, 1)
+    layers = build_target_layer_ids(2, 1)
     cfg = DFlashDraftConfig(32, 1, 2, 4, layers, tok.mask_token_id)
     torch.manual_seed(0)
     draft = DFlashDraftModel(cfg).eval()

@@ -20,8 +20,8 @@ from strategies import Microbatch, SetupContext, StepContext, assemble_strategy
 from strategies.base import global_sum
 from strategies.dflash.blocks import (
     LOOKUP_MAX_NGRAM,
-    _build_target_layer_ids,
     build_dflash_mask_mod,
+    build_target_layer_ids,
     copy_hints,
     create_dflash_block_mask,
     create_dflash_sdpa_mask,
@@ -47,15 +47,15 @@ MASK = 63
 
 
 def test_target_layer_ids_examples_and_errors():
-    assert _build_target_layer_ids(12, 1) == [6]
-    assert _build_target_layer_ids(12, 3) == [1, 5, 9]
-    assert _build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
-    assert _build_target_layer_ids(5, 2) == [1, 2]
+    assert build_target_layer_ids(12, 1) == [6]
+    assert build_target_layer_ids(12, 3) == [1, 5, 9]
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(5, 2) == [1, 2]
     # every draft layer reads a distinct target layer among 1 … T − 3 (4 target layers for 8 draft layers used to
     # give [1] * 8)
     for target, draft, need in ((3, 2, 5), (4, 2, 5), (4, 8, 11)):
         with pytest.raises(ValueError, match=f"needs a target with at least {need} layers"):
-            _build_target_layer_ids(target, draft)
+            build_target_layer_ids(target, draft)
 
 
 def reference_visible(anchors, keep, s, bs, causal, docs=None):
@@ -433,7 +433,7 @@ def test_teacher_forced_acceptance_keeps_blocks_inside_documents(pair):
     """Evaluation's τ_sim on packed validation rows scores each block inside its document, as training does:
     with a boundary every 3 tokens, a block whose first target lies in the next document is not scored."""
     from dllm_common.config import EvalConfig
-    from tasks.evaluation.speculative import teacher_forced_acceptance
+    from tasks.speculative.acceptance import teacher_forced_acceptance
 
     target, draft = pair
     built = _strategy(target, draft)
@@ -1056,7 +1056,7 @@ def test_a_draft_trained_on_the_targets_top_k_loads_from_its_checkpoints_options
     """`dllm-flow generate` rebuilds a draft's strategy from the options its checkpoint records (a dict): a draft
     trained with `distill_top_k` gets online features holding that many of the target's tokens, as evaluation's
     typed options do (it used to get none and was refused: 'the target-feature source holds the target's top 0')."""
-    from tasks.training.dflash_setup import draft_strategy
+    from tasks.speculative.setup import draft_strategy
 
     target, draft = pair
     options = {"block_size": 4, "distill_top_k": 8}

@@ -33,7 +33,7 @@ from strategies.dflash.draft import (
 from strategies.dflash.features import OnlineFeatures
 from strategies.dflash.serving_layout import write_serving_layout
 from strategies.options import DFlashOptions
-from tasks.commands.export_draft import draft_format
+from tasks.speculative.export import draft_format
 
 MASK, V, BS = 63, 64, 4
 SHAPES = {"conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
@@ -492,7 +492,7 @@ def test_an_imported_draft_refuses_shape_options_that_differ_from_its_own(target
     """Shape options set explicitly for a pretrained DFlash 2 / Domino draft must be the draft's: one error that
     names the option and the draft's value; left unset, the draft's own shapes are used."""
     from strategies.options import validate_config
-    from tasks.training.dflash_setup import import_draft
+    from tasks.speculative.setup import import_draft
 
     torch.manual_seed(1)
     drafts = {"dflash2": _dflash2(), "domino": DFlashDraftModel(_cfg(variant="domino", gru_hidden_dim=6, emb_dim=5))}

@@ -204,7 +204,7 @@ def test_the_strategy_refuses_a_top_k_past_the_targets_vocabulary_before_any_ste
 
     from strategies.dflash.draft import DFlashDraftModel
     from strategies.dflash.options import DFlashOptions
-    from tasks.training.dflash_setup import draft_strategy
+    from tasks.speculative.setup import draft_strategy
     from tests.stagekit import tiny_dflash_target
 
     torch.manual_seed(0)
@@ -268,8 +268,8 @@ def test_generate_refuses_more_branches_than_the_drafts_block_has_positions(tmp_
 def test_the_feature_cache_refuses_a_top_k_past_the_recorded_targets_vocabulary(tmp_path):
     """A hub or GGUF target's vocabulary is known once its stage recorded it: cache_target refuses the top-k there,
     before building anything, where torch's `selected index k out of range` came mid-cache."""
-    from tasks.cache_target import cache_target
     from tasks.common import StageRef
+    from tasks.speculative.cache_target import cache_target
 
     spec = load_config(CONFIG, ["dflash.distill_top_k=100"])  # fits the embedded 2048 tokens: loads
     target = StageRef("target", "t" * 16, str(tmp_path), info={"vocab_size": 64, "source": "org/tiny-target"})

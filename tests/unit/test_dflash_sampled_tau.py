@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from strategies.dflash.blocks import _build_target_layer_ids
+from strategies.dflash.blocks import build_target_layer_ids
 from strategies.dflash.decoding import speculative_generate
 from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
 from strategies.dflash.strategy import DFlashStrategy
 from strategies.models import build_model, tiny_model_config
 from strategies.options import load_config
 from strategies.seeding import seeded_generator
-from tasks.evaluation.speculative import sampled_acceptance
+from tasks.speculative.acceptance import sampled_acceptance
 
 ROOT = Path(__file__).resolve().parents[2]
 V, BS, NEW = 40, 4, 12
@@ -29,7 +29,7 @@ def pair():
         num_hidden_layers=1,
         num_attention_heads=4,
         block_size=BS,
-        target_layer_ids=_build_target_layer_ids(4, 1),
+        target_layer_ids=build_target_layer_ids(4, 1),
         mask_token_id=V - 1,
         num_target_layers=4,
         vocab_size=V,

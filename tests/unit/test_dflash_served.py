@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dllm_common.config import TokenizerConfig
-from strategies.dflash.blocks import _build_target_layer_ids
+from strategies.dflash.blocks import build_target_layer_ids
 from strategies.dflash.decoding import speculative_generate
 from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
 from strategies.dflash.served_checks import (
@@ -25,8 +25,8 @@ from strategies.dflash.served_checks import (
 )
 from strategies.models import build_model, set_token_ids, tiny_model_config
 from tasks.data.tokenizer import CHAT_TEMPLATE, train_tokenizer
-from tasks.evaluation.served import full_cycles, paired_bootstrap, ratio, render_prompts, served_acceptance
-from tasks.training.dflash_setup import check_served_before_training, import_draft
+from tasks.speculative.served import full_cycles, paired_bootstrap, ratio, render_prompts, served_acceptance
+from tasks.speculative.setup import check_served_before_training, import_draft
 
 pytest.importorskip("dflash.model", reason="z-lab's dflash package (make install: NODEPS) is not installed")
 
@@ -60,7 +60,7 @@ def _draft(tok, mask_id=None) -> DFlashDraftModel:
         num_hidden_layers=1,
         num_attention_heads=4,
         block_size=4,
-        target_layer_ids=_build_target_layer_ids(4, 1),
+        target_layer_ids=build_target_layer_ids(4, 1),
         mask_token_id=tok.mask_token_id if mask_id is None else mask_id,
         num_target_layers=4,
         vocab_size=len(tok),
@@ -227,7 +227,7 @@ def test_the_causes_are_refused_or_warned_about_before_training(tok, target, tmp
 
 def test_the_report_and_the_card_say_served_tau_and_the_causes_of_a_gap():
     from tasks.commands.model_card import _evaluation_section
-    from tasks.evaluation.dflash_table import dflash_table
+    from tasks.speculative.table import dflash_table
 
     m = {"dflash/tau": 3.1, "dflash/tau_sim": 2.9, "dflash/tau_served": 2.0, "dflash/tau_served_ours": 2.9}
     m |= {"dflash/tau_full_cycles": 3.0, "dflash/tau_served_prompts": 16, "dflash/tau_served_gap": -1.0}

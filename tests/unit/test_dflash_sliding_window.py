@@ -33,8 +33,8 @@ from strategies.dflash.window import draft_masks, trim_context
 from strategies.dflash.window_config import attention_shape_fields
 from strategies.models import build_model, tiny_model_config
 from strategies.options import DFlashOptions, validate_config
-from tasks.commands.export_draft import draft_rows
-from tasks.training.dflash_setup import draft_strategy, import_draft
+from tasks.speculative.export import draft_rows
+from tasks.speculative.setup import draft_strategy, import_draft
 
 MASK, V, BS, W = 63, 64, 4, 6
 SLIDE, FULL = "sliding_attention", "full_attention"
@@ -420,19 +420,19 @@ def test_draft_attention_options_that_disagree_are_refused_at_load(tiny_spec):
 
 
 def test_a_new_draft_takes_its_window_and_attention_shape_from_the_dflash_options(tiny_spec, target):
-    """Through the train stage's construction (`_new_draft` with `new_draft_fields`): the options, not `model:`."""
+    """Through the train stage's construction (`new_draft` with `new_draft_fields`): the options, not `model:`."""
     from strategies.options import resolve_options
     from tasks.common import StageRef
-    from tasks.training.dflash_setup import _new_draft, new_draft_fields
+    from tasks.speculative.setup import new_draft, new_draft_fields
 
     attention = {"draft_num_attention_heads": 6, "draft_num_key_value_heads": 3, "draft_head_dim": 8}
     spec = _spec(tiny_spec, {"num_layers": 2}, draft_sliding_window=8, target_layer_ids=[1, 2], **attention)
     options = resolve_options(spec, "dflash")
     ref = StageRef("target", "k", "", info={"num_layers": 5})
-    cfg = _new_draft(spec, target, ref, BS, MASK, False, new_draft_fields(spec, options)).config
+    cfg = new_draft(spec, target, ref, BS, MASK, False, new_draft_fields(spec, options)).config
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (6, 3, 8)
     assert (cfg.layer_types, cfg.sliding_window) == ([SLIDE, SLIDE], 8)
-    plain = _new_draft(spec, target, ref, BS, MASK).config  # without the options: `model:` and full attention
+    plain = new_draft(spec, target, ref, BS, MASK).config  # without the options: `model:` and full attention
     assert (plain.num_attention_heads, plain.head_dim, plain.layer_types) == (4, 8, [FULL, FULL])
 
 

@@ -14,7 +14,7 @@ from strategies.dflash.draft import DFlashDraftModel
 from strategies.dflash.strategy import DFlashStrategy
 from strategies.dflash.tree import DraftTree, marginal_branches, rejection_positions, select_branch
 from strategies.options import load_config
-from tasks.evaluation.speculative import speculative_benchmark, tree_acceptance
+from tasks.speculative.acceptance import speculative_benchmark, tree_acceptance
 from tests.stagekit import tiny_dflash_target, tiny_draft_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -67,7 +67,7 @@ def _denoiser_step(name: str):
 
 def _draft_step(name: str):
     """DFlash: a tiny draft against a tiny frozen target, online features, plain (unfused) and fused losses."""
-    from strategies.dflash.blocks import _build_target_layer_ids
+    from strategies.dflash.blocks import build_target_layer_ids
     from strategies.dflash.draft import DFlashDraftConfig, DFlashDraftModel
     from strategies.dflash.features import OnlineFeatures
 
@@ -79,7 +79,7 @@ def _draft_step(name: str):
         num_attention_heads=4,
         num_key_value_heads=4,
         block_size=4,
-        target_layer_ids=_build_target_layer_ids(3, 1),
+        target_layer_ids=build_target_layer_ids(3, 1),
         mask_token_id=MASK,
         num_target_layers=3,
         vocab_size=V,

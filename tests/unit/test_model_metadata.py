@@ -85,7 +85,7 @@ def test_an_exported_model_names_its_tokenizers_ids(published, strategy, tmp_pat
 
 
 def test_the_dflash_target_a_draft_and_its_exports_name_the_tokenizers_ids(prepared, tiny_spec, tmp_path):
-    from tasks.target import target as target_stage
+    from tasks.speculative.target import target as target_stage
 
     data, _ = prepared
     raw = dflash_spec(tiny_spec, target_layer_ids=[1, 2], target_features="online").model_dump(mode="json")

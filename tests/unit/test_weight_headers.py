@@ -168,7 +168,7 @@ def test_a_draft_checkpoint_given_as_redraft_is_refused(draft, tmp_path):
 def test_an_imported_draft_folder_is_refused_naming_model_path(draft, tiny_spec, tmp_path):
     from strategies.dflash.options import DFlashOptions
     from strategies.options import validate_config
-    from tasks.training.dflash_setup import import_draft
+    from tasks.speculative.setup import import_draft
     from tests.stagekit import tiny_dflash_target
 
     draft.save(tmp_path / "zlab")  # the z-lab layout: no digests
@@ -259,7 +259,7 @@ def test_a_diffusion_gemma_model_path_is_refused(tmp_path):
 
 
 def test_a_dflash_target_is_refused_naming_its_key(hf_folder, tmp_path, tiny_spec):
-    from tasks.training.dflash_setup import load_spec_target, load_target
+    from tasks.speculative.setup import load_spec_target, load_target
     from tests.stagekit import dflash_spec
 
     assert load_target(hf_folder).state_dict()[HEAD].equal(_llama().state_dict()[HEAD])

@@ -33,8 +33,8 @@ from strategies.registry import model_shape
 from tasks.commands.plan.trace import _Tracer
 from tasks.common import StageRef
 from tasks.data.tokenizer import load_tokenizer
-from tasks.target import _new_target
-from tasks.training import dflash_setup
+from tasks.speculative import setup as dflash_setup
+from tasks.speculative.target import new_target
 from tasks.training.runtime import Trainee
 from tasks.training.trainee import model_architecture, tiny_config
 
@@ -214,7 +214,7 @@ class _Builder:
         spec, d = self.spec, self.spec.dflash
         with _default_dtype(getattr(torch, d.target_torch_dtype)):  # built in its dtype (a fake module cannot `.to`)
             if d.target_model_id is None:
-                target = _new_target(spec, self.vocab)
+                target = new_target(spec, self.vocab)
             else:
                 config = pretrained_config(
                     d.target_model_id, "dflash.target_model_id", d.target_trust_remote_code, d.target_gguf_file
@@ -231,7 +231,7 @@ class _Builder:
         else:
             size = options.block_size or 2
             fields = dflash_setup.new_draft_fields(spec, options)  # DFlash 2's shapes, the attention's (§10.12)
-            draft = dflash_setup._new_draft(spec, target, ref, size, mask_id, options.copy_hint, fields)
+            draft = dflash_setup.new_draft(spec, target, ref, size, mask_id, options.copy_hint, fields)
         cached = d.target_features == "cached"
         cache = _FakeFeatures(draft.config, options.distill_top_k, d.cache_dtype) if cached else None
         built = dflash_setup.draft_strategy(self.name, options, draft, target, mask_token_id=mask_id, cache=cache)

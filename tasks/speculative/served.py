@@ -42,7 +42,9 @@ from strategies.dflash.served_checks import (
 from strategies.dflash.serving_layout import write_serving_layout
 from strategies.models import tokenizer_token_ids
 
-PRETRAIN_STAGE = "pretrain_target"  # tasks.target.PRETRAIN: a target pretrained here (on plain text unless chat)
+PRETRAIN_STAGE = (
+    "pretrain_target"  # tasks.speculative.target.PRETRAIN: a target pretrained here (on plain text unless chat)
+)
 RESAMPLES = 2000
 
 

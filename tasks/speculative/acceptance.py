@@ -26,8 +26,8 @@ from strategies.dflash.tree import DraftTree
 from strategies.seeding import seeded_generator
 from tasks.evaluation.likelihood import CausalLM, EvalResult, Evaluation, ar_nll_metrics, encode_prompts, exact_ar_nll
 from tasks.evaluation.scoring import generative_perplexity, mean_entropy
-from tasks.evaluation.served import paired_bootstrap, ratio, served_acceptance
-from tasks.training.dflash_setup import draft_strategy, load_spec_target
+from tasks.speculative.served import paired_bootstrap, ratio, served_acceptance
+from tasks.speculative.setup import draft_strategy, load_spec_target
 
 
 def teacher_forced_acceptance(

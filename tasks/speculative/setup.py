@@ -13,21 +13,30 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import constants, snapshot_download
 from transformers import AutoModelForCausalLM
 
 from dllm_common.checkpoint import DIGESTS, load_weights_into
-from dllm_common.config import PipelineSpec
-from strategies import assemble_strategy
-from strategies.assembly import AssembledStrategy, candidate_mask_token_id
-from strategies.dflash.blocks import _build_target_layer_ids
-from strategies.dflash.config import CONFIG, ZLAB, DFlashDraftConfig, read_draft_config
+from dllm_common.config import PipelineSpec, config_sha256
+from strategies import assemble_strategy, strategy_class
+from strategies.assembly import AssembledStrategy
+from strategies.dflash.blocks import build_target_layer_ids
+from strategies.dflash.config import (
+    CONFIG,
+    ZLAB,
+    DFlashDraftConfig,
+    DraftConfig,
+    parse_draft_config,
+    read_draft_config,
+)
 from strategies.dflash.dflash2_config import variant_fields
 from strategies.dflash.draft import DFlashDraftModel
-from strategies.dflash.features import CachedFeatures, OnlineFeatures
+from strategies.dflash.features import OnlineFeatures
 from strategies.dflash.served_checks import (
     engine_field_problems,
     mask_served_problem,
@@ -38,11 +47,9 @@ from strategies.dflash.served_checks import (
 )
 from strategies.dflash.window_config import attention_shape_fields
 from strategies.model_files import resolve_model_path
-from strategies.models import check_pretrained_weights, model_from_config_dir, tokenizer_token_ids
+from strategies.models import check_pretrained_weights, model_from_config_dir
 from strategies.options import resolve_options
 from tasks.common import StageRef
-from tasks.data.tokenizer import load_tokenizer, refuse_mask_alias
-from tasks.training.runtime import Trainee, compile_layers
 
 
 def load_target(
@@ -77,18 +84,68 @@ def load_spec_target(spec: PipelineSpec, model_path: str | Path, device: str):
     return load_target(model_path, d.target_torch_dtype, device, d.target_trust_remote_code, where)
 
 
-def layer_ids_for(spec: PipelineSpec, target: StageRef) -> list[int]:
-    """`dflash.target_layer_ids`, an imported draft's own, or `_build_target_layer_ids(target, draft)`."""
+@dataclass(frozen=True)
+class DraftSetup:
+    """What the speculative stages know of the draft before any weight is loaded, built once per config
+    (`DraftSetup.of`) and handed to `cache_target`, `train` and the planner: the strategy that trains it and its
+    resolved options, and for an imported draft (`model.kind: pretrained`) its folder and its config.json, read
+    once (the raw mapping and the parsed config)."""
+
+    strategy: str
+    options: Any
+    folder: Path | None = None
+    raw_config: dict | None = None
+    imported: DraftConfig | None = None
+
+    @classmethod
+    def of(cls, spec: PipelineSpec) -> DraftSetup:
+        """The setup of `spec`'s draft (the first strategy that trains one), computed once per config."""
+        digest = config_sha256(spec)
+        if digest not in _SETUPS:
+            while len(_SETUPS) >= 8:  # a long-lived process (a notebook, the test suite) keeps a few
+                _SETUPS.pop(next(iter(_SETUPS)))
+            _SETUPS[digest] = cls._build(spec)
+        return _SETUPS[digest]
+
+    @classmethod
+    def _build(cls, spec: PipelineSpec) -> DraftSetup:
+        names = [s for s in spec.pipeline.strategies if strategy_class(s).trains == "draft"]
+        if not names:
+            raise ValueError(
+                f"pipeline.strategies {list(spec.pipeline.strategies)} has no strategy that trains a draft"
+            )
+        options = resolve_options(spec, names[0])
+        if spec.model.kind != "pretrained":
+            return cls(names[0], options)
+        return cls.reading(names[0], options, draft_source(spec.model.path))
+
+    @classmethod
+    def reading(cls, strategy: str, options, folder: Path) -> DraftSetup:
+        """The setup of an imported draft in `folder`: its config.json read here, once."""
+        raw = json.loads((folder / CONFIG).read_text()) if (folder / CONFIG).is_file() else None
+        read = parse_draft_config(raw, str(folder)) if raw is not None else read_draft_config(folder)  # (its error)
+        return cls(strategy, options, folder, raw, read)
+
+    def layer_ids(self, spec: PipelineSpec, target: StageRef) -> list[int]:
+        """`dflash.target_layer_ids`, an imported draft's own, or `build_target_layer_ids(target, draft)`."""
+        return layer_ids_for(spec, target, self)
+
+
+_SETUPS: dict[str, DraftSetup] = {}
+
+
+def layer_ids_for(spec: PipelineSpec, target: StageRef, setup: DraftSetup | None = None) -> list[int]:
+    """`dflash.target_layer_ids`, an imported draft's own, or `build_target_layer_ids(target, draft)`."""
     given = list(spec.dflash.target_layer_ids) if spec.dflash.target_layer_ids else None
     if spec.model.kind == "pretrained":
-        ids = list(read_draft_config(draft_source(spec.model.path)).config.target_layer_ids)
+        ids = list((setup or DraftSetup.of(spec)).imported.config.target_layer_ids)
         if given is not None and given != ids:
             raise ValueError(
                 f"dflash.target_layer_ids {given} differ from the layers the draft at model.path reads ({ids}): "
                 "unset dflash.target_layer_ids (an imported draft reads its own layers)"
             )
     else:  # a draft built from `model:`
-        ids = given or _build_target_layer_ids(int(target.info["num_layers"]), spec.model.num_layers)
+        ids = given or build_target_layer_ids(int(target.info["num_layers"]), spec.model.num_layers)
     bad = [i for i in ids if not 0 <= i < int(target.info["num_layers"])]
     if bad:
         raise ValueError(f"dflash.target_layer_ids {bad} are outside the target's {target.info['num_layers']} layers")
@@ -112,7 +169,7 @@ def draft_strategy(
     )
 
 
-def _check_mask_row(mask_id: int | None, target) -> None:
+def check_mask_row(mask_id: int | None, target) -> None:
     rows = target.get_input_embeddings().num_embeddings
     if mask_id is None or mask_id >= rows:
         raise ValueError(
@@ -158,7 +215,7 @@ def target_facts(target) -> dict:
     }
 
 
-def _new_draft(
+def new_draft(
     spec: PipelineSpec,
     target,
     target_ref: StageRef,
@@ -247,19 +304,20 @@ def check_draft_fits_target(cfg: DFlashDraftConfig, target, where: str, verifier
         )
 
 
-def import_draft(spec: PipelineSpec, options, target) -> DFlashDraftModel:
+def import_draft(spec: PipelineSpec, options, target, setup: DraftSetup | None = None) -> DFlashDraftModel:
     """The draft at `model.path` (`model.kind: pretrained`: a dllm-flow checkpoint, or a z-lab / SpecForge or
     speculators folder, local or a hub id), checked against the target and the options, tied to the target
-    (a speculators config does not record its layer count)."""
+    (a speculators config does not record its layer count). `setup`: the stage's `DraftSetup`, whose config.json
+    read is used (none: the folder's is read here)."""
     where = f"model.path ({spec.model.path})"
-    folder = draft_source(spec.model.path)
-    read = read_draft_config(folder)
+    setup = setup or DraftSetup.reading("", options, draft_source(spec.model.path))
+    folder, read = setup.folder, setup.imported
     if read.layout == ZLAB:  # a field engines read otherwise than dllm-flow does: refused before training on
         ours = {"block_size": read.config.block_size, "mask_token_id": read.config.mask_token_id}
-        lines = engine_field_problems(json.loads((folder / CONFIG).read_text()), ours)
+        lines = engine_field_problems(setup.raw_config, ours)
         if lines:
             raise ValueError(f"the DFlash draft at {where}: {lines[0]}")
-    draft = DFlashDraftModel.load(folder, where="model.path")
+    draft = DFlashDraftModel.load(folder, where="model.path", config=read.config)
     cfg = draft.config
     check_draft_fits_target(cfg, target, where, read.verifier)
     facts = target_facts(target)
@@ -292,44 +350,3 @@ def import_draft(spec: PipelineSpec, options, target) -> DFlashDraftModel:
             f"{cfg.mask_token_id}"
         )
     return draft
-
-
-def draft_trainee(spec: PipelineSpec, name: str, data: StageRef, device: str, inputs: dict) -> Trainee:
-    """What `train[name]` trains: the draft, against the target stage's model and (cached) features."""
-    if "target" not in inputs:
-        raise ValueError(
-            f"train[{name}] needs its target stage: run it through the pipeline "
-            f"(pretrain_target / target → cache_target → train[{name}])"
-        )
-    options = resolve_options(spec, name)
-    if options.attention_backend == "flex_attention" and not str(device).startswith("cuda"):
-        raise ValueError(
-            "dflash.attention_backend 'flex_attention' trains on CUDA only (flex attention has no CPU "
-            "backward in torch 2.13); use 'sdpa' here"
-        )
-    tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
-    target = load_spec_target(spec, inputs["target"].info["model_path"], device)
-    if spec.model.kind == "pretrained":  # continued, or (train.steps: 0) published as it is to be evaluated
-        draft = import_draft(spec, options, target)
-        mask_id = draft.config.mask_token_id
-    else:
-        mask_id = candidate_mask_token_id(options, tokenizer)
-        _check_mask_row(mask_id, target)
-        fields = new_draft_fields(spec, options)
-        draft = _new_draft(spec, target, inputs["target"], options.block_size, mask_id, options.copy_hint, fields)
-    refuse_mask_alias(spec, tokenizer, {f"the mask token id train[{name}] resolves": mask_id})
-    check_served_before_training(
-        spec.tokenizer.allow_mask_alias,
-        spec.chat_rows,
-        tokenizer,
-        target,
-        inputs["target"].info["model_path"],
-        mask_id,
-    )
-    for key, value in tokenizer_token_ids(tokenizer).items():  # the tokenizer's, whatever the target's config says
-        setattr(draft.config, key, value)
-    cache = CachedFeatures(features_dir(inputs["features"])) if "features" in inputs else None
-    built = draft_strategy(name, options, draft, target, mask_token_id=mask_id, cache=cache)
-    if spec.train.compile:
-        compile_layers(draft)
-    return Trainee.assembled(draft.to(device), tokenizer, built, spec.train.precision)

@@ -28,12 +28,13 @@ from dllm_common.store import atomic_write_text, sha256_file, stage_key
 from strategies.causal import CausalLMObjective
 from strategies.model_files import resolve_model_path
 from strategies.models import build_model, set_token_ids, tiny_model_config
-from tasks.common import StageRef, prefect_task, stage_code_version, store_for
+from tasks.common import StageRef, prefect_task, stage_code_version, store_for, tracking_for
 from tasks.data.tokenizer import load_tokenizer
+from tasks.devices import stage_device
 from tasks.evaluation.scoring import load_causal_lm, save_dequantized
 from tasks.stages import Stage
 from tasks.training.loop import LoopRun, LoopSettings, train_loop
-from tasks.training.runtime import OptimSettings, Split, Trainee, make_optimizer, stage_device, tracking_for
+from tasks.training.runtime import OptimSettings, Split, Trainee, make_optimizer
 
 PRETRAIN, EXTERNAL = "pretrain_target", "target"
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -139,7 +140,7 @@ def _pretrain_settings(spec: PipelineSpec) -> tuple[LoopSettings, OptimSettings]
     return loop, OptimSettings(steps=p.steps, lr=p.lr, warmup_steps=p.warmup_steps)
 
 
-def _new_target(spec: PipelineSpec, vocab_size: int):
+def new_target(spec: PipelineSpec, vocab_size: int):
     """The causal LM `dflash.pretrain:` describes, at the draft's width (`model.hidden_size`)."""
     p = spec.dflash.pretrain
     config = tiny_model_config(
@@ -175,7 +176,7 @@ def _pretrain(spec: PipelineSpec, data: StageRef, workdir: str, parent_run_id: s
         )
     device = stage_device(spec)
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
-    model = _new_target(spec, len(tokenizer)).to(device)
+    model = new_target(spec, len(tokenizer)).to(device)
     set_token_ids(model.config, tokenizer)  # the draft's config takes its BOS/EOS from here (`target_facts`)
     settings, optim = _pretrain_settings(spec)
     opt, sched = make_optimizer(model, optim)

@@ -26,11 +26,11 @@ from strategies.dflash.decoding import sample_continuations
 from strategies.dflash.served_checks import chat_prompt, tokenizer_record
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
 from tasks.data.tokenizer import load_tokenizer
+from tasks.devices import stage_device
 from tasks.prepare_data import data_ref
 from tasks.rows import load_split, write_split
+from tasks.speculative.setup import load_spec_target
 from tasks.stages import Stage
-from tasks.training.dflash_setup import load_spec_target
-from tasks.training.runtime import stage_device
 
 STAGE = "regenerate"
 

@@ -18,29 +18,24 @@ from dllm_common.store import stage_key
 from strategies import strategy_class
 from strategies.dflash.features import write_feature_cache
 from strategies.dflash.window_config import vocabulary_problem
-from strategies.options import option_source, resolve_options
+from strategies.options import option_source
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for
+from tasks.devices import stage_device
 from tasks.rows import load_split
+from tasks.speculative.setup import DraftSetup, features_dir, load_spec_target
 from tasks.stages import Stage
-from tasks.training.dflash_setup import features_dir, layer_ids_for, load_spec_target
-from tasks.training.runtime import stage_device
 
 STAGE = "cache_target"
 __all__ = ["cache_target", "cache_target_task", "features_dir", "stage_of"]
 
 
-def _reader(spec: PipelineSpec) -> str:
-    """The strategy that reads the cache: the first of the pipeline's that declares the `features` stage."""
-    return next(s for s in spec.pipeline.strategies if "features" in strategy_class(s).upstream_stages(spec))
-
-
 def _top_k(spec: PipelineSpec) -> int:
     """How many of the target's most probable next tokens to store per position (`dflash.distill_top_k`)."""
-    return resolve_options(spec, _reader(spec)).distill_top_k
+    return DraftSetup.of(spec).options.distill_top_k
 
 
 def stage_of(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str, **_) -> tuple[str, str]:
-    config = {"layer_ids": layer_ids_for(spec, target), "dtype": spec.dflash.cache_dtype}
+    config = {"layer_ids": DraftSetup.of(spec).layer_ids(spec, target), "dtype": spec.dflash.cache_dtype}
     if _top_k(spec):  # keyed only when set: a features-only cache keeps its key
         config["top_k"] = _top_k(spec)
     upstream = {"target_weights": target.info["weights_digest"], "data": data.key}
@@ -55,7 +50,7 @@ def stage_of(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str,
 def _build(spec: PipelineSpec, target: StageRef, data: StageRef, out: Path) -> dict:
     model = load_spec_target(spec, target.info["model_path"], stage_device(spec))
     splits = {name: load_split(data.path, name)[0] for name in ("train", "val")}
-    layer_ids = layer_ids_for(spec, target)
+    layer_ids = DraftSetup.of(spec).layer_ids(spec, target)
     index = write_feature_cache(
         model, splits, layer_ids, out / "features", dtype=spec.dflash.cache_dtype, top_k=_top_k(spec), progress=True
     )
@@ -78,10 +73,10 @@ def cache_target(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: 
     # a top-k past the target's vocabulary, which config validation could not see (a hub or GGUF target, a
     # pretrained tokenizer): one line naming the key, not torch's `selected index k out of range` mid-cache
     source = f"{target.info.get('source') or 'the target trained by this pipeline'}: its config's vocab_size"
-    reader = _reader(spec)
-    problem = vocabulary_problem(resolve_options(spec, reader), target.info.get("vocab_size"), source)
+    setup = DraftSetup.of(spec)
+    problem = vocabulary_problem(setup.options, target.info.get("vocab_size"), source)
     if problem:
-        raise ConfigError(f"{option_source(spec, reader, problem[0])} {problem[1]}")
+        raise ConfigError(f"{option_source(spec, setup.strategy, problem[0])} {problem[1]}")
     stage, key = stage_of(spec, target, data, workdir)
     entry, reused = store_for(workdir).reuse_or_build(stage, key, lambda out: _build(spec, target, data, out))
     ref = StageRef.of(entry, reused)
