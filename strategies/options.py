@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dllm_common import config as pipeline_config
-from dllm_common.config import ConfigError, PipelineSpec, cut, shown
+from dllm_common.config import ConfigError, PipelineSpec, config_sha256, cut, shown
 from dllm_common.harness_tasks import check_harness_tasks
 from strategies.block_diffusion.options import BlockDiffusionOptions
 from strategies.dflash.options import DFlashOptions
@@ -84,11 +84,21 @@ def option_source(spec: PipelineSpec, name: str, key: str) -> str:
 
 
 def resolve_options(spec: PipelineSpec, name: str) -> StrategyOptions:
-    """The options `name` trains with: shared `dllm:` keys it declares, its section, its overrides."""
+    """The options `name` trains with: shared `dllm:` keys it declares, its section, its overrides. Resolved once per
+    config and strategy (the stage key, the training's parameters and its result all ask): the options are frozen,
+    and a config that changes is another config."""
     reg = registration(name)
-    shared = {k: v for k, v in spec.dllm.shared().items() if k in reg.options.model_fields}
-    values = {**shared, **_section_values(spec, reg), **spec.dllm.overrides.get(name, {})}
-    return _validated(reg, values, f"strategy {name!r}")
+    memo = (config_sha256(spec), name, id(reg))
+    if memo not in _RESOLVED:
+        while len(_RESOLVED) >= 64:
+            _RESOLVED.pop(next(iter(_RESOLVED)))
+        shared = {k: v for k, v in spec.dllm.shared().items() if k in reg.options.model_fields}
+        values = {**shared, **_section_values(spec, reg), **spec.dllm.overrides.get(name, {})}
+        _RESOLVED[memo] = _validated(reg, values, f"strategy {name!r}")
+    return _RESOLVED[memo]
+
+
+_RESOLVED: dict[tuple[str, str, int], StrategyOptions] = {}
 
 
 def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
