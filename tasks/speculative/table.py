@@ -28,31 +28,47 @@ def dflash_table(spec_rows: list[dict]) -> list[str]:
     ]
     gaps = []
     for r in spec_rows:
-        m = r["metrics"]
-        # τ_sim is the draft's alone: it is set against the draft's own real τ when a lookup helped decode
-        sim, real, alone = m.get("dflash/tau_sim"), m.get("dflash/tau"), m.get("dflash/tau_draft")
-        own = alone if isinstance(alone, float) else real
-        gap = sim / own if isinstance(sim, float) and isinstance(own, float) and own > 0 else None
-        flag = " ⚠" if gap is not None and abs(gap - 1) > TAU_GAP else ""
-        if flag:
-            gaps.append(f"- **{r['strategy']}**: τ_sim {sim:.2f} vs real τ {own:.2f}")
-        cells = f" {_fmt(alone, 3)} | {_fmt(m.get('dflash/lookup_share'), 2)} |" if lookup else ""
-        lines.append(
-            f"| {r['strategy']} | {_fmt(sim, 3)} | {_fmt(real, 3)} |{cells} {_fmt(gap, 2)}{flag} | "
-            f"{_fmt(m.get('dflash/speedup'), 2)} | {_fmt(m.get('dflash/exact_match'), 2)} | "
-            + " | ".join(_fmt(m.get(f"dflash/acc_k{k}"), 3) for k in ks)
-            + " |"
-        )
-    if gaps:
-        lines += [
-            "",
-            f"⚠ τ_sim and real τ differ by more than {TAU_GAP:.0%}. They measure different text: τ_sim is "
-            "teacher-forced on held-out real text, real τ decodes the target's own continuations of held-out prompts. "
-            "A draft trained on the target's regenerated text (dflash.regenerate, docs/strategies.md §10.7) has τ_sim "
-            "well below τ by design; one trained on real text tends to the opposite. Real τ is the one that sets "
-            "the speedup:",
-            *gaps,
-        ]
+        line, gap = _row(r, ks, lookup)
+        lines.append(line)
+        gaps += [gap] if gap else []
+    return lines + _gap_lines(gaps) + _sampled_and_tree_lines(spec_rows) + _notes(lookup)
+
+
+def _row(r: dict, ks: list[int], lookup: bool) -> tuple[str, str | None]:
+    """One strategy's row, and its τ_sim-vs-τ line when the two differ by more than `TAU_GAP`."""
+    m = r["metrics"]
+    # τ_sim is the draft's alone: it is set against the draft's own real τ when a lookup helped decode
+    sim, real, alone = m.get("dflash/tau_sim"), m.get("dflash/tau"), m.get("dflash/tau_draft")
+    own = alone if isinstance(alone, float) else real
+    gap = sim / own if isinstance(sim, float) and isinstance(own, float) and own > 0 else None
+    flag = " ⚠" if gap is not None and abs(gap - 1) > TAU_GAP else ""
+    cells = f" {_fmt(alone, 3)} | {_fmt(m.get('dflash/lookup_share'), 2)} |" if lookup else ""
+    line = (
+        f"| {r['strategy']} | {_fmt(sim, 3)} | {_fmt(real, 3)} |{cells} {_fmt(gap, 2)}{flag} | "
+        f"{_fmt(m.get('dflash/speedup'), 2)} | {_fmt(m.get('dflash/exact_match'), 2)} | "
+        + " | ".join(_fmt(m.get(f"dflash/acc_k{k}"), 3) for k in ks)
+        + " |"
+    )
+    return line, (f"- **{r['strategy']}**: τ_sim {sim:.2f} vs real τ {own:.2f}" if flag else None)
+
+
+def _gap_lines(gaps: list[str]) -> list[str]:
+    if not gaps:
+        return []
+    return [
+        "",
+        f"⚠ τ_sim and real τ differ by more than {TAU_GAP:.0%}. They measure different text: τ_sim is "
+        "teacher-forced on held-out real text, real τ decodes the target's own continuations of held-out prompts. "
+        "A draft trained on the target's regenerated text (dflash.regenerate, docs/strategies.md §10.7) has τ_sim "
+        "well below τ by design; one trained on real text tends to the opposite. Real τ is the one that sets "
+        "the speedup:",
+        *gaps,
+    ]
+
+
+def _sampled_and_tree_lines(spec_rows: list[dict]) -> list[str]:
+    """τ at a sampling temperature, τ with tree branches, and each row's served-τ notes (§4.7.1)."""
+    lines: list[str] = []
     other = {WALK: "sampling its serial walk, as the engines do", BACKBONE: "proposing from its backbone"}
     at_t = [
         f"{r['strategy']} {m['dflash/tau_sampled']:.3f}"
@@ -64,18 +80,22 @@ def dflash_table(spec_rows: list[dict]) -> list[str]:
         for r in spec_rows
         if "dflash/tau_sampled" in (m := r["metrics"])
     ]
-    lines += (
-        ["", "τ of speculative sampling at `dflash.eval_temperature` (§4.7 of docs/evaluation.md): " + ", ".join(at_t)]
-        if at_t
-        else []
-    )
+    if at_t:
+        lines += [
+            "",
+            "τ of speculative sampling at `dflash.eval_temperature` (§4.7 of docs/evaluation.md): " + ", ".join(at_t),
+        ]
     trees = [tree_cell(r["strategy"], r["metrics"]) for r in spec_rows if "dflash/tau_tree" in r["metrics"]]
     if trees:
         lines += ["", f"τ with tree branches (docs/strategies.md §10.16; gain over τ paired, 95 %): {', '.join(trees)}"]
     for r in spec_rows:  # served τ (docs/evaluation.md §4.7.1): what was measured, the interval, the causes found
         notes = served_notes(r["metrics"])
         lines += ["", f"**{r['strategy']}**, as served: " + notes[0], *notes[1:]] if notes else []
-    return lines + [
+    return lines
+
+
+def _notes(lookup: bool) -> list[str]:
+    return [
         "",
         "`dflash/tau`: tokens committed per verification cycle in speculative decoding of held-out "
         "prompts (accepted draft prefix + the target's bonus token); `dflash/tau_sim` and `acc_k` are its "
