@@ -202,6 +202,30 @@ def tree_acceptance(target, draft, prompts, max_new_tokens, eos_token_id, branch
     }
 
 
+def _at_temperature(spec, target, draft, prompts, eos_id: int | None) -> dict:
+    """At `dflash.eval_temperature` (none at 0): the decoder's τ, and a serial draft's with its other proposals."""
+    d, sampled = spec.dflash, {}
+    if d.eval_temperature > 0:
+        args = (target, draft, prompts, d.eval_max_new_tokens, eos_id, d.eval_temperature)
+        sampled["sampled"] = sampled_acceptance(*args, spec.eval.seed, d.lookup_ngram)
+        if (default := SAMPLED_DEFAULT.get(draft.config.variant)) is not None:
+            other = BACKBONE if default == WALK else WALK
+            sampled[f"sampled_{other}"] = sampled_acceptance(*args, spec.eval.seed, d.lookup_ngram, other)
+    return sampled
+
+
+def _shown_samples(spec, target, draft, tokenizer) -> tuple[list[str], list[list[int]]]:
+    """The report's text prompts and their speculative continuations (greedy: equal to the target's own)."""
+    texts = list(spec.eval.prompts[: spec.eval.num_samples]) or ["O"]
+    shown = [
+        speculative_generate(
+            target, draft, p, spec.eval.sample_length, tokenizer.eos_token_id, lookup_ngram=spec.dflash.lookup_ngram
+        ).tokens
+        for p in encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")
+    ]
+    return texts, shown
+
+
 def dflash_evaluation(ev: Evaluation) -> EvalResult:
     """DFlash metrics: τ_sim and acc_k (teacher-forced), real τ and speedup from speculative decoding
     checked token for token against target-only greedy, the target's exact NLL, and samples."""
@@ -218,13 +242,7 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     nll, se, n_tokens = exact_ar_nll(CausalLM(), target, ids, loss_mask, attn, spec.eval.batch_size)
     prompts = speculative_prompts(ids, attn, d.eval_prompts, d.eval_prompt_len)
     bench = speculative_benchmark(target, draft, prompts, d.eval_max_new_tokens, tokenizer.eos_token_id, d.lookup_ngram)
-    sampled = {}  # at dflash.eval_temperature: the decoder's τ, and a serial draft's with its other proposals
-    if d.eval_temperature > 0:
-        args = (target, draft, prompts, d.eval_max_new_tokens, tokenizer.eos_token_id, d.eval_temperature)
-        sampled["sampled"] = sampled_acceptance(*args, spec.eval.seed, d.lookup_ngram)
-        if (default := SAMPLED_DEFAULT.get(draft.config.variant)) is not None:
-            other = BACKBONE if default == WALK else WALK
-            sampled[f"sampled_{other}"] = sampled_acceptance(*args, spec.eval.seed, d.lookup_ngram, other)
+    sampled = _at_temperature(spec, target, draft, prompts, tokenizer.eos_token_id)
     tree = {}  # with dflash.eval_tree_branches: the same prompts, tree-verified
     if d.eval_tree_branches:
         args = (target, draft, prompts, d.eval_max_new_tokens, tokenizer.eos_token_id, d.eval_tree_branches)
@@ -233,13 +251,7 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     served, served_report = served_acceptance(ev, target, draft, mask_id, prompts, meta)
     # the report's shared columns, from speculative decoding of the report's text prompts (no timing
     # or greedy check needed here: the benchmark above did both)
-    texts = list(spec.eval.prompts[: spec.eval.num_samples]) or ["O"]
-    shown = [
-        speculative_generate(
-            target, draft, p, spec.eval.sample_length, tokenizer.eos_token_id, lookup_ngram=d.lookup_ngram
-        ).tokens
-        for p in encode_prompts(tokenizer, texts, spec.data.shape == "dialogue")
-    ]
+    texts, shown = _shown_samples(spec, target, draft, tokenizer)
     decoded = [tokenizer.decode(t) for t in shown]
     metrics = {
         "dflash/tau_sim": tau_sim,

@@ -137,6 +137,25 @@ def served_causes(draft, mask_id: int, target, trained, served, chat_trained: bo
     return found
 
 
+def _decode_both(zlab, theirs, target, draft, raw_prompts, prompts, ev) -> tuple[list, list, list, int]:
+    """Full-cycle acceptance of our decoder on the raw and the served prompts and of z-lab's on the served ones, and
+    how many served prompts both decoded to the same tokens."""
+    n, eos, bs = ev.spec.dflash.eval_max_new_tokens, ev.tokenizer.eos_token_id, draft.config.block_size
+    ours_raw, ours_served, served, same = [], [], [], 0
+    with _cpu_timing(zlab):
+        for p, q in zip(raw_prompts, prompts):
+            ours_raw.append(full_cycles(speculative_generate(target, draft, p, n, eos).acceptance, n, bs))
+            mine = speculative_generate(target, draft, q, n, eos)
+            stats = zlab.dflash_generate(
+                theirs, target, torch.tensor([q], device=target.device), n, None if eos is None else [eos],
+                return_stats=True,
+            )  # fmt: skip
+            ours_served.append(full_cycles(mine.acceptance, n, bs))
+            served.append(full_cycles(list(stats.acceptance_lengths), n, bs))
+            same += int(mine.tokens == stats.output_ids[0, len(q) :].tolist())
+    return ours_raw, ours_served, served, same
+
+
 def served_acceptance(ev, target, draft, mask_id: int, raw_prompts: list[list[int]], meta: dict) -> tuple[dict, dict]:
     """The `dflash/*served*` metrics and the `served` part of speculative.json (docs/evaluation.md §4.7.1)."""
     d, tokenizer = ev.spec.dflash, ev.tokenizer
@@ -154,22 +173,10 @@ def served_acceptance(ev, target, draft, mask_id: int, raw_prompts: list[list[in
     chat = bool(template) and not plain_target
     thinking = getattr(d, "eval_enable_thinking", None) if chat and has_thinking_switch(template) else None
     prompts = render_prompts(raw_prompts, tokenizer, served_tok, chat, thinking)
-    n, eos, bs = d.eval_max_new_tokens, tokenizer.eos_token_id, draft.config.block_size
     dtype = next(target.parameters()).dtype
     with tempfile.TemporaryDirectory() as tmp:
         theirs, raw = zlab_draft(zlab, draft, tokenizer, Path(tmp), dtype, next(target.parameters()).device)
-    ours_raw, ours_served, served, same = [], [], [], 0
-    with _cpu_timing(zlab):
-        for p, q in zip(raw_prompts, prompts):
-            ours_raw.append(full_cycles(speculative_generate(target, draft, p, n, eos).acceptance, n, bs))
-            mine = speculative_generate(target, draft, q, n, eos)
-            stats = zlab.dflash_generate(
-                theirs, target, torch.tensor([q], device=target.device), n, None if eos is None else [eos],
-                return_stats=True,
-            )  # fmt: skip
-            ours_served.append(full_cycles(mine.acceptance, n, bs))
-            served.append(full_cycles(list(stats.acceptance_lengths), n, bs))
-            same += int(mine.tokens == stats.output_ids[0, len(q) :].tolist())
+    ours_raw, ours_served, served, same = _decode_both(zlab, theirs, target, draft, raw_prompts, prompts, ev)
     if not any(served) or not any(ours_raw):  # every prompt done in one cycle: nothing left once the last is dropped
         return {"dflash/tau_served_prompts": 0, "dflash/served_skipped": 4}, {"skipped": 4}
     gap, lo, hi, se = paired_bootstrap(ours_raw, served, ev.spec.eval.seed)
