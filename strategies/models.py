@@ -89,6 +89,20 @@ def tiny_shape(spec, vocab_size: int) -> tuple:
     )
 
 
+def _smallest_vision() -> Gemma4VisionConfig:
+    """The vision tower DiffusionGemma's architecture cannot leave out, at its smallest: one 8-wide layer."""
+    return Gemma4VisionConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        position_embedding_size=16,
+        patch_size=4,
+    )
+
+
 def tiny_diffusion_gemma_config(
     vocab_size: int,
     max_len: int,
@@ -135,18 +149,8 @@ def tiny_diffusion_gemma_config(
         moe_intermediate_size=moe_intermediate_size or max(1, intermediate // 3),
         **(token_ids or {}),
     )
-    vision = Gemma4VisionConfig(
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=8,
-        position_embedding_size=16,
-        patch_size=4,
-    )
     config = DiffusionGemmaConfig(
-        text_config=text, vision_config=vision, canvas_length=canvas_length, tie_word_embeddings=True
+        text_config=text, vision_config=_smallest_vision(), canvas_length=canvas_length, tie_word_embeddings=True
     )
     config._attn_implementation = attn_implementation
     return config

@@ -48,6 +48,22 @@ class AnchorBlocks(NamedTuple):
     block_mask: Tensor  # [B, N·(bs−1)] float: supervised ∧ inside the sequence ∧ kept
 
 
+def _shared_starts(valid: Tensor, bsz: int, bs: int, n_blocks: int, gen) -> tuple[Tensor, int]:
+    """Non-overlapping anchors: distinct block starts shared by the batch, `[B, N]`, and how many fit."""
+    shortest = int(valid.min())
+    n_valid = min(n_blocks, max(1, (shortest - 1) // bs))
+    avail = shortest - n_valid * bs
+    if avail < 1:
+        starts = torch.arange(1, n_valid + 1)
+    else:
+        picks = torch.randperm(avail, generator=gen)[:n_valid]
+        # docs/reference-differences.md G3: avail < n_valid leaves fewer distinct starts, never a broadcast error
+        n_valid = len(picks)
+        starts = picks.sort().values + torch.arange(n_valid) * bs + 1
+    starts = torch.cat([starts, starts[-1:].repeat(n_blocks - n_valid)])
+    return starts[None].repeat(bsz, 1), n_valid
+
+
 def sample_anchor_blocks(
     input_ids: Tensor,
     attention_mask: Tensor,
@@ -81,20 +97,8 @@ def sample_anchor_blocks(
         anchors = torch.minimum(anchors.clamp_min(1), max_anchor[:, None])
         n_valid = n_blocks
     else:
-        gen = generators[0] if generators else None
-        shortest = int(valid.min())
-        n_valid = min(n_blocks, max(1, (shortest - 1) // bs))
-        avail = shortest - n_valid * bs
-        if avail < 1:
-            starts = torch.arange(1, n_valid + 1)
-        else:
-            picks = torch.randperm(avail, generator=gen)[:n_valid]
-            n_valid = len(
-                picks
-            )  # docs/reference-differences.md G3: avail < n_valid leaves fewer distinct starts, never a broadcast error
-            starts = picks.sort().values + torch.arange(n_valid) * bs + 1
-        starts = torch.cat([starts, starts[-1:].repeat(n_blocks - n_valid)])
-        anchors = starts[None].repeat(bsz, 1).to(device)
+        anchors, n_valid = _shared_starts(valid, bsz, bs, n_blocks, generators[0] if generators else None)
+        anchors = anchors.to(device)
     block_idx = torch.arange(n_blocks, device=device)[None]
     keep = (supervised[:, None] >= 2 * bs) & (valid[:, None] > bs) & (block_idx < n_valid)
     block_ids = torch.full((bsz, n_blocks, bs), mask_token_id, dtype=input_ids.dtype, device=device)

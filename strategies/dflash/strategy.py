@@ -223,6 +223,31 @@ class DFlashStrategy(DLLMStrategy):
 
     # ------------------------------------------------------------------ the step
 
+    def _anchor_blocks(self, ctx: StepContext, mb: Microbatch, i: int, docs):
+        """Micro-batch `i`'s anchor blocks, each row from its own seed, and (variable prefix, in a step with a loss)
+        each block's shown prefix, drawn from the same seeds' prefix generators."""
+        seeds = self.row_seeds(ctx, mb, i)
+        gens = [seeded_generator(seed, "cpu") for seed in seeds]
+        blocks = sample_anchor_blocks(
+            mb.input_ids,
+            mb.attention_mask,
+            mb.loss_mask,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            mask_token_id=ctx.mask_token_id,
+            overlap=self.overlap,
+            generators=gens,
+            document_ids=docs,
+        )
+        prefix = None
+        if self.options.loss_type == VARIABLE_PREFIX and ctx.loss_fn is not None:
+            prefix_gens = [prefix_generator(seed) for seed in seeds]
+            base = self.options.prefix_weight_base
+            prefix = draw_prefix_lengths(prefix_gens, self.num_blocks, self.block_size, base)
+            prefix = prefix.to(mb.input_ids.device)
+            blocks = reveal_prefix(blocks, prefix, mb.attention_mask, self.block_size, docs)
+        return blocks, prefix
+
     def pre_step(self, ctx: StepContext, microbatches: list[Microbatch]) -> tuple[list[CorruptedBatch], int, int]:
         """Anchors (per-row seeded) and target features for every micro-batch; counts = Σ block_mask.
 
@@ -231,27 +256,8 @@ class DFlashStrategy(DLLMStrategy):
         acceptance) the blocks are anchor-only, as speculative decoding drafts them (docs/strategies.md §10.3)."""
         out, total = [], 0
         for i, mb in enumerate(microbatches):
-            seeds = self.row_seeds(ctx, mb, i)
-            gens = [seeded_generator(seed, "cpu") for seed in seeds]
             docs = mb.document_ids if self.options.document_mask else None
-            blocks = sample_anchor_blocks(
-                mb.input_ids,
-                mb.attention_mask,
-                mb.loss_mask,
-                block_size=self.block_size,
-                num_blocks=self.num_blocks,
-                mask_token_id=ctx.mask_token_id,
-                overlap=self.overlap,
-                generators=gens,
-                document_ids=docs,
-            )
-            prefix = None
-            if self.options.loss_type == VARIABLE_PREFIX and ctx.loss_fn is not None:
-                prefix_gens = [prefix_generator(seed) for seed in seeds]
-                base = self.options.prefix_weight_base
-                prefix = draw_prefix_lengths(prefix_gens, self.num_blocks, self.block_size, base)
-                prefix = prefix.to(mb.input_ids.device)
-                blocks = reveal_prefix(blocks, prefix, mb.attention_mask, self.block_size, docs)
+            blocks, prefix = self._anchor_blocks(ctx, mb, i, docs)
             k = self.options.distill_top_k
             target = self.features(mb, labels=k > 0)
             soft = block_soft_labels(target.top, blocks.anchors, self.block_size, k) if k else None
