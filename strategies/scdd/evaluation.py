@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from strategies.base_evaluation import DLLMEvaluator, SampleRequest
 from strategies.models import model_logits, time_embedding
 from strategies.sampling import SampleResult
-from strategies.scdd.sampling import scdd_ancestral_sample
+from strategies.scdd.sampling import SCDDProcess, scdd_ancestral_sample
 
 
 class SCDDEvaluator(DLLMEvaluator):
@@ -54,17 +54,15 @@ class SCDDEvaluator(DLLMEvaluator):
             raise ValueError("SCDDStrategy needs dllm.vocab_size before sampling (the sampler uses its schedule)")
         timed = time_embedding(model) is not None
         denoise = (lambda x, attn, t: model_logits(model, {"input_ids": x}, time=t)) if timed else self.denoiser(model)
-        return scdd_ancestral_sample(
-            denoise,
-            request.prompts,
-            **request.keywords(),
+        process = SCDDProcess(
             vocab_size=strategy.vocab_size,
             schedule=strategy.schedule_at,
+            eps=strategy.options.eps,
             time_input=timed,
             noise_removal=strategy.options.noise_removal,
             tempering=strategy.options.tempering,
-            eps=strategy.options.eps,
         )
+        return scdd_ancestral_sample(denoise, request, process)
 
     def denoiser(self, model: nn.Module):
         """The bidirectional denoiser (the absorbing sampler's, `--sampler llada`). A time-conditioned backbone

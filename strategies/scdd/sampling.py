@@ -1,6 +1,30 @@
 """SCDD's ancestral posterior sampler (docs/strategies.md §11.5): absorbing and uniform channels, one
 multinomial draw per position per step, then a noise-removal pass. The shared machinery (config, result,
 windows) is in `strategies.sampling`, the confident-first reveal in `strategies.absorbing`.
+
+Times 1 = t_0 > … > t_steps = eps. At (t, s): C = clean_t/clean_s, Υ = γ_t/γ_s − C, Ā = 1 − γ_t/γ_s, and
+with p = p_θ(· | canvas) ([MASK] excluded) the exact posterior of one position is
+  visible c:  w(v) = (clean_s·Υ/K)·p(v) + uniform_s·Υ/K², plus clean_s·C·p(c) + C·uniform_s/K at v = c,
+              w([M]) = 0, over uniform_t/K + clean_t·p(c);
+  masked:     w(v) = (Ā/absorbed_t)·(uniform_s/K + clean_s·p(v)),  w([M]) = absorbed_s/absorbed_t.
+`tempering="draws"` (default) draws each position in two parts: whether it moves (a [MASK] is revealed,
+a visible token is revised) with the probability the exact posterior gives under the model's own p, then
+where to, from q = p at the sampler's temperature, top-k and top-p over the tokens it may move to (never
+[MASK], never the token already there; at temperature 0 the argmax). At temperature 1 with no top-k/top-p
+the destination is the posterior's, ∝ clean_s·p(v) + uniform_s/K, and the step is the exact posterior; any
+tempering or truncation also leaves out the uniform channel's random tokens (uniform_s/K): they are not
+tokens the settings accept, and placing them only to revise them later costs quality (docs/strategies.md
+§11.5). `tempering="weights"` puts the tempered p into the weights themselves, as the reference does: at
+temperature 0 p is one-hot, p(c) = 0 for every visible c that is not the argmax, and the posterior then
+revises such tokens to the argmax (the canvas collapses onto it); top-k and top-p are not applied there.
+
+Then one noise-removal forward at t = eps: `"posterior"` (default) takes at every window position the most
+probable clean token given the canvas, argmax_v p(v)·q(z = c | x = v) — the argmax of p at a [MASK], and at
+a visible c the weight clean_t + uniform_t/K for v = c against uniform_t/K for any other v, so a
+visible token is replaced only where the model all but rules it out. `"argmax"` (the reference) takes the
+argmax of p everywhere, which discards the visible tokens: p at a visible position is the model's guess
+from the other positions alone (the token's own evidence enters only through q(z_t | x)), so the pass
+overwrites the canvas with context guesses.
 """
 
 from __future__ import annotations
@@ -13,10 +37,9 @@ import torch
 from torch import Tensor
 
 from strategies.absorbing import Denoising, select_confident
+from strategies.base_evaluation import SampleRequest
 from strategies.sampling import (
     Denoiser,
-    Progress,
-    SamplerConfig,
     SampleResult,
     prompt_canvas,
     row_windows,
@@ -27,89 +50,69 @@ NOISE_REMOVAL = ("posterior", "argmax")
 TEMPERING = ("draws", "weights")
 
 
+@dataclass(frozen=True)
+class SCDDProcess:
+    """What the SCDD sampler needs of the trained process besides the request (docs/strategies.md §11.5):
+    the vocabulary (K = vocab_size − 1 real tokens), the schedule (`schedule(t)` → clean, uniform and absorbed
+    masses and γ, as `scdd_schedule`), the last time `eps`, whether the denoiser takes each row's time
+    (`time_input`: `denoise(x, attn, t [B])`, a time-conditioned backbone), the noise-removal pass and the
+    tempering (below)."""
+
+    vocab_size: int
+    schedule: Callable[[Tensor], object]
+    eps: float = 1e-3
+    time_input: bool = False
+    noise_removal: str = "posterior"
+    tempering: str = "draws"
+
+    def __post_init__(self) -> None:
+        if self.noise_removal not in NOISE_REMOVAL:
+            raise ValueError(f"noise_removal={self.noise_removal!r}: use one of {NOISE_REMOVAL}")
+        if self.tempering not in TEMPERING:
+            raise ValueError(f"tempering={self.tempering!r}: use one of {TEMPERING}")
+
+
 @torch.no_grad()
-def scdd_ancestral_sample(
-    denoise: Denoiser,
-    prompts: list[list[int]],
-    *,
-    mask_token_id: int,
-    pad_token_id: int,
-    vocab_size: int,
-    schedule: Callable[[Tensor], object],
-    config: SamplerConfig,
-    eps: float = 1e-3,
-    generator: torch.Generator | None = None,
-    device: torch.device | str = "cpu",
-    on_block: Progress | None = None,
-    time_input: bool = False,
-    noise_removal: str = "posterior",
-    tempering: str = "draws",
-) -> SampleResult:
-    """SCDD ancestral posterior sampler (docs/strategies.md §11.5) over the generation window of each row.
-
-    Times 1 = t_0 > … > t_steps = eps. At (t, s): C = clean_t/clean_s, Υ = γ_t/γ_s − C, Ā = 1 − γ_t/γ_s, and
-    with p = p_θ(· | canvas) ([MASK] excluded) the exact posterior of one position is
-      visible c:  w(v) = (clean_s·Υ/K)·p(v) + uniform_s·Υ/K², plus clean_s·C·p(c) + C·uniform_s/K at v = c,
-                  w([M]) = 0, over uniform_t/K + clean_t·p(c);
-      masked:     w(v) = (Ā/absorbed_t)·(uniform_s/K + clean_s·p(v)),  w([M]) = absorbed_s/absorbed_t.
-    `tempering="draws"` (default) draws each position in two parts: whether it moves (a [MASK] is revealed,
-    a visible token is revised) with the probability the exact posterior gives under the model's own p, then
-    where to, from q = p at the sampler's temperature, top-k and top-p over the tokens it may move to (never
-    [MASK], never the token already there; at temperature 0 the argmax). At temperature 1 with no top-k/top-p
-    the destination is the posterior's, ∝ clean_s·p(v) + uniform_s/K, and the step is the exact posterior; any
-    tempering or truncation also leaves out the uniform channel's random tokens (uniform_s/K): they are not
-    tokens the settings accept, and placing them only to revise them later costs quality (docs/strategies.md
-    §11.5). `tempering="weights"` puts the tempered p into the weights themselves, as the reference does: at
-    temperature 0 p is one-hot, p(c) = 0 for every visible c that is not the argmax, and the posterior then
-    revises such tokens to the argmax (the canvas collapses onto it); top-k and top-p are not applied there.
-
-    Then one noise-removal forward at t = eps: `"posterior"` (default) takes at every window position the most
-    probable clean token given the canvas, argmax_v p(v)·q(z = c | x = v) — the argmax of p at a [MASK], and at
-    a visible c the weight clean_t + uniform_t/K for v = c against uniform_t/K for any other v, so a
-    visible token is replaced only where the model all but rules it out. `"argmax"` (the reference) takes the
-    argmax of p everywhere, which discards the visible tokens: p at a visible position is the model's guess
-    from the other positions alone (the token's own evidence enters only through q(z_t | x)), so the pass
-    overwrites the canvas with context guesses. NFE = steps + 1; prompt positions never move.
-    `time_input`: `denoise` also takes each row's time, `denoise(x, attn, t [B])` (a time-conditioned backbone).
-    `revised` of the result: generated tokens per sequence changed after first being placed (positions, each
-    counted once however often it changed).
-    `schedule(t)` → an object with clean_mass, uniform_mass, absorbed_mass, gamma (as `scdd_schedule`).
+def scdd_ancestral_sample(denoise: Denoiser, request: SampleRequest, process: SCDDProcess) -> SampleResult:
+    """SCDD ancestral posterior sampler over the generation window of each row (`request`: the prompts, ids,
+    settings, generator, device and streaming callback; `process`: the trained process, `SCDDProcess`). The
+    maths of each step, the two temperings and the two noise-removal passes are in the module's docstring and
+    docs/strategies.md §11.5. NFE = steps + 1; prompt positions never move. `revised` of the result: generated
+    tokens per sequence changed after first being placed (positions, each counted once however often it changed).
     """
-    if noise_removal not in NOISE_REMOVAL:
-        raise ValueError(f"noise_removal={noise_removal!r}: use one of {NOISE_REMOVAL}")
-    if tempering not in TEMPERING:
-        raise ValueError(f"tempering={tempering!r}: use one of {TEMPERING}")
+    config, mask_token_id, generator = request.config, request.mask_token_id, request.generator
     if config.remasking not in ("low_confidence", "random"):
         raise NotImplementedError(f"unknown remasking {config.remasking!r}; use 'low_confidence' or 'random'")
-    k = vocab_size - 1
+    k = process.vocab_size - 1
     x, attn, starts, width = prompt_canvas(
-        prompts, config.max_new_tokens, mask_token_id, pad_token_id, config.eos_token_id, device
+        request.prompts, config.max_new_tokens, mask_token_id, request.pad_token_id, config.eos_token_id, request.device
     )
     window = row_windows(x, starts, 0, config.max_new_tokens)
     job = Denoising(denoise, mask_token_id, config, generator)
-    times = torch.linspace(1.0, eps, config.steps + 1, dtype=torch.float64)
+    times = torch.linspace(1.0, process.eps, config.steps + 1, dtype=torch.float64)
     revised = torch.zeros_like(window)
 
     def logits_at(t: Tensor) -> Tensor:
-        if not time_input:
+        if not process.time_input:
             return _masked_logits(job.denoise(x, attn), mask_token_id)
         rows = torch.full((x.shape[0],), float(t), dtype=torch.float32, device=x.device)
         return _masked_logits(job.denoise(x, attn, rows), mask_token_id)
 
+    schedule = process.schedule
     for i in range(config.steps):
         step = _AncestralStep.between(schedule(times[i : i + 1]), schedule(times[i + 1 : i + 2]))
         logits = logits_at(times[i])
-        if tempering == "draws":
+        if process.tempering == "draws":
             new = _tempered_draw(logits, x, step, k, job, window)
         else:
             p = _tempered_log_probs(logits, config.temperature).double().exp()
             new = _draw_positions(_ancestral_weights(p, x, step, k, mask_token_id), x, generator)
         x, revised = _commit(x, new, window, revised, mask_token_id)
-    final = _noise_removal(logits_at(times[-1]), x, schedule(times[-1:]), k, mask_token_id, noise_removal)
+    final = _noise_removal(logits_at(times[-1]), x, schedule(times[-1:]), k, mask_token_id, process.noise_removal)
     x, revised = _commit(x, final, window, revised, mask_token_id)
-    if on_block is not None:
-        on_block(x)
-    per_row = revised.sum(dim=1).double().mean().item() if len(prompts) else 0.0
+    if request.on_block is not None:
+        request.on_block(x)
+    per_row = revised.sum(dim=1).double().mean().item() if len(request.prompts) else 0.0
     return SampleResult(x, starts, width, config.steps + 1, revised=per_row)
 
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from strategies.absorbing import absorbing_sample, infill_sample, num_transfer_tokens
+from strategies.base_evaluation import SampleRequest
 from strategies.hybrid.sampling import hybrid_sample
 from strategies.sampling import SamplerConfig
-from strategies.scdd.sampling import scdd_ancestral_sample
+from strategies.scdd.sampling import SCDDProcess, scdd_ancestral_sample
 from strategies.scdd.schedule import scdd_schedule
 
 MASK, PAD, V = 15, 0, 16
@@ -192,13 +193,14 @@ def test_scdd_ancestral_with_a_confident_denoiser_reaches_the_target():
     for ratio in (0.1, 0.0):  # uniform_ratio 0 still terminates with no masks
         res = scdd_ancestral_sample(
             confident(lambda p: 4 + p % 9),
-            prompts,
-            mask_token_id=MASK,
-            pad_token_id=PAD,
-            vocab_size=V,
-            schedule=schedule(ratio),
-            config=SamplerConfig(steps=16, max_new_tokens=6, temperature=1.0),
-            generator=torch.Generator().manual_seed(0),
+            SampleRequest(
+                prompts,
+                MASK,
+                PAD,
+                SamplerConfig(steps=16, max_new_tokens=6, temperature=1.0),
+                torch.Generator().manual_seed(0),
+            ),
+            SCDDProcess(V, schedule(ratio)),
         )
         assert not (res.tokens == MASK).any() and res.nfe == 17
         for i, p in enumerate(prompts):
@@ -218,13 +220,14 @@ def test_scdd_self_correction_revises_every_position():
 
     res = scdd_ancestral_sample(
         fickle,
-        [[1]],
-        mask_token_id=MASK,
-        pad_token_id=PAD,
-        vocab_size=V,
-        schedule=schedule(),
-        config=SamplerConfig(steps=20, max_new_tokens=8, temperature=1.0),
-        generator=torch.Generator().manual_seed(3),
+        SampleRequest(
+            [[1]],
+            MASK,
+            PAD,
+            SamplerConfig(steps=20, max_new_tokens=8, temperature=1.0),
+            torch.Generator().manual_seed(3),
+        ),
+        SCDDProcess(V, schedule()),
     )
     mid = snapshots[10][0, 1:]
     assert (mid == 5).sum() >= 4  # plenty of positions were visible with the old token half-way
@@ -242,13 +245,14 @@ def test_scdd_temperature_zero_never_proposes_mask():
 
     res = scdd_ancestral_sample(
         mask_loving,
-        [[1]],
-        mask_token_id=MASK,
-        pad_token_id=PAD,
-        vocab_size=V,
-        schedule=schedule(),
-        config=SamplerConfig(steps=4, max_new_tokens=5, temperature=0.0),
-        generator=torch.Generator().manual_seed(0),
+        SampleRequest(
+            [[1]],
+            MASK,
+            PAD,
+            SamplerConfig(steps=4, max_new_tokens=5, temperature=0.0),
+            torch.Generator().manual_seed(0),
+        ),
+        SCDDProcess(V, schedule()),
     )
     assert res.generated(0).tolist() == [3] * 5
 
@@ -258,14 +262,8 @@ def _scdd(denoise, prompts, steps=16, n=6, temperature=1.0, ratio=0.1, seed=0, t
     config = SamplerConfig(steps=steps, max_new_tokens=n, temperature=temperature, top_p=top_p, remasking=remasking)
     return scdd_ancestral_sample(
         denoise,
-        prompts,
-        mask_token_id=MASK,
-        pad_token_id=PAD,
-        vocab_size=V,
-        schedule=schedule(ratio),
-        config=config,
-        generator=torch.Generator().manual_seed(seed),
-        **kw,
+        SampleRequest(prompts, MASK, PAD, config, torch.Generator().manual_seed(seed)),
+        SCDDProcess(V, schedule(ratio), **kw),
     )
 
 
@@ -389,13 +387,8 @@ def test_samplers_are_deterministic_for_a_seed():
         if sampler == "scdd":
             return scdd_ancestral_sample(
                 noisy,
-                [[1, 2]],
-                mask_token_id=MASK,
-                pad_token_id=PAD,
-                vocab_size=V,
-                schedule=schedule(),
-                config=SamplerConfig(steps=6, max_new_tokens=6, temperature=1.0),
-                generator=gen,
+                SampleRequest([[1, 2]], MASK, PAD, SamplerConfig(steps=6, max_new_tokens=6, temperature=1.0), gen),
+                SCDDProcess(V, schedule()),
             ).tokens
         return absorbing_sample(
             noisy,

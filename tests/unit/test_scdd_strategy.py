@@ -217,7 +217,9 @@ def test_checkpoints_with_and_without_time_conditioning_load(tmp_path):
 def test_sampler_options_reach_the_sampler(monkeypatch):
     """`noise_removal` and `tempering` (docs/strategies.md §11.5): the defaults, and the reference's behaviour."""
     seen = {}
-    monkeypatch.setattr("strategies.scdd.evaluation.scdd_ancestral_sample", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(
+        "strategies.scdd.evaluation.scdd_ancestral_sample", lambda _d, _r, process: seen.update(vars(process))
+    )
     model, config = _tiny_model(), SamplerConfig(steps=2, max_new_tokens=3)
     for options, want in (({}, ("posterior", "draws")), (dict(noise_removal="argmax", tempering="weights"), None)):
         s = _strategy(**options)
