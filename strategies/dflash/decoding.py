@@ -133,40 +133,19 @@ def speculative_generate(
     committed = len(prompt)  # tokens the target has processed (and whose features we hold)
     ctx, start = trim_context(cfg, feats, 0, committed)  # `start`: the position of ctx's first feature (§10.12)
     acceptance, forwards, lookups = [], 1, 0
+    drawing = (temperature, generator)
     while len(out) < max_new_tokens and not (eos_token_id is not None and out[-1] == eos_token_id):
-        anchor = torch.tensor([[committed - start]], device=device)
-        block = torch.full((1, bs), cfg.mask_token_id, device=device)
-        block[0, 0] = out[-1]
-        keep = torch.ones_like(anchor, dtype=torch.bool)
-        hints, trimmed = None, {"offset": start} if start else {}  # a windowed draft's context starts at `start`
-        if cfg.copy_hint:  # the history's last token is the anchor
-            history = torch.tensor([list(prompt) + out], device=device)
-            hints = copy_hints(history, torch.tensor([[history.shape[1] - 1]], device=device), bs, cfg.mask_token_id)
         found = context_lookup(list(prompt) + out, lookup_ngram, bs - 1) if lookup_ngram else []
-        # drafted serially after the backbone: the path and its distributions (sampled: the backbone's, §10.13)
-        if cfg.variant in (DFLASH2, DOMINO) and (temperature <= 0 or sampled_from(cfg, sampled_proposals) == WALK):
-            emb, head = embed_and_head(target)  # (walked after the looked-up tokens, which lead the block)
-            hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block, **trimmed)[0, 1:]
-            proposal, d_logits = serial_walk(draft, emb, hidden, head(hidden), out[-1], temperature, generator, found)
-        else:
-            d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints, **trimmed)[0, 1:]
-            proposal = draw(d_logits, temperature, generator)
+        trimmed = {"offset": start} if start else {}  # a windowed draft's context starts at `start`
+        anchor = torch.tensor([[committed - start]], device=device)
+        block, proposal, d_logits = _propose(
+            target, draft, (ctx, anchor, trimmed), list(prompt) + out, found, drawing, sampled_proposals
+        )
         d_logits, proposal, looked_up = _with_lookup(found, d_logits, proposal)
         lookups += looked_up
         rows = proposal[None] if tree is None else tree.rows(target, ctx, anchor, block, proposal, d_logits, **trimmed)
-        verify_in = torch.cat([block[:, :1].expand(len(rows), 1), rows], dim=1)  # anchor + bs − 1 proposals per row
-        if len(rows) > 1:  # one copy of the target's cache per branch (an engine shares it under a tree mask)
-            cache.batch_repeat_interleave(len(rows))
-        v_feats, v_logits, cache = target_features(target, verify_in, cfg.target_layer_ids, past_key_values=cache)
+        v_feats, cache, branch, accepted, nxt = _verify(target, cfg, cache, block, rows, d_logits, drawing)
         forwards += 1
-        if temperature <= 0:  # the longest prefix equal to the target's greedy choices, over every row
-            branch, accepted, nxt = select_branch(rows, v_logits)
-        else:  # one row (a tree is greedy only): the rejection step of speculative sampling
-            p = torch.softmax(v_logits[0].float() / temperature, dim=-1)
-            q = torch.softmax(d_logits.float() / temperature, dim=-1)
-            branch, (accepted, nxt) = 0, speculative_accept(p, q, proposal, generator)
-        if len(rows) > 1:
-            cache.batch_select_indices(torch.tensor([branch], device=device))
         new = rows[branch, :accepted].tolist() + [nxt]
         acceptance.append(accepted + 1)
         out.extend(new)
@@ -183,6 +162,51 @@ def speculative_generate(
     if eos_token_id is not None and eos_token_id in tokens:
         tokens = tokens[: tokens.index(eos_token_id) + 1]
     return SpeculativeResult(tokens, acceptance, forwards, lookups)
+
+
+def _propose(target, draft, at, history: list[int], found: list[int], drawing, sampled_proposals):
+    """One cycle's proposal after the anchor (the history's last token; `at`: the context features, the anchor's
+    position in them, a windowed draft's offset): the block, the bs − 1 proposed tokens and the distributions they
+    were drawn from. A DFlash 2 / Domino draft walks serially after its backbone (sampled: its backbone's
+    distribution unless it samples its walk, §10.13), after the looked-up tokens `found`, which lead the block; a
+    copy-hint draft reads the history's copy hints."""
+    (ctx, anchor, trimmed), (temperature, generator) = at, drawing
+    cfg, device = draft.config, anchor.device
+    bs = cfg.block_size
+    block = torch.full((1, bs), cfg.mask_token_id, device=device)
+    block[0, 0] = history[-1]
+    keep = torch.ones_like(anchor, dtype=torch.bool)
+    hints = None
+    if cfg.copy_hint:  # the history's last token is the anchor
+        seen = torch.tensor([history], device=device)
+        hints = copy_hints(seen, torch.tensor([[seen.shape[1] - 1]], device=device), bs, cfg.mask_token_id)
+    if cfg.variant in (DFLASH2, DOMINO) and (temperature <= 0 or sampled_from(cfg, sampled_proposals) == WALK):
+        emb, head = embed_and_head(target)  # (walked after the looked-up tokens, which lead the block)
+        hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block, **trimmed)[0, 1:]
+        proposal, d_logits = serial_walk(draft, emb, hidden, head(hidden), history[-1], temperature, generator, found)
+    else:
+        d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints, **trimmed)[0, 1:]
+        proposal = draw(d_logits, temperature, generator)
+    return block, proposal, d_logits
+
+
+def _verify(target, cfg, cache, block, rows, d_logits, drawing):
+    """The target's verification of every row (a tree's branches beside the proposal) in one forward: its features,
+    its cache cut back to the chosen branch, the branch, how many proposals it accepted and its next token."""
+    temperature, generator = drawing
+    verify_in = torch.cat([block[:, :1].expand(len(rows), 1), rows], dim=1)  # anchor + bs − 1 proposals per row
+    if len(rows) > 1:  # one copy of the target's cache per branch (an engine shares it under a tree mask)
+        cache.batch_repeat_interleave(len(rows))
+    v_feats, v_logits, cache = target_features(target, verify_in, cfg.target_layer_ids, past_key_values=cache)
+    if temperature <= 0:  # the longest prefix equal to the target's greedy choices, over every row
+        branch, accepted, nxt = select_branch(rows, v_logits)
+    else:  # one row (a tree is greedy only): the rejection step of speculative sampling
+        p = torch.softmax(v_logits[0].float() / temperature, dim=-1)
+        q = torch.softmax(d_logits.float() / temperature, dim=-1)
+        branch, (accepted, nxt) = 0, speculative_accept(p, q, rows[0], generator)
+    if len(rows) > 1:
+        cache.batch_select_indices(torch.tensor([branch], device=rows.device))
+    return v_feats, cache, branch, accepted, nxt
 
 
 def _new_cache(target: nn.Module):
