@@ -106,23 +106,15 @@ def speculative_generate(
     sampled_proposals: str | None = None,
     tree: DraftTree | None = None,
 ) -> SpeculativeResult:
-    """DFlash decoding: the draft proposes bs − 1 tokens after the anchor in one forward, the target
-    verifies them in one forward, the proposals that stand plus the target's next token are committed,
-    and the target cache is cropped to what was committed. At temperature 0 the output is target-only
-    greedy; above it, proposals are drawn from the draft at `temperature` and verified by the rejection
-    step of speculative sampling (`speculative_accept`), so the output is distributed as the target's
-    own samples at that temperature (docs/strategies.md §10.8). With `lookup_ngram` n > 0, when the last
-    n…4 tokens (prompt and output) occurred earlier, the tokens that followed them there replace the
-    draft's first proposals (`context_lookup`); the output is unchanged, only the acceptance moves. A
-    `copy_hint` draft also reads the lookup's proposal (n = 1) as an input each cycle (`copy_hints`); with
-    `lookup_ngram` > 0 the lookup still goes in front of it. A DFlash 2 draft proposes the path its selector
-    walks (`CandidateSelector.walk`; Domino its chain), verified against the distributions the walk drew from; looked-up
-    tokens lead the block and the walk goes on after them. At T > 0 `sampled_proposals` says whether such a draft
-    samples its walk (`walk`, as z-lab's decoder and the engines do) or proposes from its backbone's one-pass
-    distribution as a DFlash draft does (`backbone`); unset, the draft's default (`SAMPLED_DEFAULT`: DFlash 2 its
-    backbone, Domino its walk; docs/strategies.md §10.13). With `tree` (greedy only) the target verifies the
-    proposal and the tree's branches of it in the same forward and the longest accepted branch is committed
-    (`strategies.dflash.tree`, docs/strategies.md §10.16)."""
+    """DFlash decoding (docs/strategies.md §10.8): the draft proposes bs − 1 tokens after the anchor in one forward
+    (`_propose`: lookup, copy hints, a DFlash 2 / Domino walk), the target verifies them in one forward
+    (`_verify`), the proposals that stand plus the target's next token are committed, and the target cache is
+    cropped to what was committed. At temperature 0 the output is target-only greedy; above it, proposals are
+    drawn at `temperature` and verified by speculative sampling's rejection step, so the output is distributed as
+    the target's own samples. `lookup_ngram` n > 0: where the last n…4 tokens occurred earlier, what followed them
+    replaces the draft's first proposals (the output is unchanged, only the acceptance moves). `sampled_proposals`
+    (T > 0, DFlash 2 / Domino): `walk` or `backbone` (unset: `SAMPLED_DEFAULT`, §10.13). `tree` (greedy only): the
+    target verifies the proposal and the tree's branches in one forward, the longest accepted is committed (§10.16)."""
     cfg = draft.config
     if tree is not None:
         tree.check(cfg, temperature)
@@ -158,10 +150,11 @@ def speculative_generate(
             cache.crop(-surplus)
         if eos_token_id is not None and eos_token_id in new:
             break
-    tokens = out[:max_new_tokens]
-    if eos_token_id is not None and eos_token_id in tokens:
-        tokens = tokens[: tokens.index(eos_token_id) + 1]
-    return SpeculativeResult(tokens, acceptance, forwards, lookups)
+    return SpeculativeResult(_up_to_eos(out[:max_new_tokens], eos_token_id), acceptance, forwards, lookups)
+
+
+def _up_to_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:
+    return tokens[: tokens.index(eos_token_id) + 1] if eos_token_id is not None and eos_token_id in tokens else tokens
 
 
 def _propose(target, draft, at, history: list[int], found: list[int], drawing, sampled_proposals):
