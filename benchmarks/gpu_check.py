@@ -187,8 +187,7 @@ def throughput(report: Report, device: str, smoke: bool, work: Path, peak: float
     from strategies.options import validate_config
     from tasks.commands.plan import Cluster, plan_strategy
     from tasks.prepare_data import prepare_data
-    from tasks.training.distributed import DistInfo
-    from tasks.training.loop import LoopRun, LoopSettings, step_context, train_step
+    from tasks.training.loop import LoopRun, LoopSettings
     from tasks.training.runtime import OptimSettings, Split, make_optimizer
     from tasks.training.trainee import build_trainee
 
@@ -216,21 +215,7 @@ def throughput(report: Report, device: str, smoke: bool, work: Path, peak: float
         run = LoopRun(
             trainee=trainee, stepper=trainee.model, opt=opt, sched=sched, train=split, val=split, device=device
         )
-        settings = LoopSettings.of(spec.train, name)
-        times, measured = [], None
-        for step in range(8):
-            ctx = step_context(trainee, step, 0, trainee.model, DistInfo(), 1)
-            mbs = split.microbatches(torch.arange(batch) + step * batch, batch, device)
-            if step == 4:  # AdamW's moments exist since step 0: a steady step, measured apart from the timed ones
-                measured = _step_memory(device, trainee, opt, partial(train_step, run, settings, ctx, mbs))
-                continue
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            train_step(run, settings, ctx, mbs)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+        times, measured = _timed_steps(run, LoopSettings.of(spec.train, name), split, batch, device)
         tps = batch * seq / (sum(times[3:]) / len(times[3:]))  # after 3 warm-up steps
         mfu = 6 * params * tps / (peak * 1e12) if peak else float("nan")
         used = tps * predicted.flops_per_token / (peak * 1e12) if peak else float("nan")
@@ -245,6 +230,31 @@ def throughput(report: Report, device: str, smoke: bool, work: Path, peak: float
     )
     report.add("throughput and plan", not outside, detail)
     return rows
+
+
+def _timed_steps(run, settings, split, batch: int, device: str) -> tuple[list[float], int | None]:
+    """Seven timed train steps and, apart from them, step 4's peak memory (AdamW's moments exist since step 0:
+    a steady step)."""
+    import torch
+
+    from tasks.training.distributed import DistInfo
+    from tasks.training.loop import step_context, train_step
+
+    times, measured, trainee = [], None, run.trainee
+    for step in range(8):
+        ctx = step_context(trainee, step, 0, trainee.model, DistInfo(), 1)
+        mbs = split.microbatches(torch.arange(batch) + step * batch, batch, device)
+        if step == 4:
+            measured = _step_memory(device, trainee, run.opt, partial(train_step, run, settings, ctx, mbs))
+            continue
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        train_step(run, settings, ctx, mbs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times, measured
 
 
 def _step_memory(device: str, trainee, opt, step) -> int:
