@@ -173,6 +173,27 @@ def check_metrics(client, run_id: str, steps: int) -> tuple[bool, int, int]:
     return lost == 0 and duplicated == 0, lost, duplicated
 
 
+def probed(probe_dir: Path) -> tuple[Counter, Counter, list[float], list[float]]:
+    """What the HTTP probes recorded: errors by kind (and the refusals expected of a loaded server apart), and the
+    seconds of each flow-run creation and each MLflow log batch."""
+    errors: Counter = Counter()
+    expected: Counter = Counter()
+    create, batch = [], []
+    for path in probe_dir.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            e = json.loads(line)
+            service = "mlflow" if "/mlflow/" in e["path"] else "prefect"
+            if e["error"] or (e["status"] or 0) >= 400:
+                where = re.sub(r"[0-9a-f]{8}-[0-9a-f-]{27}|[0-9a-f]{32}", "ID", e["path"])
+                kind = f"{service} {e['error'] or e['status']} {e['method']} /{where}"
+                (expected if kind in EXPECTED else errors)[kind] += 1
+            if e["method"] == "POST" and e["path"].rstrip("/") == "api/flow_runs":
+                create.append(e["s"])
+            if e["method"] == "POST" and e["path"].endswith("runs/log-batch"):
+                batch.append(e["s"])
+    return errors, expected, create, batch
+
+
 def round_of(server: Server, workdir: Path, k: int, first_seed: int, steps: int, scratch: Path) -> dict:
     """K pipelines started together; what they left on the server and in their logs."""
     probe_dir = scratch / f"probe-{k}"
@@ -199,21 +220,7 @@ def round_of(server: Server, workdir: Path, k: int, first_seed: int, steps: int,
                 once, lost, duplicated = once + ok, lost + n_lost, duplicated + n_dup
     completed = min(completed, sum(c == 0 for c in codes))
 
-    errors: Counter = Counter()
-    expected: Counter = Counter()
-    create, batch = [], []
-    for path in probe_dir.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            e = json.loads(line)
-            service = "mlflow" if "/mlflow/" in e["path"] else "prefect"
-            if e["error"] or (e["status"] or 0) >= 400:
-                where = re.sub(r"[0-9a-f]{8}-[0-9a-f-]{27}|[0-9a-f]{32}", "ID", e["path"])
-                kind = f"{service} {e['error'] or e['status']} {e['method']} /{where}"
-                (expected if kind in EXPECTED else errors)[kind] += 1
-            if e["method"] == "POST" and e["path"].rstrip("/") == "api/flow_runs":
-                create.append(e["s"])
-            if e["method"] == "POST" and e["path"].endswith("runs/log-batch"):
-                batch.append(e["s"])
+    errors, expected, create, batch = probed(probe_dir)
     for log, code in zip(logs, codes):
         text = log.read_text(errors="replace")
         if LOCKED in text:
