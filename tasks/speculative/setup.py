@@ -11,6 +11,7 @@ local or a hub id) continues training, or with `train.steps: 0` is published as 
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from dataclasses import dataclass
@@ -304,11 +305,14 @@ def check_draft_fits_target(cfg: DFlashDraftConfig, target, where: str, verifier
         )
 
 
-def import_draft(spec: PipelineSpec, options, target, setup: DraftSetup | None = None) -> DFlashDraftModel:
+def import_draft(
+    spec: PipelineSpec, options, target, setup: DraftSetup | None = None, *, weights: bool = True
+) -> DFlashDraftModel:
     """The draft at `model.path` (`model.kind: pretrained`: a dllm-flow checkpoint, or a z-lab / SpecForge or
     speculators folder, local or a hub id), checked against the target and the options, tied to the target
     (a speculators config does not record its layer count). `setup`: the stage's `DraftSetup`, whose config.json
-    read is used (none: the folder's is read here)."""
+    read is used (none: the folder's is read here). `weights=False`: the draft its config describes, its weights
+    not read (`dllm-flow plan`, on fake tensors)."""
     where = f"model.path ({spec.model.path})"
     setup = setup or DraftSetup.reading("", options, draft_source(spec.model.path))
     folder, read = setup.folder, setup.imported
@@ -317,7 +321,10 @@ def import_draft(spec: PipelineSpec, options, target, setup: DraftSetup | None =
         lines = engine_field_problems(setup.raw_config, ours)
         if lines:
             raise ValueError(f"the DFlash draft at {where}: {lines[0]}")
-    draft = DFlashDraftModel.load(folder, where="model.path", config=read.config)
+    if weights:
+        draft = DFlashDraftModel.load(folder, where="model.path", config=read.config)
+    else:
+        draft = DFlashDraftModel(copy.deepcopy(read.config))
     cfg = draft.config
     check_draft_fits_target(cfg, target, where, read.verifier)
     facts = target_facts(target)
