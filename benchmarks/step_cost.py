@@ -34,19 +34,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from strategies.assembly import assemble_strategy, strategy_class  # noqa: E402
+from strategies.assembly import strategy_class  # noqa: E402
 from strategies.causal import CausalLMObjective  # noqa: E402
 from strategies.head import make_head_deferrable  # noqa: E402
-from strategies.models import DLLMOutput, build_model, wrap_for_architecture  # noqa: E402
+from strategies.models import DLLMOutput, build_model  # noqa: E402
 from strategies.options import resolve_options, validate_config  # noqa: E402
-from strategies.registry import REGISTRY, model_shape  # noqa: E402
+from strategies.registry import REGISTRY  # noqa: E402
 from tasks.commands.plan import Cluster, plan_strategy, synthetic_rows, trace  # noqa: E402
-from tasks.commands.plan.model import _mask_id, _Stub  # noqa: E402
-from tasks.commands.plan.trace import _Tracer  # noqa: E402
+from tasks.commands.plan.trace import Tracer  # noqa: E402
 from tasks.training.distributed import DistInfo  # noqa: E402
 from tasks.training.loop import LoopRun, LoopSettings, run_step, step_context, train_step  # noqa: E402
 from tasks.training.runtime import OptimSettings, Split, Trainee, make_optimizer  # noqa: E402
-from tasks.training.trainee import compile_layers, model_architecture, tiny_config  # noqa: E402
+from tasks.training.trainee import (  # noqa: E402
+    TokenIds,
+    assembled_denoiser,
+    assembled_draft,
+    compile_layers,
+    denoiser_model,
+    own_shape,
+    tiny_config,
+)
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (the process's CPU time, all threads)
@@ -91,13 +98,6 @@ def make_spec(args, draft: bool = False) -> object:
     )
 
 
-def own_shape(name: str, options):
-    """The model shape that builds itself (DiffusionGemma), else None."""
-    arch = model_architecture(name, options)
-    shape = model_shape(arch) if arch is not None else None
-    return shape if hasattr(shape, "from_model_spec") else None
-
-
 class EncoderCausalLM(nn.Module):
     """A DiffusionGemma's encoder as a plain causal LM (its layers over the clean row, its capped head): the causal
     step of block_diffusion's backbone."""
@@ -111,24 +111,26 @@ class EncoderCausalLM(nn.Module):
         return DLLMOutput(logits=self.gemma.canvas_logits(hidden))
 
 
-def backbone(spec, name: str, vocab: int, causal: bool) -> nn.Module:
-    """The module `train[name]` trains (unwrapped when `causal`), built as `tasks.training.trainee` builds it."""
+def causal_backbone(spec, name: str, vocab: int) -> nn.Module:
+    """The backbone `train[name]` trains as a plain causal LM: a DiffusionGemma's encoder (`EncoderCausalLM`, the
+    model built by the train stage's `denoiser_model`), else the same tiny model with causal attention."""
     options = resolve_options(spec, name)
-    shape = own_shape(name, options)
-    if shape is not None:
-        model = shape.from_model_spec(spec, _Stub(vocab, None), options, spec.train.seed)
-        return EncoderCausalLM(model) if causal else model
-    model = build_model(tiny_config(spec, vocab), spec.train.seed, **({"dllm_attention": "causal"} if causal else {}))
-    if causal:
-        return model
-    return wrap_for_architecture(model, model_architecture(name, options), mask_token_id=_mask_id(options, vocab))
+    if own_shape(name, options) is not None:
+        return EncoderCausalLM(denoiser_model(spec, name, options, TokenIds(vocab)))
+    return build_model(tiny_config(spec, vocab), spec.train.seed, dllm_attention="causal")
 
 
 def with_head(spec, model: nn.Module) -> tuple[nn.Module, bool]:
-    """The fused head and `train.compile` as the trainee gets them. `compile_layers` finds no `model.layers` in a
-    DiffusionGemma (the train stage refuses train.compile for it): its encoder's and decoder's layers are compiled
-    here instead, and the run says so."""
+    """The fused head and `train.compile` as the trainee gets them."""
     fused = spec.train.fused_head and make_head_deferrable(model, spec.train.head_chunk_rows)
+    compiled(spec, model)
+    return model, bool(fused)
+
+
+def compiled(spec, model: nn.Module) -> None:
+    """`train.compile` as the train stage applies it. `compile_layers` finds no `model.layers` in a DiffusionGemma
+    (the train stage refuses train.compile for it): its encoder's and decoder's layers are compiled here instead,
+    and the run says so."""
     if spec.train.compile:
         inner = getattr(model, "gemma", model)
         try:
@@ -141,7 +143,6 @@ def with_head(spec, model: nn.Module) -> tuple[nn.Module, bool]:
             print(f"[step_cost] train.compile refuses {type(inner).__name__}: its {len(layers)} layers compiled here")
             for layer in layers:
                 layer.compile()
-    return model, bool(fused)
 
 
 def causal_trainee(spec, model: nn.Module) -> Trainee:
@@ -159,35 +160,38 @@ def causal_trainee(spec, model: nn.Module) -> Trainee:
 
 
 def denoiser_trainee(spec, name: str, vocab: int) -> Trainee:
+    """`train[name]`'s trainee, built by the train stage's `assembled_denoiser` for a tokenizer of `vocab` ids."""
     options = resolve_options(spec, name)
-    model = backbone(spec, name, vocab, causal=False)
-    built = assemble_strategy(name, options, model, _Stub(vocab, _mask_id(options, vocab)))
-    model, fused = with_head(spec, model)
-    return Trainee.assembled(model, None, built, spec.train.precision, fused_head=fused)
+    trainee = assembled_denoiser(spec, name, options, TokenIds.planned(options, vocab))
+    compiled(spec, trainee.model)
+    return trainee
 
 
 def dflash_pair(spec, name: str, vocab: int, rows: torch.Tensor, device: str, work: Path):
     """(draft trainee on cached features, the target as a causal trainee): the target is built as
-    `pretrain_target` builds it, its features written once over `rows` as `cache_target` writes them."""
+    `pretrain_target` builds it, its features written once over `rows` as `cache_target` writes them, the draft
+    by the train stage's `assembled_draft`."""
     from strategies.dflash.features import CachedFeatures, write_feature_cache
     from tasks.common import StageRef
-    from tasks.speculative import setup as dflash_setup
+    from tasks.speculative.setup import layer_ids_for
     from tasks.speculative.target import new_target
 
     options = resolve_options(spec, name)
     target = new_target(spec, vocab).to(device).eval().requires_grad_(False)
-    mask_id = _mask_id(options, vocab)
     ref = StageRef("target", "bench", "", info={"num_layers": target.config.num_hidden_layers})
-    fields = dflash_setup.new_draft_fields(spec, options)  # the variant's modules and the attention shape
-    draft = dflash_setup.new_draft(spec, target, ref, options.block_size, mask_id, options.copy_hint, fields)
-    layers = list(draft.config.target_layer_ids)
     write_feature_cache(
-        target, {"train": rows}, layers, work, dtype=spec.dflash.cache_dtype, top_k=options.distill_top_k
+        target,
+        {"train": rows},
+        layer_ids_for(spec, ref),
+        work,
+        dtype=spec.dflash.cache_dtype,
+        top_k=options.distill_top_k,
     )
-    built = dflash_setup.draft_strategy(name, options, draft, target, mask_token_id=mask_id, cache=CachedFeatures(work))
+    tokens = TokenIds.planned(options, vocab)
+    trainee = assembled_draft(spec, name, target, ref, tokens, cache=CachedFeatures(work))
     if spec.train.compile:  # as draft_trainee does
-        compile_layers(draft)
-    trainee = Trainee.assembled(draft.to(device), None, built, spec.train.precision)
+        compile_layers(trainee.model)
+    trainee.model.to(device)
     return trainee, causal_trainee(spec, new_target(spec, vocab))
 
 
@@ -229,14 +233,14 @@ def causal_share():
 def causal_flops(spec, name: str, vocab: int) -> tuple[float, float]:
     """FLOPs of the causal step of `name`'s backbone (the DFlash target for dflash), counted by the planner's
     tracer through the same `run_step` on fake weights, and their causal-attention share."""
-    tracer = _Tracer()
+    tracer = Tracer()
     with tracer, torch.random.fork_rng(devices=[]):
         if strategy_class(name).trains == "draft":
             from tasks.speculative.target import new_target
 
             model = new_target(spec, vocab)
         else:
-            model = backbone(spec, name, vocab, causal=True)
+            model = causal_backbone(spec, name, vocab)
         fused = bool(spec.train.fused_head and make_head_deferrable(model, spec.train.head_chunk_rows))
         trainee = Trainee(
             model=model,
@@ -307,7 +311,7 @@ def measure(spec, name: str, args, work: Path) -> dict:
     else:
         trainee = denoiser_trainee(spec, name, vocab)
         trainee.model.to(device)
-        base = causal_trainee(spec, backbone(spec, name, vocab, causal=True))
+        base = causal_trainee(spec, causal_backbone(spec, name, vocab))
     base.model.to(device)
     strat, causal = Side(spec, trainee, rows, device), Side(spec, base, rows, device)
     for step in range(args.warmup):

@@ -69,6 +69,44 @@ def test_the_plan_is_what_a_real_cpu_step_allocates_and_counts(xs, name, fused, 
     assert predicted.flops_per_token * tokens == pytest.approx(counted, rel=1e-6)
 
 
+def _parameters(model) -> list:
+    return [(name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()]
+
+
+@pytest.mark.parametrize(
+    ("name", "checkpointing", "lora"),
+    [
+        ("mdlm", True, True),
+        ("scdd", False, False),
+        ("block_diffusion", False, False),
+        ("block_diffusion:stack", False, False),
+        ("dflash", False, False),
+    ],
+)
+def test_the_planner_builds_what_training_builds(xs, name, checkpointing, lora):
+    """The plan's fake module is the train stage's (`tasks.training.trainee`'s builders, called by both): the same
+    parameters by name, shape, dtype and trainability (LoRA's adapters and a DFlash draft's frozen target
+    included), the same resolved mask id and fused head."""
+    from tasks.common import StageRef
+    from tasks.training.trainee import build_trainee
+
+    name, _, architecture = name.partition(":")
+    spec = BENCH.spec_for(name, "xs", True, checkpointing, xs, architecture)
+    if lora:
+        raw = spec.model_dump(mode="json")
+        raw["train"]["peft"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+        spec = validate_config(raw)
+    inputs = BENCH.dflash_inputs(spec, "xs", xs) if name == "dflash" else {}
+    real = build_trainee(spec, name, StageRef("prepare_data", "plan", str(xs / "data")), "cpu", inputs)
+    planner = plan_step.Planner(spec, name)
+    fake = planner.builder.build(spec.train.fused_head, checkpointing)
+    assert _parameters(fake.model) == _parameters(real.model)
+    assert (fake.mask_token_id, fake.fused_head) == (real.mask_token_id, real.fused_head)
+    if name == "dflash":
+        target = real.strategy.target
+        assert _parameters(planner.builder.frozen) == _parameters(target)
+
+
 def test_an_experts_grouped_matmul_counts_as_the_matmul_it_replaces():
     """One expert's grouped matmul is an ordinary matmul: forward and backward (input and weight gradients) count
     the same FLOPs as `x @ w` under PyTorch's own counter (which has no formula for the grouped one)."""
@@ -124,7 +162,7 @@ def _tiny(name: str, layers: int = 7, **train):
     ],
 )
 def test_three_traced_layers_extend_to_the_full_depth(monkeypatch, name, fused, ckpt, keep):
-    planner = plan_step._Planner(_tiny(name), name)
+    planner = plan_step.Planner(_tiny(name), name)
     shape = plan.Shape(fused, ckpt, 2)
     extended = planner.trace(shape, keep_grads=keep)
     monkeypatch.setattr(plan_step, "TRACED_LAYERS", 99)  # trace all 7 layers
@@ -134,7 +172,7 @@ def test_three_traced_layers_extend_to_the_full_depth(monkeypatch, name, fused, 
 def test_more_micro_batches_do_not_add_activations():
     """Under bf16 autocast each micro-batch's weight casts are freed when it ends: four micro-batches peak where one
     does (a 3-layer trace extended to 7 layers predicted 19 % more, the casts of 4 layers left over per micro-batch)."""
-    planner = plan_step._Planner(_tiny("idlm", global_batch_size=8, precision="bf16"), "idlm")
+    planner = plan_step.Planner(_tiny("idlm", global_batch_size=8, precision="bf16"), "idlm")
     shape = plan.Shape(True, True, 2)
     one, four = planner.trace(shape).peak, planner.trace(shape, micro_batches=4).peak
     assert one <= four <= 1.01 * one
@@ -159,7 +197,7 @@ def test_parallelism_divides_and_adds_what_it_should():
     working set (the root's weights and gradients, two layers' weights, one layer's gradients); DDP keeps a second
     copy of the gradients (its buckets)."""
     spec = _tiny("mdlm", layers=4)
-    model, _ = plan_step._Planner(spec, "mdlm").full_model()
+    model, _ = plan_step.Planner(spec, "mdlm").full_model()
     h, inner, vocab, layers = 32, 96, 512, 4
     layer = 4 * h * h + 3 * h * inner + 2 * h  # attention, MLP, two norms
     root = vocab * h + h  # the (tied) embedding and the final norm
@@ -174,7 +212,7 @@ def test_parallelism_divides_and_adds_what_it_should():
 
 def test_a_pretrained_config_is_read_without_its_weights():
     spec = load_config(ROOT / "configs" / "plan-8b.yaml")
-    model, _ = plan_step._Planner(spec, "hybrid").full_model()
+    model, _ = plan_step.Planner(spec, "hybrid").full_model()
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Llama 3 8B
     assert not (ROOT / "configs" / "models" / "llama-3-8b" / "model.safetensors").exists()
     r = plan.Resident.of(model, None, plan.layout(spec, 8), "cuda")
@@ -201,7 +239,7 @@ def test_a_diffusion_gemma_checkpoint_is_planned_from_its_config(tmp_path):
         "dllm": {"mask_token_id": 511},
     }
     spec = validate_config(raw)
-    model, _ = plan_step._Planner(spec, "block_diffusion").full_model()
+    model, _ = plan_step.Planner(spec, "block_diffusion").full_model()
     assert sum(p.numel() for p in model.parameters()) == real
     r = plan.Resident.of(model, None, plan.layout(spec, 2), "cuda")
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -210,7 +248,7 @@ def test_a_diffusion_gemma_checkpoint_is_planned_from_its_config(tmp_path):
 
     spec = validate_config({**raw, "model": {"kind": "pretrained", "path": str(ROOT / "configs/models/llama-3-8b")}})
     with pytest.raises(ConfigError, match="not a DiffusionGemma one: .* set dllm.architecture: stack"):
-        plan_step._Planner(spec, "block_diffusion")
+        plan_step.Planner(spec, "block_diffusion")
 
 
 def test_a_hub_id_not_in_the_local_cache_is_one_clear_error():
@@ -298,7 +336,7 @@ def test_the_environment_declares_the_gpu(tmp_path, capsys, monkeypatch):
 
 def test_fake_scalars_and_real_masks_in_the_trace():
     """Inside a traced step a real mask selects as many fake rows as it holds, and a fake scalar reads as 1."""
-    tracer = plan_trace._Tracer()
+    tracer = plan_trace.Tracer()
     with tracer:
         hidden = torch.empty(2, 5, 8)
     mask = torch.tensor([[True, False, True, False, False], [False, False, False, True, True]])

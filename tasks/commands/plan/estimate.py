@@ -12,7 +12,7 @@ from torch import nn
 from dllm_common.config import ConfigError, PipelineSpec
 from tasks.commands.plan.measured import StepCost
 from tasks.commands.plan.model import Shape, decoder_layers
-from tasks.commands.plan.step import Trace, _Planner
+from tasks.commands.plan.step import Planner, Trace
 from tasks.commands.plan.trace import GB, Untraceable, too_long, traceable_rows
 
 DEFAULT_MFU = 0.4
@@ -204,7 +204,7 @@ def plan_strategy(
         raise Untraceable(too_long(spec, lay.rows))
     unsized = sizing and lay.rows + 1 > traceable_rows(spec)  # sizing traces one more row
     sizing = sizing and not unsized
-    planner = _Planner(spec, name)
+    planner = Planner(spec, name)
     model, frozen = planner.full_model()
     res = Resident.of(model, frozen, lay, cluster.device)
     del model

@@ -1,42 +1,39 @@
-"""The model `dllm-flow plan` traces, built as training builds it but from configs alone: fake weights, no
-checkpoint read (a tiny model from `model:`, a pretrained one from its `config.json`, a DFlash draft and target)."""
+"""The model `dllm-flow plan` traces, built by the train stage's own builders (`tasks.training.trainee`:
+`assembled_denoiser`, `assembled_draft`; the embedded DFlash target by `tasks.speculative.target.new_target`) under
+the tracer's fake-tensor mode, from configs alone: what a plan does not have is given as training's builders take
+it (`TokenIds` for the data stage's tokenizer, the target model, a config for a checkpoint's weights)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from dllm_common.config import ConfigError, PipelineSpec
-from strategies import Microbatch, assemble_strategy, strategy_class
-from strategies.dflash.draft import DFlashDraftModel
+from strategies import Microbatch, strategy_class
 from strategies.dflash.features import TargetOutputs
 from strategies.dflash.loss import SoftLabels
-from strategies.head import make_head_deferrable
-from strategies.models import (
-    BIDIRECTIONAL_MASK,
-    NATIVE,
-    add_lora,
-    backbone_lm,
-    build_model,
-    enable_activation_checkpointing,
-    resolve_model_path,
-    wrap_for_architecture,
-)
+from strategies.models import backbone_lm
 from strategies.options import resolve_options
-from strategies.registry import model_shape
-from tasks.commands.plan.trace import _Tracer
+from tasks.commands.plan.trace import Tracer
 from tasks.common import StageRef
 from tasks.data.tokenizer import load_tokenizer
-from tasks.speculative import setup as dflash_setup
+from tasks.speculative.setup import layer_ids_for
 from tasks.speculative.target import new_target
 from tasks.training.runtime import Trainee
-from tasks.training.trainee import model_architecture, tiny_config
+from tasks.training.trainee import (
+    TokenIds,
+    assembled_denoiser,
+    assembled_draft,
+    default_dtype,
+    model_config,
+    own_shape,
+    pretrained_config,
+)
 
 # ------------------------------------------------------------------ the model, built fake
 
@@ -48,32 +45,6 @@ class Shape:
     fused_head: bool
     checkpointing: bool
     rows: int
-
-
-def model_config(spec: PipelineSpec, vocab_size: int):
-    """The backbone's config as training builds it: `model:` for a tiny one, a pretrained one's config.json
-    (by path, `package:NAME` or a hub id already in the local cache; never its weights)."""
-    m = spec.model
-    if m.kind == "tiny":
-        return tiny_config(spec, vocab_size)
-    config = pretrained_config(m.path, "model.path", m.trust_remote_code, m.gguf_file)
-    config._attn_implementation = m.attn_implementation
-    return config
-
-
-def pretrained_config(path: str, key: str, trust_remote_code: bool = False, gguf_file: str | None = None):
-    """A pretrained model's config alone; a hub id that is not in the local cache (offline) is one clear error."""
-    where = resolve_model_path(path)
-    kwargs = {"trust_remote_code": trust_remote_code, **({"gguf_file": gguf_file} if gguf_file else {})}
-    try:
-        return AutoConfig.from_pretrained(where, **kwargs)
-    except OSError as exc:
-        if Path(where).exists():
-            raise ConfigError(f"{key} {path!r}: no readable config.json there ({exc})") from None
-        raise ConfigError(
-            f"{key} {path!r} is neither a local directory nor a hub id in the local cache (HF_HUB_OFFLINE is on): "
-            "download its config.json once, or give the directory that holds it"
-        ) from None
 
 
 def vocab_size(spec: PipelineSpec) -> int:
@@ -88,7 +59,7 @@ def vocab_size(spec: PipelineSpec) -> int:
         raise ConfigError(f"tokenizer.path {t.path!r}: no tokenizer there or in the local cache ({exc})") from None
 
 
-def _truncated(config, layers: int):
+def truncated(config, layers: int):
     """A copy of `config` with `layers` decoder layers (per-layer lists, e.g. `layer_types`, cut to match)."""
     config = type(config).from_dict(config.to_dict())
     total = config.num_hidden_layers
@@ -109,67 +80,33 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers if layers is not None else lm.model.layers
 
 
-class _Stub:
-    """What a strategy reads from a tokenizer while it is assembled: the special ids and the length."""
+class Builder:
+    """Builds, under one `Tracer`, the trained module of a strategy with the train stage's builders, from configs
+    only: fake weights, no checkpoint read. A denoiser's config is read once (`model_config`); a deep one is built
+    again at fewer layers for the trace (`depth`: its configured depth, None where it is traced whole)."""
 
-    def __init__(self, size: int, mask_token_id: int | None):
-        self.size, self.mask_token_id, self.pad_token_id, self.eos_token_id = size, mask_token_id, 0, 1
-        self.bos_token_id = None
-
-    def __len__(self) -> int:
-        return self.size
-
-
-def _mask_id(options, vocab: int) -> int:
-    """The configured mask id, else the last row of the embedding (where the mask sits does not change cost)."""
-    return int(options.mask_token_id) if options.mask_token_id is not None else vocab - 1
-
-
-@dataclass
-class _Built:
-    trainee: Trainee
-    layers: int  # decoder layers of the trained module as configured
-
-
-class _Builder:
-    """Builds, under one `_Tracer`, the trained module of a strategy the way `tasks.training.trainee` does, but from
-    configs only: fake weights, no checkpoint read."""
-
-    def __init__(self, spec: PipelineSpec, name: str, tracer: _Tracer):
+    def __init__(self, spec: PipelineSpec, name: str, tracer: Tracer):
         self.spec, self.name, self.tracer = spec, name, tracer
         self.cls = strategy_class(name)
         self.options = resolve_options(spec, name)
-        # a shape that is a transformers model of its own (block_diffusion's DiffusionGemma) is built as training
-        # builds it, and traced at its full depth: its layers differ (sliding and full attention, wider global heads)
-        architecture = model_architecture(name, self.options)
-        shape = model_shape(architecture) if architecture is not None else None
-        self.own_model = shape if hasattr(shape, "from_model_spec") else None
-        self.vocab = vocab_size(spec) if spec.model.kind == "tiny" or self.cls.trains == "draft" else None
         self.draft = self.cls.trains == "draft"
-        self._config = None
-        if self.own_model is not None:
-            self._config = self._own_config()
-        elif not self.draft:
-            self._config = model_config(spec, self.vocab or 0)
-        if self._config is not None and self.vocab is None:
-            self.vocab = int(self._config.get_text_config().vocab_size)
-        full_depth = self._config is None or self.own_model is not None
-        self.depth = None if full_depth else self._config.num_hidden_layers
+        self.tokens: TokenIds | None = None  # a draft's: the target's vocabulary, known once it is built
+        self.config = None
+        if not self.draft:
+            tiny = spec.model.kind == "tiny"
+            tokens = TokenIds.planned(self.options, vocab_size(spec)) if tiny else None
+            self.config = model_config(spec, name, self.options, tokens)
+            self.tokens = tokens or TokenIds.planned(self.options, int(self.config.get_text_config().vocab_size))
+        # a model of its own (block_diffusion's DiffusionGemma) is traced at its full depth: its layers differ
+        # (sliding and full attention, wider global heads)
+        full_depth = self.config is None or own_shape(name, self.options) is not None
+        self.depth = None if full_depth else self.config.num_hidden_layers
         self.deferrable = False  # whether the fused head applies: a plain linear LM head (a draft has none)
         self.frozen: nn.Module | None = None
 
-    def _own_config(self):
-        """The config of a model that builds itself: sized from `model:` (tiny), or a checkpoint's config.json."""
-        m = self.spec.model
-        if m.kind == "tiny":
-            return self.own_model.tiny_config(self.spec, _Stub(self.vocab, None), self.options)
-        config = pretrained_config(m.path, "model.path", m.trust_remote_code)
-        try:
-            self.own_model.check_checkpoint_config(config, m.path)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        config._attn_implementation = m.attn_implementation
-        return config
+    @property
+    def vocab(self) -> int:
+        return self.tokens.size
 
     def supports(self, checkpointing: bool) -> bool:
         return not checkpointing or self.cls.supports_activation_checkpointing
@@ -181,70 +118,47 @@ class _Builder:
             return self._denoiser(fused, checkpointing, layers)
 
     def _denoiser(self, fused: bool, checkpointing: bool, layers: int | None) -> Trainee:
-        spec, m = self.spec, self.spec.model
-        config = self._config if layers is None else _truncated(self._config, layers)
-        if self.own_model is not None:
-            with _default_dtype(getattr(torch, m.dtype) if m.kind == "pretrained" else torch.float32):
-                model = self.own_model.from_config(config)
-        elif m.kind == "tiny":
-            model = build_model(config, spec.train.seed)
-        else:
-            native = m.trust_remote_code and getattr(config, "auto_map", None)
-            model = AutoModelForCausalLM.from_config(
-                config, trust_remote_code=m.trust_remote_code, dtype=getattr(torch, m.dtype)
-            )
-            model.config.dllm_attention = NATIVE if native else BIDIRECTIONAL_MASK
-        if spec.train.peft is not None:
-            p = spec.train.peft
-            with _moves_by_replacement():  # PEFT moves each new adapter beside its layer with `Module.to`
-                add_lora(model, r=p.r, alpha=p.alpha, dropout=p.dropout, target_modules=p.target_modules)
-        if checkpointing:
-            enable_activation_checkpointing(model)
-        mask_id = _mask_id(self.options, self.vocab)
-        if self.own_model is None and getattr(model.config, "dllm_attention", None) != NATIVE:
-            model = wrap_for_architecture(model, self.cls.model_architecture, mask_token_id=mask_id)
-        built = assemble_strategy(self.name, self.options, model, _Stub(self.vocab, mask_id))
-        head = make_head_deferrable(model, spec.train.head_chunk_rows) if fused else False
-        self.deferrable = head or not fused and self.deferrable
-        return Trainee.assembled(model, None, built, spec.train.precision, fused_head=head)
+        t = self.spec.train
+        planned = {"fused_head": fused, "activation_checkpointing": checkpointing}
+        spec = self.spec.model_copy(update={"train": t.model_copy(update=planned)})
+        config = self.config if layers is None else truncated(self.config, layers)
+        with _moves_by_replacement():  # PEFT moves each new adapter beside its layer with `Module.to`
+            trainee = assembled_denoiser(spec, self.name, self.options, self.tokens, config)
+        self.deferrable = trainee.fused_head or not fused and self.deferrable
+        return trainee
 
     def _draft(self) -> Trainee:
-        """A DFlash draft against its frozen target: the target from `dflash.target_model_id`'s config or the one
-        `pretrain_target` would train; the features from the cache (fake, in the cache's dtype) or the target."""
+        """A DFlash draft against its frozen target: the one `pretrain_target` would train or
+        `dflash.target_model_id`'s config; the features from the cache (fake, in the cache's dtype) or the target."""
         spec, d = self.spec, self.spec.dflash
-        with _default_dtype(getattr(torch, d.target_torch_dtype)):  # built in its dtype (a fake module cannot `.to`)
+        with default_dtype(getattr(torch, d.target_torch_dtype)):  # built in its dtype (a fake module cannot `.to`)
             if d.target_model_id is None:
-                target = new_target(spec, self.vocab)
+                target = new_target(spec, vocab_size(spec))
             else:
                 config = pretrained_config(
                     d.target_model_id, "dflash.target_model_id", d.target_trust_remote_code, d.target_gguf_file
                 )
                 target = AutoModelForCausalLM.from_config(config, trust_remote_code=d.target_trust_remote_code)
         target = target.eval().requires_grad_(False)
-        self.vocab = int(target.config.vocab_size)
-        mask_id = _mask_id(self.options, self.vocab)
+        self.tokens = TokenIds.planned(self.options, int(target.config.vocab_size))
         ref = StageRef("target", "plan", "", info={"num_layers": target.config.num_hidden_layers})
-        options = self.options
-        if spec.model.kind == "pretrained":
-            draft = DFlashDraftModel.from_config_dir(resolve_model_path(spec.model.path))
-            options = self.cls.complete_options(options, draft)
-        else:
-            size = options.block_size or 2
-            fields = dflash_setup.new_draft_fields(spec, options)  # DFlash 2's shapes, the attention's (§10.12)
-            draft = dflash_setup.new_draft(spec, target, ref, size, mask_id, options.copy_hint, fields)
-        cached = d.target_features == "cached"
-        cache = _FakeFeatures(draft.config, options.distill_top_k, d.cache_dtype) if cached else None
-        built = dflash_setup.draft_strategy(self.name, options, draft, target, mask_token_id=mask_id, cache=cache)
+        cache = None
+        if d.target_features == "cached":
+            layers = layer_ids_for(spec, ref)
+            width = len(layers) * target.config.hidden_size  # the draft is as wide as its target
+            cache = _FakeFeatures(layers, width, self.options.distill_top_k, d.cache_dtype)
+        trainee = assembled_draft(spec, self.name, target, ref, self.tokens, cache=cache, weights=False)
         self.frozen = target
-        return Trainee.assembled(draft, None, built, spec.train.precision)
+        return trainee
 
 
 @contextlib.contextmanager
 def _moves_by_replacement() -> Iterator[None]:
     """Inside this block `Module.to` (`_apply`) replaces each tensor it changes with the moved one. Torch swaps a
     fake parameter in place instead, which a fake-tensor mode's weak reference to it makes fail ("Couldn't swap");
-    replacing is what a real module's `.to` amounts to. For modules that share no tensor with another (a new
-    adapter): a tied weight would be replaced on one side only."""
+    replacing is what a real module's `.to` amounts to. A tensor `.to` leaves as it is is kept: the planner builds
+    each module in its dtype on one device, so only a new module's tensors change (an adapter's, moved beside its
+    layer), and a weight tied across modules is never replaced on one side only."""
     original = nn.Module._apply
 
     def apply(module: nn.Module, fn, recurse: bool = True) -> nn.Module:
@@ -266,23 +180,13 @@ def _moves_by_replacement() -> Iterator[None]:
         nn.Module._apply = original
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 class _FakeFeatures:
     """A feature cache that holds nothing: each micro-batch's target features are made in the traced step, in the
-    cache's shape and dtype (what `CachedFeatures` reads from its shards and moves to the device)."""
+    cache's shape and dtype (what `CachedFeatures` reads from its shards and moves to the device): `width` features
+    per token, the target's hidden states at `layer_ids` side by side."""
 
-    def __init__(self, draft_config, top_k: int, dtype: str):
-        self.layer_ids, self.top_k = list(draft_config.target_layer_ids), top_k
-        self.width = draft_config.num_target_features * draft_config.hidden_size  # the draft is as wide as its target
+    def __init__(self, layer_ids: list[int], width: int, top_k: int, dtype: str):
+        self.layer_ids, self.width, self.top_k = list(layer_ids), width, top_k
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
     def __call__(self, mb: Microbatch, labels: bool = False) -> TargetOutputs:

@@ -20,7 +20,7 @@ from tasks.commands.plan.estimate import (
     plan_strategy,
 )
 from tasks.commands.plan.measured import header_lines, step_cost_for
-from tasks.commands.plan.trace import Untraceable, _n, count, size
+from tasks.commands.plan.trace import Untraceable, count, plural, size
 
 # ------------------------------------------------------------------ what is printed
 
@@ -39,7 +39,7 @@ def render(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan], sour
         f"dllm-flow plan{' ' + source if source else ''}: {model_name(spec)}, sequence {spec.data.seq_len}, "
         f"{precision}",
         f"{cluster.gpus} × {cluster.device.upper()} ({memory}), {parallel}; global batch {t.global_batch_size} = "
-        f"{_n(lay.world, 'rank')} × {_n(lay.micro_batches, 'micro-batch')} × {_n(lay.rows, 'row')}",
+        f"{plural(lay.world, 'rank')} × {plural(lay.micro_batches, 'micro-batch')} × {plural(lay.rows, 'row')}",
         f"time at {cluster.mfu:.0%} of {count(flops)}FLOP/s per GPU (an assumed utilization of the counted FLOPs; "
         "benchmarks/gpu_check.py measures it)",
         *header_lines(cluster.step_cost, [p.strategy for p in plans], t.precision),
@@ -64,7 +64,7 @@ def render(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan], sour
         )
     lines += [
         "",
-        f"Activations of one micro-batch of {_n(lay.rows, 'row')}, per memory setting (n/a: the strategy or model "
+        f"Activations of one micro-batch of {plural(lay.rows, 'row')}, per memory setting (n/a: the strategy or model "
         "has no such setting)",
         "",
         "| strategy | fused head | full logits | fused head + checkpointing | full logits + checkpointing |",

@@ -14,8 +14,8 @@ from torch._subclasses.fake_tensor import (
 
 from dllm_common.config import PipelineSpec
 from strategies import Microbatch, strategy_class
-from tasks.commands.plan.model import Shape, _Builder, decoder_layers
-from tasks.commands.plan.trace import TRACED_LAYERS, Untraceable, _Tracer, too_long
+from tasks.commands.plan.model import Builder, Shape, decoder_layers
+from tasks.commands.plan.trace import TRACED_LAYERS, Tracer, Untraceable, too_long
 from tasks.training.distributed import DistInfo
 from tasks.training.loop import run_step, step_context
 
@@ -51,7 +51,7 @@ class Trace:
     flops: int
 
 
-def _mark_layers(model: nn.Module, tracer: _Tracer) -> list:
+def _mark_layers(model: nn.Module, tracer: Tracer) -> list:
     """Hooks that start a timeline segment where a decoder layer's forward starts (recomputation included) and
     where its backward starts (the gradient of its output arrives)."""
 
@@ -85,12 +85,12 @@ def _drop_gradients(params) -> list:
     return [p.register_post_accumulate_grad_hook(drop) for p in params]
 
 
-class _Planner:
+class Planner:
     """The traces of one strategy of a pipeline, built from configs only."""
 
     def __init__(self, spec: PipelineSpec, name: str):
-        self.spec, self.name, self.tracer = spec, name, _Tracer()
-        self.builder = _Builder(spec, name, self.tracer)
+        self.spec, self.name, self.tracer = spec, name, Tracer()
+        self.builder = Builder(spec, name, self.tracer)
 
     def trace(
         self, shape: Shape, keep_grads: bool = False, grads_present: bool = False, micro_batches: int = 1

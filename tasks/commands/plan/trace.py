@@ -94,7 +94,7 @@ def _index_list(indices) -> list:
 _INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default}
 
 
-class _Tracer(FakeTensorMode):
+class Tracer(FakeTensorMode):
     """A fake-tensor mode for one training step. While `tracking`:
 
     - an operator on real tensors only (noise draws, masks, counts) runs for real when its result is small, so
@@ -213,7 +213,7 @@ def too_long(spec: PipelineSpec, rows: int, why: str = "") -> str:
     length = spec.data.seq_len
     longest = REAL_LIMIT // (TOKEN_BYTES * rows)
     return (
-        f"data.seq_len {length} is too long to plan at {_n(rows, 'row')} per micro-batch{why}: the planner runs a "
+        f"data.seq_len {length} is too long to plan at {plural(rows, 'row')} per micro-batch{why}: the planner runs a "
         f"step's per-token work (noise draws, masks) for real, at most {size(REAL_LIMIT)} a tensor, which is "
         f"{longest} tokens a row at this micro-batch; lower data.seq_len (or train.micro_batch_size) to plan it"
     )
@@ -297,5 +297,6 @@ def count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _n(n: int, what: str) -> str:
+def plural(n: int, what: str) -> str:
+    """`n` of `what`, in the plural where it is not one: 1 row, 3 rows, 2 micro-batches."""
     return f"{n} {what}{'' if n == 1 else ('es' if what.endswith('h') else 's')}"
