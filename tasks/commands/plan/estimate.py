@@ -194,6 +194,50 @@ def _phases(res: Resident, lay: Layout, activations: int, with_grads: int | None
     return base + res.working + during, base + res.working + res.gradients + res.update
 
 
+class _Settings:
+    """The traces of one strategy's micro-batch at each memory setting (fused head, activation checkpointing), each
+    traced once when first asked for; `activations`: their peaks, None where a setting does not apply."""
+
+    def __init__(self, planner: Planner, rows: int):
+        self.planner, self.rows = planner, rows
+        self.activations: dict[tuple[bool, bool], int | None] = {}
+        self.traces: dict[tuple[bool, bool], Trace | None] = {}
+
+    def peak(self, fused: bool, ckpt: bool) -> int | None:
+        if (fused, ckpt) not in self.activations:
+            builder = self.planner.builder
+            trace = self.planner.trace(Shape(fused, ckpt, self.rows)) if builder.supports(ckpt) else None
+            applies = trace is not None and (builder.deferrable or not fused)  # else the same as full logits
+            self.activations[(fused, ckpt)] = trace.peak if applies else None
+            self.traces[(fused, ckpt)] = trace
+        return self.activations[(fused, ckpt)]
+
+    def configured(self, spec: PipelineSpec) -> tuple[tuple[bool, bool], list[str]]:
+        """The setting `train:` asks for as it applies to this strategy and model, and a note for each switch that
+        does not apply."""
+        t = spec.train
+        chosen = (t.fused_head, t.activation_checkpointing and self.planner.builder.supports(True))
+        if self.peak(*chosen) is None:  # the model has no plain linear head to fuse
+            chosen = (False, chosen[1])
+            self.peak(*chosen)
+        notes = []
+        if chosen[1] != t.activation_checkpointing:
+            notes.append("train.activation_checkpointing does not apply to it: planned without")
+        if chosen[0] != t.fused_head:
+            notes.append("its model has no plain linear LM head: planned with full logits")
+        return chosen, notes
+
+
+def _largest_micro_batch(usable: float | None, lay: Layout, during: int, update: int, more: int) -> int | None:
+    """The most rows a micro-batch may have in `usable` bytes, each row `more` bytes of activations beyond the
+    configured micro-batch's `during` (None: no memory given)."""
+    if usable is None:
+        return None
+    if update > usable:
+        return 0
+    return max(0, lay.rows + math.floor((usable - during) / more) if more > 0 else lay.rows)
+
+
 def plan_strategy(
     spec: PipelineSpec, name: str, cluster: Cluster, variants: bool = True, sizing: bool = True
 ) -> StrategyPlan:
@@ -208,63 +252,40 @@ def plan_strategy(
     model, frozen = planner.full_model()
     res = Resident.of(model, frozen, lay, cluster.device)
     del model
-    t = spec.train
-    acts: dict[tuple[bool, bool], int | None] = {}
-    traces: dict[tuple[bool, bool], Trace] = {}
-
-    def activations(fused: bool, ckpt: bool) -> int | None:
-        if (fused, ckpt) not in acts:
-            trace = planner.trace(Shape(fused, ckpt, lay.rows)) if planner.builder.supports(ckpt) else None
-            applies = trace is not None and (planner.builder.deferrable or not fused)  # else the same as full logits
-            acts[(fused, ckpt)] = trace.peak if applies else None
-            traces[(fused, ckpt)] = trace
-        return acts[(fused, ckpt)]
-
-    chosen = (t.fused_head, t.activation_checkpointing and planner.builder.supports(t.activation_checkpointing))
-    if activations(*chosen) is None:  # the model has no plain linear head to fuse
-        chosen = (False, chosen[1])
-        activations(*chosen)
+    settings = _Settings(planner, lay.rows)
+    chosen, notes = settings.configured(spec)
     for variant in VARIANTS if variants else ():
-        activations(*variant)
-    notes = []
-    if chosen[1] != t.activation_checkpointing:
-        notes.append("train.activation_checkpointing does not apply to it: planned without")
-    if chosen[0] != t.fused_head:
-        notes.append("its model has no plain linear LM head: planned with full logits")
+        settings.peak(*variant)
     if unsized:
         notes.append(f"largest micro-batch not sized: {too_long(spec, lay.rows + 1)}")
     # the whole step (every micro-batch draws its own noise, so how many positions a strategy selects varies)
     shape = Shape(*chosen, lay.rows)
-    step = traces[chosen] if lay.micro_batches == 1 else planner.trace(shape, micro_batches=lay.micro_batches)
-    act, flops = step.peak, step.flops
+    many = lay.micro_batches > 1
+    step = planner.trace(shape, micro_batches=lay.micro_batches) if many else settings.traces[chosen]
     more = 0
     if sizing:  # one more row: what each row adds, which sizes the largest micro-batch
-        more = max(0, planner.trace(Shape(*chosen, lay.rows + 1)).peak - acts[chosen])
+        more = max(0, planner.trace(Shape(*chosen, lay.rows + 1)).peak - settings.activations[chosen])
     with_grads = None
     if lay.parallel != "fsdp2":
         with_grads = planner.trace(shape, keep_grads=True, micro_batches=lay.micro_batches).peak
-    during, update = _phases(res, lay, act, with_grads)
-    max_rows, usable = None, cluster.usable()
-    if usable is not None and sizing:
-        room = usable - during
-        max_rows = 0 if update > usable else max(0, lay.rows + math.floor(room / more) if more > 0 else lay.rows)
-    rate = (cluster.flops or DEFAULT_FLOPS[t.precision]) * cluster.mfu
+    during, update = _phases(res, lay, step.peak, with_grads)
+    max_rows = _largest_micro_batch(cluster.usable(), lay, during, update, more) if sizing else None
     ratio = cluster.cost_ratio(name)
-    seconds = flops / rate * ratio
+    seconds = step.flops / ((cluster.flops or DEFAULT_FLOPS[spec.train.precision]) * cluster.mfu) * ratio
     tokens = spec.data.seq_len
     return StrategyPlan(
         strategy=name,
         layout=lay,
         resident=res,
-        activations=acts,
+        activations=settings.activations,
         configured=chosen,
-        step_activations=act,
+        step_activations=step.peak,
         peak=max(during, update),
         per_row=more,
         max_rows=max_rows,
-        flops_per_token=flops / (tokens * lay.rows * lay.micro_batches),
+        flops_per_token=step.flops / (tokens * lay.rows * lay.micro_batches),
         step_seconds=seconds,
-        tokens_per_second=t.global_batch_size * tokens / seconds,
+        tokens_per_second=spec.train.global_batch_size * tokens / seconds,
         step_cost=ratio,
         notes=notes,
     )

@@ -30,12 +30,21 @@ def _switches(fused: bool, ckpt: bool) -> str:
 
 
 def render(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan], source: str = "") -> str:
+    """The plan as printed: what it is for, then memory per GPU, activations per memory setting and compute, one
+    table each, then the notes."""
+    lines = _header(spec, cluster, plans, source) + _memory_table(cluster, plans)
+    lines += _activation_table(plans) + _compute_table(spec, cluster, plans)
+    notes = _notes(spec, cluster, plans)
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _header(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan], source: str) -> list[str]:
     t, lay = spec.train, plans[0].layout
     flops = cluster.flops or DEFAULT_FLOPS[t.precision]
     precision = "bf16 autocast (fp32 weights and AdamW)" if t.precision == "bf16" else "fp32"
     parallel = {"single": "one process", "ddp": "DDP", "fsdp2": "FSDP2"}[lay.parallel]
     memory = "memory not given" if cluster.memory is None else f"{size(cluster.memory)} each"
-    lines = [
+    return [
         f"dllm-flow plan{' ' + source if source else ''}: {model_name(spec)}, sequence {spec.data.seq_len}, "
         f"{precision}",
         f"{cluster.gpus} × {cluster.device.upper()} ({memory}), {parallel}; global batch {t.global_batch_size} = "
@@ -43,6 +52,11 @@ def render(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan], sour
         f"time at {cluster.mfu:.0%} of {count(flops)}FLOP/s per GPU (an assumed utilization of the counted FLOPs; "
         "benchmarks/gpu_check.py measures it)",
         *header_lines(cluster.step_cost, [p.strategy for p in plans], t.precision),
+    ]
+
+
+def _memory_table(cluster: Cluster, plans: list[StrategyPlan]) -> list[str]:
+    lines = [
         "",
         "Memory per GPU at the configured settings (activations: the step's peak of activations, logits and loss "
         "scratch; peak: everything at the step's highest point, forward/backward or the optimizer update)",
@@ -62,10 +76,14 @@ def render(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan], sour
             f"| {size(r.working) if r.working else '-'} | {size(p.step_activations)} | {size(p.peak)} "
             f"| {fits} | {largest} |"
         )
-    lines += [
+    return lines
+
+
+def _activation_table(plans: list[StrategyPlan]) -> list[str]:
+    lines = [
         "",
-        f"Activations of one micro-batch of {plural(lay.rows, 'row')}, per memory setting (n/a: the strategy or model "
-        "has no such setting)",
+        f"Activations of one micro-batch of {plural(plans[0].layout.rows, 'row')}, per memory setting (n/a: the "
+        "strategy or model has no such setting)",
         "",
         "| strategy | fused head | full logits | fused head + checkpointing | full logits + checkpointing |",
         "|---|---|---|---|---|",
@@ -73,8 +91,13 @@ def render(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan], sour
     for p in plans:
         cells = " | ".join(size(p.activations.get(v)) for v in VARIANTS)
         lines.append(f"| {p.strategy} | {cells} |")
+    return lines
+
+
+def _compute_table(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan]) -> list[str]:
+    lay = plans[0].layout
     measured = cluster.step_cost is not None  # a column of the ratio each step's time was multiplied by
-    lines += [
+    lines = [
         "",
         "Compute (FLOPs of every pass the strategy runs: forward, backward, recomputation, a frozen target's forward)",
         "",
@@ -91,16 +114,21 @@ def render(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan], sour
             f"| {p.strategy} | {count(p.flops_per_token)} | {count(per_step)} |{ratio} {p.step_seconds:.3g} s "
             f"| {p.tokens_per_second:,.0f} |"
         )
+    return lines
+
+
+def _notes(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan]) -> list[str]:
     notes = [f"- {p.strategy}: {note}" for p in plans for note in p.notes]
+    usable = cluster.usable()
     if usable is not None:
         context = f" and {size(CONTEXT_RESERVE)} for the CUDA context" if cluster.device == "cuda" else ""
         notes.append(
             f"- fits: peak ≤ {size(usable)} usable ({size(cluster.memory)} less {FRAGMENTATION:.0%} for the "
             f"allocator's fragmentation{context})"
         )
-    if t.compile:
+    if spec.train.compile:
         notes.append("- train.compile is not modelled: compiled layers usually need less activation memory")
-    return "\n".join(lines + ([""] + notes if notes else []))
+    return notes
 
 
 def model_name(spec: PipelineSpec) -> str:
