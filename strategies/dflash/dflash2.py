@@ -14,7 +14,7 @@ fresh DFlash 2 draft computes exactly the plain DFlash draft's logits.
 The maths follows the DFlash 2 blog (https://inco.ai/blog/dflash2/) as NVIDIA NeMo Automodel implements it
 (`nemo_automodel/components/speculative/dflash/draft_qwen3_dflash2.py`, `dflash2_core.py`) and z-lab's `dflash`
 package (0.1.0, `dflash.model.DFlash2DraftModel`), which loads the drafts dllm-flow exports
-(tests/unit/test_dflash2_oracle.py). Weight names are the published drafters'.
+(tests/unit/dflash/test_dflash2_oracle.py). Weight names are the published drafters'.
 """
 
 from __future__ import annotations
