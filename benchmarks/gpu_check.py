@@ -43,7 +43,7 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4":
 PLAN_BAND = 0.15
 FLEX_TESTS = [
     "tests/unit/test_masks.py::test_idlm_flex_attention_matches_sdpa_on_gpu",
-    "tests/unit/test_dflash.py::test_flex_block_mask_trains_like_the_dense_mask_on_gpu",
+    "tests/unit/dflash/test_dflash_strategy.py::test_flex_block_mask_trains_like_the_dense_mask_on_gpu",
 ]
 
 

@@ -67,8 +67,11 @@ KIND_ORDER = ("servers", "pipeline", "unit")
 
 
 def pytest_collection_modifyitems(config, items):
-    def kind(item) -> int:
-        folder = Path(str(item.path)).parent.name
+    def kind(item) -> int:  # the folder under tests/ (tests/unit/dflash/ is unit)
+        try:
+            folder = Path(str(item.path)).relative_to(ROOT / "tests").parts[0]
+        except ValueError:
+            folder = Path(str(item.path)).parent.name
         return KIND_ORDER.index(folder) if folder in KIND_ORDER else len(KIND_ORDER)
 
     items.sort(key=kind)  # stable: file order and test order within a file are kept

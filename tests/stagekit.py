@@ -183,3 +183,14 @@ def expected_statuses(config: str, rebuilt: set[str] = frozenset(), overrides=()
         if any(u.name in ran for u in n.upstream()):
             ran.add(n.name)
     return {n.name: "COMPLETED" if n.name in ran else "REUSED" for n in nodes}
+
+
+def dflash_pair():
+    """A frozen 5-layer target and a 2-layer draft (block 4, grouped-query attention), built the same in every
+    process (the DFlash unit tests' `pair`, and each gloo rank's)."""
+    import torch
+
+    from strategies.dflash.draft import DFlashDraftModel
+
+    torch.manual_seed(1)
+    return tiny_dflash_target(), DFlashDraftModel(tiny_draft_config()).eval()

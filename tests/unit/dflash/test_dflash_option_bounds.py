@@ -16,7 +16,7 @@ from dllm_common.config.dflash import MAX_EVAL_TEMPERATURE, MAX_TREE_BRANCHES
 from strategies.options import load_config, validate_config
 from tests.stagekit import tiny_draft_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONFIG = ROOT / "configs" / "dflash.yaml"  # block 8, hidden 128, seq_len 64, 2048 tokens, a 6-layer target
 VARIANTS = {
     "dflash": [],

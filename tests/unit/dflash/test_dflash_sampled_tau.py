@@ -16,7 +16,7 @@ from strategies.options import load_config
 from strategies.seeding import seeded_generator
 from tasks.speculative.acceptance import sampled_acceptance
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 V, BS, NEW = 40, 4, 12
 
 

@@ -17,7 +17,7 @@ from strategies.options import load_config
 from tasks.speculative.acceptance import speculative_benchmark, tree_acceptance
 from tests.stagekit import tiny_dflash_target, tiny_draft_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MASK = 63
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 8, 2, 8], [5, 3, 5, 3, 5, 3], [11, 30, 2, 40, 12, 9, 9]]
 

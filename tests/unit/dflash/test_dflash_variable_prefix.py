@@ -118,7 +118,7 @@ def test_drawn_prefix_lengths_follow_the_truncated_geometric_prior():
 
 @pytest.fixture(scope="module")
 def pair():
-    """A frozen 5-layer target and a 2-layer draft of block 4 (tests/stagekit.py, as tests/unit/test_dflash.py)."""
+    """A frozen 5-layer target and a 2-layer draft of block 4 (tests/stagekit.py, as tests/unit/dflash/conftest.py)."""
     torch.manual_seed(1)
     return tiny_dflash_target(), DFlashDraftModel(tiny_draft_config()).eval()
 
@@ -276,7 +276,7 @@ def test_bad_option_values_are_refused_by_name(pair):
 def test_the_config_names_where_a_stray_prefix_weight_base_was_written():
     """`prefix_weight_base` written with another loss type is refused at config load by the key as written, even
     at its default value; with `loss_type: variable_prefix` it is a resolved option."""
-    raw = yaml.safe_load((Path(__file__).parents[2] / "configs/dflash.yaml").read_text())
+    raw = yaml.safe_load((Path(__file__).parents[3] / "configs/dflash.yaml").read_text())
     stray = copy.deepcopy(raw)
     stray["dflash"]["prefix_weight_base"] = 0.9
     with pytest.raises(ConfigError, match=r"^dflash.prefix_weight_base is the prefix prior of loss_type variable_"):

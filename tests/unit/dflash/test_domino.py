@@ -274,7 +274,7 @@ def test_the_config_names_a_stray_domino_or_kd_key_where_it_was_written():
     from dllm_common.config import ConfigError
     from strategies.options import validate_config
 
-    raw = yaml.safe_load((Path(__file__).parents[2] / "configs/dflash.yaml").read_text())
+    raw = yaml.safe_load((Path(__file__).parents[3] / "configs/dflash.yaml").read_text())
     for key, value, message in (
         ("domino_emb_dim", 64, r"^dflash.domino_emb_dim shapes or trains a Domino draft"),
         ("kd_temperature", 0.5, r"^dflash.kd_temperature is the temperature of loss_type forward_kl"),

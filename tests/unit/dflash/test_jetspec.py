@@ -2,7 +2,7 @@
 KL to the target's distribution. The loss against the reference's maths (`T² · KL(softmax(t/T) ‖ softmax(s/T))`,
 uniform over the supervised predictions) computed here with torch's own `kl_div`, the mask against the causal
 element-wise predicate, the options and the config.json round trip. The draft against z-lab's decoder:
-tests/unit/test_dflash2_oracle.py."""
+tests/unit/dflash/test_dflash2_oracle.py."""
 
 import pytest
 import torch
