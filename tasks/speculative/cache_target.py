@@ -35,16 +35,14 @@ def _top_k(spec: PipelineSpec) -> int:
 
 
 def stage_of(spec: PipelineSpec, target: StageRef, data: StageRef, workdir: str, **_) -> tuple[str, str]:
-    config = {"layer_ids": DraftSetup.of(spec).layer_ids(spec, target), "dtype": spec.dflash.cache_dtype}
+    setup = DraftSetup.of(spec)
+    config = {"layer_ids": setup.layer_ids(spec, target), "dtype": spec.dflash.cache_dtype}
     if _top_k(spec):  # keyed only when set: a features-only cache keeps its key
         config["top_k"] = _top_k(spec)
     upstream = {"target_weights": target.info["weights_digest"], "data": data.key}
-    return STAGE, stage_key(
-        STAGE,
-        config,
-        upstream,
-        stage_code_version(__name__),
-    )
+    # the draft strategy's class decides which strategy's options (layers, top-k) the cache serves: its modules
+    # are in the key, as in any stage of one strategy (docs/architecture.md, "Stage keys")
+    return STAGE, stage_key(STAGE, config, upstream, stage_code_version(__name__, setup.strategy))
 
 
 def _build(spec: PipelineSpec, target: StageRef, data: StageRef, out: Path) -> dict:

@@ -166,7 +166,7 @@ def test_every_module_whose_code_runs_in_a_stage_is_in_its_key(tiny_spec, tmp_pa
     spec = dflash_spec(tiny_spec)
     with code_that_runs() as ran["tasks.speculative.target"]:
         tgt = target(spec, data, workdir)
-    with code_that_runs() as ran["tasks.speculative.cache_target"]:
+    with code_that_runs() as ran["tasks.speculative.cache_target/dflash"]:  # keyed by the draft strategy too
         feats = cache_target(spec, tgt, data, workdir)
     with code_that_runs() as ran["tasks.train/dflash"]:
         train(spec, "dflash", data, workdir, inputs={"target": tgt, "features": feats})
