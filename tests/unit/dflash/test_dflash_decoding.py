@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from dflashkit import _ctx, _loss, _strategy
+from stagekit import dflash_pair
 
 import strategies.dflash.decoding as dflash_decoding
 from strategies import Microbatch
@@ -25,6 +26,12 @@ from strategies.dflash.loss import (
 )
 
 MASK = 63
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A frozen 5-layer target and a 2-layer draft (tests/stagekit.py: dflash_pair)."""
+    return dflash_pair()
 
 
 @pytest.mark.parametrize("n_blocks", [1, 3])

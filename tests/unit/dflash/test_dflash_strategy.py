@@ -26,6 +26,13 @@ from strategies.options import DFlashOptions
 
 MASK = 63
 
+
+@pytest.fixture(scope="module")
+def pair():
+    """A frozen 5-layer target and a 2-layer draft (tests/stagekit.py: dflash_pair)."""
+    return dflash_pair()
+
+
 # ---------------------------------------------------------------------------------------- the strategy
 
 
