@@ -118,7 +118,7 @@ def test_drawn_prefix_lengths_follow_the_truncated_geometric_prior():
 
 @pytest.fixture(scope="module")
 def pair():
-    """A frozen 5-layer target and a 2-layer draft of block 4 (tests/stagekit.py, as tests/unit/dflash/test_dflash_decoding.py)."""
+    """A frozen 5-layer target and a 2-layer draft of block 4 (tests/stagekit.py), as test_dflash_decoding.py builds."""
     torch.manual_seed(1)
     return tiny_dflash_target(), DFlashDraftModel(tiny_draft_config()).eval()
 
