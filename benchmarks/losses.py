@@ -76,14 +76,20 @@ def _inputs(name: str, batch: int, seq: int, vocab: int, mask: str = "all") -> d
 
 
 def _call(lib, name: str, x: dict):
-    """One loss of `lib` (the `strategies` package or the reference's dllm_loss module) on inputs `x`, through
-    the call both share (keyword arguments after the first five, so either signature takes it)."""
+    """One loss of `lib` (the `strategies` package or the reference's dllm_loss module) on inputs `x`. Ours take
+    the logits, a `CorruptedBatch` and the `TokenCounts` (`strategies.base.DiffusionLoss`, `_call_ours`); the
+    reference's take the tensors (keyword arguments after the first five)."""
     import torch.nn.functional as F
 
     logits, target, noise, p, lm = x["logits"], x["target"], x["noise"], x["p"], x["loss_mask"]
     n = x["n"]
     if name == "cross_entropy":
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    if name == "idlm":  # the same call in both (I-DLM's own, docs/strategies.md §5.6)
+        # answer_mask = the supervised positions, valid_mask = the non-padding ones; p_mask etc. do not apply
+        return lib.IDLMLoss()(logits, target, lm, x["valid"], seq_len=x["seq"], num_diffusion_tokens=n).total_loss
+    if getattr(lib, "__name__", None) == "strategies":
+        return _call_ours(lib, name, x)
     if name == "mdlm":
         return lib.MDLMCrossEntropyLoss()(logits, target, noise, p, lm, num_diffusion_tokens=n).total_loss
     if name == "hybrid":
@@ -100,14 +106,30 @@ def _call(lib, name: str, x: dict):
         ).total_loss
     if name == "block_diffusion":
         return lib.BlockDiffusionCrossEntropyLoss()(logits, target, noise, p, lm, num_diffusion_tokens=n).total_loss
-    if name == "idlm":
-        # answer_mask = the supervised positions, valid_mask = the non-padding ones; p_mask etc. do not apply
-        return lib.IDLMLoss()(logits, target, lm, x["valid"], seq_len=x["seq"], num_diffusion_tokens=n).total_loss
     # SCDD: p_mask carries the diffusion time t (one per row), noisy_input_ids the corrupted z_t
     chunk = 1024 if name == "scdd_chunked" else None
     return lib.SCDDLoss(x["mask_id"], chunk_size=chunk)(
         logits, target, noise, p, lm, noisy_input_ids=x["noisy"], num_diffusion_tokens=n
     ).total_loss
+
+
+def _call_ours(lib, name: str, x: dict):
+    """`_call` for ours: the same inputs as one `CorruptedBatch` (SCDD reads its time t from `p_mask` and z_t from
+    `noisy_ids`), the same denominators as `TokenCounts`."""
+    from strategies.base import CorruptedBatch, TokenCounts
+
+    logits, n = x["logits"], x["n"]
+    batch = CorruptedBatch(x["target"], x["noisy"], x["noise"], x["p"], x["loss_mask"], x["valid"])
+    if name == "mdlm":
+        return lib.MDLMCrossEntropyLoss()(logits, batch, TokenCounts(diffusion=n)).total_loss
+    if name == "hybrid":  # the AR term supervises batch.loss_mask, the reference's loss_mask_ar above
+        return lib.HybridDiffusionLLMLoss(alpha=0.3)(
+            logits, batch, TokenCounts(n, n), causal_logits=x["causal"]
+        ).total_loss
+    if name == "block_diffusion":
+        return lib.BlockDiffusionCrossEntropyLoss()(logits, batch, TokenCounts(diffusion=n)).total_loss
+    chunk = 1024 if name == "scdd_chunked" else None
+    return lib.SCDDLoss(x["mask_id"], chunk_size=chunk)(logits, batch, TokenCounts(diffusion=n)).total_loss
 
 
 def _library(impl: str, reference: str | None):

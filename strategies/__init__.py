@@ -19,7 +19,7 @@ from importlib import import_module
 from typing import Any
 
 from strategies.assembly import DLLM_STRATEGIES, AssembledStrategy, assemble_strategy, get_dllm_strategy, strategy_class
-from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext
+from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, TokenCounts
 from strategies.registration import Registration, SamplerInfo
 from strategies.registry import REGISTRY, SAMPLERS, register, registered
 
@@ -91,6 +91,7 @@ __all__ = [
     "SamplerInfo",
     "SetupContext",
     "StepContext",
+    "TokenCounts",
     "assemble_strategy",
     "get_dllm_strategy",
     "register",

@@ -23,7 +23,7 @@ To add a strategy: a package `strategies/<name>/` with its options, samplers and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,6 @@ from torch import Tensor, nn
 
 from dllm_common.config import ConfigError
 from strategies.corruption import mask_at_level
-from strategies.losses import DLLMLossOutput
 from strategies.models import model_logits
 from strategies.registration import ABSORBING, StrategyOptions
 from strategies.registry import evaluator_class
@@ -74,60 +73,77 @@ class CorruptedBatch:
     extras: Any = None  # a strategy's typed sidecar (DFlash anchor blocks, the block-diffusion canvas window)
 
 
+class DLLMLossOutput(NamedTuple):
+    """What a loss returns and `forward_backward` hands back: `total_loss` is backpropagated, `dllm_loss` is the
+    detached diffusion part, logged; DFlash adds its per-position draft accuracy counts."""
+
+    total_loss: Tensor
+    dllm_loss: Tensor
+    draft_correct_per_pos: Tensor | None = None
+    draft_count_per_pos: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """The step's loss denominators: global token counts, summed over every micro-batch of the optimizer step and
+    every data-parallel rank (`DLLMStrategy.loss_denominators`, docs/strategies.md §7.2).
+
+    - `diffusion`: the diffusion term's denominator. None: the loss's local fallback (the local count of the
+      positions it scores; MDLM and the hybrid leave the sum undivided).
+    - `ar`: the autoregressive term's denominator (hybrid; block diffusion's encoder term is the strategy's own).
+      None: the AR sum is left undivided (and a strategy without an AR term passes none).
+    """
+
+    diffusion: int | Tensor | None = None
+    ar: int | Tensor | None = None
+
+
 class DiffusionLoss(Protocol):
     """The loss call contract: what `DLLMStrategy.forward_backward` passes to the loss module `create_loss_fn`
     built (`ctx.loss_fn`), and the one place it is written down (docs/architecture.md, "How a strategy plugs in",
     points here; `tests/unit/test_loss_contract.py` holds every registered strategy's loss and
     `LOSS_ARGUMENTS` / `LOSS_KEYWORDS` to it).
 
-    Positional, always passed (`B` rows, `L` positions the loss scores, `V` the vocabulary):
+    A loss takes the logits, the `CorruptedBatch` and the token counts, plus the causal logits where the strategy
+    has them (`B` rows, `L` positions the loss scores, `V` the vocabulary):
 
     - `logits` `[B, L, V]`, floating (any precision: the cross-entropy upcasts to fp32), or a deferred
       `strategies.head.HeadProjection` that `nll_at` projects only at the positions it scores. Row p
-      predicts `target_ids[:, p]`; a loss that shifts (I-DLM) says so.
-    - `target_ids` `[B, L]` integer: the clean ids x (block diffusion: the canvas window's).
-    - `noise_mask` `[B, L]` bool: the positions the forward kernel actually corrupted (n).
-    - `p_mask` `[B, L]` float32: the corruption level of each position (MDLM: p; SCDD: the time t; block
-      diffusion: t, or ones for the flat loss), constant per row or per block.
-    - `loss_mask` `[B, L]`, float 0/1 or bool: the supervised positions (ℓ); nothing else is scored.
-
-    Keyword-only, each optional (None: the strategy has no such value, or the loss needs none):
-
-    - `num_diffusion_tokens` int: the step's global denominator of the diffusion term (`loss_denominators`,
-      summed over every micro-batch and data-parallel rank, docs/strategies.md §7.2); None: the local count.
-    - `noisy_input_ids` `[B, L]` integer: z, the ids the model saw (a loss that scores visible tokens or
-      the canvas token's own evidence reads it: SCDD, block diffusion's analytic canvas loss).
-    - `loss_mask_ar` `[B, L]`: the positions an autoregressive term supervises (hybrid); None: no AR term.
-    - `num_ar_tokens` int: the global denominator of that AR term; None with `loss_mask_ar` None.
-    - `causal_logits` `[B, L, V]`: the causal branch's logits (hybrid); None when the model has none.
+      predicts `batch.clean_ids[:, p]`; a loss that shifts (I-DLM) says so.
+    - `batch` a `CorruptedBatch` whose `[B, L]` fields the loss reads (`LOSS_BATCH_FIELDS`; block diffusion
+      passes its canvas window's batch, `ResponseWindow.scored_batch`):
+        - `clean_ids` integer: the target, the clean ids x.
+        - `noisy_ids` integer: z, the ids the model saw (a loss that scores visible tokens or the canvas token's
+          own evidence reads it: SCDD, block diffusion's analytic canvas loss).
+        - `noise_mask` bool: the positions the forward kernel actually corrupted (n).
+        - `p_mask` float32: the corruption level of each position (MDLM: p; SCDD: the time t; block diffusion:
+          t, or ones for the flat loss), constant per row or per block.
+        - `loss_mask` float 0/1 or bool: the supervised positions (ℓ); nothing else is scored. The hybrid's AR
+          term supervises the same positions (next-token, where `causal_logits` is given): one mask for both
+          terms, as the hybrid's step has always used.
+      No loss reads `attention_mask` or `extras`.
+    - `counts` a `TokenCounts`: the step's global denominators, `diffusion` and `ar` (None: the loss's local
+      fallback, each loss's docstring says which).
+    - `causal_logits` keyword-only `[B, L, V]`: the causal branch's logits (hybrid); None when the model has
+      none, and then there is no AR term.
 
     Returns `DLLMLossOutput(total_loss, dllm_loss, …)`: `total_loss` is what `forward_backward`
-    backpropagates (× `ctx.loss_scale`), `dllm_loss` the detached diffusion part, logged. A loss accepts
-    every keyword (declared with default None, or swallowed by `**_`) and reads the ones it needs; the base
-    `forward_backward` passes the five positionals, `num_diffusion_tokens` and `noisy_input_ids`; the
-    hybrid's adds the AR three. A strategy that calls its loss another way (I-DLM's two-half loss, DFlash's
-    block loss, docs/strategies.md §5.6, §5.7) overrides `forward_backward` and documents that call on its loss.
+    backpropagates (× `ctx.loss_scale`), `dllm_loss` the detached diffusion part, logged. A loss declares exactly
+    this signature and reads the fields it needs; the base `forward_backward` passes the logits, the batch and
+    `TokenCounts(diffusion=…)`; the hybrid's adds `counts.ar` and `causal_logits`. A strategy that calls its loss
+    another way (I-DLM's two-half loss, DFlash's block loss, docs/strategies.md §5.6, §5.7) overrides
+    `forward_backward` and documents that call on its loss.
     """
 
     def __call__(
-        self,
-        logits: Tensor,
-        target_ids: Tensor,
-        noise_mask: Tensor,
-        p_mask: Tensor,
-        loss_mask: Tensor,
-        *,
-        loss_mask_ar: Tensor | None = None,
-        num_diffusion_tokens: int | None = None,
-        num_ar_tokens: int | None = None,
-        causal_logits: Tensor | None = None,
-        noisy_input_ids: Tensor | None = None,
+        self, logits: Tensor, batch: CorruptedBatch, counts: TokenCounts, *, causal_logits: Tensor | None = None
     ) -> DLLMLossOutput: ...
 
 
-# the contract's argument names, in its order (`DiffusionLoss`)
-LOSS_ARGUMENTS = ("logits", "target_ids", "noise_mask", "p_mask", "loss_mask")
-LOSS_KEYWORDS = ("loss_mask_ar", "num_diffusion_tokens", "num_ar_tokens", "causal_logits", "noisy_input_ids")
+# the contract's argument names, in its order (`DiffusionLoss`), and the batch fields a loss reads
+LOSS_ARGUMENTS = ("logits", "batch", "counts")
+LOSS_KEYWORDS = ("causal_logits",)
+LOSS_BATCH_FIELDS = ("clean_ids", "noisy_ids", "noise_mask", "p_mask", "loss_mask")
 
 
 @dataclass(frozen=True)
@@ -443,20 +459,12 @@ class DLLMStrategy:
         self, ctx: StepContext, batch: CorruptedBatch, *, num_diffusion_tokens: int, num_ar_tokens: int, is_train: bool
     ) -> DLLMLossOutput:
         """Default micro-batch step: prepare inputs, forward, loss, backward × loss_scale. The loss is called
-        as `DiffusionLoss` documents (the five positionals, `num_diffusion_tokens`, `noisy_input_ids`)."""
+        as `DiffusionLoss` documents: the logits, the batch and `TokenCounts(diffusion=num_diffusion_tokens)`."""
         inputs = self.prepare_batch(
             {"attention_mask": batch.attention_mask}, batch.noisy_ids, batch.noise_mask, batch.clean_ids
         )
         logits = model_logits(ctx.model, inputs)
-        out = ctx.loss_fn(
-            logits,
-            batch.clean_ids,
-            batch.noise_mask,
-            batch.p_mask,
-            batch.loss_mask,
-            num_diffusion_tokens=num_diffusion_tokens,
-            noisy_input_ids=batch.noisy_ids,
-        )
+        out = ctx.loss_fn(logits, batch, TokenCounts(diffusion=num_diffusion_tokens))
         if is_train:
             (out.total_loss * ctx.loss_scale).backward()
         return out

@@ -1,10 +1,10 @@
 """The losses and bounds more than one strategy computes, and the pieces every loss is built from.
 
 A loss module has the common call contract (`strategies.base.DiffusionLoss`, which says what each argument
-is; docs/strategies.md §5.1):
-`loss(logits, target_ids, noise_mask, p_mask, loss_mask, *, loss_mask_ar=None,
-num_diffusion_tokens=None, num_ar_tokens=None, causal_logits=None, noisy_input_ids=None)`
-returns `DLLMLossOutput(total_loss, dllm_loss, ...)`. Denominators are the *global* token counts
+is and which `CorruptedBatch` fields a loss reads; docs/strategies.md §5.1):
+`loss(logits, batch, counts, *, causal_logits=None)` with `batch` a `CorruptedBatch` and `counts` a
+`TokenCounts`, returns `DLLMLossOutput(total_loss, dllm_loss, ...)` (those three types are the seed API's, in
+`strategies.base`; `DLLMLossOutput` is importable from here too). Denominators are the *global* token counts
 of the whole optimizer step (all micro-batches, all-reduced over data-parallel ranks).
 
 Here: per-token and selected-position cross-entropy (`per_token_nll`, `nll_at`), the exact causal NLL
@@ -15,21 +15,13 @@ Here: per-token and selected-position cross-entropy (`per_token_nll`, `nll_at`),
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from strategies.base import CorruptedBatch, DLLMLossOutput, TokenCounts  # the loss contract
 from strategies.corruption import mask_at_level
 from strategies.head import HeadProjection, Logits, row_nll
-
-
-class DLLMLossOutput(NamedTuple):
-    total_loss: Tensor
-    dllm_loss: Tensor
-    draft_correct_per_pos: Tensor | None = None
-    draft_count_per_pos: Tensor | None = None
 
 
 def per_token_nll(logits: Logits, target_ids: Tensor) -> Tensor:
@@ -80,28 +72,18 @@ def causal_nll_rows(
 
 
 class FlatCrossEntropyLoss(nn.Module):
-    """The flat cross-entropy: L = Σ_i ℓ_i·CE_i / max(N, 1), N = the global count or the local Σℓ. No 1/p weight
-    and no noise gating: every supervised token counts, corrupted or not (block diffusion's canvas loss with
-    "learned" own-token evidence, DiffusionGemma's, docs/strategies.md §5.4).
+    """The flat cross-entropy: L = Σ_i ℓ_i·CE_i / max(N, 1), ℓ = `batch.loss_mask`, N = `counts.diffusion` (the
+    global count) or the local Σℓ. No 1/p weight and no noise gating: every supervised token counts, corrupted or
+    not (block diffusion's canvas loss with "learned" own-token evidence, DiffusionGemma's, docs/strategies.md
+    §5.4).
     """
 
     def forward(
-        self,
-        logits: Tensor,
-        target_ids: Tensor,
-        noise_mask: Tensor | None,
-        p_mask: Tensor | None,
-        loss_mask: Tensor,
-        *,
-        loss_mask_ar: Tensor | None = None,
-        num_diffusion_tokens: int | Tensor | None = None,
-        num_ar_tokens: int | Tensor | None = None,
-        causal_logits: Tensor | None = None,
-        noisy_input_ids: Tensor | None = None,
+        self, logits: Tensor, batch: CorruptedBatch, counts: TokenCounts, *, causal_logits: Tensor | None = None
     ) -> DLLMLossOutput:
-        selected = loss_mask.bool()
-        total = nll_at(logits, selected, target_ids).sum()
-        count = num_diffusion_tokens if num_diffusion_tokens is not None else int(selected.sum())
+        selected = batch.loss_mask.bool()
+        total = nll_at(logits, selected, batch.clean_ids).sum()
+        count = counts.diffusion if counts.diffusion is not None else int(selected.sum())
         total = total / max(int(count), 1)
         return DLLMLossOutput(total, total.detach())
 

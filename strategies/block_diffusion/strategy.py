@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, StepContext, global_sum
+from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, StepContext, TokenCounts, global_sum
 from strategies.block_diffusion.loss import OwnTokenCanvasLoss
 from strategies.block_diffusion.options import ARCHITECTURES, BLOCK_DIFFUSION, SAMPLERS, BlockDiffusionOptions
 from strategies.corruption import check_rows, corrupt_uniform_random, replace_at_level
@@ -58,6 +58,14 @@ class ResponseWindow:
     decoder_padding_mask: Tensor
     prefix_lengths: Tensor  # [B]
     response_lengths: Tensor  # [B]
+
+    def scored_batch(self) -> CorruptedBatch:
+        """The window as the `CorruptedBatch` its canvas loss scores (`strategies.base.DiffusionLoss`), `[B, R]`:
+        the clean ids x are `target_ids`, the ids the model saw are the canvas z; the attention mask is the
+        window's valid positions."""
+        return CorruptedBatch(
+            self.target_ids, self.canvas_ids, self.noise_mask, self.p_mask, self.loss_mask, ~self.decoder_padding_mask
+        )
 
 
 @dataclass(frozen=True)
@@ -316,15 +324,7 @@ class BlockDiffusionStrategy(DLLMStrategy):
     ) -> DLLMLossOutput:
         window = batch.extras.window
         out = ctx.model(**self.model_inputs(batch, window), do_self_conditioning=batch.extras.self_condition)
-        loss = ctx.loss_fn(
-            out.logits,
-            window.target_ids,
-            window.noise_mask,
-            window.p_mask,
-            window.loss_mask,
-            num_diffusion_tokens=num_diffusion_tokens,
-            noisy_input_ids=window.canvas_ids,
-        )
+        loss = ctx.loss_fn(out.logits, window.scored_batch(), TokenCounts(diffusion=num_diffusion_tokens))
         encoder_logits = getattr(out, "encoder_logits", None)
         if is_train and encoder_logits is not None and self.encoder_loss_weight > 0:
             ar = encoder_ar_loss(encoder_logits, batch.clean_ids, batch.attention_mask, num_tokens=num_ar_tokens)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from strategies.base import CorruptedBatch, DLLMStrategy, SetupContext, StepContext
+from strategies.base import CorruptedBatch, DLLMStrategy, SetupContext, StepContext, TokenCounts
 from strategies.corruption import corrupt_blockwise, corrupt_uniform
 from strategies.hybrid.loss import HybridDiffusionLLMLoss
 from strategies.hybrid.options import HYBRID, SAMPLERS, HybridOptions
@@ -79,18 +79,8 @@ class HybridStrategy(DLLMStrategy):
         )
         out = ctx.model(**inputs)
         causal = getattr(out, "causal_logits", None)
-        loss = ctx.loss_fn(
-            out.logits,
-            batch.clean_ids,
-            batch.noise_mask,
-            batch.p_mask,
-            batch.loss_mask,
-            loss_mask_ar=batch.loss_mask if causal is not None else None,
-            num_diffusion_tokens=num_diffusion_tokens,
-            num_ar_tokens=num_ar_tokens if causal is not None else None,
-            causal_logits=causal,
-            noisy_input_ids=batch.noisy_ids,
-        )
+        counts = TokenCounts(num_diffusion_tokens, num_ar_tokens if causal is not None else None)
+        loss = ctx.loss_fn(out.logits, batch, counts, causal_logits=causal)  # the AR term supervises batch.loss_mask
         if is_train:
             (loss.total_loss * ctx.loss_scale).backward()
         return loss

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import Tensor, nn
 
 from strategies.losses import DLLMLossOutput, nll_at
+
+if TYPE_CHECKING:  # annotations only (the contract's types, strategies.base)
+    from strategies.base import CorruptedBatch, TokenCounts
 
 
 class MDLMCrossEntropyLoss(nn.Module):
@@ -12,9 +17,9 @@ class MDLMCrossEntropyLoss(nn.Module):
 
         L = Σ_i [n_i ∧ ℓ_i] · CE_i · w_i / max(N, 1),   w_i = 1 / max(p_i, 1e-8)
 
-    N = `num_diffusion_tokens` (the step's global supervised count); with N=None the sum is not
-    normalized. `weighting="flat"` sets w_i = 1 (a training-speed option; the bound is always
-    reported by evaluation). total_loss == dllm_loss.
+    n = `batch.noise_mask`, ℓ = `batch.loss_mask`, p = `batch.p_mask`, N = `counts.diffusion` (the step's global
+    supervised count); with N=None the sum is not normalized. `weighting="flat"` sets w_i = 1 (a training-speed
+    option; the bound is always reported by evaluation). total_loss == dllm_loss.
     """
 
     def __init__(self, weighting: str = "elbo"):
@@ -24,24 +29,13 @@ class MDLMCrossEntropyLoss(nn.Module):
         self.weighting = weighting
 
     def forward(
-        self,
-        logits: Tensor,
-        target_ids: Tensor,
-        noise_mask: Tensor,
-        p_mask: Tensor,
-        loss_mask: Tensor,
-        *,
-        loss_mask_ar: Tensor | None = None,
-        num_diffusion_tokens: int | Tensor | None = None,
-        num_ar_tokens: int | Tensor | None = None,
-        causal_logits: Tensor | None = None,
-        noisy_input_ids: Tensor | None = None,
+        self, logits: Tensor, batch: CorruptedBatch, counts: TokenCounts, *, causal_logits: Tensor | None = None
     ) -> DLLMLossOutput:
-        selected = noise_mask.bool() & loss_mask.bool()
-        nll = nll_at(logits, selected, target_ids)
+        selected = batch.noise_mask.bool() & batch.loss_mask.bool()
+        nll = nll_at(logits, selected, batch.clean_ids)
         if self.weighting == "elbo":
-            nll = nll / p_mask.clamp_min(1e-8).to(nll.dtype)
+            nll = nll / batch.p_mask.clamp_min(1e-8).to(nll.dtype)
         total = nll.sum()
-        if num_diffusion_tokens is not None:
-            total = total / max(int(num_diffusion_tokens), 1)
+        if counts.diffusion is not None:
+            total = total / max(int(counts.diffusion), 1)
         return DLLMLossOutput(total, total.detach())

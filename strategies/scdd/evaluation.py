@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from strategies.base import CorruptedBatch, TokenCounts
 from strategies.base_evaluation import DLLMEvaluator, SampleRequest
 from strategies.models import model_logits, time_embedding
 from strategies.sampling import SampleResult
@@ -28,21 +29,16 @@ class SCDDEvaluator(DLLMEvaluator):
         strategy = self.strategy
         steps = strategy.loss_fn.num_timesteps
         t = (torch.ceil(t * steps) / steps).clamp(1 / steps, 1 - 1 / steps)
-        noisy, _ = strategy.corrupt_at_level(clean_ids, loss_mask, mask_token_id, t, generator)
+        noisy, noise = strategy.corrupt_at_level(clean_ids, loss_mask, mask_token_id, t, generator)
         logits = model_logits(model, {"input_ids": noisy}, time=t)
         p = t[:, None].expand_as(clean_ids)
         bound = strategy.loss_fn.bound()  # the bound's weights whatever the training weighting
+        # one row at a time, as `DiffusionLoss` reads it; the model saw every position (no attention mask above)
+        fields = (clean_ids, noisy, noise, p, loss_mask, torch.ones_like(loss_mask))
+        one = TokenCounts(diffusion=1)
         return torch.stack(
             [
-                bound(
-                    logits[i : i + 1].float(),
-                    clean_ids[i : i + 1],
-                    None,
-                    p[i : i + 1],
-                    loss_mask[i : i + 1],
-                    noisy_input_ids=noisy[i : i + 1],
-                    num_diffusion_tokens=1,
-                ).total_loss
+                bound(logits[i : i + 1].float(), CorruptedBatch(*(f[i : i + 1] for f in fields)), one).total_loss
                 for i in range(len(clean_ids))
             ]
         )

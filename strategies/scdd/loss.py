@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -14,6 +14,9 @@ from torch import Tensor, nn
 from strategies.head import HeadProjection, Logits, RowKernel
 from strategies.losses import DLLMLossOutput
 from strategies.scdd.schedule import TINY, SCDDSchedule, scdd_schedule
+
+if TYPE_CHECKING:  # annotations only (the contract's types, strategies.base)
+    from strategies.base import CorruptedBatch, TokenCounts
 
 
 def _validate_chunk(chunk_size) -> int | None:
@@ -179,12 +182,13 @@ WEIGHTINGS = ("elbo", "flat")
 
 
 class SCDDLoss(nn.Module):
-    """Discrete-time SCDD NELBO (docs/strategies.md §5.8). The p_mask slot carries the diffusion time t per row.
+    """Discrete-time SCDD NELBO (docs/strategies.md §5.8). `batch.p_mask` carries the diffusion time t per row,
+    `batch.noisy_ids` the corrupted z_t, `batch.clean_ids` x0.
 
     Absorbed (z = M):   J = −κ·(β_s·Σ + ρ_s·τ_x)
     Visible  (z ≠ M):   J = −[β_s c_u (Σ − KΛ) + ρ_s c_u (τ_x − Λ) + β_s c_c (τ_z − Λ) + ρ_s c_c δ (τ_x − Λ)]
                             / max(β_t + ρ_t δ, 1e-30)
-    per_token = T·J;  L = Σ ℓ·per_token / max(D, 1), D = num_diffusion_tokens or local Σℓ.
+    per_token = T·J;  L = Σ ℓ·per_token / max(D, 1), D = `counts.diffusion` or local Σℓ.
     The vocabulary-sized terms come from `_VocabTermsFn` (closed-form backward), `chunk_size` positions at a time.
 
     `weighting="flat"` multiplies each row's per_token by f(t) = min(1, 1/(T·κ·ρ_s)), the inverse of the weight
@@ -230,27 +234,16 @@ class SCDDLoss(nn.Module):
         return scdd_schedule(t, max_ratio=self.max_ratio, gamma_shape=self.gamma_shape, t_peak=self.t_peak)
 
     def forward(
-        self,
-        logits: Tensor,
-        target_ids: Tensor,
-        noise_mask: Tensor | None,
-        p_mask: Tensor,
-        loss_mask: Tensor,
-        *,
-        loss_mask_ar: Tensor | None = None,
-        num_diffusion_tokens: int | Tensor | None = None,
-        num_ar_tokens: int | Tensor | None = None,
-        causal_logits: Tensor | None = None,
-        noisy_input_ids: Tensor | None = None,
+        self, logits: Tensor, batch: CorruptedBatch, counts: TokenCounts, *, causal_logits: Tensor | None = None
     ) -> DLLMLossOutput:
-        if noisy_input_ids is None:
-            raise ValueError("SCDDLoss needs noisy_input_ids (the corrupted z_t) to score visible tokens")
-        batch, length, vocab = logits.shape
+        if batch.noisy_ids is None:
+            raise ValueError("SCDDLoss needs batch.noisy_ids (the corrupted z_t) to score visible tokens")
+        rows, length, vocab = logits.shape
         k = vocab - 1
-        coef = self._row_coefficients(p_mask, k)
-        row = lambda v: v[:, None].expand(batch, length).reshape(-1)  # noqa: E731  per-row → per-position
+        coef = self._row_coefficients(batch.p_mask, k)
+        row = lambda v: v[:, None].expand(rows, length).reshape(-1)  # noqa: E731  per-row → per-position
 
-        x0, zt = target_ids.reshape(-1), noisy_input_ids.reshape(-1)
+        x0, zt = batch.clean_ids.reshape(-1), batch.noisy_ids.reshape(-1)
         log_bs, log_rs = row(coef.beta_s.clamp_min(TINY).log()).float(), row(coef.rho_s.clamp_min(TINY).log()).float()
         terms = self._chunked_vocab_terms(logits.reshape(-1, vocab), x0, zt, log_bs, log_rs)
 
@@ -259,8 +252,8 @@ class SCDDLoss(nn.Module):
         if self.weighting == "flat":  # 1 / (the bound's weight on −log p_θ(x0) at a [MASK]), at most 1
             masked_weight = self.num_timesteps * per_position.kappa * per_position.rho_s
             per_token = per_token / masked_weight.clamp_min(1.0)
-        sup = loss_mask.reshape(-1).double()
-        denom = num_diffusion_tokens if num_diffusion_tokens is not None else int(sup.sum())
+        sup = batch.loss_mask.reshape(-1).double()
+        denom = counts.diffusion if counts.diffusion is not None else int(sup.sum())
         total = ((per_token * sup).sum() / max(int(denom), 1)).to(logits.dtype)
         return DLLMLossOutput(total, total.detach())
 

@@ -13,6 +13,7 @@ from stagekit import through_the_stages
 from torch import nn
 
 from strategies import DLLM_STRATEGIES, SAMPLERS, DLLMStrategy, registered
+from strategies.base import CorruptedBatch, TokenCounts
 from strategies.base_evaluation import DLLMEvaluator, SampleRequest
 from strategies.corruption import mask_at_level
 from strategies.losses import DLLMLossOutput, nll_at
@@ -61,9 +62,9 @@ SAMPLERS_OF_FIXED_RATE = {"one_shot": SamplerInfo("every [MASK] at once, one for
 class MaskedFlatLoss(nn.Module):
     """Cross-entropy at the masked supervised tokens ÷ the step's global noise count."""
 
-    def forward(self, logits, target_ids, noise_mask, p_mask, loss_mask, *, num_diffusion_tokens=None, **_):
-        total = nll_at(logits, noise_mask.bool() & loss_mask.bool(), target_ids).sum()
-        total = total / max(int(num_diffusion_tokens or 1), 1)
+    def forward(self, logits, batch: CorruptedBatch, counts: TokenCounts, *, causal_logits=None):
+        total = nll_at(logits, batch.noise_mask.bool() & batch.loss_mask.bool(), batch.clean_ids).sum()
+        total = total / max(int(counts.diffusion or 1), 1)
         return DLLMLossOutput(total, total.detach())
 
 

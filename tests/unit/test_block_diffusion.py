@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from losskit import corrupted
 
 from dllm_common.checkpoint import load_weights_into, write_checkpoint
 from dllm_common.config import EvalConfig
@@ -20,6 +21,7 @@ from strategies import (
     get_dllm_strategy,
     uniform_diffusion_nelbo_terms,
 )
+from strategies.base import TokenCounts
 from strategies.block_diffusion.loss import OwnTokenCanvasLoss
 from strategies.block_diffusion.model import BlockDiffusionLM
 from strategies.block_diffusion.sampling import block_canvas_sample
@@ -298,23 +300,27 @@ def test_own_token_loss_is_the_posterior_cross_entropy_even_at_the_ends():
     canvas = torch.where(torch.rand(3, 5, generator=gen) < 0.5, target, torch.randint(0, V, (3, 5), generator=gen))
     level = torch.tensor([1e-3, 0.4, 1.0])[:, None].expand(3, 5)  # t = 1: the canvas says nothing
     scored = torch.rand(3, 5, generator=gen) < 0.8
-    out = OwnTokenCanvasLoss()(logits, target, None, level, scored, num_diffusion_tokens=7, noisy_input_ids=canvas)
+    out = OwnTokenCanvasLoss()(logits, corrupted(target, None, level, scored, noisy=canvas), TokenCounts(7))
     posterior = logits.double() + own_token_log_likelihood(canvas, 1 - level[:, :1].double().clamp_max(1 - 1e-6), V)
     hand = per_token_nll(posterior, target)[scored].sum() / 7
     assert torch.allclose(out.total_loss.double(), hand, rtol=1e-5)
     out.total_loss.backward()
     assert torch.isfinite(logits.grad).all()
     # at t = 1 it is the plain cross-entropy; with a deferred head (chunked logits) the same value
-    plain = OwnTokenCanvasLoss()(logits[2:], target[2:], None, level[2:], scored[2:], noisy_input_ids=canvas[2:])
+    plain = OwnTokenCanvasLoss()(
+        logits[2:], corrupted(target[2:], None, level[2:], scored[2:], noisy=canvas[2:]), TokenCounts()
+    )
     assert torch.allclose(plain.total_loss, per_token_nll(logits[2:], target[2:])[scored[2:]].mean(), rtol=1e-5)
     hidden, weight = torch.randn(3, 5, 8, generator=gen), torch.randn(V, 8, generator=gen)
     deferred = OwnTokenCanvasLoss()(
-        HeadProjection(hidden, weight), target, None, level, scored, noisy_input_ids=canvas
+        HeadProjection(hidden, weight), corrupted(target, None, level, scored, noisy=canvas), TokenCounts()
     ).total_loss
-    dense = OwnTokenCanvasLoss()(hidden @ weight.T, target, None, level, scored, noisy_input_ids=canvas).total_loss
+    dense = OwnTokenCanvasLoss()(
+        hidden @ weight.T, corrupted(target, None, level, scored, noisy=canvas), TokenCounts()
+    ).total_loss
     assert torch.allclose(deferred, dense, rtol=1e-5)
-    with pytest.raises(ValueError, match="needs noisy_input_ids"):
-        OwnTokenCanvasLoss()(logits, target, None, level, scored)
+    with pytest.raises(ValueError, match=r"needs batch\.noisy_ids"):
+        OwnTokenCanvasLoss()(logits, corrupted(target, None, level, scored), TokenCounts())
 
 
 # ------------------------------------------------------------------ the uniform-noise bound

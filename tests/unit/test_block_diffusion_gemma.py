@@ -5,11 +5,13 @@ checkpoint as `model.path`."""
 
 import pytest
 import torch
+from losskit import corrupted
 from transformers import DiffusionGemmaForBlockDiffusion, LlamaForCausalLM
 
 from dllm_common.checkpoint import load_weights_into, write_checkpoint
 from dllm_common.config import ConfigError
 from strategies import Microbatch, StepContext, assemble_strategy
+from strategies.base import TokenCounts
 from strategies.block_diffusion.gemma import DiffusionGemmaCanvas
 from strategies.block_diffusion.loss import OwnTokenCanvasLoss
 from strategies.block_diffusion.model import BlockDiffusionLM
@@ -236,7 +238,7 @@ def test_a_soft_capped_projection_equals_the_capped_logits_values_and_gradients(
             t.grad = None
         logits = HeadProjection(h, w, None, chunk_rows=4, softcap=2.0) if fused else torch.tanh(h @ w.T / 2.0) * 2.0
         total = nll_at(logits, sel, x).sum()
-        total = total + OwnTokenCanvasLoss()(logits, x, None, level, sel, noisy_input_ids=z).total_loss
+        total = total + OwnTokenCanvasLoss()(logits, corrupted(x, None, level, sel, noisy=z), TokenCounts()).total_loss
         soft = logits.softmax_matmul(m) if fused else torch.softmax(logits.detach(), -1) @ m
         (total + (soft * torch.arange(5.0)).sum()).backward()
         return total.detach(), soft.detach(), [t.grad.clone() for t in (h, w, m)]

@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from losskit import corrupted
 
+from strategies.base import TokenCounts
 from strategies.head import DeferrableHead, HeadProjection, deferred_logits, make_head_deferrable
 from strategies.hybrid.loss import HybridDiffusionLLMLoss
 from strategies.idlm.loss import IDLMLoss
@@ -96,16 +98,16 @@ def _batch(seed=2, shape=(2, 9), vocab=13):
 def test_every_loss_on_a_head_projection_equals_the_loss_on_its_logits(chunk_rows):
     x, noise, p, lm, noisy = _batch()
     losses = {
-        "mdlm": lambda lo: MDLMCrossEntropyLoss()(lo, x, noise, p, lm, num_diffusion_tokens=7).total_loss,
+        "mdlm": lambda lo: MDLMCrossEntropyLoss()(lo, corrupted(x, noise, p, lm), TokenCounts(7)).total_loss,
         "hybrid": lambda lo: (
-            HybridDiffusionLLMLoss(0.3)(
-                lo, x, noise, p, lm, loss_mask_ar=lm, num_diffusion_tokens=5, num_ar_tokens=9, causal_logits=lo
-            ).total_loss
+            HybridDiffusionLLMLoss(0.3)(lo, corrupted(x, noise, p, lm), TokenCounts(5, 9), causal_logits=lo).total_loss
         ),
-        "block": lambda lo: BlockDiffusionCrossEntropyLoss()(lo, x, noise, p, lm).total_loss,
+        "block": lambda lo: BlockDiffusionCrossEntropyLoss()(lo, corrupted(x, noise, p, lm), TokenCounts()).total_loss,
         "encoder_ar": lambda lo: encoder_ar_loss(lo, x, lm),
         "causal_rows": lambda lo: causal_nll_rows(lo, x, lm, torch.ones_like(lm))[0].sum(),
-        "scdd": lambda lo: SCDDLoss(12, num_timesteps=50)(lo, x, noise, p, lm, noisy_input_ids=noisy).total_loss,
+        "scdd": lambda lo: (
+            SCDDLoss(12, num_timesteps=50)(lo, corrupted(x, noise, p, lm, noisy=noisy), TokenCounts()).total_loss
+        ),
     }
     for name, loss_of in losses.items():
         _compare_projection(loss_of, chunk_rows, label=name)
@@ -175,7 +177,7 @@ def test_scdd_loss_and_gradient_equal_the_elementwise_definition(max_ratio, mask
     logits, x0, zt, t, lm = _scdd_case(int(scale) + mask_id, mask_id, scale=scale)
     a = logits.clone().requires_grad_(True)
     got = SCDDLoss(mask_id, num_timesteps=100, max_ratio=max_ratio, chunk_size=chunk)(
-        a, x0, None, t, lm, noisy_input_ids=zt
+        a, corrupted(x0, None, t, lm, noisy=zt), TokenCounts()
     ).total_loss
     got.backward()
     b = logits.clone().requires_grad_(True)
@@ -192,7 +194,7 @@ def test_scdd_bf16_logits_give_the_fp32_result_of_the_same_values():
     logits, x0, zt, t, lm = _scdd_case(5, 16)
     low = logits.bfloat16()
     a = low.clone().requires_grad_(True)
-    got = SCDDLoss(16, num_timesteps=100)(a, x0, None, t, lm, noisy_input_ids=zt).total_loss
+    got = SCDDLoss(16, num_timesteps=100)(a, corrupted(x0, None, t, lm, noisy=zt), TokenCounts()).total_loss
     got.backward()
     want = reference_scdd(low.float(), x0, zt, t, lm, 16, 100, 0.1)
     assert a.grad.dtype == torch.bfloat16

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from losskit import corrupted
 
+from strategies.base import TokenCounts
 from strategies.hybrid.loss import HybridDiffusionLLMLoss
 from strategies.idlm.loss import IDLMLoss
 from strategies.losses import BlockDiffusionCrossEntropyLoss, DLLMLossOutput, encoder_ar_loss, per_token_nll
@@ -46,7 +48,7 @@ def test_matches_hand_formula(case):
             if noise[b, i] and lm[b, i]:
                 expected += _ce(logits[b, i].tolist(), int(target[b, i])) / float(p[b, i])
     n_sup = int(lm.sum())
-    out = MDLMCrossEntropyLoss()(logits, target, noise, p, lm, num_diffusion_tokens=n_sup)
+    out = MDLMCrossEntropyLoss()(logits, corrupted(target, noise, p, lm), TokenCounts(n_sup))
     assert isinstance(out, DLLMLossOutput)
     assert out.total_loss.item() == pytest.approx(expected / n_sup, rel=1e-6)
     assert torch.equal(out.total_loss.detach(), out.dllm_loss)
@@ -54,14 +56,16 @@ def test_matches_hand_formula(case):
 
 def test_unnormalized_without_denominator_and_divides_by_n(case):
     logits, target, noise, p, lm = case
-    raw = MDLMCrossEntropyLoss()(logits, target, noise, p, lm).total_loss
-    ten = MDLMCrossEntropyLoss()(logits, target, noise, p, lm, num_diffusion_tokens=10).total_loss
+    raw = MDLMCrossEntropyLoss()(logits, corrupted(target, noise, p, lm), TokenCounts()).total_loss
+    ten = MDLMCrossEntropyLoss()(logits, corrupted(target, noise, p, lm), TokenCounts(10)).total_loss
     assert ten.item() == pytest.approx(raw.item() / 10)
 
 
 def test_zero_when_nothing_corrupted(case):
     logits, target, _, p, lm = case
-    out = MDLMCrossEntropyLoss()(logits, target, torch.zeros_like(lm, dtype=torch.bool), p, lm, num_diffusion_tokens=6)
+    out = MDLMCrossEntropyLoss()(
+        logits, corrupted(target, torch.zeros_like(lm, dtype=torch.bool), p, lm), TokenCounts(6)
+    )
     assert out.total_loss.item() == 0.0
 
 
@@ -72,14 +76,18 @@ def test_only_corrupted_and_supervised_positions_count(case):
     noise[1, 3] = True  # corrupted but unsupervised below
     lm = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.float)
     p = torch.full((2, 4), 0.5)
-    out = MDLMCrossEntropyLoss()(logits, target, noise, p, lm)
+    out = MDLMCrossEntropyLoss()(logits, corrupted(target, noise, p, lm), TokenCounts())
     assert out.total_loss.item() == pytest.approx(_ce(logits[0, 2].tolist(), 3) * 2, rel=1e-6)
 
 
 def test_flat_weighting_drops_inverse_p(case):
     logits, target, noise, p, lm = case
-    elbo = MDLMCrossEntropyLoss("elbo")(logits, target, noise, torch.full_like(p, 0.5), lm).total_loss
-    flat = MDLMCrossEntropyLoss("flat")(logits, target, noise, torch.full_like(p, 0.5), lm).total_loss
+    elbo = MDLMCrossEntropyLoss("elbo")(
+        logits, corrupted(target, noise, torch.full_like(p, 0.5), lm), TokenCounts()
+    ).total_loss
+    flat = MDLMCrossEntropyLoss("flat")(
+        logits, corrupted(target, noise, torch.full_like(p, 0.5), lm), TokenCounts()
+    ).total_loss
     assert elbo.item() == pytest.approx(2 * flat.item(), rel=1e-6)
     with pytest.raises(ValueError, match="weighting"):
         MDLMCrossEntropyLoss("sqrt")
@@ -112,7 +120,7 @@ def fx():
 def test_hybrid_hand_formula_with_ar_term(fx):
     logits, causal, target, noise, p, lm = fx
     out = HybridDiffusionLLMLoss(alpha=0.3)(
-        logits, target, noise, p, lm, loss_mask_ar=lm, num_diffusion_tokens=4, num_ar_tokens=12, causal_logits=causal
+        logits, corrupted(target, noise, p, lm), TokenCounts(4, 12), causal_logits=causal
     )
     diff = (ce(logits, target) * (noise & lm.bool()) / 0.5).sum() / 4
     ar = (ce(causal[:, :-1], target[:, 1:]) * lm[:, 1:]).sum() / 12
@@ -122,32 +130,30 @@ def test_hybrid_hand_formula_with_ar_term(fx):
 
 def test_hybrid_layouts_and_alpha(fx):
     logits, causal, target, noise, p, lm = fx
-    plain = HybridDiffusionLLMLoss()(logits, target, noise, p, lm)
+    plain = HybridDiffusionLLMLoss()(logits, corrupted(target, noise, p, lm), TokenCounts())
     assert torch.equal(plain.total_loss.detach(), plain.dllm_loss)
     both = torch.cat([logits, causal], dim=1)
-    concat = HybridDiffusionLLMLoss()(both, target, noise, p, lm, loss_mask_ar=lm)
-    separate = HybridDiffusionLLMLoss()(logits, target, noise, p, lm, loss_mask_ar=lm, causal_logits=causal)
+    concat = HybridDiffusionLLMLoss()(both, corrupted(target, noise, p, lm), TokenCounts())
+    separate = HybridDiffusionLLMLoss()(logits, corrupted(target, noise, p, lm), TokenCounts(), causal_logits=causal)
     assert concat.total_loss > concat.dllm_loss and torch.allclose(concat.total_loss, separate.total_loss)
-    a03 = HybridDiffusionLLMLoss(0.3)(logits, target, noise, p, lm).dllm_loss
-    a10 = HybridDiffusionLLMLoss(1.0)(logits, target, noise, p, lm).dllm_loss
+    a03 = HybridDiffusionLLMLoss(0.3)(logits, corrupted(target, noise, p, lm), TokenCounts()).dllm_loss
+    a10 = HybridDiffusionLLMLoss(1.0)(logits, corrupted(target, noise, p, lm), TokenCounts()).dllm_loss
     assert (a03 / a10).item() == pytest.approx(0.3, rel=1e-6)
-    quiet = HybridDiffusionLLMLoss()(logits, target, torch.zeros_like(noise), p, lm)
+    quiet = HybridDiffusionLLMLoss()(logits, corrupted(target, torch.zeros_like(noise), p, lm), TokenCounts())
     assert quiet.dllm_loss.item() == 0.0
 
 
 def test_hybrid_counts_divide(fx):
     logits, causal, target, noise, p, lm = fx
-    raw = HybridDiffusionLLMLoss()(logits, target, noise, p, lm, loss_mask_ar=lm, causal_logits=causal)
-    ten = HybridDiffusionLLMLoss()(
-        logits, target, noise, p, lm, loss_mask_ar=lm, causal_logits=causal, num_diffusion_tokens=10, num_ar_tokens=10
-    )
+    raw = HybridDiffusionLLMLoss()(logits, corrupted(target, noise, p, lm), TokenCounts(), causal_logits=causal)
+    ten = HybridDiffusionLLMLoss()(logits, corrupted(target, noise, p, lm), TokenCounts(10, 10), causal_logits=causal)
     assert ten.total_loss.item() == pytest.approx(raw.total_loss.item() / 10, rel=1e-6)
 
 
 def test_hybrid_infinite_weight_maps_to_one(fx):
     logits, _, target, noise, _, lm = fx
     p = torch.full((2, 8), float("inf"))
-    out = HybridDiffusionLLMLoss()(logits, target, noise, p, lm)
+    out = HybridDiffusionLLMLoss()(logits, corrupted(target, noise, p, lm), TokenCounts())
     # 1/inf = 0 is finite, so only the clamp path matters: no NaN, no inf
     assert torch.isfinite(out.total_loss)
 
@@ -158,14 +164,18 @@ def test_hybrid_infinite_weight_maps_to_one(fx):
 def test_block_diffusion_is_flat_ce_over_supervised(fx):
     logits, _, target, noise, p, lm = fx
     loss = BlockDiffusionCrossEntropyLoss()
-    out = loss(logits, target, noise, p, lm)
+    out = loss(logits, corrupted(target, noise, p, lm), TokenCounts())
     expected = (ce(logits, target) * lm).sum() / lm.sum()
     assert out.total_loss.item() == pytest.approx(expected.item(), rel=1e-6)
     assert torch.equal(out.total_loss.detach(), out.dllm_loss)
-    assert loss(logits, target, torch.zeros_like(noise), p, lm).total_loss > 0  # noise does not gate
+    ungated = loss(logits, corrupted(target, torch.zeros_like(noise), p, lm), TokenCounts()).total_loss
+    assert ungated > 0  # noise does not gate
     for other_p in (0.1, 1.0):
-        assert torch.equal(loss(logits, target, noise, torch.full_like(p, other_p), lm).total_loss, out.total_loss)
-    glob = loss(logits, target, noise, p, lm, num_diffusion_tokens=10).total_loss
+        assert torch.equal(
+            loss(logits, corrupted(target, noise, torch.full_like(p, other_p), lm), TokenCounts()).total_loss,
+            out.total_loss,
+        )
+    glob = loss(logits, corrupted(target, noise, p, lm), TokenCounts(10)).total_loss
     assert glob.item() == pytest.approx((ce(logits, target) * lm).sum().item() / 10, rel=1e-6)
 
 

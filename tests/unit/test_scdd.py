@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from losskit import corrupted
 
+from strategies.base import TokenCounts
 from strategies.scdd.loss import SCDDLoss
 from strategies.scdd.schedule import scdd_schedule
 
@@ -71,7 +73,7 @@ def scdd_batch():
 
 def _scdd(logits, x0, zt, lm, t=0.4, **kw):
     loss = SCDDLoss(M, **{"num_timesteps": 1000, "max_ratio": 0.1, **kw})
-    return loss(logits, x0, None, torch.full(x0.shape, t), lm, noisy_input_ids=zt)
+    return loss(logits, corrupted(x0, None, torch.full(x0.shape, t), lm, noisy=zt), TokenCounts())
 
 
 def test_scdd_ratio_zero_equals_mdlm_without_mask_in_softmax(scdd_batch):
@@ -129,14 +131,14 @@ def test_scdd_invariances(scdd_batch):
     assert torch.equal(before, logits)  # caller logits untouched
     loss = SCDDLoss(M)
     n = int(lm.sum())
-    halved = loss(logits, x0, None, torch.full(x0.shape, 0.4), lm, noisy_input_ids=zt, num_diffusion_tokens=2 * n)
+    halved = loss(logits, corrupted(x0, None, torch.full(x0.shape, 0.4), lm, noisy=zt), TokenCounts(2 * n))
     assert halved.total_loss.item() == pytest.approx(base.item() / 2, rel=1e-6)
 
 
 def test_scdd_requires_noisy_ids_and_valid_args(scdd_batch):
     logits, x0, zt, lm = scdd_batch
-    with pytest.raises(ValueError, match="noisy_input_ids"):
-        SCDDLoss(M)(logits, x0, None, torch.full(x0.shape, 0.4), lm)
+    with pytest.raises(ValueError, match=r"needs batch\.noisy_ids"):
+        SCDDLoss(M)(logits, corrupted(x0, None, torch.full(x0.shape, 0.4), lm), TokenCounts())
     for bad_t in (0, 1):
         with pytest.raises(ValueError, match="num_timesteps >= 2"):
             SCDDLoss(M, num_timesteps=bad_t)
@@ -153,16 +155,12 @@ def test_scdd_microbatch_split_sums_to_full_batch():
     times = torch.rand(6, generator=g)[:, None].expand(6, 8)
     lm = torch.ones(6, 8)
     loss = SCDDLoss(M)
-    full = loss(logits, x0, None, times, lm, noisy_input_ids=zt, num_diffusion_tokens=48).total_loss
+    full = loss(logits, corrupted(x0, None, times, lm, noisy=zt), TokenCounts(48)).total_loss
     parts = sum(
         loss(
             logits[i : i + 2],
-            x0[i : i + 2],
-            None,
-            times[i : i + 2],
-            lm[i : i + 2],
-            noisy_input_ids=zt[i : i + 2],
-            num_diffusion_tokens=48,
+            corrupted(x0[i : i + 2], None, times[i : i + 2], lm[i : i + 2], noisy=zt[i : i + 2]),
+            TokenCounts(48),
         ).total_loss
         for i in range(0, 6, 2)
     )
@@ -174,8 +172,12 @@ def test_scdd_chunking_is_exact_in_loss_and_gradient(scdd_batch, chunk):
     logits, x0, zt, lm = scdd_batch
     a = logits.clone().requires_grad_(True)
     b = logits.clone().requires_grad_(True)
-    la = SCDDLoss(M, chunk_size=None)(a, x0, None, torch.full(x0.shape, 0.3), lm, noisy_input_ids=zt).total_loss
-    lb = SCDDLoss(M, chunk_size=chunk)(b, x0, None, torch.full(x0.shape, 0.3), lm, noisy_input_ids=zt).total_loss
+    la = SCDDLoss(M, chunk_size=None)(
+        a, corrupted(x0, None, torch.full(x0.shape, 0.3), lm, noisy=zt), TokenCounts()
+    ).total_loss
+    lb = SCDDLoss(M, chunk_size=chunk)(
+        b, corrupted(x0, None, torch.full(x0.shape, 0.3), lm, noisy=zt), TokenCounts()
+    ).total_loss
     la.backward()
     lb.backward()
     assert torch.allclose(la, lb, rtol=1e-6) and torch.allclose(a.grad, b.grad, atol=1e-7)
@@ -192,7 +194,9 @@ def _logit_grads(t, z, x=10, vocab=2048, p_x=0.05, p_z=None):
     logits.requires_grad_(True)
     loss = SCDDLoss(2, num_timesteps=1000, max_ratio=0.1)
     out = loss(
-        logits, torch.tensor([[x]]), None, torch.full((1, 1), t), torch.ones(1, 1), noisy_input_ids=torch.tensor([[z]])
+        logits,
+        corrupted(torch.tensor([[x]]), None, torch.full((1, 1), t), torch.ones(1, 1), noisy=torch.tensor([[z]])),
+        TokenCounts(),
     )
     out.total_loss.backward()
     return logits.grad[0, 0, x].item(), logits.grad[0, 0, z].item()
