@@ -14,6 +14,7 @@ from tasks.commands.plan.measured import StepCost
 from tasks.commands.plan.model import Shape, decoder_layers
 from tasks.commands.plan.step import Planner, Trace
 from tasks.commands.plan.trace import GB, Untraceable, too_long, traceable_rows
+from tasks.training.runtime import OptimSettings, make_optimizer
 
 DEFAULT_MFU = 0.4
 # dense peak FLOP/s of one H100/H200 SXM: bf16 tensor cores, and plain fp32 (PyTorch leaves TF32 off for matmuls)
@@ -110,9 +111,13 @@ class Resident:
     update: int  # scratch of the optimizer step
 
     @classmethod
-    def of(cls, model: nn.Module, frozen: nn.Module | None, lay: Layout, device: str) -> Resident:
+    def of(cls, model: nn.Module, frozen: nn.Module | None, lay: Layout, device: str, optimizer=None) -> Resident:
+        """`optimizer`: the train stage's own (`make_optimizer`), whose parameter groups are what it updates and
+        keeps moments for; None: every parameter that requires a gradient (what it selects)."""
         params = list(model.parameters())
         trained = [p for p in params if p.requires_grad]
+        if optimizer is not None:
+            trained = [p for group in optimizer.param_groups for p in group["params"]]
         weights, buffers = _nbytes(params), _nbytes(model.buffers())  # buffers (rotary tables) are never sharded
         grads = _nbytes(trained)
         largest = max((p.numel() * p.element_size() for p in trained), default=0)
@@ -250,8 +255,9 @@ def plan_strategy(
     sizing = sizing and not unsized
     planner = Planner(spec, name)
     model, frozen = planner.full_model()
-    res = Resident.of(model, frozen, lay, cluster.device)
-    del model
+    optimizer, _ = make_optimizer(model, OptimSettings.of(spec.train))  # the train stage's builder, state unbuilt
+    res = Resident.of(model, frozen, lay, cluster.device, optimizer)
+    del model, optimizer
     settings = _Settings(planner, lay.rows)
     chosen, notes = settings.configured(spec)
     for variant in VARIANTS if variants else ():
