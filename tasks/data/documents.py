@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from dllm_common.config import DataConfig
 from dllm_common.config.sections import DATA_PATH_EXPECTED, special_file
+from tasks.posttrain.families import TaskError, iter_problems
 
 
 class DataError(ValueError):
@@ -278,8 +279,24 @@ def _document(cfg: DataConfig, doc_id: str, values: list) -> Document:
 
 def iter_documents(cfg: DataConfig) -> Iterator[Document]:
     """The configured documents in order (the first `data.max_documents`), streamed; a fresh pass per call."""
-    docs = iter(shakespeare_documents(cfg.shape)) if cfg.source == "shakespeare" else record_documents(cfg)
+    if cfg.source == "task":
+        docs = task_documents(cfg)
+    else:
+        docs = iter(shakespeare_documents(cfg.shape)) if cfg.source == "shakespeare" else record_documents(cfg)
     return itertools.islice(docs, cfg.max_documents) if cfg.max_documents else docs
+
+
+def task_documents(cfg: DataConfig) -> Iterator[Document]:
+    """One dialogue per generated problem (`data.source: task`): the prompt, then the reference answer."""
+    t = cfg.task
+    try:
+        problems = list(iter_problems(t.family, t.problems, cfg.seed, max_operand=t.max_operand, blanks=t.blanks))
+    except TaskError as exc:
+        raise DataError(f"data.task: {exc}") from None
+    for doc_id, p in problems:
+        yield Document(
+            doc_id, dialogues=(({"role": "user", "content": p.prompt}, {"role": "assistant", "content": p.answer}),)
+        )
 
 
 def check_documents(cfg: DataConfig, n_docs: int, any_text: bool) -> None:
@@ -295,8 +312,8 @@ def check_documents(cfg: DataConfig, n_docs: int, any_text: bool) -> None:
 
 def data_source_name(cfg: DataConfig) -> str:
     """The data a message is about: `data.path '…' (data.source jsonl)`, or the embedded corpus."""
-    if cfg.source == "shakespeare":
-        return "data.source shakespeare"
+    if cfg.source in ("shakespeare", "task"):
+        return f"data.source {cfg.source}"
     return f"data.path {cfg.path!r} (data.source {cfg.source})"
 
 

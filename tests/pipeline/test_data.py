@@ -257,3 +257,29 @@ def test_a_preparation_failing_mid_stream_leaves_no_open_row_file(tmp_path, monk
             fds.append(os.readlink(f"/proc/self/fd/{fd}"))
     assert not [f for f in fds if str(tmp_path) in f], (fds, failure.value)
     assert not list((tmp_path / "w").rglob("*.raw")) and not list((tmp_path / "w").rglob("*.npy"))
+
+
+def test_a_generated_task_is_one_supervised_conversation_per_problem_with_the_eos_fill(tmp_path):
+    """`data.source: task` (docs/post-training.md): every row is a problem and its answer, EOS-filled and supervised
+    to the end of the row; the validation documents are the problems the evaluation holds out."""
+    from tasks.evaluation.chat import held_out_problems
+
+    task = {"family": "arithmetic", "problems": 60, "max_operand": 9}
+    spec = _spec(tmp_path, source="task", shape="dialogue", task=task, val_fraction=0.25)
+    ref = prepare_data(spec, str(tmp_path / "w"))
+    ids, loss, attn = load_split(ref.path, "train")
+    assert ref.info["train_documents"] + ref.info["val_documents"] == 60 and ids.shape[0] == 45
+    assert (attn == 1).all() and (loss[:, -1] == 1).all()  # filled to the end of every row
+    assert (ids[:, -1] == ref.info["eos_token_id"]).all()
+    assert 0 < loss.sum() < attn.sum()  # the problem itself is not supervised
+    assert len(held_out_problems(spec, 100)) == ref.info["val_documents"] == 15
+    with pytest.raises(ValueError, match="data.source task needs a data.task section"):
+        _spec(tmp_path, source="task", shape="dialogue")
+    with pytest.raises(ValueError, match="set data.shape: dialogue"):
+        _spec(tmp_path, source="task", task=task)
+    with pytest.raises(ValueError, match="data.task is read only with data.source task"):
+        _spec(tmp_path, task=task)
+    with pytest.raises(DataError, match=r"data.task: task family 'arithmetic' gave only 155 distinct problems"):
+        prepare_data(
+            _spec(tmp_path, source="task", shape="dialogue", task={**task, "problems": 500}), str(tmp_path / "x")
+        )
