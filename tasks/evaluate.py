@@ -32,6 +32,7 @@ from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for, tracking_for
 from tasks.data.tokenizer import load_tokenizer
 from tasks.devices import resolve_device
+from tasks.evaluation.chat import accuracy_metrics, answer_stats, held_out_problems
 from tasks.evaluation.context import sampling_context
 from tasks.evaluation.data_row import data_row_metrics
 from tasks.evaluation.likelihood import (
@@ -177,6 +178,9 @@ def draw_samples(
     }
     if result.revised is not None:  # samplers that can change a token after placing it (SCDD)
         stats["eval/revised_tokens"] = float(result.revised)
+    if spec.data.shape == "dialogue":  # how a chat model's answers end (docs/post-training.md, "Evaluation")
+        raw = [result.generated(i).tolist() for i in range(len(prompts))]
+        stats.update(answer_stats(raw, tokenizer.eos_token_id))
     return ids, stats
 
 
@@ -414,7 +418,27 @@ def _dllm_evaluation(ev: Evaluation) -> EvalResult:
     metrics.update(strat.eval_metrics(ev.model.eval(), (ids, loss_mask, attn), spec.eval.batch_size))
     headline, curve, text = sample_quality(ev, strat, mask_id)
     metrics.update(headline)
-    return EvalResult(strat, metrics, curve, text)
+    files = {}
+    if spec.data.source == "task":
+        accuracy, rows = task_accuracy(ev, strat, mask_id)
+        metrics.update(accuracy)
+        files["problems.jsonl"] = "".join(json.dumps(r) + "\n" for r in rows)
+    return EvalResult(strat, metrics, curve, text, files)
+
+
+def task_accuracy(ev: Evaluation, strategy, mask_token_id: int) -> tuple[dict, list[dict]]:
+    """Accuracy on `eval.task_problems` held-out problems of the generated task, decoded greedily at the headline
+    step budget (what d1 reports), with how those answers end."""
+    spec, tokenizer = ev.spec, ev.tokenizer
+    problems = held_out_problems(spec, spec.eval.task_problems)
+    prompts = encode_prompts(tokenizer, [p.prompt for p in problems], chat=True)
+    ids, stats = draw_samples(ev, strategy, mask_token_id, prompts, spec.eval.budgets()[0], greedy=True)
+    metrics, rows = accuracy_metrics(problems, [tokenizer.decode(i) for i in ids], spec.eval.seed)
+    metrics.update({k.replace("eval/", "eval/task_"): v for k, v in stats.items() if k in ANSWER_KEYS})
+    return metrics, rows
+
+
+ANSWER_KEYS = ("eval/eos_rate", "eval/ended", "eval/answer_len_mean", "eval/answer_len_p50", "eval/answer_len_p90")
 
 
 def harness_evaluation(ev: Evaluation, result: EvalResult) -> EvalResult:

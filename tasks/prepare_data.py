@@ -30,7 +30,7 @@ from tasks.data.documents import (
 )
 from tasks.data.split_rows import SplitRows
 from tasks.data.tokenizer import document_texts, load_tokenizer, refuse_mask_alias, train_tokenizer
-from tasks.data.tokenizing import tokenized_documents
+from tasks.data.tokenizing import check_chat_template, tokenized_documents
 from tasks.stages import Stage
 
 STAGE = "prepare_data"
@@ -74,6 +74,8 @@ def _build(spec: PipelineSpec, tmp: Path) -> dict:
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no eos token; pick a tokenizer with one (tokenizer.path)")
     refuse_mask_alias(spec, tokenizer)
+    if cfg.shape == "dialogue":
+        check_chat_template(tokenizer, spec.tokenizer.path or "the trained tokenizer")
     tokenizer.save_pretrained(tmp / "tokenizer")
     splits = {
         "train": SplitRows(tmp, "train", cfg, tokenizer, cfg.max_train_rows),

@@ -79,6 +79,7 @@ class EvalConfig(ConfigSection):
     greedy: bool = True
     threshold: float | None = Field(None, gt=0, le=1)  # confidence-threshold parallel decoding (absorbing samplers)
     prompts: tuple[str, ...] = ("To be, or not to be", "My lord,", "What say you", "O")
+    task_problems: int = Field(64, ge=1)  # data.source task: held-out problems the accuracy is measured on
     # step budgets of the quality-vs-NFE curve; empty → sample_steps, ½ and ¼ of it
     nfe_budgets: tuple[Annotated[int, Field(ge=1)], ...] = ()
     scorer: ScorerConfig | None = None  # None → no eval/gen_ppl (eval/entropy is always reported)

@@ -110,10 +110,21 @@ DATA_PATH_EXPECTED = {
 }
 
 
+class TaskConfig(ConfigSection):
+    """A verifiable task family generated in the project (`data.source: task`, docs/post-training.md): one
+    problem per document, its reference answer the assistant turn."""
+
+    family: Literal["arithmetic", "countdown", "sudoku4"] = "arithmetic"
+    problems: int = Field(1000, ge=2)
+    max_operand: int = Field(50, ge=1)  # arithmetic and countdown: the largest number in a problem
+    blanks: int = Field(6, ge=1, le=12)  # sudoku4: blank cells (kept only while the solution stays unique)
+
+
 class DataConfig(ConfigSection):
     """Where text comes from and how it becomes fixed-length training rows."""
 
-    source: Literal["shakespeare", "jsonl", "parquet", "hf"] = "shakespeare"
+    source: Literal["shakespeare", "jsonl", "parquet", "hf", "task"] = "shakespeare"
+    task: TaskConfig | None = None  # data.source task: which problems
     path: str | None = None  # local file/dir for jsonl/parquet; dataset name or path for hf
     hf_config: str | None = None
     hf_split: str = "train"
@@ -130,6 +141,10 @@ class DataConfig(ConfigSection):
     num_proc: int | None = Field(None, ge=1)  # tokenizing processes (None: every core, at most 8); not in the key
     # a longer document, or row, is refused naming its file and line (or row) before it is tokenized
     max_document_chars: int = Field(MAX_DOCUMENT_CHARS, ge=1)
+    # dialogue rows (docs/post-training.md, "Chat SFT"): true, the row after a conversation's last assistant turn
+    # is EOS, noised and supervised (LLaDA's SFT, Automodel's DLLMCollator); false, PAD at loss 0
+    supervise_eos_fill: bool = True
+    eos_fill_block: int | None = Field(None, ge=1)  # the EOS fill ends with the block it starts in (block samplers)
 
     @field_validator("seq_len")
     @classmethod
@@ -143,6 +158,14 @@ class DataConfig(ConfigSection):
 
     @model_validator(mode="after")
     def _path_needed(self) -> DataConfig:
+        if self.source == "task":
+            if self.task is None:
+                raise ValueError("data.source task needs a data.task section, e.g. {family: arithmetic}")
+            if self.shape != "dialogue":
+                raise ValueError("data.source task gives one dialogue per problem: set data.shape: dialogue")
+            return self
+        if self.task is not None:
+            raise ValueError(f"data.task is read only with data.source task (data.source is {self.source!r})")
         if self.source != "shakespeare" and not self.path:
             raise ValueError(f"data.path is required when data.source is {self.source!r}")
         return self

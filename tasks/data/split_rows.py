@@ -20,6 +20,8 @@ class SplitRows:
         arrays = ("input_ids", "loss_mask", "attention_mask") + (("doc_starts",) if cfg.shape == "pretrain" else ())
         self.writer = RowWriter(folder, split, cfg.seq_len, arrays)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos = tokenizer.eos_token_id
+        self.fill, self.fill_block = cfg.supervise_eos_fill, cfg.eos_fill_block
         self.carry, self.carry_starts = np.zeros(0, np.int32), np.zeros(0, np.uint8)
         self.documents, self.tokens = 0, 0
 
@@ -63,8 +65,23 @@ class SplitRows:
         for r, (row_ids, row_mask) in enumerate(rows):
             ids[r, : len(row_ids)] = row_ids
             loss[r, : len(row_mask)] = row_mask
-            attn[r, : len(row_ids)] = 1
+            end = self._fill_end(row_mask)
+            ids[r, len(row_ids) : end] = self.eos
+            loss[r, len(row_ids) : end] = 1
+            attn[r, :end] = 1
         self.writer.add(input_ids=ids, loss_mask=loss, attention_mask=attn)
+
+    def _fill_end(self, mask: list[int]) -> int:
+        """Where a conversation's row ends once filled (docs/post-training.md, "Chat SFT"): with
+        `supervise_eos_fill`, a row whose last token is supervised (it ends with an assistant turn) is EOS up to the
+        end of the row, or of the `eos_fill_block` its end falls in; otherwise it ends with its tokens (PAD after,
+        at loss 0)."""
+        n = len(mask)
+        if not (self.fill and n and mask[-1]):
+            return n
+        if self.fill_block is None:
+            return self.seq_len
+        return min(self.seq_len, -(-n // self.fill_block) * self.fill_block)
 
     def close(self) -> dict:
         return self.writer.close(documents=self.documents, tokens=self.tokens)

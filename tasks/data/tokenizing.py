@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,19 +22,61 @@ DOCS_PER_UNIT = 64  # documents per tokenizing work unit
 PARALLEL_FROM = 4 * DOCS_PER_UNIT  # fewer documents than this are tokenized in this process
 
 
-def dialogue_row(messages: list[dict], tokenizer, seq_len: int) -> tuple[list[int], list[int]]:
-    """Render with the chat template; supervise the characters of each assistant turn (+ its end)."""
+# Reasoning tags a hybrid-reasoning template writes empty into an assistant turn (Qwen3's `<think>\n\n</think>`):
+# the span is the template's, not the answer's, so it is not supervised (docs/post-training.md, "Chat SFT")
+EMPTY_REASONING = re.compile(r"<(think|thinking|reasoning)>\s*</\1>\s*")
+
+
+def assistant_spans(messages: list[dict], tokenizer) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns (each with its end), less any
+    empty reasoning span inside them."""
     text = tokenizer.apply_chat_template(list(messages), tokenize=False)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
             start = len(tokenizer.apply_chat_template(list(messages[:i]), tokenize=False, add_generation_prompt=True))
             end = len(tokenizer.apply_chat_template(list(messages[: i + 1]), tokenize=False))
+            cuts = [(a.start(), a.end()) for a in EMPTY_REASONING.finditer(text, start, end)]
+            for a, b in cuts:
+                spans.append((start, a))
+                start = b
             spans.append((start, end))
+    return text, [(s, e) for s, e in spans if e > s]
+
+
+def dialogue_row(messages: list[dict], tokenizer, seq_len: int) -> tuple[list[int], list[int]]:
+    """Render with the chat template; supervise the characters of each assistant turn (+ its end)."""
+    text, spans = assistant_spans(messages, tokenizer)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"][:seq_len]
     mask = [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"][:seq_len]]
     return ids, mask
+
+
+PROBE = ({"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."})
+
+
+def check_chat_template(tokenizer, name: str) -> None:
+    """Refuse (one `DataError` line naming the template) a chat template whose rendering of a two-turn probe
+    supervises nothing or everything, or whose prompt with the generation prompt is no prefix of the whole
+    conversation (the assistant turn could not be located): either would silently train on the wrong tokens."""
+    try:
+        full = tokenizer.apply_chat_template(list(PROBE), tokenize=False)
+        prompt = tokenizer.apply_chat_template(list(PROBE[:1]), tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # a template that cannot render a user/assistant pair
+        raise DataError(f"the chat template of {name} cannot render a user and an assistant turn: {exc}") from None
+    if not full.startswith(prompt):
+        raise DataError(
+            f"the chat template of {name} renders the prompt with its generation prompt as no prefix of the "
+            "conversation, so the assistant turns cannot be located; use a template that appends each turn"
+        )
+    _, mask = dialogue_row(list(PROBE), tokenizer, 1 << 16)
+    if not any(mask) or all(mask):
+        what = "no token" if not any(mask) else "every token"
+        raise DataError(
+            f"the chat template of {name} marks {what} of a user/assistant probe as the assistant's, so SFT would "
+            "supervise the wrong tokens; use a template that renders the assistant turns apart from the prompt"
+        )
 
 
 def tokenize_documents(docs: list[Document], tokenizer, seq_len: int, shape: str) -> list:
