@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,lmeval,speculators,server
+EXTRAS ?= dev,lmeval,speculators,server,posttrain
 # installed without their declared dependencies (see pyproject.toml): speculators + hs-connectors are the
 # independent DFlash implementation the tests check exported drafts against (its imports: the `speculators` extra;
 # they need Python 3.11+, so on 3.10 they are left out and those two tests skipped); dflash is z-lab's DFlash /

@@ -110,3 +110,8 @@ class DLLMEvaluator:
         """Strategy-specific evaluation metrics over the validation rows (ids, loss_mask, attention_mask);
         the evaluate stage adds them to the common ones. Default: none."""
         return {}
+
+    def causal_logits(self, model: nn.Module):
+        """`(x [B,T], attention_mask [B,T]) → logits [B,T,V]` whose row i − 1 predicts token i, for a strategy with
+        an exact causal path (GRPO's `exact_ar` estimate); a strategy without one has none."""
+        raise NotImplementedError(f"the {self.strategy.name} strategy has no exact causal path")

@@ -127,6 +127,15 @@ def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
                 f"eval.overrides.{name}: {name} is judged by speculative decoding against its target, which reads "
                 "no sampler settings; remove the entry"
             )
+    if spec.grpo is not None:  # each strategy must be able to compute the chosen likelihood estimate
+        for name in spec.pipeline.strategies:
+            supported = REGISTRY[name].estimators
+            if spec.grpo.estimator not in supported:
+                raise ConfigError(
+                    f"grpo.estimator: {name} cannot compute the {spec.grpo.estimator!r} estimate; "
+                    + (f"it supports {', '.join(supported)}" if supported else f"{name} is not post-trained by grpo")
+                    + " (docs/post-training.md, \"Likelihood estimators\")"
+                )
     known = sorted({k for r in REGISTRY.values() for k in r.options.model_fields})
     unknown = sorted(set(spec.dllm.shared()) - set(known))
     if unknown:  # no strategy at all reads it: a typo or a key of another tool, not a missing strategy

@@ -130,6 +130,10 @@ def load_object(ref: str | type) -> type:
     return getattr(import_module(module), name)
 
 
+# the GRPO estimators a bidirectional masked-diffusion denoiser supports (d1's one-step, DiffuCoder's coupled)
+MASKED_ESTIMATORS = ("one_step", "coupled")
+
+
 @dataclass(frozen=True)
 class Registration:
     """One registered strategy: its options, its class, its samplers and its model shapes.
@@ -145,7 +149,10 @@ class Registration:
         rebuilds itself from it (`from_config_dir`). `evaluator`: the strategy's evaluation hooks (its samplers,
     likelihood rows, denoiser and evaluation metrics: a `strategies.base_evaluation.DLLMEvaluator` subclass), as the
     class or "module:Class", loaded only when a hook is called; None: the base evaluator (`BASE_EVALUATOR`). They
-    live apart from the class so that the training stages' keys never hold them (`modules`)."""
+    live apart from the class so that the training stages' keys never hold them (`modules`). `estimators`: the
+    likelihood estimators GRPO may build its ratio from for this strategy (docs/post-training.md, "Likelihood
+    estimators"): "one_step" and "coupled" need a masked-diffusion denoiser, "exact_ar" the evaluator's
+    `causal_logits`; none: the strategy is not post-trained."""
 
     options: type[StrategyOptions]
     implementation: str | type
@@ -154,6 +161,7 @@ class Registration:
     samples: bool = True
     models: Mapping[str, str | type] = field(default_factory=dict)
     evaluator: str | type | None = None
+    estimators: tuple[str, ...] = MASKED_ESTIMATORS
 
     def __post_init__(self) -> None:
         if not self.samplers:

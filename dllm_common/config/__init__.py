@@ -13,6 +13,7 @@ Its modules, each importing only those above it:
   sections;
 - `evaluation`: the eval section (sampling settings per strategy, the scorer, lm-eval tasks);
 - `dflash`: the dflash section (the draft's target, its features, regenerated rows);
+- `posttrain`: the grpo section (reinforcement learning with verifiable rewards after training);
 - `spec`: `PipelineSpec`, the whole pipeline, and the checks across its sections;
 - `yaml_loading`: YAML read with its defences, `--set` overrides, `validate_schema` and its error messages;
 - `digest`: `canonical_json`, `config_sha256` and `flatten`.
@@ -32,6 +33,7 @@ from dllm_common.config.evaluation import (
     SamplerSettings,
     ScorerConfig,
 )
+from dllm_common.config.posttrain import GRPOConfig
 from dllm_common.config.sections import (
     PIPELINE_NAME,
     ConfigSection,
@@ -74,6 +76,7 @@ __all__ = [
     "DataConfig",
     "DuplicateKeyError",
     "EvalConfig",
+    "GRPOConfig",
     "LMEvalConfig",
     "ModelConfig",
     "PeftConfig",

@@ -8,6 +8,7 @@ from pydantic import model_validator
 from dllm_common.config.context import MAX_CHARS_PER_TOKEN, MAX_SEQ_LEN, context_overflow, local_max_positions
 from dllm_common.config.dflash import DFlashConfig
 from dllm_common.config.evaluation import EvalConfig
+from dllm_common.config.posttrain import GRPOConfig
 from dllm_common.config.sections import (
     ConfigSection,
     DataConfig,
@@ -32,6 +33,7 @@ class PipelineSpec(ConfigSection):
     tracking: TrackingConfig = TrackingConfig()
     dllm: DLLMSection = DLLMSection()
     dflash: DFlashConfig = DFlashConfig()
+    grpo: GRPOConfig | None = None  # reinforcement learning after training (docs/post-training.md)
 
     @property
     def chat_rows(self) -> bool:
@@ -113,6 +115,17 @@ class PipelineSpec(ConfigSection):
         problem = config_mask_alias_problem(self.tokenizer, d.shared(), d.overrides, self.pipeline.strategies)
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _grpo_has_prompts(self) -> PipelineSpec:
+        if self.grpo is not None and self.data.source != "task":
+            raise ValueError(
+                f"grpo: needs prompts with verifiable answers: data.source: task (a generated task family, "
+                f"docs/post-training.md); data.source is {self.data.source!r}"
+            )
+        if self.grpo is not None and self.data.shape != "dialogue":
+            raise ValueError("grpo: tunes a chat model: set data.shape: dialogue (the SFT before it)")
         return self
 
     @model_validator(mode="after")

@@ -115,4 +115,5 @@ REGISTRATION = Registration(
         DIFFUSION_GEMMA: "strategies.block_diffusion.gemma:DiffusionGemmaCanvas",
     },
     evaluator="strategies.block_diffusion.evaluation:BlockDiffusionEvaluator",
+    estimators=(),  # its canvas is uniform noise beside a clean encoder: no estimator of ours is built for it
 )

@@ -426,4 +426,5 @@ REGISTRATION = Registration(
     section="dflash",
     samples=False,
     models={"dflash_draft": "strategies.dflash.draft:DFlashDraftModel"},
+    estimators=(),  # a draft is judged by its target's acceptance, not post-trained on rewards
 )

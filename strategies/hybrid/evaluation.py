@@ -28,3 +28,7 @@ class HybridEvaluator(DLLMEvaluator):
     ) -> tuple[Tensor, Tensor]:
         """Exact left-to-right NLL of the supervised tokens under the causal branch: (Σ nll, count) per row."""
         return causal_nll_rows(model.causal_logits(clean_ids, attention_mask), clean_ids, loss_mask, attention_mask)
+
+    def causal_logits(self, model: nn.Module):
+        """The causal branch: row i − 1 predicts token i (GRPO's `exact_ar`)."""
+        return lambda x, attn: model.causal_logits(x, attn)

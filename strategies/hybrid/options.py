@@ -47,4 +47,5 @@ REGISTRATION = Registration(
     SAMPLERS,
     models={HYBRID: "strategies.hybrid.model:HybridLM"},
     evaluator="strategies.hybrid.evaluation:HybridEvaluator",
+    estimators=("one_step", "coupled", "exact_ar"),  # the diffusion branch, or the causal branch exactly
 )

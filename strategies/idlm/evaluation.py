@@ -28,6 +28,10 @@ class IDLMEvaluator(DLLMEvaluator):
         """Decoding uses plain causal attention; the sampler applies `logit_shift`."""
         return causal_denoiser(model)  # the clean prefix's K/V are reused exactly (docs/decoding.md)
 
+    def causal_logits(self, model: nn.Module):
+        """The clean half is a plain causal LM: row i − 1 predicts token i (GRPO's `exact_ar`)."""
+        return causal_denoiser(model)
+
     def introspective_acceptance_rows(
         self, model: nn.Module, clean_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor
     ) -> tuple[Tensor, Tensor]:

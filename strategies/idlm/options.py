@@ -42,4 +42,5 @@ REGISTRATION = Registration(
     "strategies.idlm.strategy:IDLMStrategy",
     SAMPLERS,
     evaluator="strategies.idlm.evaluation:IDLMEvaluator",
+    estimators=("exact_ar",),  # its clean half is an exact causal LM (JustGRPO's idea)
 )

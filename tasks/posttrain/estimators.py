@@ -9,7 +9,10 @@ between the old, reference and current policy — and returns log-probabilities 
 - `coupled` (DiffuCoder, Gong et al., 2025): t ~ U(0.2, 0.8); two complementary views mask the completion tokens
   with u < t and u > t (u uniform per token), a third masks all of them; a token's estimate is
   (p_full + p_own / w) / 2, where p_own comes from the view that masked it and w is that view's mask rate (t or
-  1 − t). Three forwards, every token scored twice."""
+  1 − t). Three forwards, every token scored twice.
+- `exact_ar` (JustGRPO's idea, for a strategy with an exact causal path: hybrid's causal branch, I-DLM's clean
+  half): the completion's left-to-right log-likelihood, one causal forward of the clean row (`causal` gives logits
+  whose row i − 1 predicts token i). Exact, so no corruption is drawn."""
 
 from __future__ import annotations
 
@@ -52,4 +55,13 @@ def coupled(denoise, prompt: Tensor, completion: Tensor, mask_id: int, generator
     return (full + own) / 2
 
 
-ESTIMATORS = {"one_step": one_step, "coupled": coupled}
+def exact_ar(causal, prompt: Tensor, completion: Tensor, mask_id: int | None, generator: torch.Generator) -> Tensor:
+    """log p(completion token | everything left of it) from one causal forward of prompt + completion."""
+    ids = torch.cat([prompt, completion], dim=1)
+    logits = causal(ids, torch.ones_like(ids))
+    start = prompt.shape[1]
+    rows = logits[:, start - 1 : ids.shape[1] - 1].float()  # row i − 1 predicts token i
+    return F.log_softmax(rows, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+
+
+ESTIMATORS = {"one_step": one_step, "coupled": coupled, "exact_ar": exact_ar}
