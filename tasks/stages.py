@@ -145,6 +145,8 @@ STAGES: dict[str, str] = {
     "cache_target": "tasks.speculative.cache_target:DECLARATION",
     "train": "tasks.train:DECLARATION",
     "evaluate": "tasks.evaluate:DECLARATION",
+    "grpo": "tasks.posttrain.grpo:DECLARATION",
+    "evaluate_grpo": "tasks.posttrain.evaluate_tuned:DECLARATION",
     "report": "tasks.report:DECLARATION",
 }
 _RUNTIME: dict[str, Stage] = {}

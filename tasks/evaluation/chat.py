@@ -53,16 +53,21 @@ def paired_difference(a: list[float], b: list[float], seed: int, resamples: int 
     return bootstrap_mean([y - x for x, y in zip(a, b)], seed, resamples)
 
 
-def held_out_problems(spec: PipelineSpec, limit: int) -> list[Problem]:
-    """The first `limit` problems of the validation side of the split `prepare_data` made (same ids, same seed,
-    same fraction): problems the model never trained on."""
+def split_problems(spec: PipelineSpec) -> tuple[list[Problem], list[Problem]]:
+    """The generated task's problems on each side of the split `prepare_data` made (same ids, same seed, same
+    fraction): (training problems, held-out problems)."""
     cfg, t = spec.data, spec.data.task
     pairs = list(iter_problems(t.family, t.problems, cfg.seed, max_operand=t.max_operand, blanks=t.blanks))
     if cfg.max_documents:
         pairs = pairs[: cfg.max_documents]
     scores = np.array([document_score(doc_id, cfg.seed) for doc_id, _ in pairs])
     cut = val_threshold(scores, cfg.val_fraction)
-    return [p for (_, p), s in zip(pairs, scores) if s <= cut][:limit]
+    return [p for (_, p), s in zip(pairs, scores) if s > cut], [p for (_, p), s in zip(pairs, scores) if s <= cut]
+
+
+def held_out_problems(spec: PipelineSpec, limit: int) -> list[Problem]:
+    """The first `limit` held-out problems (`split_problems`): problems the model never trained on."""
+    return split_problems(spec)[1][:limit]
 
 
 def accuracy_metrics(problems: list[Problem], completions: list[str], seed: int) -> tuple[dict, list[dict]]:

@@ -74,4 +74,5 @@ def policy_loss(
     loss = ((per_token * mask).sum(dim=1) / tokens).mean()
     held = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
     total = mask.sum().clamp_min(1.0)
-    return PolicyTerms(loss, float((kl * mask).sum() / total), float((held.to(mask.dtype) * mask).sum() / total))
+    kl, held = kl.detach(), held.to(mask.dtype)
+    return PolicyTerms(loss, float((kl * mask).sum() / total), float((held * mask).sum() / total))

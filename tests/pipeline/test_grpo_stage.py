@@ -1,0 +1,188 @@
+"""The GRPO stage end to end (docs/post-training.md, "The GRPO stage"): a tiny chat SFT on a generated task, then
+`grpo[mdlm]` and `evaluate_grpo[mdlm]` through the pipeline — per-step metrics in the stage's own MLflow run, the
+tuned model published and changed, the report's accuracy columns, everything reused on a rerun; a stage killed after
+its checkpoint resumes to the very weights of an uninterrupted one; bad input refused before any rollout."""
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import ROOT
+from safetensors.torch import load_file
+
+from dllm_common.config import ConfigError
+from dllm_common.tracking import Tracking
+from strategies.options import validate_config
+from tasks.common import StageRef, store_for
+from tasks.posttrain.grpo import check_prompts_fit, check_rewards, grpo
+from tasks.posttrain.rewards import RewardError
+
+TINY = {
+    "pipeline": {"name": "grpo-tiny", "strategies": ["mdlm"]},
+    "data": {
+        "source": "task",
+        "shape": "dialogue",
+        "task": {"family": "arithmetic", "problems": 200, "max_operand": 20},
+        "seq_len": 20,
+        "max_val_rows": 32,
+    },
+    "tokenizer": {"vocab_size": 300, "min_frequency": 1000000},
+    "model": {"family": "llama", "hidden_size": 32, "num_layers": 1, "num_heads": 2},
+    "train": {
+        "steps": 30,
+        "global_batch_size": 16,
+        "micro_batch_size": 16,
+        "lr": 3.0e-3,
+        "warmup_steps": 2,
+        "val_every": 30,
+        "val_rows": 16,
+        "log_every": 10,
+        "checkpoint_every": 30,
+    },
+    "eval": {
+        "val_rows": 16,
+        "t_samples": 1,
+        "num_samples": 1,
+        "prompts": ["3+4="],
+        "sample_length": 4,
+        "sample_steps": 4,
+        "sample_block_size": 4,
+        "task_problems": 16,
+    },
+    "grpo": {
+        "steps": 4,
+        "prompts_per_step": 2,
+        "group_size": 4,
+        "completion_length": 4,
+        "sample_steps": 4,
+        "inner_updates": 2,
+        "lr": 1.0e-3,
+        # a tiny model answers almost nothing right: a reward that tells completions apart keeps the groups informative
+        "rewards": ["task_answer", "task_format", "tests.pipeline.grpo_rewards:shorter"],
+        "reward_weights": [1.0, 0.5, 0.1],
+        "checkpoint_every": 2,
+    },
+}
+
+
+RUN_TWICE = """
+import json, sys
+from flows.cli import main
+print(json.dumps([main(["run", sys.argv[1], "--workdir", sys.argv[2]]) for _ in range(2)]))
+"""
+
+
+@pytest.fixture(scope="module")
+def piped(tmp_path_factory, prefect_api):
+    """The tiny SFT → GRPO pipeline run twice: (workdir, the two run records)."""
+    from runkit import environ
+
+    root = tmp_path_factory.mktemp("grpo")
+    config = root / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    workdir = root / "w"
+    out = subprocess.run(
+        [sys.executable, "-c", RUN_TWICE, str(config), str(workdir)],
+        cwd=ROOT,
+        env=environ(prefect_api),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1]) == [0, 0], out.stderr[-4000:]
+    records = [json.loads(p.read_text()) for p in sorted((workdir / "runs").glob("*.json"))]
+    return workdir, records
+
+
+@pytest.mark.slow
+def test_grpo_runs_after_training_tracks_each_step_and_is_reused(piped):
+    workdir, (first, second) = piped
+    statuses = [{s["name"]: s["status"] for s in r["stages"]} for r in (first, second)]
+    assert statuses[0]["grpo[mdlm]"] == statuses[0]["evaluate_grpo[mdlm]"] == "COMPLETED"
+    assert set(statuses[1].values()) == {"REUSED"}
+    stages = {s["name"]: s for s in first["stages"]}
+    # its own MLflow run, a child of the pipeline's, with every step's numbers
+    client = Tracking(workdir, None, "grpo-tiny").client
+    run = client.get_run(stages["grpo[mdlm]"]["mlflow_run_id"])
+    assert run.data.tags["dllm.stage"] == "grpo" and run.data.tags["mlflow.parentRunId"]
+    for name in ("reward_mean", "reward_std", "accuracy", "kl", "clip_fraction", "completion_length", "eos_rate"):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, f"grpo/{name}")]
+        assert steps == [1, 2, 3, 4], name
+    kl = [m.value for m in client.get_metric_history(run.info.run_id, "grpo/kl")]
+    assert kl[0] > 0  # the second inner update of step 1 already moved away from the reference
+    # the tuned model: published in the checkpoint format, recording where it came from, and changed
+    tuned = Path(next((workdir / "store" / "grpo").glob("*/manifest.json")).parent)
+    sft = Path(next((workdir / "store" / "train").glob("*/manifest.json")).parent)
+    meta = json.loads((tuned / "model" / "dllm.json").read_text())
+    assert meta["grpo"]["from"] == sft.name and meta["strategy"] == "mdlm"
+    a, b = load_file(str(sft / "model" / "model.safetensors")), load_file(str(tuned / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+    rollouts = [json.loads(line) for line in (tuned / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rollouts] == [0, 1, 2, 3] and all(len(r["completions"]) == 4 for r in rollouts)
+    # the paired comparison, on both runs, and in the report
+    train_run = client.get_run(stages["train[mdlm]"]["mlflow_run_id"]).data.metrics
+    for key in (
+        "grpo/heldout_sft",
+        "grpo/heldout_accuracy",
+        "grpo/heldout_gain",
+        "grpo/heldout_gain_lo",
+        "grpo/heldout_gain_hi",
+    ):
+        assert key in train_run and key in client.get_run(run.info.run_id).data.metrics
+    assert train_run["grpo/heldout_gain_lo"] <= train_run["grpo/heldout_gain"] <= train_run["grpo/heldout_gain_hi"]
+    assert train_run["grpo/heldout_gain"] == pytest.approx(
+        train_run["grpo/heldout_accuracy"] - train_run["grpo/heldout_sft"]
+    )
+    report = (workdir / "report.md").read_text()
+    assert "accuracy (GRPO)" in report and "GRPO gain" in report
+
+
+def _refs(workdir: Path):
+    store = store_for(workdir)
+    entry = next(p for p in (workdir / "store" / "train").iterdir() if p.is_dir())
+    return StageRef.of(store.lookup("train", entry.name), True, "train[mdlm]")
+
+
+@pytest.mark.slow
+def test_a_killed_stage_resumes_to_the_weights_of_an_uninterrupted_one(piped, tmp_path, monkeypatch, capsys):
+    workdir, _ = piped
+    trained = _refs(workdir)
+    raw = {**TINY, "grpo": {**TINY["grpo"], "rewards": ["tests.pipeline.grpo_rewards:flaky"], "reward_weights": None}}
+    spec = validate_config(raw)
+    whole = grpo(spec, "mdlm", trained, str(tmp_path / "whole"))
+    # rewards are called once per group, 2 groups a step: call 6 is the third step's second group, after the
+    # checkpoint of step 2
+    importlib.import_module("tests.pipeline.grpo_rewards").flaky.calls = 0
+    monkeypatch.setenv("DLLM_TEST_FAIL_AT", "6")
+    with pytest.raises(Exception, match="killed"):
+        grpo(spec, "mdlm", trained, str(tmp_path / "cut"))
+    assert not store_for(tmp_path / "cut").lookup("grpo", whole.key)  # nothing published
+    checkpoint = store_for(tmp_path / "cut").work_dir("grpo", whole.key) / "checkpoint"
+    assert json.loads((checkpoint / "dllm.json").read_text())["step"] == 2
+    monkeypatch.delenv("DLLM_TEST_FAIL_AT")
+    capsys.readouterr()
+    resumed = grpo(spec, "mdlm", trained, str(tmp_path / "cut"))
+    assert "resuming from the step-2 checkpoint" in capsys.readouterr().out
+    a = load_file(str(Path(whole.path) / "model" / "model.safetensors"))
+    b = load_file(str(Path(resumed.path) / "model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(line)["step"] for line in (Path(resumed.path) / "rollouts.jsonl").read_text().splitlines()]
+    assert rows == [0, 1, 2, 3]  # the resumed run repeated steps 2-3, and kept each once
+
+
+def test_bad_input_is_refused_before_any_rollout(piped):
+    workdir, _ = piped
+    bad = {**TINY, "grpo": {**TINY["grpo"], "rewards": ["tests.pipeline.grpo_rewards:raises"], "reward_weights": None}}
+    with pytest.raises(RewardError, match="'tests.pipeline.grpo_rewards:raises' raised ValueError"):
+        check_rewards(validate_config(bad))
+    data_dir = next(p for p in (workdir / "store" / "prepare_data").iterdir() if p.is_dir())
+    data = StageRef.of(store_for(workdir).lookup("prepare_data", data_dir.name), True)
+    long = {**TINY, "grpo": {**TINY["grpo"], "completion_length": 18}}
+    with pytest.raises(ConfigError, match="grpo.completion_length.*grpo's rollouts"):
+        check_prompts_fit(validate_config(long), data)
+    check_prompts_fit(validate_config(TINY), data)  # the tiny settings fit
