@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dllm_common.checkpoint import checkpoint_digest, recover_checkpoint, write_checkpoint
 from dllm_common.config import ConfigError, PipelineSpec, context_overflow, flatten
@@ -146,10 +147,19 @@ def token_logps(policy: Policy, model, group: Group, seed: int, spec: PipelineSp
     return fn(policy.scorer(model), group.prompt, group.completion, policy.mask_id, gen, **extra)
 
 
-def grpo_step(policy: Policy, opt, spec: PipelineSpec, groups: list[Group], step: int) -> dict:
-    """`inner_updates` optimizer steps on one batch of rollouts; what they log."""
+def grpo_step(
+    policy: Policy, opt, spec: PipelineSpec, groups: list[Group], step: int, indices: list[int] | None = None
+) -> dict:
+    """`inner_updates` optimizer steps on one batch of rollouts; what they log.
+
+    Under torch.distributed each rank holds a share of the step's groups (`indices`: their numbers in the step, which
+    seed their corruption draws) and the gradients are summed over the ranks before each optimizer step: every
+    group weighs 1 / (groups in the step) wherever it ran, so W processes make the one-process update."""
     g = spec.grpo
-    seeds = [[_seed(g.seed, "corrupt", step, k, i) for i in range(len(groups))] for k in range(g.inner_updates)]
+    indices = list(range(len(groups))) if indices is None else indices
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    total = g.prompts_per_step if world > 1 else len(groups)
+    seeds = [[_seed(g.seed, "corrupt", step, k, i) for i in indices] for k in range(g.inner_updates)]
     with torch.no_grad():  # the policy that drew the rollouts and the reference, at every update's corruption
         old = [[token_logps(policy, policy.model, gr, s, spec) for gr, s in zip(groups, row)] for row in seeds]
         ref = (
@@ -158,18 +168,24 @@ def grpo_step(policy: Policy, opt, spec: PipelineSpec, groups: list[Group], step
             else None
         )
     losses, kls, clips, norms = [], [], [], []
+    params = [p for p in policy.model.parameters() if p.requires_grad]
     for k in range(g.inner_updates):
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=False)
         for i, (group, seed) in enumerate(zip(groups, seeds[k])):
             logp = token_logps(policy, policy.model, group, seed, spec)
             terms = policy_loss(
                 logp, old[k][i], ref[k][i] if ref else None, group.advantages, group.mask, g.clip_eps, g.beta
             )
-            (terms.loss / len(groups)).backward()
+            (terms.loss / total).backward()
             losses.append(float(terms.loss.detach()))
             kls.append(terms.kl)
             clips.append(terms.clip_fraction)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(policy.model.parameters(), g.grad_clip)))
+        if world > 1:
+            for p in params:
+                if p.grad is None:  # a parameter no group reached on this rank
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, g.grad_clip)))
         opt.step()
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     return {
