@@ -186,3 +186,30 @@ def test_bad_input_is_refused_before_any_rollout(piped):
     with pytest.raises(ConfigError, match="grpo.completion_length.*grpo's rollouts"):
         check_prompts_fit(validate_config(long), data)
     check_prompts_fit(validate_config(TINY), data)  # the tiny settings fit
+
+
+@pytest.mark.slow
+def test_grpo_learns_what_its_reward_asks_for(piped, tmp_path):
+    """A reward for shorter completions: within a few steps the sampled completions get shorter and the reward rises
+    (the rollouts are the policy's own samples, so this is the update acting on the sampler, end to end)."""
+    workdir, _ = piped
+    trained = _refs(workdir)
+    grpo_settings = {
+        **TINY["grpo"],
+        "steps": 12,
+        "prompts_per_step": 4,
+        "group_size": 8,
+        "completion_length": 8,
+        "sample_steps": 8,
+        "lr": 3e-3,
+        "beta": 0.0,
+        "rewards": ["tests.pipeline.grpo_rewards:shorter"],
+        "reward_weights": None,
+    }
+    spec = validate_config({**TINY, "grpo": grpo_settings})
+    tuned = grpo(spec, "mdlm", trained, str(tmp_path / "w"))
+    client = Tracking(tmp_path / "w", None, "grpo-tiny").client
+    history = [m.value for m in client.get_metric_history(tuned.mlflow_run_id, "grpo/reward_mean")]
+    assert len(history) == 12
+    first, last = sum(history[:3]) / 3, sum(history[-3:]) / 3
+    assert last > first + 0.5, history  # −characters: the completions are at least half a character shorter

@@ -73,6 +73,7 @@ DFLASH_SMOKE = [  # the target `pretrain_target` trains, its regenerated rows an
     "dflash.eval_prompts=1",
     "dflash.eval_max_new_tokens=8",
 ]
+GRPO_SMOKE = ["grpo.steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.sample_steps=4"]
 
 
 def _ids(paths) -> list[str]:
@@ -123,12 +124,15 @@ RUNNABLE = [p for p in CONFIGS if p.stem not in PRETRAINED]
 def test_run_runs_every_shipped_config_at_smoke_scale(path, tmp_path, prefect_api):
     spec = load_config(path)
     items = SMOKE + (DFLASH_SMOKE if "dflash" in spec.pipeline.strategies else [])
+    items += GRPO_SMOKE if spec.grpo is not None else []
     cmd = [sys.executable, "-m", "flows.cli", "run", str(path), *_sets(items), "--workdir", str(tmp_path / "w")]
     out = subprocess.run(cmd, cwd=ROOT, env=environ(prefect_api), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "completed; report:" in out.stdout
     for name in spec.pipeline.strategies:
         assert f"evaluate[{name}]: ran" in out.stdout + out.stderr
+        if spec.grpo is not None:
+            assert f"evaluate_grpo[{name}]: ran" in out.stdout + out.stderr
 
 
 def _first_strategy_only(monkeypatch):
