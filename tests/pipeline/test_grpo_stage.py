@@ -110,6 +110,7 @@ def test_grpo_runs_after_training_tracks_each_step_and_is_reused(piped):
     client = Tracking(workdir, None, "grpo-tiny").client
     run = client.get_run(stages["grpo[mdlm]"]["mlflow_run_id"])
     assert run.data.tags["dllm.stage"] == "grpo" and run.data.tags["mlflow.parentRunId"]
+    assert run.data.tags["dllm.registered_model"] == "grpo-tiny-mdlm-grpo/1"  # its own registered model
     for name in ("reward_mean", "reward_std", "accuracy", "kl", "clip_fraction", "completion_length", "eos_rate"):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, f"grpo/{name}")]
         assert steps == [1, 2, 3, 4], name

@@ -20,6 +20,7 @@ from tasks.commands.plan.estimate import (
     plan_strategy,
 )
 from tasks.commands.plan.measured import header_lines, step_cost_for
+from tasks.commands.plan.posttrain import grpo_table
 from tasks.commands.plan.trace import Untraceable, count, plural, size
 
 # ------------------------------------------------------------------ what is printed
@@ -33,7 +34,7 @@ def render(spec: PipelineSpec, cluster: Cluster, plans: list[StrategyPlan], sour
     """The plan as printed: what it is for, then memory per GPU, activations per memory setting and compute, one
     table each, then the notes."""
     lines = _header(spec, cluster, plans, source) + _memory_table(cluster, plans)
-    lines += _activation_table(plans) + _compute_table(spec, cluster, plans)
+    lines += _activation_table(plans) + _compute_table(spec, cluster, plans) + grpo_table(spec, cluster, plans)
     notes = _notes(spec, cluster, plans)
     return "\n".join(lines + ([""] + notes if notes else []))
 

@@ -139,6 +139,25 @@ class Planner:
         peak, flops = tracer.timeline.extend(end, depth if layers else traced, traced)
         return Trace(peak, flops)
 
+    def trace_call(self, model: nn.Module, call) -> Trace:
+        """`call()` — a forward (and backward) of `model` other than the training step, e.g. GRPO's update —
+        traced as `trace` traces a step, `model` at the depth it was built (gradients freed as they are made)."""
+        tracer = self.tracer
+        handles = _mark_layers(model, tracer) + _drop_gradients([p for p in model.parameters() if p.requires_grad])
+        tracer.reset()
+        tracer.tracking = True
+        try:
+            with tracer, torch.random.fork_rng(devices=[]):
+                call()
+            end = tracer.now
+        finally:
+            tracer.tracking = False
+            for handle in handles:
+                handle.remove()
+        layers = len(decoder_layers(model))
+        peak, flops = tracer.timeline.extend(end, layers, layers)
+        return Trace(peak, flops)
+
     def full_model(self) -> tuple[nn.Module, nn.Module | None]:
         """The trained module at its configured depth (fake) and the frozen module beside it (a DFlash target)."""
         trainee = self.builder.build(self.spec.train.fused_head, False)
