@@ -101,6 +101,20 @@ def resolve_options(spec: PipelineSpec, name: str) -> StrategyOptions:
 _RESOLVED: dict[tuple[str, str, int], StrategyOptions] = {}
 
 
+def _check_grpo(spec: PipelineSpec) -> None:
+    """Each strategy of a pipeline with a `grpo:` section can compute the chosen likelihood estimate."""
+    if spec.grpo is None:
+        return
+    for name in spec.pipeline.strategies:
+        supported = REGISTRY[name].estimators
+        if spec.grpo.estimator not in supported:
+            raise ConfigError(
+                f"grpo.estimator: {name} cannot compute the {spec.grpo.estimator!r} estimate; "
+                + (f"it supports {', '.join(supported)}" if supported else f"{name} is not post-trained by grpo")
+                + ' (docs/post-training.md, "Likelihood estimators")'
+            )
+
+
 def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
     """Every strategy of the pipeline is registered and its options are valid; nothing set is unused.
     Returns each strategy's resolved options."""
@@ -127,15 +141,7 @@ def check_spec(spec: PipelineSpec) -> dict[str, StrategyOptions]:
                 f"eval.overrides.{name}: {name} is judged by speculative decoding against its target, which reads "
                 "no sampler settings; remove the entry"
             )
-    if spec.grpo is not None:  # each strategy must be able to compute the chosen likelihood estimate
-        for name in spec.pipeline.strategies:
-            supported = REGISTRY[name].estimators
-            if spec.grpo.estimator not in supported:
-                raise ConfigError(
-                    f"grpo.estimator: {name} cannot compute the {spec.grpo.estimator!r} estimate; "
-                    + (f"it supports {', '.join(supported)}" if supported else f"{name} is not post-trained by grpo")
-                    + " (docs/post-training.md, \"Likelihood estimators\")"
-                )
+    _check_grpo(spec)
     known = sorted({k for r in REGISTRY.values() for k in r.options.model_fields})
     unknown = sorted(set(spec.dllm.shared()) - set(known))
     if unknown:  # no strategy at all reads it: a typo or a key of another tool, not a missing strategy

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dllm_common.checkpoint import checkpoint_digest, recover_checkpoint, write_checkpoint
-from dllm_common.config import ConfigError, PipelineSpec, context_overflow, flatten
+from dllm_common.config import ConfigError, PipelineSpec, TrainingDiverged, context_overflow, flatten
 from dllm_common.store import stage_key
 from strategies.base_evaluation import SampleRequest
 from strategies.sampling import SamplerConfig, trim_at_eos
@@ -85,6 +86,7 @@ class Policy:
     mask_id: int | None
     meta: dict
     device: str
+    estimator: str = "one_step"
 
     def scorer(self, model):
         """What the estimator forwards: the strategy's denoiser, or its causal path for `exact_ar`."""
@@ -93,8 +95,6 @@ class Policy:
             if self.estimator == "exact_ar"
             else self.strategy.denoiser(model)
         )
-
-    estimator: str = "one_step"
 
 
 @dataclass
@@ -229,24 +229,54 @@ def load_policy(spec: PipelineSpec, trained: StageRef, device: str) -> Policy:
     )
 
 
+def _open_run(spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str, key: str, parent_run_id, run_id):
+    """The stage's MLflow run: the checkpointed one when resuming, else a new child of the pipeline's run."""
+    tracking = tracking_for(spec, workdir)
+    if tracking.run_exists(run_id):
+        return tracking.reopen(run_id)
+    tags = {
+        "strategy": strategy,
+        "dllm.stage": STAGE,
+        "dllm.stage_key": key,
+        "dllm.sft_run": trained.mlflow_run_id or "",
+    }
+    tracker = tracking.start_run(f"grpo-{strategy}", tags, parent_run_id=parent_run_id)
+    tracker.log_params(
+        {**flatten({"grpo": spec.grpo.model_dump(mode="json")}), "train.key": trained.key, "stage.key": key}
+    )
+    return tracker
+
+
+def one_step_of_grpo(policy: Policy, opt, spec: PipelineSpec, rewards: Rewards, batch, prompt_ids, step: int):
+    """Rollouts of every problem of the step, then the updates: (the step's metrics, its groups)."""
+    g = spec.grpo
+    t0 = time.perf_counter()
+    groups = [
+        rollouts(policy, spec, rewards, p, prompt_ids[p.prompt], _seed(g.seed, "rollout", step, i))
+        for i, p in enumerate(batch)
+    ]
+    t1 = time.perf_counter()
+    metrics = {**rollout_metrics(groups), **grpo_step(policy, opt, spec, groups, step)}
+    if not math.isfinite(metrics["grpo/loss"]) or not math.isfinite(metrics["grpo/grad_norm"]):
+        raise TrainingDiverged(
+            f"grpo step {step + 1}: the loss or gradient norm is not finite (loss {metrics['grpo/loss']}, gradient "
+            f"norm {metrics['grpo/grad_norm']}); lower grpo.lr ({g.lr}) or raise grpo.beta ({g.beta}); nothing "
+            "was published, and the last checkpoint is kept"
+        )
+    end = time.perf_counter()
+    return {**metrics, "grpo/rollout_s": t1 - t0, "grpo/update_s": end - t1, "grpo/step_s": end - t0}, groups
+
+
 def run_grpo(spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str, parent_run_id, key: str, out: Path):
     g = spec.grpo
-    device = resolve_device(spec.train.device)
     torch.manual_seed(g.seed)
-    policy = load_policy(spec, trained, device)
+    policy = load_policy(spec, trained, resolve_device(spec.train.device))
     rewards = Rewards.of(g)
     problems, _ = split_problems(spec)
-    prompt_ids = {
-        p.prompt: ids
-        for p, ids in zip(problems, encode_prompts(policy.tokenizer, [p.prompt for p in problems], chat=True))
-    }
+    encoded = encode_prompts(policy.tokenizer, [p.prompt for p in problems], chat=True)
+    prompt_ids = {p.prompt: ids for p, ids in zip(problems, encoded)}
     settings = OptimSettings(
-        steps=g.steps * g.inner_updates,
-        lr=g.lr,
-        warmup_steps=0,
-        schedule="constant",
-        weight_decay=g.weight_decay,
-        grad_clip=g.grad_clip,
+        steps=g.steps * g.inner_updates, lr=g.lr, warmup_steps=0, schedule="constant", weight_decay=g.weight_decay
     )
     opt, sched = make_optimizer(policy.model, settings)
     work = store_for(workdir).work_dir(STAGE, key)
@@ -254,41 +284,16 @@ def run_grpo(spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str,
     recover_checkpoint(work / "checkpoint")
     checkpointer = Checkpointer(work / "checkpoint", DistInfo(), sharded=False)
     start, run_id = checkpointer.restore(policy.model, opt, sched) if checkpointer.exists else (0, None)
-    tracking = tracking_for(spec, workdir)
-    if tracking.run_exists(run_id):
-        tracker = tracking.reopen(run_id)
-    else:
-        tags = {
-            "strategy": strategy,
-            "dllm.stage": STAGE,
-            "dllm.stage_key": key,
-            "dllm.sft_run": trained.mlflow_run_id or "",
-        }
-        tracker = tracking.start_run(f"grpo-{strategy}", tags, parent_run_id=parent_run_id)
-        tracker.log_params({**flatten({"grpo": g.model_dump(mode="json")}), "train.key": trained.key, "stage.key": key})
+    tracker = _open_run(spec, strategy, trained, workdir, key, parent_run_id, run_id)
     if start:
         print(f"[dllm-flow] grpo[{strategy}]: resuming from the step-{start} checkpoint", flush=True)
     shown_file = work / "rollouts.jsonl"  # the first group of every step (a resumed run keeps the steps before it)
     kept = [r for r in _read_jsonl(shown_file) if r["step"] < start]
     shown_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
     for step in range(start, g.steps):
-        t0 = time.perf_counter()
         batch = step_problems(problems, spec, step)
-        groups = [
-            rollouts(policy, spec, rewards, p, prompt_ids[p.prompt], _seed(g.seed, "rollout", step, i))
-            for i, p in enumerate(batch)
-        ]
-        t1 = time.perf_counter()
-        metrics = {**rollout_metrics(groups), **grpo_step(policy, opt, spec, groups, step)}
+        metrics, groups = one_step_of_grpo(policy, opt, spec, rewards, batch, prompt_ids, step)
         sched.step()
-        metrics.update(
-            {
-                "grpo/rollout_s": t1 - t0,
-                "grpo/update_s": time.perf_counter() - t1,
-                "grpo/step_s": time.perf_counter() - t0,
-            }
-        )
-        first = {"step": step, "prompt": batch[0].prompt, "answer": batch[0].answer, "completions": groups[0].texts}
         if (step + 1) % g.log_every == 0 or step + 1 == g.steps:
             tracker.log_metrics(metrics, step=step + 1)
             print(
@@ -296,11 +301,19 @@ def run_grpo(spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str,
                 f"kl {metrics['grpo/kl']:.4f} clip {metrics['grpo/clip_fraction']:.3f} {metrics['grpo/step_s']:.1f} s",
                 flush=True,
             )
+        first = {"step": step, "prompt": batch[0].prompt, "answer": batch[0].answer, "completions": groups[0].texts}
         with shown_file.open("a") as f:
             f.write(json.dumps({**first, "rewards": groups[0].rewards}) + "\n")
         if (step + 1) % g.checkpoint_every == 0 and step + 1 < g.steps:
             meta = {**policy.meta, "step": step + 1, "mlflow_run_id": tracker.run_id}
             checkpointer.save(policy.model, opt, sched, policy.tokenizer, meta)
+    return _publish(spec, strategy, policy, tracker, trained, key, out, shown_file)
+
+
+def _publish(spec: PipelineSpec, strategy: str, policy: Policy, tracker, trained: StageRef, key: str, out, shown):
+    """The tuned model (the train stage's checkpoint format, recording where it came from) and the rollouts kept, into
+    `out`; logged, and registered as `<pipeline>-<strategy>-grpo`; the manifest fields."""
+    g = spec.grpo
     meta = {
         **policy.meta,
         "stage_key": key,
@@ -309,7 +322,7 @@ def run_grpo(spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str,
         "grpo": {"from": trained.key, **g.model_dump(mode="json")},
     }
     write_checkpoint(out / "model", policy.model, policy.tokenizer, meta)
-    (out / "rollouts.jsonl").write_text(shown_file.read_text() if shown_file.is_file() else "")
+    (out / "rollouts.jsonl").write_text(shown.read_text() if shown.is_file() else "")
     if spec.tracking.log_checkpoints:
         tracker.log_artifact(out / "model", "model")
         if spec.tracking.register_model:
