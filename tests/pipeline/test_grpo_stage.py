@@ -214,3 +214,28 @@ def test_grpo_learns_what_its_reward_asks_for(piped, tmp_path):
     assert len(history) == 12
     first, last = sum(history[:3]) / 3, sum(history[-3:]) / 3
     assert last > first + 0.5, history  # −characters: the completions are at least half a character shorter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["hybrid", "idlm"])
+def test_exact_ar_tunes_the_strategies_with_a_causal_path(strategy, tmp_path, prefect_api):
+    """hybrid's causal branch and I-DLM's clean half score the completions exactly: the stage runs on each and
+    moves the weights."""
+    from runkit import environ
+
+    raw = {
+        **TINY,
+        "pipeline": {"name": f"grpo-{strategy}", "strategies": [strategy]},
+        "grpo": {**TINY["grpo"], "steps": 2, "estimator": "exact_ar", "checkpoint_every": 10},
+    }
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    workdir = tmp_path / "w"
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(config), "--workdir", str(workdir)]
+    out = subprocess.run(cmd, cwd=ROOT, env=environ(prefect_api), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"evaluate_grpo[{strategy}]: ran" in out.stdout + out.stderr
+    tuned = next((workdir / "store" / "grpo").glob("*/model/model.safetensors"))
+    sft = next((workdir / "store" / "train").glob("*/model/model.safetensors"))
+    a, b = load_file(str(sft)), load_file(str(tuned))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
