@@ -161,7 +161,13 @@ def grpo_step(
     total = g.prompts_per_step if world > 1 else len(groups)
     seeds = [[_seed(g.seed, "corrupt", step, k, i) for i in indices] for k in range(g.inner_updates)]
     with torch.no_grad():  # the policy that drew the rollouts and the reference, at every update's corruption
-        old = [[token_logps(policy, policy.model, gr, s, spec) for gr, s in zip(groups, row)] for row in seeds]
+        # with one update the policy that drew them is the current one at the same draw: its values are the
+        # current pass's own, detached below, and need no forward of their own (what `dllm-flow plan` counts)
+        old = (
+            [[token_logps(policy, policy.model, gr, s, spec) for gr, s in zip(groups, row)] for row in seeds]
+            if g.inner_updates > 1
+            else None
+        )
         ref = (
             [[token_logps(policy, policy.reference, gr, s, spec) for gr, s in zip(groups, row)] for row in seeds]
             if g.beta
@@ -173,8 +179,9 @@ def grpo_step(
         opt.zero_grad(set_to_none=False)
         for i, (group, seed) in enumerate(zip(groups, seeds[k])):
             logp = token_logps(policy, policy.model, group, seed, spec)
+            before = old[k][i] if old else logp.detach()
             terms = policy_loss(
-                logp, old[k][i], ref[k][i] if ref else None, group.advantages, group.mask, g.clip_eps, g.beta
+                logp, before, ref[k][i] if ref else None, group.advantages, group.mask, g.clip_eps, g.beta
             )
             (terms.loss / total).backward()
             losses.append(float(terms.loss.detach()))
