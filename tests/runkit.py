@@ -36,6 +36,21 @@ def run(workdir, *extra, api=None, fault=None, timeout=900):
     return proc.returncode, out, err
 
 
+def run_twice(script: str, args: list[str], workdir, api=None, timeout=900) -> list[dict]:
+    """`python -c script *args`, a script that runs `dllm-flow run` twice in one process and prints the two exit
+    statuses as JSON: both must be 0; returns the two run records `workdir` then holds, oldest first."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=ROOT,
+        env=environ(api),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1]) == [0, 0], out.stderr[-4000:]
+    return [json.loads(p.read_text()) for p in sorted((workdir / "runs").glob("*.json"))]
+
+
 def weights_digest(workdir) -> str:
     manifest = next(p for p in (workdir / "store" / "train").glob("*/manifest.json") if ".damaged-" not in str(p))
     return json.loads(manifest.read_text())["files"]["model/model.safetensors"]["sha256"]

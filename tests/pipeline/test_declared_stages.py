@@ -5,8 +5,6 @@ from this module and runs the smoke pipeline: no other file knows it exists."""
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -156,20 +154,11 @@ print(json.dumps([main(["run", "configs/smoke.yaml", "--workdir", sys.argv[2]]) 
 
 @pytest.mark.slow
 def test_a_stage_declared_in_a_test_module_runs_cached_and_keyed_in_the_pipeline_and_the_report(tmp_path, prefect_api):
-    from runkit import environ
+    from runkit import run_twice
     from stagekit import expected_statuses
 
     workdir = tmp_path / "w"
-    out = subprocess.run(
-        [sys.executable, "-c", RUN_TWICE, str(ROOT), str(workdir)],
-        cwd=ROOT,
-        env=environ(prefect_api),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1]) == [0, 0], out.stderr[-4000:]
-    first, second = (json.loads(p.read_text()) for p in sorted((workdir / "runs").glob("*.json")))
+    first, second = run_twice(RUN_TWICE, [str(ROOT), str(workdir)], workdir, prefect_api)
     statuses = [{s["name"]: s["status"] for s in r["stages"]} for r in (first, second)]
     with registered(TOY_STAGE):
         assert statuses[0] == expected_statuses("configs/smoke.yaml")  # count_params[mdlm] included

@@ -80,22 +80,13 @@ print(json.dumps([main(["run", sys.argv[1], "--workdir", sys.argv[2]]) for _ in 
 @pytest.fixture(scope="module")
 def piped(tmp_path_factory, prefect_api):
     """The tiny SFT → GRPO pipeline run twice: (workdir, the two run records)."""
-    from runkit import environ
+    from runkit import run_twice
 
     root = tmp_path_factory.mktemp("grpo")
     config = root / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
     workdir = root / "w"
-    out = subprocess.run(
-        [sys.executable, "-c", RUN_TWICE, str(config), str(workdir)],
-        cwd=ROOT,
-        env=environ(prefect_api),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1]) == [0, 0], out.stderr[-4000:]
-    records = [json.loads(p.read_text()) for p in sorted((workdir / "runs").glob("*.json"))]
+    records = run_twice(RUN_TWICE, [str(config), str(workdir)], workdir, prefect_api)
     return workdir, records
 
 
