@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +87,19 @@ def _drop_gradients(params) -> list:
     return [p.register_post_accumulate_grad_hook(drop) for p in params]
 
 
+@contextlib.contextmanager
+def _tracking(tracer: Tracer, handles: list) -> Iterator[None]:
+    """Count what runs inside (the tracer's counters reset first); afterwards stop counting and remove `handles`."""
+    tracer.reset()
+    tracer.tracking = True
+    try:
+        yield
+    finally:
+        tracer.tracking = False
+        for handle in handles:
+            handle.remove()
+
+
 class Planner:
     """The traces of one strategy of a pipeline, built from configs only."""
 
@@ -115,9 +130,7 @@ class Planner:
                 for p in params:
                     p.grad = torch.zeros_like(p)
         rows = [synthetic_rows(self.spec, self.name, shape.rows, b.vocab, self.spec.train.seed)] * micro_batches
-        tracer.reset()
-        tracer.tracking = True
-        try:
+        with _tracking(tracer, handles):
             with tracer, torch.random.fork_rng(devices=[]):
                 steps = self.spec.train.steps  # step 0 of the run: a curriculum's first step (Domino: both losses)
                 ctx = step_context(trainee, 0, self.spec.train.seed, model, DistInfo(), micro_batches, steps)
@@ -130,11 +143,7 @@ class Planner:
             del ctx
             for p in params:  # what the step leaves is the gradients: theirs, not the step's
                 p.grad = None
-            end = tracer.now
-        finally:
-            tracer.tracking = False
-            for handle in handles:
-                handle.remove()
+        end = tracer.now
         traced = len(decoder_layers(model))
         peak, flops = tracer.timeline.extend(end, depth if layers else traced, traced)
         return Trace(peak, flops)
@@ -144,16 +153,9 @@ class Planner:
         traced as `trace` traces a step, `model` at the depth it was built (gradients freed as they are made)."""
         tracer = self.tracer
         handles = _mark_layers(model, tracer) + _drop_gradients([p for p in model.parameters() if p.requires_grad])
-        tracer.reset()
-        tracer.tracking = True
-        try:
-            with tracer, torch.random.fork_rng(devices=[]):
-                call()
-            end = tracer.now
-        finally:
-            tracer.tracking = False
-            for handle in handles:
-                handle.remove()
+        with _tracking(tracer, handles), tracer, torch.random.fork_rng(devices=[]):
+            call()
+        end = tracer.now
         layers = len(decoder_layers(model))
         peak, flops = tracer.timeline.extend(end, layers, layers)
         return Trace(peak, flops)
