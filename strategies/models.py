@@ -453,6 +453,21 @@ def apply_adapter(model: nn.Module, adapter_dir) -> None:
     merge_lora(model)
 
 
+@contextmanager
+def adapters_off(model: nn.Module):
+    """The model with every LoRA adapter of its backbone switched off for the duration: the base it was added to
+    (GRPO's reference under LoRA, with no second copy of the weights). The adapters' weights are untouched and
+    trainable again afterwards."""
+    layers = [m for m in backbone_lm(model).modules() if isinstance(m, LoraLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
 def merge_lora(model: nn.Module) -> None:
     """Fold every LoRA update into its base weight and drop the adapter modules (in place)."""
     lm = backbone_lm(model)

@@ -105,6 +105,13 @@ def _check_grpo(spec: PipelineSpec) -> None:
     """Each strategy of a pipeline with a `grpo:` section can compute the chosen likelihood estimate."""
     if spec.grpo is None:
         return
+    if spec.train.nnodes > 1:
+        raise ConfigError(
+            f"grpo: train.nnodes is {spec.train.nnodes}, but the grpo stage runs on one node's processes "
+            "(train.nproc_per_node): train on several nodes without the grpo section, then run the same config with "
+            "the section and train.nnodes: 1 (the layout is not in the train stage's key, so the trained model is "
+            'reused; docs/post-training.md, "The GRPO stage")'
+        )
     for name in spec.pipeline.strategies:
         supported = REGISTRY[name].estimators
         if spec.grpo.estimator not in supported:

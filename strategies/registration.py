@@ -130,8 +130,9 @@ def load_object(ref: str | type) -> type:
     return getattr(import_module(module), name)
 
 
-# the GRPO estimators a bidirectional masked-diffusion denoiser supports (d1's one-step, DiffuCoder's coupled)
-MASKED_ESTIMATORS = ("one_step", "coupled")
+# the GRPO estimators a bidirectional masked-diffusion denoiser supports (d1's one-step, DiffuCoder's coupled, SPG's
+# ELBO/EUBO)
+MASKED_ESTIMATORS = ("one_step", "coupled", "elbo_eubo")
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ class Registration:
     class or "module:Class", loaded only when a hook is called; None: the base evaluator (`BASE_EVALUATOR`). They
     live apart from the class so that the training stages' keys never hold them (`modules`). `estimators`: the
     likelihood estimators GRPO may build its ratio from for this strategy (docs/post-training.md, "Likelihood
-    estimators"): "one_step" and "coupled" need a masked-diffusion denoiser, "exact_ar" the evaluator's
+    estimators"): "one_step", "coupled" and "elbo_eubo" need a masked-diffusion denoiser, "exact_ar" the evaluator's
     `causal_logits`; none: the strategy is not post-trained."""
 
     options: type[StrategyOptions]

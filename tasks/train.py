@@ -144,6 +144,14 @@ class TrainJob:
         """Where rank 0 leaves the published entry's manifest fields for the launching process."""
         return self.work / "manifest-fields.json"
 
+    @property
+    def label(self) -> str:
+        return f"train[{self.strategy}]"
+
+    def run(self, out: Path, info: distributed.DistInfo) -> dict | None:
+        """What each rank runs under torchrun (`tasks.training.torchrun_entry`)."""
+        return run_training(self, out, info)
+
 
 # ------------------------------------------------------------------ setup, loop, publish
 
@@ -275,7 +283,7 @@ def _write_result(job: TrainJob, run: LoopRun, model, val_loss: float | None, ou
     peft = spec.train.peft
     if peft is not None:
         meta["peft"] = {**peft.model_dump(mode="json"), "merged": peft.merge}
-        _write_adapter(out / "adapter", model, peft)
+        write_adapter(out / "adapter", model, peft)
         if peft.merge:
             merge_lora(model)
     write_checkpoint(out / "model", model, run.trainee.tokenizer, meta)
@@ -299,7 +307,7 @@ def _write_result(job: TrainJob, run: LoopRun, model, val_loss: float | None, ou
     }
 
 
-def _write_adapter(dest: Path, model, peft) -> None:
+def write_adapter(dest: Path, model, peft) -> None:
     """The LoRA adapter alone (safetensors + its config): small enough to ship without the base weights."""
     dest.mkdir(parents=True)
     save_file(lora_state_dict(model), str(dest / "adapter_model.safetensors"))

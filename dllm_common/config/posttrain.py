@@ -9,9 +9,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from dllm_common.config.sections import ConfigSection
+from dllm_common.config.sections import ConfigSection, PeftConfig
 
-ESTIMATORS = ("one_step", "coupled", "exact_ar")
+ESTIMATORS = ("one_step", "coupled", "exact_ar", "elbo_eubo")
 BUILTIN_REWARDS = ("task_answer", "task_format", "math_answer")
 ENTRY_POINT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
@@ -31,8 +31,13 @@ class GRPOConfig(ConfigSection):
     clip_eps: float = Field(0.2, gt=0, lt=1)  # PPO's ε
     beta: float = Field(0.04, ge=0)  # weight of the k3 KL to the reference (0: no reference is loaded)
     scale_rewards: bool = False  # divide each advantage by its group's std (GRPO); false: Dr. GRPO's unscaled form
-    estimator: Literal["one_step", "coupled", "exact_ar"] = "one_step"
+    estimator: Literal["one_step", "coupled", "exact_ar", "elbo_eubo"] = "one_step"
     p_mask_prompt: float = Field(0.15, ge=0, le=1)  # one_step: share of prompt tokens masked (d1)
+    # elbo_eubo (SPG): block-wise masked views per estimate, the upper bound's β, and the weight of the upper bound
+    # for completions with a non-positive advantage (1: SPG w/ EUBO, 0.5: SPG w/ mixture, 0: the ELBO for both)
+    likelihood_draws: int = Field(2, ge=1)
+    eubo_beta: float = Field(1.5, gt=0)
+    mix_weight: float = Field(0.5, ge=0, le=1)
     # reward functions, summed with `reward_weights`: built-ins (BUILTIN_REWARDS) or "module:function" entry points
     # called as TRL calls a reward: f(prompts=[...], completions=[...], **row fields) -> list of floats
     rewards: tuple[str, ...] = ("task_answer",)
@@ -42,6 +47,9 @@ class GRPOConfig(ConfigSection):
     sample_steps: int = Field(8, ge=1)
     sample_block_size: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, gt=0)
+    # LoRA: fresh adapters on the trained model are tuned (an SFT adapter is merged first) and the reference is the
+    # same model with them switched off, so no second copy of the weights is held; `merge` publishes merged weights
+    peft: PeftConfig | None = None
     seed: int = 0  # prompt order, rollouts and corruption draws
     log_every: int = Field(1, ge=1)
     checkpoint_every: int = Field(10, ge=1)
@@ -68,6 +76,15 @@ class GRPOConfig(ConfigSection):
                     "'module:function' entry point"
                 )
         return rewards
+
+    @model_validator(mode="after")
+    def _sandwich_has_no_kl(self) -> GRPOConfig:
+        if self.estimator == "elbo_eubo" and self.beta != 0:
+            raise ValueError(
+                f"grpo.beta is {self.beta} with grpo.estimator elbo_eubo: SPG's objective is a policy gradient of "
+                "likelihood bounds with no KL term and no reference model; set grpo.beta: 0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _weights_match(self) -> GRPOConfig:

@@ -10,6 +10,7 @@ from dllm_common.config import PipelineSpec
 from strategies.registration import (
     ABSORBING,
     ABSORBING_SAMPLER,
+    MASKED_ESTIMATORS,
     TEMPERATURE_AND_CUTS,
     Registration,
     SamplerInfo,
@@ -47,5 +48,5 @@ REGISTRATION = Registration(
     SAMPLERS,
     models={HYBRID: "strategies.hybrid.model:HybridLM"},
     evaluator="strategies.hybrid.evaluation:HybridEvaluator",
-    estimators=("one_step", "coupled", "exact_ar"),  # the diffusion branch, or the causal branch exactly
+    estimators=(*MASKED_ESTIMATORS, "exact_ar"),  # the diffusion branch, or the causal branch exactly
 )

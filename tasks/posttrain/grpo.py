@@ -7,39 +7,33 @@ sampler (the one `generate` and evaluation use); rewards; advantages relative to
 optimizer steps of GRPO's clipped objective, each with one corruption draw per group shared by the policy that drew
 the rollouts, the reference and the current policy. Every draw of a group (its rollouts, its corruption) comes from
 a generator seeded by (seed, step, group[, inner update]), so a resumed stage repeats exactly what the killed one
-would have done."""
+would have done, and W processes (`train.nproc_per_node`, under torchrun) make the one-process run: each rolls out
+every W-th problem of a step and the gradients are summed over them. The step's mechanics are in
+`tasks.posttrain.update`; this module runs them as a stage."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
-import random
-import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from dllm_common.checkpoint import checkpoint_digest, recover_checkpoint, write_checkpoint
-from dllm_common.config import ConfigError, PipelineSpec, TrainingDiverged, context_overflow, flatten
+from dllm_common.config import ConfigError, PipelineSpec, context_overflow, flatten
 from dllm_common.store import stage_key
-from strategies.base_evaluation import SampleRequest
-from strategies.sampling import SamplerConfig, trim_at_eos
+from strategies.models import merge_lora
+from strategies.options import validate_config
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for, tracking_for
 from tasks.data.tokenizer import load_tokenizer
 from tasks.devices import resolve_device
 from tasks.evaluation.chat import split_problems
 from tasks.evaluation.likelihood import encode_prompts
-from tasks.evaluation.trained_model import load_for_generation, load_trained_model
-from tasks.posttrain.estimators import ESTIMATORS
-from tasks.posttrain.families import Problem
-from tasks.posttrain.grpo_loss import completion_mask, group_advantages, policy_loss
 from tasks.posttrain.rewards import Rewards
+from tasks.posttrain.update import Policy, load_policy, one_step_of_grpo, step_problems
 from tasks.stages import Stage
-from tasks.train import model_dir
-from tasks.training.distributed import DistInfo
+from tasks.train import model_dir, write_adapter
+from tasks.training.distributed import DistInfo, barrier, launch, rank_device
 from tasks.training.resume import Checkpointer
 from tasks.training.runtime import OptimSettings, make_optimizer
 
@@ -61,179 +55,7 @@ def stage_of(spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str,
     return STAGE, stage_key(STAGE, grpo_slice(spec, strategy), upstream, stage_code_version(__name__, strategy))
 
 
-def _seed(*parts) -> int:
-    """A generator seed from (grpo.seed, step, group, …): the same draws on any rank, in any resumed run."""
-    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
-
-
-def step_problems(problems: list[Problem], spec: PipelineSpec, step: int) -> list[Problem]:
-    """The problems of rollout batch `step`: the training problems in an order drawn from `grpo.seed`, cycled."""
-    g = spec.grpo
-    order = list(range(len(problems)))
-    random.Random(g.seed).shuffle(order)
-    start = step * g.prompts_per_step
-    return [problems[order[(start + i) % len(order)]] for i in range(g.prompts_per_step)]
-
-
-@dataclass
-class Policy:
-    """The model being tuned with its strategy and tokenizer, the frozen reference, and the estimator's scorer."""
-
-    model: torch.nn.Module
-    reference: torch.nn.Module | None
-    strategy: object
-    tokenizer: object
-    mask_id: int | None
-    meta: dict
-    device: str
-    estimator: str = "one_step"
-
-    def scorer(self, model):
-        """What the estimator forwards: the strategy's denoiser, or its causal path for `exact_ar`."""
-        return (
-            self.strategy.evaluator.causal_logits(model)
-            if self.estimator == "exact_ar"
-            else self.strategy.denoiser(model)
-        )
-
-
-@dataclass
-class Group:
-    """One prompt's rollouts: prompt ids [G, Lp], completions [G, L], their mask and advantages, what is logged."""
-
-    prompt: torch.Tensor
-    completion: torch.Tensor
-    mask: torch.Tensor
-    advantages: torch.Tensor
-    texts: list[str]
-    rewards: list[float]
-    each: dict[str, list[float]]
-    ended: list[bool]
-    lengths: list[int]
-
-
-def rollouts(policy: Policy, spec: PipelineSpec, rewards: Rewards, problem: Problem, prompt_ids, seed: int) -> Group:
-    """G completions of one prompt by the strategy's sampler, scored and turned into advantages."""
-    g, tok = spec.grpo, policy.tokenizer
-    cfg = SamplerConfig(
-        steps=g.sample_steps,
-        max_new_tokens=g.completion_length,
-        block_size=g.sample_block_size or g.completion_length,
-        temperature=g.temperature,
-        eos_token_id=tok.eos_token_id,
-        logit_shift=policy.strategy.logit_shift,
-    )
-    gen = torch.Generator(device=policy.device).manual_seed(seed)
-    request = SampleRequest([prompt_ids] * g.group_size, policy.mask_id, tok.pad_token_id or 0, cfg, gen, policy.device)
-    result = policy.strategy.sample(policy.model.eval(), request)
-    raw = [result.generated(i) for i in range(g.group_size)]
-    completion = torch.stack([r[: g.completion_length] for r in raw]).to(policy.device)
-    ended = [bool((r == tok.eos_token_id).any()) for r in completion]
-    texts = [tok.decode(trim_at_eos(r, tok.eos_token_id)) for r in completion]
-    fields = {"problem": [problem] * len(texts), "answer": [problem.answer] * len(texts), "ended": ended}
-    total, each = rewards.score([problem.prompt] * len(texts), texts, fields)
-    mask = completion_mask(completion, tok.eos_token_id)
-    prompt = torch.tensor([prompt_ids] * g.group_size, device=policy.device)
-    advantages = group_advantages(torch.tensor(total), g.group_size, g.scale_rewards).to(policy.device)
-    lengths = [int(m.sum()) - int(e) for m, e in zip(mask, ended)]  # tokens before the EOS
-    return Group(prompt, completion, mask, advantages, texts, total, each, ended, lengths)
-
-
-def token_logps(policy: Policy, model, group: Group, seed: int, spec: PipelineSpec) -> torch.Tensor:
-    """The estimator's per-token log-probabilities of the group's completions under `model`, corruption from `seed`."""
-    gen = torch.Generator(device=policy.device).manual_seed(seed)
-    fn = ESTIMATORS[spec.grpo.estimator]
-    extra = {"p_mask_prompt": spec.grpo.p_mask_prompt} if spec.grpo.estimator == "one_step" else {}
-    return fn(policy.scorer(model), group.prompt, group.completion, policy.mask_id, gen, **extra)
-
-
-def grpo_step(
-    policy: Policy, opt, spec: PipelineSpec, groups: list[Group], step: int, indices: list[int] | None = None
-) -> dict:
-    """`inner_updates` optimizer steps on one batch of rollouts; what they log.
-
-    Under torch.distributed each rank holds a share of the step's groups (`indices`: their numbers in the step, which
-    seed their corruption draws) and the gradients are summed over the ranks before each optimizer step: every
-    group weighs 1 / (groups in the step) wherever it ran, so W processes make the one-process update."""
-    g = spec.grpo
-    indices = list(range(len(groups))) if indices is None else indices
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    total = g.prompts_per_step if world > 1 else len(groups)
-    seeds = [[_seed(g.seed, "corrupt", step, k, i) for i in indices] for k in range(g.inner_updates)]
-    with torch.no_grad():  # the policy that drew the rollouts and the reference, at every update's corruption
-        # with one update the policy that drew them is the current one at the same draw: its values are the
-        # current pass's own, detached below, and need no forward of their own (what `dllm-flow plan` counts)
-        old = (
-            [[token_logps(policy, policy.model, gr, s, spec) for gr, s in zip(groups, row)] for row in seeds]
-            if g.inner_updates > 1
-            else None
-        )
-        ref = (
-            [[token_logps(policy, policy.reference, gr, s, spec) for gr, s in zip(groups, row)] for row in seeds]
-            if g.beta
-            else None
-        )
-    losses, kls, clips, norms = [], [], [], []
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    for k in range(g.inner_updates):
-        opt.zero_grad(set_to_none=False)
-        for i, (group, seed) in enumerate(zip(groups, seeds[k])):
-            logp = token_logps(policy, policy.model, group, seed, spec)
-            before = old[k][i] if old else logp.detach()
-            terms = policy_loss(
-                logp, before, ref[k][i] if ref else None, group.advantages, group.mask, g.clip_eps, g.beta
-            )
-            (terms.loss / total).backward()
-            losses.append(float(terms.loss.detach()))
-            kls.append(terms.kl)
-            clips.append(terms.clip_fraction)
-        if world > 1:
-            for p in params:
-                if p.grad is None:  # a parameter no group reached on this rank
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, g.grad_clip)))
-        opt.step()
-    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-    return {
-        "grpo/loss": mean(losses),
-        "grpo/kl": mean(kls),
-        "grpo/clip_fraction": mean(clips),
-        "grpo/grad_norm": mean(norms),
-    }
-
-
-def rollout_metrics(groups: list[Group]) -> dict:
-    rewards = torch.tensor([r for gr in groups for r in gr.rewards])
-    out = {
-        "grpo/reward_mean": float(rewards.mean()),
-        "grpo/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "grpo/completion_length": sum(sum(gr.lengths) for gr in groups) / sum(len(gr.lengths) for gr in groups),
-        "grpo/eos_rate": sum(sum(gr.ended) for gr in groups) / sum(len(gr.ended) for gr in groups),
-        # groups whose completions all got one reward: advantage 0 everywhere, nothing learnt from them
-        "grpo/flat_groups": sum(len(set(gr.rewards)) == 1 for gr in groups) / len(groups),
-    }
-    for name in groups[0].each:
-        values = [v for gr in groups for v in gr.each[name]]
-        out[f"grpo/reward_{name}"] = sum(values) / len(values)
-    if "task_answer" in groups[0].each:
-        out["grpo/accuracy"] = out["grpo/reward_task_answer"]
-    return out
-
-
 # ------------------------------------------------------------------ the stage
-
-
-def load_policy(spec: PipelineSpec, trained: StageRef, device: str) -> Policy:
-    ckpt = model_dir(trained)
-    loaded = load_for_generation(ckpt, device)
-    reference = None
-    if spec.grpo.beta:
-        reference = load_trained_model(ckpt, device).requires_grad_(False)
-    model = loaded.model.eval()  # eval mode throughout: no dropout, so the ratio is 1 before the first update
-    return Policy(
-        model, reference, loaded.strategy, loaded.tokenizer, loaded.mask_id, loaded.meta, device, spec.grpo.estimator
-    )
 
 
 def _open_run(spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str, key: str, parent_run_id, run_id):
@@ -254,30 +76,58 @@ def _open_run(spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str
     return tracker
 
 
-def one_step_of_grpo(policy: Policy, opt, spec: PipelineSpec, rewards: Rewards, batch, prompt_ids, step: int):
-    """Rollouts of every problem of the step, then the updates: (the step's metrics, its groups)."""
-    g = spec.grpo
-    t0 = time.perf_counter()
-    groups = [
-        rollouts(policy, spec, rewards, p, prompt_ids[p.prompt], _seed(g.seed, "rollout", step, i))
-        for i, p in enumerate(batch)
-    ]
-    t1 = time.perf_counter()
-    metrics = {**rollout_metrics(groups), **grpo_step(policy, opt, spec, groups, step)}
-    if not math.isfinite(metrics["grpo/loss"]) or not math.isfinite(metrics["grpo/grad_norm"]):
-        raise TrainingDiverged(
-            f"grpo step {step + 1}: the loss or gradient norm is not finite (loss {metrics['grpo/loss']}, gradient "
-            f"norm {metrics['grpo/grad_norm']}); lower grpo.lr ({g.lr}) or raise grpo.beta ({g.beta}); nothing "
-            "was published, and the last checkpoint is kept"
+@dataclass(frozen=True)
+class GRPOJob:
+    """What the stage's processes need, as small descriptors (what crosses to torchrun's ranks)."""
+
+    spec: PipelineSpec
+    strategy: str
+    trained: StageRef
+    workdir: str
+    parent_run_id: str | None
+    key: str
+
+    @property
+    def label(self) -> str:
+        return f"grpo[{self.strategy}]"
+
+    @property
+    def work(self) -> Path:
+        return store_for(self.workdir).work_dir(STAGE, self.key)
+
+    @property
+    def manifest_file(self) -> Path:
+        return self.work / "manifest-fields.json"
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "spec": self.spec.model_dump(mode="json"),
+                "strategy": self.strategy,
+                "trained": asdict(self.trained),
+                "workdir": str(self.workdir),
+                "parent_run_id": self.parent_run_id,
+                "key": self.key,
+            }
         )
-    end = time.perf_counter()
-    return {**metrics, "grpo/rollout_s": t1 - t0, "grpo/update_s": end - t1, "grpo/step_s": end - t0}, groups
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> GRPOJob:
+        spec = validate_config(raw["spec"], "torchrun args")
+        return cls(spec, raw["strategy"], StageRef(**raw["trained"]), raw["workdir"], raw["parent_run_id"], raw["key"])
+
+    def run(self, out: Path, info: DistInfo) -> dict | None:
+        """What each rank runs under torchrun (`tasks.training.torchrun_entry`)."""
+        return run_grpo(self, out, info)
 
 
-def run_grpo(spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str, parent_run_id, key: str, out: Path):
-    g = spec.grpo
+def run_grpo(job: GRPOJob, out: Path, info: DistInfo | None = None) -> dict | None:
+    """The stage on this process: every rank rolls out its share of each step's problems and the gradients are
+    summed over the ranks (`grpo_step`); rank 0 tracks, checkpoints and writes the tuned model into `out`.
+    Returns the manifest fields on rank 0, None on the others."""
+    spec, strategy, g, info = job.spec, job.strategy, job.spec.grpo, info or DistInfo()
     torch.manual_seed(g.seed)
-    policy = load_policy(spec, trained, resolve_device(spec.train.device))
+    policy = load_policy(spec, job.trained, rank_device(resolve_device(spec.train.device), info))
     rewards = Rewards.of(g)
     problems, _ = split_problems(spec)
     encoded = encode_prompts(policy.tokenizer, [p.prompt for p in problems], chat=True)
@@ -286,35 +136,59 @@ def run_grpo(spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str,
         steps=g.steps * g.inner_updates, lr=g.lr, warmup_steps=0, schedule="constant", weight_decay=g.weight_decay
     )
     opt, sched = make_optimizer(policy.model, settings)
-    work = store_for(workdir).work_dir(STAGE, key)
-    work.mkdir(parents=True, exist_ok=True)
-    recover_checkpoint(work / "checkpoint")
-    checkpointer = Checkpointer(work / "checkpoint", DistInfo(), sharded=False)
+    checkpointer = Checkpointer(job.work / "checkpoint", info, sharded=False)
     start, run_id = checkpointer.restore(policy.model, opt, sched) if checkpointer.exists else (0, None)
-    tracker = _open_run(spec, strategy, trained, workdir, key, parent_run_id, run_id)
-    if start:
-        print(f"[dllm-flow] grpo[{strategy}]: resuming from the step-{start} checkpoint", flush=True)
-    shown_file = work / "rollouts.jsonl"  # the first group of every step (a resumed run keeps the steps before it)
-    kept = [r for r in _read_jsonl(shown_file) if r["step"] < start]
-    shown_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tracker = (
+        _open_run(spec, strategy, job.trained, job.workdir, job.key, job.parent_run_id, run_id)
+        if info.is_main
+        else None
+    )
+    shown_file = job.work / "rollouts.jsonl"  # the first group of every step (a resumed run keeps the steps before it)
+    if info.is_main:
+        if start:
+            print(f"[dllm-flow] {job.label}: resuming from the step-{start} checkpoint", flush=True)
+        kept = [r for r in _read_jsonl(shown_file) if r["step"] < start]
+        shown_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
     for step in range(start, g.steps):
         batch = step_problems(problems, spec, step)
-        metrics, groups = one_step_of_grpo(policy, opt, spec, rewards, batch, prompt_ids, step)
+        metrics, first = one_step_of_grpo(policy, opt, spec, rewards, batch, prompt_ids, step, info)
         sched.step()
-        if (step + 1) % g.log_every == 0 or step + 1 == g.steps:
-            tracker.log_metrics(metrics, step=step + 1)
-            print(
-                f"[dllm-flow] grpo[{strategy}] step {step + 1}/{g.steps}: reward {metrics['grpo/reward_mean']:.3f} "
-                f"kl {metrics['grpo/kl']:.4f} clip {metrics['grpo/clip_fraction']:.3f} {metrics['grpo/step_s']:.1f} s",
-                flush=True,
-            )
-        first = {"step": step, "prompt": batch[0].prompt, "answer": batch[0].answer, "completions": groups[0].texts}
-        with shown_file.open("a") as f:
-            f.write(json.dumps({**first, "rewards": groups[0].rewards}) + "\n")
+        if info.is_main:
+            _log_step(job, tracker, metrics, step)
+            shown = {"step": step, "prompt": batch[0].prompt, "answer": batch[0].answer, "completions": first.texts}
+            with shown_file.open("a") as f:
+                f.write(json.dumps({**shown, "rewards": first.rewards}) + "\n")
         if (step + 1) % g.checkpoint_every == 0 and step + 1 < g.steps:
-            meta = {**policy.meta, "step": step + 1, "mlflow_run_id": tracker.run_id}
+            meta = {**policy.meta, "step": step + 1, "mlflow_run_id": tracker.run_id if tracker else None}
             checkpointer.save(policy.model, opt, sched, policy.tokenizer, meta)
-    return _publish(spec, strategy, policy, tracker, trained, key, out, shown_file)
+    fields = _publish(spec, strategy, policy, tracker, job.trained, job.key, out, shown_file) if info.is_main else None
+    barrier()
+    return fields
+
+
+def _log_step(job: GRPOJob, tracker, metrics: dict, step: int) -> None:
+    g = job.spec.grpo
+    if (step + 1) % g.log_every == 0 or step + 1 == g.steps:
+        tracker.log_metrics(metrics, step=step + 1)
+        print(
+            f"[dllm-flow] {job.label} step {step + 1}/{g.steps}: reward {metrics['grpo/reward_mean']:.3f} "
+            f"kl {metrics['grpo/kl']:.4f} clip {metrics['grpo/clip_fraction']:.3f} {metrics['grpo/step_s']:.1f} s",
+            flush=True,
+        )
+
+
+def _build(job: GRPOJob, out: Path) -> dict:
+    """Tune into `out`: in this process, or on `train.nproc_per_node` processes under torchrun (rank 0 writes
+    `out` and the manifest fields)."""
+    job.work.mkdir(parents=True, exist_ok=True)
+    recover_checkpoint(job.work / "checkpoint")  # a checkpoint write killed mid-swap
+    if job.spec.train.world_size == 1:
+        return run_grpo(job, out)
+    job.manifest_file.unlink(missing_ok=True)
+    launch(job, out)
+    if not job.manifest_file.is_file():
+        raise RuntimeError(f"torchrun finished but {job.label} wrote no result into {out}")
+    return json.loads(job.manifest_file.read_text())
 
 
 def _publish(spec: PipelineSpec, strategy: str, policy: Policy, tracker, trained: StageRef, key: str, out, shown):
@@ -328,6 +202,11 @@ def _publish(spec: PipelineSpec, strategy: str, policy: Policy, tracker, trained
         "mlflow_run_id": tracker.run_id,
         "grpo": {"from": trained.key, **g.model_dump(mode="json")},
     }
+    if g.peft is not None:  # the adapter alone too, small enough to ship without the weights it was trained on
+        write_adapter(out / "adapter", policy.model, g.peft)
+        meta["peft"] = {**g.peft.model_dump(mode="json"), "merged": g.peft.merge}
+        if g.peft.merge:
+            merge_lora(policy.model)
     write_checkpoint(out / "model", policy.model, policy.tokenizer, meta)
     (out / "rollouts.jsonl").write_text(shown.read_text() if shown.is_file() else "")
     if spec.tracking.log_checkpoints:
@@ -353,9 +232,8 @@ def grpo(
 ) -> StageRef:
     """Tune the trained model with GRPO (or reuse or resume the tuned one)."""
     stage, key = stage_of(spec, strategy, trained, workdir)
-    entry, reused = store_for(workdir).reuse_or_build(
-        stage, key, lambda out: run_grpo(spec, strategy, trained, workdir, parent_run_id, key, Path(out))
-    )
+    job = GRPOJob(spec, strategy, trained, workdir, parent_run_id, key)
+    entry, reused = store_for(workdir).reuse_or_build(stage, key, lambda out: _build(job, Path(out)))
     return StageRef.of(entry, reused, f"grpo[{strategy}]")
 
 

@@ -76,3 +76,19 @@ def policy_loss(
     total = mask.sum().clamp_min(1.0)
     kl, held = kl.detach(), held.to(mask.dtype)
     return PolicyTerms(loss, float((kl * mask).sum() / total), float((held * mask).sum() / total))
+
+
+def sandwich_loss(elbo: Tensor, eubo: Tensor, advantages: Tensor, mask: Tensor, mix: float = 0.5) -> PolicyTerms:
+    """SPG's policy gradient over one group (Wang et al., 2025): each completion's log-likelihood is replaced by its
+    ELBO when its advantage is positive and by `mix`·EUBO + (1 − `mix`)·ELBO otherwise (1: the upper bound alone,
+    SPG w/ EUBO; 0.5: SPG w/ mixture), so raising a good completion pushes a lower bound up and lowering a bad one
+    pushes an upper bound down:
+
+        loss = −Σ_i A_i · ℓ_i · |c_i| / Σ_i |c_i|      (|c_i|: completion tokens through the first EOS)
+
+    No ratio, clip or KL: SPG has none (the stage refuses grpo.beta ≠ 0 with this estimator)."""
+    adv = advantages.to(elbo.dtype)
+    bound = torch.where(adv > 0, elbo, mix * eubo + (1 - mix) * elbo)
+    lengths = mask.to(elbo.dtype).sum(dim=1)
+    loss = -(adv * bound * lengths).sum() / lengths.sum().clamp_min(1.0)
+    return PolicyTerms(loss, 0.0, 0.0)

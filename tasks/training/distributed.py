@@ -140,12 +140,15 @@ def rendezvous(train) -> tuple[str, int]:
     return host, int(port)
 
 
+ENTRY = "tasks.training.torchrun_entry"  # what each rank runs: the job the args file names
+
+
 def torchrun_command(train, args_file: Path) -> list[str]:
     """torchrun for one node: `--standalone` on one host; on N hosts a static rendezvous at node 0, so global
     rank 0 (the one that writes the result) is always on node 0. One process in all: a plain child process
     (a training fanned out beside others, `pipeline.max_parallel`)."""
     if train.world_size == 1:
-        return [sys.executable, "-m", "tasks.training.torchrun_entry", str(args_file)]
+        return [sys.executable, "-m", ENTRY, str(args_file)]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={train.nproc_per_node}"]
     if train.nnodes == 1:
         cmd.append("--standalone")
@@ -153,7 +156,7 @@ def torchrun_command(train, args_file: Path) -> list[str]:
         host, port = rendezvous(train)
         cmd += [f"--nnodes={train.nnodes}", f"--node_rank={node_rank(train)}"]
         cmd += [f"--master_addr={host}", f"--master_port={port}"]
-    return cmd + ["-m", "tasks.training.torchrun_entry", str(args_file)]
+    return cmd + ["-m", ENTRY, str(args_file)]
 
 
 CHILD_ERROR = "child-error.txt"  # a lone training process's traceback, for the launching process to report
@@ -167,7 +170,7 @@ def terminate_children() -> None:
             proc.terminate()
 
 
-def child_error(strategy: str, record: dict) -> Exception:
+def child_error(label: str, record: dict) -> Exception:
     """The exception rank 0 of a training process recorded (`tasks.training.torchrun_entry`), raised again here: the
     errors a user can act on keep their type, so the command reports them as such (exit 2, one line); others become a
     RuntimeError with the child's message."""
@@ -175,11 +178,11 @@ def child_error(strategy: str, record: dict) -> Exception:
     from dllm_common.store import DiskFullError
 
     logging.getLogger("dllm_flow.train").info(
-        "train[%s] failed in its process:\n%s", strategy, "".join(record.get("traceback", []))
+        "%s failed in its process:\n%s", label, "".join(record.get("traceback", []))
     )
     message = record["message"]
-    if not message.startswith(f"train[{strategy}]"):
-        message = f"train[{strategy}]: {message}"
+    if not message.startswith(label):
+        message = f"{label}: {message}"
     kinds = {  # what a user can act on, nearest first (the CLI's user errors: exit 2, one line)
         "TrainingDiverged": TrainingDiverged,
         "ConfigError": ConfigError,
@@ -195,19 +198,23 @@ def child_error(strategy: str, record: dict) -> Exception:
 
 
 def launch(job, out: Path) -> None:
-    """Run a training job (`tasks.train.TrainJob`) under torchrun: this node's `train.nproc_per_node`
-    processes of `train.nnodes` × that, global rank 0 writing its result into `out`; raise if torchrun fails."""
+    """Run a job under torchrun: a training (`tasks.train.TrainJob`) or another stage's work on the training's
+    processes (`tasks.posttrain.grpo.GRPOJob`): this node's `train.nproc_per_node` processes of `train.nnodes` ×
+    that, each running `job.run(out, DistInfo)` (`tasks.training.torchrun_entry`), global rank 0 writing its result
+    into `out`; raise if torchrun fails. A job has `spec`, `label`, `work`, `manifest_file`, `to_json`, `from_dict`
+    and `run`."""
     train, rank = job.spec.train, node_rank(job.spec.train)
     args_file = job.work / f"torchrun-args-node{rank}.json"
-    args_file.write_text(json.dumps({"job": json.loads(job.to_json()), "out": str(out)}))
+    kind = f"{type(job).__module__}:{type(job).__name__}"
+    args_file.write_text(json.dumps({"kind": kind, "job": json.loads(job.to_json()), "out": str(out)}))
     (job.work / CHILD_ERROR).unlink(missing_ok=True)
     nproc = f"{train.nproc_per_node} processes" + (f" on node {rank} of {train.nnodes}" if train.nnodes > 1 else "")
     if train.world_size == 1:
         nproc = "1 process (a child process, beside the other strategies)"
     what = "torchrun" if train.world_size > 1 else "training"
-    print(f"[dllm-flow] train[{job.strategy}]: launching {what} with {nproc}", flush=True)
+    print(f"[dllm-flow] {job.label}: launching {what} with {nproc}", flush=True)
     if interrupt.requested():  # a run being stopped starts no training
-        raise interrupt.Interrupted(interrupt.requested(), f"train[{job.strategy}] was not started")
+        raise interrupt.Interrupted(interrupt.requested(), f"{job.label} was not started")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(job.spec.train.threads or 1))
     code = _run_child(torchrun_command(train, args_file), env, train.world_size > 1)
@@ -259,13 +266,13 @@ def _run_child(cmd: list[str], env: dict, torchrun: bool) -> int:
 def _raise_for_exit(job, code: int) -> None:
     """A failed training as one error: stopped with the run, rank 0's own error, or the exit status."""
     if code != 0 and interrupt.requested():  # stopped with the run (fanned out: this is a worker thread)
-        raise interrupt.Interrupted(interrupt.requested(), f"train[{job.strategy}] checkpointed and stopped")
+        raise interrupt.Interrupted(interrupt.requested(), f"{job.label} checkpointed and stopped")
     if code != 0:
         error = job.work / CHILD_ERROR
         if error.is_file():  # rank 0's error as one line of its own type; its traceback into the log file
-            raise child_error(job.strategy, json.loads(error.read_text()))
+            raise child_error(job.label, json.loads(error.read_text()))
         who = "torchrun" if job.spec.train.world_size > 1 else "the training process"
         raise RuntimeError(
-            f"{who} for train[{job.strategy}] exited with status {code}; see the rank logs above. "
+            f"{who} for {job.label} exited with status {code}; see the rank logs above. "
             "Rerun to resume from the last checkpoint."
         )

@@ -20,3 +20,9 @@ def flaky(prompts, completions, **_):
 
 def raises(prompts, completions, **_):
     raise ValueError("no answer field")
+
+
+def digits(prompts, completions, **_):
+    """The share of a completion's characters that are digits (0 when empty): what an answer is made of, with no
+    pull towards shorter or longer completions."""
+    return [sum(ch.isdigit() for ch in c) / len(c) if c else 0.0 for c in completions]

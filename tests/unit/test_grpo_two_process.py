@@ -13,7 +13,7 @@ import yaml
 from strategies import assemble_strategy
 from strategies.models import build_model, tiny_model_config
 from strategies.options import validate_config
-from tasks.posttrain.grpo import Group, Policy, grpo_step
+from tasks.posttrain.update import Group, Policy, grpo_step
 from tasks.training.runtime import OptimSettings, make_optimizer
 
 GROUPS, G, MASK, EOS = 4, 3, 23, 22

@@ -36,3 +36,13 @@ def test_more_prompts_and_inner_updates_cost_proportionally():
     assert twice.step_flops == pytest.approx(2 * base.step_flops)
     _, mu = _plans("grpo.beta=0", "grpo.inner_updates=2")
     assert mu.step_flops > base.step_flops
+
+
+def test_spg_scores_its_draws_and_needs_no_old_policy_pass():
+    _, one = _plans("grpo.estimator=one_step", "grpo.beta=0")
+    _, spg = _plans("grpo.estimator=elbo_eubo", "grpo.beta=0", "grpo.likelihood_draws=4")
+    assert spg.rows == 4 * one.rows and spg.reference == 0
+    _, mu = _plans("grpo.estimator=elbo_eubo", "grpo.beta=0", "grpo.likelihood_draws=4", "grpo.inner_updates=2")
+    # a second inner update adds one update's cost and no forward of the drawing policy (SPG has no ratio)
+    rollouts_and_one = 2 * spg.step_flops - mu.step_flops
+    assert 0 < rollouts_and_one < spg.step_flops

@@ -1,8 +1,9 @@
 """The GRPO stage in `dllm-flow plan` (docs/post-training.md, "The GRPO stage"): one group's update traced on fake
-tensors through the stage's own estimator and objective (`tasks.posttrain.grpo.token_logps`, `policy_loss`), one
-no-grad forward of a group for the rollouts' and the reference's passes, and the memory the stage holds: the policy
-with its gradients and AdamW moments (the train stage's `Resident`), plus the frozen reference when `grpo.beta` is
-not 0. Rollout FLOPs assume a full forward per sampler step (no K/V reuse), an upper bound."""
+tensors through the stage's own estimator and objective (`tasks.posttrain.grpo.token_logps` and `policy_loss`, or
+SPG's `update_terms`), one no-grad forward of a group for the rollouts' and the reference's passes, and the memory
+the stage holds: the policy with its gradients and AdamW moments (the train stage's `Resident`), plus the frozen
+reference when `grpo.beta` is not 0. Rollout FLOPs assume a full forward per sampler step (no K/V reuse), an upper
+bound."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from dllm_common.config import PipelineSpec
 from tasks.commands.plan.estimate import DEFAULT_FLOPS, Cluster, StrategyPlan
 from tasks.commands.plan.step import Planner
 from tasks.commands.plan.trace import count, size
-from tasks.posttrain.grpo import Group, Policy, token_logps
 from tasks.posttrain.grpo_loss import policy_loss
+from tasks.posttrain.update import Group, Policy, token_logps, update_terms
 
-VIEWS = {"one_step": 1, "coupled": 3, "exact_ar": 1}  # forwards of a group per estimate
+
+def views(g) -> int:
+    """Forwards of a group per estimate."""
+    return {"coupled": 3, "elbo_eubo": g.likelihood_draws}.get(g.estimator, 1)
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,9 @@ def plan_grpo(spec: PipelineSpec, trained: StrategyPlan, cluster: Cluster) -> GR
         group = Group(prompt, completion, torch.ones(completion.shape), torch.zeros(g.group_size), [], [], {}, [], [])
 
     def update():
+        if g.estimator == "elbo_eubo":  # SPG: no ratio, no reference
+            update_terms(policy, group, 0, spec).loss.backward()
+            return
         logp = token_logps(policy, model, group, 0, spec)
         reference = logp.detach() if g.beta else None
         policy_loss(logp, logp.detach(), reference, group.advantages, group.mask, g.clip_eps, g.beta).loss.backward()
@@ -55,15 +62,16 @@ def plan_grpo(spec: PipelineSpec, trained: StrategyPlan, cluster: Cluster) -> GR
             policy.scorer(model)(torch.cat([prompt, completion], dim=1), None)
 
     step, one = planner.trace_call(model, update), planner.trace_call(model, forward)
-    passes = (g.inner_updates if g.inner_updates > 1 else 0) + (g.inner_updates if g.beta else 0)
-    per_group = g.sample_steps * one.flops + passes * VIEWS[g.estimator] * one.flops + g.inner_updates * step.flops
+    old = g.inner_updates if g.inner_updates > 1 and g.estimator != "elbo_eubo" else 0  # SPG has no ratio
+    passes = old + (g.inner_updates if g.beta else 0)
+    per_group = g.sample_steps * one.flops + passes * views(g) * one.flops + g.inner_updates * step.flops
     res = trained.resident
     reference = res.weights if g.beta else 0
     resident = res.weights + res.gradients + res.optimizer + res.update + reference
     flops = cluster.flops or DEFAULT_FLOPS[spec.train.precision]
     return GRPOPlan(
         strategy=name,
-        rows=g.group_size * VIEWS[g.estimator],
+        rows=g.group_size * views(g),
         canvas=canvas,
         resident=resident,
         reference=reference,
