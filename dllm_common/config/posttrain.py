@@ -5,6 +5,7 @@ its checkpoint beside the trained one's."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -13,6 +14,7 @@ from dllm_common.config.sections import ConfigSection, PeftConfig
 
 ESTIMATORS = ("one_step", "coupled", "exact_ar", "elbo_eubo")
 BUILTIN_REWARDS = ("task_answer", "task_format", "math_answer")
+TASK_REWARDS = ("task_answer", "task_format")  # they read the generated task's `problem` field
 ENTRY_POINT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
@@ -38,6 +40,9 @@ class GRPOConfig(ConfigSection):
     likelihood_draws: int = Field(2, ge=1)
     eubo_beta: float = Field(1.5, gt=0)
     mix_weight: float = Field(0.5, ge=0, le=1)
+    # a JSONL file of {"prompt": ..., <fields>} rows to draw prompts from (default: the generated task's training
+    # problems); a row's other fields reach the rewards (docs/post-training.md, "Prompts")
+    prompts: str | None = None
     # reward functions, summed with `reward_weights`: built-ins (BUILTIN_REWARDS) or "module:function" entry points
     # called as TRL calls a reward: f(prompts=[...], completions=[...], **row fields) -> list of floats
     rewards: tuple[str, ...] = ("task_answer",)
@@ -64,6 +69,12 @@ class GRPOConfig(ConfigSection):
             )
         return g
 
+    @field_validator("prompts")
+    @classmethod
+    def _absolute(cls, path: str | None) -> str | None:
+        # absolute from here on: the stage's torchrun processes and a worker start in other folders
+        return None if path is None else str(Path(path).expanduser().resolve())
+
     @field_validator("rewards")
     @classmethod
     def _rewards_named(cls, rewards: tuple[str, ...]) -> tuple[str, ...]:
@@ -76,6 +87,17 @@ class GRPOConfig(ConfigSection):
                     "'module:function' entry point"
                 )
         return rewards
+
+    @model_validator(mode="after")
+    def _task_rewards_need_the_task(self) -> GRPOConfig:
+        task_only = [r for r in self.rewards if r in TASK_REWARDS]
+        if self.prompts is not None and task_only:
+            raise ValueError(
+                f"grpo.rewards {task_only[0]} scores the generated task's problems, which rows of grpo.prompts are "
+                "not; use math_answer (it compares with a row's \"answer\") or a 'module:function' reward that reads "
+                "the rows' fields"
+            )
+        return self
 
     @model_validator(mode="after")
     def _sandwich_has_no_kl(self) -> GRPOConfig:

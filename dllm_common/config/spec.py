@@ -119,10 +119,11 @@ class PipelineSpec(ConfigSection):
 
     @model_validator(mode="after")
     def _grpo_has_prompts(self) -> PipelineSpec:
-        if self.grpo is not None and self.data.source != "task":
+        if self.grpo is not None and self.grpo.prompts is None and self.data.source != "task":
             raise ValueError(
                 f"grpo: needs prompts with verifiable answers: data.source: task (a generated task family, "
-                f"docs/post-training.md); data.source is {self.data.source!r}"
+                f"docs/post-training.md) or grpo.prompts (a JSONL file of prompts); data.source is "
+                f"{self.data.source!r}"
             )
         if self.grpo is not None and self.data.shape != "dialogue":
             raise ValueError("grpo: tunes a chat model: set data.shape: dialogue (the SFT before it)")

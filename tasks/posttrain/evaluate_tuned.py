@@ -82,7 +82,8 @@ DECLARATION = Stage(
     produces="tuned_evaluated",
     consumes={"tuned": "tuned", "evaluated": "evaluated", "data": "data"},
     per_strategy=True,
-    enabled=lambda spec: spec.grpo is not None,
+    # the paired comparison needs the task's held-out problems (prompts from a file have no held-out half)
+    enabled=lambda spec: spec.grpo is not None and spec.data.source == "task",
     leader_only=True,
     report_columns=(
         Column("accuracy (trained)", "grpo/heldout_sft", 3),

@@ -27,10 +27,10 @@ from strategies.options import validate_config
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for, tracking_for
 from tasks.data.tokenizer import load_tokenizer
 from tasks.devices import resolve_device
-from tasks.evaluation.chat import split_problems
 from tasks.evaluation.likelihood import encode_prompts
+from tasks.posttrain.prompts import prompts_digest, reward_fields, training_prompts
 from tasks.posttrain.rewards import Rewards
-from tasks.posttrain.update import Policy, load_policy, one_step_of_grpo, step_problems
+from tasks.posttrain.update import Policy, load_policy, one_step_of_grpo, step_prompts
 from tasks.stages import Stage
 from tasks.train import model_dir, write_adapter
 from tasks.training.distributed import DistInfo, barrier, launch, rank_device
@@ -41,13 +41,17 @@ STAGE = "grpo"
 
 
 def grpo_slice(spec: PipelineSpec, strategy: str) -> dict:
-    """What decides the tuned model besides the checkpoint: the `grpo:` section and the task it draws prompts from."""
-    return {
-        "strategy": strategy,
-        "grpo": spec.grpo.model_dump(mode="json"),
-        "task": spec.data.task.model_dump(mode="json"),
-        "split": {"seed": spec.data.seed, "val_fraction": spec.data.val_fraction},
-    }
+    """What decides the tuned model besides the checkpoint: the `grpo:` section and the prompts it draws from (the
+    task's training problems, or the prompts file's content)."""
+    if spec.grpo.prompts is not None:  # the file's content, not its path, decides the prompts
+        source = {"prompts": prompts_digest(spec)}
+    else:
+        source = {
+            "task": spec.data.task.model_dump(mode="json"),
+            "split": {"seed": spec.data.seed, "val_fraction": spec.data.val_fraction},
+        }
+    grpo = {k: v for k, v in spec.grpo.model_dump(mode="json").items() if k != "prompts"}
+    return {"strategy": strategy, "grpo": grpo, **source}
 
 
 def stage_of(spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str, **_) -> tuple[str, str]:
@@ -129,9 +133,9 @@ def run_grpo(job: GRPOJob, out: Path, info: DistInfo | None = None) -> dict | No
     torch.manual_seed(g.seed)
     policy = load_policy(spec, job.trained, rank_device(resolve_device(spec.train.device), info))
     rewards = Rewards.of(g)
-    problems, _ = split_problems(spec)
-    encoded = encode_prompts(policy.tokenizer, [p.prompt for p in problems], chat=True)
-    prompt_ids = {p.prompt: ids for p, ids in zip(problems, encoded)}
+    rows = training_prompts(spec)
+    encoded = encode_prompts(policy.tokenizer, [r.prompt for r in rows], chat=True)
+    prompt_ids = {r.prompt: ids for r, ids in zip(rows, encoded)}
     settings = OptimSettings(
         steps=g.steps * g.inner_updates, lr=g.lr, warmup_steps=0, schedule="constant", weight_decay=g.weight_decay
     )
@@ -150,7 +154,7 @@ def run_grpo(job: GRPOJob, out: Path, info: DistInfo | None = None) -> dict | No
         kept = [r for r in _read_jsonl(shown_file) if r["step"] < start]
         shown_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
     for step in range(start, g.steps):
-        batch = step_problems(problems, spec, step)
+        batch = step_prompts(rows, spec, step)
         metrics, first = one_step_of_grpo(policy, opt, spec, rewards, batch, prompt_ids, step, info)
         sched.step()
         if info.is_main:
@@ -241,15 +245,12 @@ def grpo(
 
 
 def check_rewards(spec: PipelineSpec) -> None:
-    """Every reward resolves and, given each of a step's problems with its reference answer as the completion,
-    returns one finite number per completion: a broken reward is refused before the SFT, not after it."""
-    g = spec.grpo
-    train, _ = split_problems(spec)
-    if not train:
-        raise ConfigError("grpo: the task has no training problem to draw prompts from; raise data.task.problems")
-    batch = train[: g.prompts_per_step]
-    fields = {"problem": batch, "answer": [p.answer for p in batch], "ended": [True] * len(batch)}
-    Rewards.of(g).score([p.prompt for p in batch], [p.answer for p in batch], fields)
+    """The prompts read, and every reward resolves and, given a step's prompts with their reference answers as the
+    completions (an empty completion where a row has none), returns one finite number per completion: a broken
+    reward or prompts file is refused before the SFT, not after it."""
+    batch = training_prompts(spec)[: spec.grpo.prompts_per_step]
+    said = ["" if r.answer is None else str(r.answer) for r in batch]
+    Rewards.of(spec.grpo).score([r.prompt for r in batch], said, reward_fields(batch, [True] * len(batch)))
 
 
 def check_prompts_fit(spec: PipelineSpec, data: StageRef) -> None:
@@ -257,8 +258,8 @@ def check_prompts_fit(spec: PipelineSpec, data: StageRef) -> None:
     if spec.model.kind != "tiny":
         return  # a pretrained model's context is checked by the evaluate stage's rule on load
     tokenizer = load_tokenizer(str(Path(data.path) / "tokenizer"))
-    train, _ = split_problems(spec)
-    lengths = [len(ids) for ids in encode_prompts(tokenizer, [p.prompt for p in train], chat=True)]
+    train = training_prompts(spec)
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, [r.prompt for r in train], chat=True)]
     longest = max(range(len(train)), key=lengths.__getitem__)
     problem = context_overflow(
         lengths[longest],

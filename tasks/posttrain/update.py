@@ -22,8 +22,8 @@ from strategies.sampling import SamplerConfig, trim_at_eos
 from tasks.common import StageRef
 from tasks.evaluation.trained_model import load_for_generation, load_trained_model
 from tasks.posttrain.estimators import ESTIMATORS, elbo_eubo
-from tasks.posttrain.families import Problem
 from tasks.posttrain.grpo_loss import PolicyTerms, completion_mask, group_advantages, policy_loss, sandwich_loss
+from tasks.posttrain.prompts import PromptRow, reward_fields
 from tasks.posttrain.rewards import Rewards
 from tasks.train import model_dir
 from tasks.training.distributed import DistInfo
@@ -34,13 +34,13 @@ def _seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
-def step_problems(problems: list[Problem], spec: PipelineSpec, step: int) -> list[Problem]:
-    """The problems of rollout batch `step`: the training problems in an order drawn from `grpo.seed`, cycled."""
+def step_prompts(rows: list[PromptRow], spec: PipelineSpec, step: int) -> list[PromptRow]:
+    """The prompts of rollout batch `step`: the training prompts in an order drawn from `grpo.seed`, cycled."""
     g = spec.grpo
-    order = list(range(len(problems)))
+    order = list(range(len(rows)))
     random.Random(g.seed).shuffle(order)
     start = step * g.prompts_per_step
-    return [problems[order[(start + i) % len(order)]] for i in range(g.prompts_per_step)]
+    return [rows[order[(start + i) % len(order)]] for i in range(g.prompts_per_step)]
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Group:
     lengths: list[int]
 
 
-def rollouts(policy: Policy, spec: PipelineSpec, rewards: Rewards, problem: Problem, prompt_ids, seed: int) -> Group:
+def rollouts(policy: Policy, spec: PipelineSpec, rewards: Rewards, row: PromptRow, prompt_ids, seed: int) -> Group:
     """G completions of one prompt by the strategy's sampler, scored and turned into advantages."""
     g, tok = spec.grpo, policy.tokenizer
     cfg = SamplerConfig(
@@ -107,8 +107,7 @@ def rollouts(policy: Policy, spec: PipelineSpec, rewards: Rewards, problem: Prob
     completion = torch.stack([r[: g.completion_length] for r in raw]).to(policy.device)
     ended = [bool((r == tok.eos_token_id).any()) for r in completion]
     texts = [tok.decode(trim_at_eos(r, tok.eos_token_id)) for r in completion]
-    fields = {"problem": [problem] * len(texts), "answer": [problem.answer] * len(texts), "ended": ended}
-    total, each = rewards.score([problem.prompt] * len(texts), texts, fields)
+    total, each = rewards.score([row.prompt] * len(texts), texts, reward_fields([row] * len(texts), ended))
     mask = completion_mask(completion, tok.eos_token_id)
     prompt = torch.tensor([prompt_ids] * g.group_size, device=policy.device)
     advantages = group_advantages(torch.tensor(total), g.group_size, g.scale_rewards).to(policy.device)
@@ -252,7 +251,7 @@ def _gathered(groups: list[Group], update: dict, info: DistInfo) -> tuple[list[G
 
 
 def one_step_of_grpo(policy: Policy, opt, spec: PipelineSpec, rewards: Rewards, batch, prompt_ids, step: int, info):
-    """Rollouts of this rank's problems of the step (rank r: problems r, r + W, …), then the updates: (the step's
+    """Rollouts of this rank's prompts of the step (rank r: prompts r, r + W, …), then the updates: (the step's
     metrics over every rank, the first group's completions and rewards)."""
     g = spec.grpo
     t0 = time.perf_counter()

@@ -26,3 +26,9 @@ def digits(prompts, completions, **_):
     """The share of a completion's characters that are digits (0 when empty): what an answer is made of, with no
     pull towards shorter or longer completions."""
     return [sum(ch.isdigit() for ch in c) / len(c) if c else 0.0 for c in completions]
+
+
+def length_target(prompts, completions, target, **_):
+    """Closer to the row's `target` number of characters, more reward: a reward that needs a field of the prompts
+    file's rows (a KeyError-free call proves the stage passed it)."""
+    return [-abs(len(c) - int(t)) for c, t in zip(completions, target)]

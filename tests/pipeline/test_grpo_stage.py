@@ -19,7 +19,7 @@ from dllm_common.config import ConfigError
 from dllm_common.tracking import Tracking
 from strategies.options import validate_config
 from tasks.common import StageRef, store_for
-from tasks.posttrain.grpo import check_prompts_fit, check_rewards, grpo
+from tasks.posttrain.grpo import check_prompts_fit, check_rewards, grpo, stage_of
 from tasks.posttrain.rewards import RewardError
 
 TINY = {
@@ -247,6 +247,40 @@ def test_bad_input_is_refused_before_any_rollout(piped):
     with pytest.raises(ConfigError, match="grpo.completion_length.*grpo's rollouts"):
         check_prompts_fit(validate_config(long), data)
     check_prompts_fit(validate_config(TINY), data)  # the tiny settings fit
+
+
+@pytest.mark.slow
+def test_prompts_from_a_file_reach_the_rewards_with_their_fields(piped, tmp_path):
+    """`grpo.prompts`: the rollouts' prompts are the file's rows, each row's other fields reach the rewards (a
+    reward that reads `target` runs), the key follows the file's content, and the file is checked before any
+    rollout."""
+    workdir, _ = piped
+    trained = _refs(workdir)
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "target": 2} for a, b in ((1, 2), (3, 4), (5, 6))]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = {
+        **TINY["grpo"],
+        "steps": 2,
+        "prompts": str(prompts),
+        "rewards": ["math_answer", "tests.pipeline.grpo_rewards:length_target"],
+        "reward_weights": None,
+        "checkpoint_every": 10,
+    }
+    spec = validate_config({**TINY, "grpo": settings})
+    check_rewards(spec)
+    tuned = grpo(spec, "mdlm", trained, str(tmp_path / "w"))
+    shown = [json.loads(line) for line in (Path(tuned.path) / "rollouts.jsonl").read_text().splitlines()]
+    assert {r["prompt"] for r in shown} <= {r["prompt"] for r in rows}
+    assert all(r["answer"] == str(eval(r["prompt"][:-1])) for r in shown)
+    metrics = Tracking(tmp_path / "w", None, "grpo-tiny").client.get_run(tuned.mlflow_run_id).data.metrics
+    assert "grpo/reward_tests.pipeline.grpo_rewards:length_target" in metrics
+    assert grpo(spec, "mdlm", trained, str(tmp_path / "w")).reused  # the same content: the same stage
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    assert stage_of(validate_config({**TINY, "grpo": settings}), "mdlm", trained, "")[1] != tuned.key
+    prompts.write_text('{"prompt": "1+1="}\n{"answer": "3"}\n')
+    with pytest.raises(ConfigError, match=r"prompts.jsonl line 2 has no \"prompt\" string \(keys: \['answer'\]\)"):
+        check_rewards(validate_config({**TINY, "grpo": settings}))
 
 
 @pytest.mark.slow
