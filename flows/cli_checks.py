@@ -21,11 +21,17 @@ def set_verification(args) -> None:
 
 def check_device(spec) -> None:
     """train.device: cuda on a machine without one fails here, not inside the first stage (a remote
-    train_deployment trains on its own worker's GPU)."""
-    if spec.train.device == "cuda" and spec.pipeline.train_deployment is None:
+    train_deployment trains on its own worker's GPU, a grpo_deployment tunes on it)."""
+    local_grpo = spec.grpo is not None and spec.pipeline.grpo_deployment is None
+    if spec.train.device == "cuda" and (spec.pipeline.train_deployment is None or local_grpo):
         import torch
 
         if not torch.cuda.is_available():
+            if spec.pipeline.train_deployment is not None:  # training is remote; the grpo stage would run here
+                raise ConfigError(
+                    "train.device is 'cuda' and the grpo stage runs on this machine, which has no CUDA device; "
+                    "send it to the GPU work pool too (pipeline.grpo_deployment, e.g. dllm-grpo/grpo-gpu)"
+                )
             raise ConfigError(
                 "train.device is 'cuda' but this machine has no CUDA device; use train.device: auto (cuda when "
                 "present) or cpu, or train on a GPU work pool (pipeline.train_deployment)"

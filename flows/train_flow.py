@@ -1,8 +1,9 @@
-"""The per-strategy training flow: what a GPU worker runs for `pipeline.train_deployment`.
+"""The per-strategy flows a GPU worker runs: training for `pipeline.train_deployment`, GRPO for
+`pipeline.grpo_deployment`.
 
 Parameters are small descriptors (resolved config, the data stage's descriptor, paths); the flow
-calls the same `train` stage function as a local run, against the same content-addressed store,
-so a deployed training and an in-process one publish the same entry under the same key.
+calls the same stage function as a local run (`train`, `grpo`), against the same content-addressed store,
+so a deployed stage and an in-process one publish the same entry under the same key.
 """
 
 from __future__ import annotations
@@ -34,3 +35,14 @@ def dllm_train(
         {name: StageRef(**value) for name, value in (inputs or {}).items()},
     )
     return asdict(ref)
+
+
+@flow(name="dllm-grpo")
+def dllm_grpo(spec: dict, strategy: str, trained: dict, workdir: str, parent_run_id: str | None = None) -> dict:
+    """Tune one strategy's trained model with GRPO (or reuse / resume it) and return the stage's descriptor."""
+    from strategies.options import validate_config
+    from tasks.posttrain.grpo import grpo
+
+    resolved = validate_config(spec, "deployment parameters")
+    check_workdir(workdir)
+    return asdict(grpo(resolved, strategy, StageRef(**trained), workdir, parent_run_id))

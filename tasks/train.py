@@ -435,19 +435,25 @@ def train_on_deployment(
         "parent_run_id": parent_run_id,
         "inputs": {name: asdict(ref) for name, ref in inputs.items()},
     }
-    run = run_deployment(spec.pipeline.train_deployment, timeout=None, parameters=parameters)
+    entry = run_on_deployment(spec.pipeline.train_deployment, parameters, f"train[{strategy}]", store, stage, key)
+    return _ref(entry, strategy, reused=False)
+
+
+def run_on_deployment(deployment: str, parameters: dict, label: str, store, stage: str, key: str):
+    """Run a stage as a deployment run (a worker calls the same stage function on the same store) and wait; its
+    published entry, or one error saying where to look."""
+    run = run_deployment(deployment, timeout=None, parameters=parameters)
     if not run.state or not run.state.is_completed():
         raise RuntimeError(
-            f"train[{strategy}] on deployment {spec.pipeline.train_deployment!r} ended "
-            f"{run.state.name if run.state else 'without a state'} (flow run {run.id}); "
-            "`prefect flow-run logs` shows why, `prefect flow-run retry` reruns it"
+            f"{label} on deployment {deployment!r} ended {run.state.name if run.state else 'without a state'} "
+            f"(flow run {run.id}); `prefect flow-run logs` shows why, `prefect flow-run retry` reruns it"
         )
     if (entry := store.lookup(stage, key)) is None:
         raise RuntimeError(
             f"deployment run {run.id} completed but published nothing under {store.root}; "
             "is the workdir on storage the worker can see?"
         )
-    return _ref(entry, strategy, reused=False)
+    return entry
 
 
 train_task = prefect_task(train, name="train", stage_of=stage_of)

@@ -55,6 +55,9 @@ class PipelineConfig(ConfigSection):
     # "<flow>/<deployment>" that trains one strategy (e.g. "dllm-train/train-gpu" on the gpu work pool);
     # None trains in the pipeline's own process. The workdir must be on storage both can see.
     train_deployment: str | None = None
+    # "<flow>/<deployment>" that runs one strategy's grpo stage (e.g. "dllm-grpo/grpo-gpu" on the gpu work pool);
+    # None runs it in the pipeline's own process (docs/post-training.md, "The GRPO stage")
+    grpo_deployment: str | None = None
     # strategies trained at once (each training, then its evaluation, as soon as its inputs are ready): locally
     # in separate processes, with train_deployment as concurrent deployment runs (one GPU worker each)
     max_parallel: int = Field(1, ge=1)

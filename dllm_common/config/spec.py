@@ -125,6 +125,11 @@ class PipelineSpec(ConfigSection):
                 f"docs/post-training.md) or grpo.prompts (a JSONL file of prompts); data.source is "
                 f"{self.data.source!r}"
             )
+        if self.grpo is None and self.pipeline.grpo_deployment is not None:
+            raise ValueError(
+                "pipeline.grpo_deployment is set but there is no grpo section: nothing would run on it; remove the "
+                "key or add the section"
+            )
         if self.grpo is not None and self.data.shape != "dialogue":
             raise ValueError("grpo: tunes a chat model: set data.shape: dialogue (the SFT before it)")
         return self

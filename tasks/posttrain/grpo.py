@@ -32,7 +32,7 @@ from tasks.posttrain.prompts import prompts_digest, reward_fields, training_prom
 from tasks.posttrain.rewards import Rewards
 from tasks.posttrain.update import Policy, load_policy, one_step_of_grpo, step_prompts
 from tasks.stages import Stage
-from tasks.train import model_dir, write_adapter
+from tasks.train import model_dir, run_on_deployment, write_adapter
 from tasks.training.distributed import DistInfo, barrier, launch, rank_device
 from tasks.training.resume import Checkpointer
 from tasks.training.runtime import OptimSettings, make_optimizer
@@ -273,7 +273,28 @@ def check_prompts_fit(spec: PipelineSpec, data: StageRef) -> None:
         raise ConfigError(f"{problem} (grpo's rollouts)")
 
 
+def grpo_on_deployment(
+    spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str, parent_run_id: str | None = None
+) -> StageRef:
+    """Submit the stage to `pipeline.grpo_deployment` (a GPU work pool) and wait for it: the worker runs `grpo`
+    (same function, same store, same key)."""
+    store = store_for(workdir)
+    stage, key = stage_of(spec, strategy, trained, workdir)
+    if (hit := store.lookup(stage, key)) is not None:
+        return StageRef.of(hit, True, f"grpo[{strategy}]")
+    parameters = {
+        "spec": spec.model_dump(mode="json"),
+        "strategy": strategy,
+        "trained": asdict(trained),
+        "workdir": str(Path(workdir).resolve()),
+        "parent_run_id": parent_run_id,
+    }
+    entry = run_on_deployment(spec.pipeline.grpo_deployment, parameters, f"grpo[{strategy}]", store, stage, key)
+    return StageRef.of(entry, False, f"grpo[{strategy}]")
+
+
 grpo_task = prefect_task(grpo, name="grpo", stage_of=stage_of)
+grpo_remote_task = prefect_task(grpo_on_deployment, name="grpo", stage_of=stage_of)
 
 DECLARATION = Stage(
     name=STAGE,
@@ -284,4 +305,6 @@ DECLARATION = Stage(
     enabled=lambda spec: spec.grpo is not None,
     leader_only=True,
     checks=(((), check_rewards), (("data",), check_prompts_fit)),
+    # on a GPU work pool when the YAML names its deployment (a worker runs the same function on the same store)
+    task_for=lambda spec: grpo_remote_task if spec.pipeline.grpo_deployment else grpo_task,
 )

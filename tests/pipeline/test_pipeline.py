@@ -271,6 +271,13 @@ def test_bad_input_gets_one_clear_error(tmp_path, capsys):
         no_gpu = cli_here(capsys, "run", "configs/smoke.yaml", "--set", "train.device=cuda", workdir=tmp_path / "gpu")
         assert no_gpu.returncode == 2 and "train.device is 'cuda' but this machine has no CUDA device" in no_gpu.stderr
         assert not (tmp_path / "gpu").exists()  # refused before the workdir or any service
+        # the training on a GPU pool, the grpo stage left on this machine: refused, naming its deployment key
+        remote = ["--set", "train.device=cuda", "--set", "pipeline.train_deployment=dllm-train/train-gpu"]
+        grpo_here = cli_here(capsys, "run", "configs/grpo.yaml", *remote, workdir=tmp_path / "grpo")
+        assert grpo_here.returncode == 2 and "pipeline.grpo_deployment" in grpo_here.stderr, grpo_here.stderr
+        assert not (tmp_path / "grpo").exists()
+    orphan = cli_here(capsys, "validate", "configs/smoke.yaml", "--set", "pipeline.grpo_deployment=dllm-grpo/grpo-gpu")
+    assert orphan.returncode == 2 and "there is no grpo section" in orphan.stderr
     wrong_type = cli_here(capsys, "validate", "configs/smoke.yaml", "--set", "train.steps=lots")
     assert wrong_type.returncode == 2 and "train.steps" in wrong_type.stderr and "'lots'" in wrong_type.stderr
 

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT, free_port, stack_env, stop_group, wait_http
 from stagekit import expected_statuses
 
@@ -69,7 +70,7 @@ def test_deployed_smoke_pipeline_trains_on_the_gpu_pool_of_a_team_server(tmp_pat
         assert_login_required(api, mlflow_url, env["DLLM_SERVER_USER"], env["DLLM_SERVER_PASSWORD"])
         deploy = subprocess.run([*make, "deploy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
-        for name in ("smoke", "smoke-gpu-training", "quickstart-nightly", "compare-weekly", "train-gpu"):
+        for name in ("smoke", "smoke-gpu-training", "quickstart-nightly", "compare-weekly", "train-gpu", "grpo-gpu"):
             assert name in deploy.stdout, name
         assert "created automation 'dllm-flow: crash flow runs whose worker died'" in deploy.stdout
         start([*make, "worker-cpu"], "worker-cpu")
@@ -133,6 +134,52 @@ print(json.dumps({{"state": run.state.type.value, "id": str(run.id), "trainings"
             assert len(client.get_metric_history(child.info.run_id, "train/loss")) == 30
             assert "eval/nelbo" in child.data.metrics
 
+        # SFT then GRPO, both on the gpu pool: the grpo stage is a `dllm-grpo` deployment run a gpu worker takes
+        grpo_work = tmp_path / "grpo-work"
+        grpo_config = tmp_path / "grpo-tiny.yaml"
+        grpo_config.write_text(yaml.safe_dump(GRPO_TINY))
+        grpo_overrides = [
+            "pipeline.train_deployment=dllm-train/train-gpu",
+            "pipeline.grpo_deployment=dllm-grpo/grpo-gpu",
+            f"tracking.uri={mlflow_url}",
+        ]
+        grpo_trigger = f"""
+import asyncio, json
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+from prefect.deployments import run_deployment
+run = run_deployment("dllm-pipeline/smoke-gpu-training", timeout=900, parameters={{
+    "config_path": {str(grpo_config)!r}, "workdir": {str(grpo_work)!r}, "overrides": {grpo_overrides!r}}})
+async def tunings():
+    async with get_client() as c:
+        runs = await c.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["dllm-grpo"])))
+        return [{{"name": r.name, "state": r.state.type.value}} for r in runs]
+print(json.dumps({{"state": run.state.type.value, "tunings": asyncio.run(tunings())}}))
+"""
+        out = subprocess.run(
+            [sys.executable, "-c", grpo_trigger],
+            cwd=ROOT,
+            env={**env, "PREFECT_API_URL": api},
+            capture_output=True,
+            text=True,
+            timeout=1000,
+        )
+        assert out.returncode == 0, out.stderr[-4000:]
+        tuned = json.loads(out.stdout.strip().splitlines()[-1])
+        logs = "".join(log.read_text()[-3000:] for log in worker_logs.values())
+        assert tuned["state"] == "COMPLETED", logs
+        (tuning,) = tuned["tunings"]
+        assert tuning["state"] == "COMPLETED"
+        submitted = f"Flow run '{tuning['name']}' submitted to infrastructure"
+        assert any(submitted in worker_logs[n].read_text() for n in ("gpu-a", "gpu-b")), logs
+        grpo_record = json.loads(next((grpo_work / "runs").glob("*.json")).read_text())
+        statuses = {s["name"]: s["status"] for s in grpo_record["stages"]}
+        assert statuses["grpo[mdlm]"] == statuses["evaluate_grpo[mdlm]"] == "COMPLETED", statuses
+        stage = next(s for s in grpo_record["stages"] if s["name"] == "grpo[mdlm]")
+        assert len(client.get_metric_history(stage["mlflow_run_id"], "grpo/reward_mean")) == 2
+        sft_run = next(s for s in grpo_record["stages"] if s["name"] == "train[mdlm]")["mlflow_run_id"]
+        sft_losses = len(client.get_metric_history(sft_run, "train/loss"))
+
         # A deployment run left Running by a dead worker: after a heartbeat, silence. The automation
         # `make deploy` installs (here with a 10 s window instead of 3 heartbeat periods) marks it
         # Crashed; `prefect flow-run retry` then reruns it on the cpu worker, every stage reused.
@@ -190,11 +237,56 @@ print(json.dumps({{"id": str(rid), "state": asyncio.run(state(rid)).type.value}}
             rerun = json.loads(records[-1].read_text()) if len(records) == 2 else None
         assert rerun is not None, (tmp_path / "worker-cpu.log").read_text()[-3000:]
         assert rerun["status"] == "COMPLETED" and {s["status"] for s in rerun["stages"]} == {"REUSED"}
-        assert_state_in_postgres(pg_data / "data", int(env["PG_PORT"]), tmp_path / "server")
+        assert_state_in_postgres(pg_data / "data", int(env["PG_PORT"]), tmp_path / "server", sft_losses)
     finally:
         for proc in reversed(procs):
             stop_group(proc)
         shutil.rmtree(pg_data, ignore_errors=True)
+
+
+# a tiny chat SFT on the arithmetic task, then two GRPO steps (built-in rewards: the workers import nothing of tests/)
+GRPO_TINY = {
+    "pipeline": {"name": "grpo-deployed", "strategies": ["mdlm"]},
+    "data": {
+        "source": "task",
+        "shape": "dialogue",
+        "task": {"family": "arithmetic", "problems": 120, "max_operand": 20},
+        "seq_len": 20,
+        "max_val_rows": 16,
+    },
+    "tokenizer": {"vocab_size": 300, "min_frequency": 1000000},
+    "model": {"family": "llama", "hidden_size": 32, "num_layers": 1, "num_heads": 2},
+    "train": {
+        "steps": 10,
+        "global_batch_size": 16,
+        "micro_batch_size": 16,
+        "lr": 3.0e-3,
+        "warmup_steps": 2,
+        "val_every": 10,
+        "val_rows": 16,
+        "log_every": 5,
+        "checkpoint_every": 10,
+    },
+    "eval": {
+        "val_rows": 16,
+        "t_samples": 1,
+        "num_samples": 1,
+        "prompts": ["3+4="],
+        "sample_length": 4,
+        "sample_steps": 4,
+        "sample_block_size": 4,
+        "task_problems": 8,
+    },
+    "grpo": {
+        "steps": 2,
+        "prompts_per_step": 2,
+        "group_size": 4,
+        "completion_length": 4,
+        "sample_steps": 4,
+        "rewards": ["task_answer", "task_format"],
+        "checkpoint_every": 10,
+    },
+}
 
 
 def assert_login_required(api: str, mlflow_url: str, user: str, password: str) -> None:
@@ -224,24 +316,26 @@ def assert_login_required(api: str, mlflow_url: str, user: str, password: str) -
             assert status == expected, (name, auth is None, status)
 
 
-def assert_state_in_postgres(pg_data: Path, port: int, state: Path) -> None:
+def assert_state_in_postgres(pg_data: Path, port: int, state: Path, sft_losses: int) -> None:
     """Both servers' records are rows in PostgreSQL: the flow runs and every logged loss; no sqlite file exists."""
     import psycopg
 
     assert not list(state.rglob("*.db")), list(state.rglob("*.db"))
     password = (pg_data / "password").read_text().strip()
     url = f"postgresql://dllm:{password}@127.0.0.1:{port}"
-    # the pipeline, its two trainings, and the crashed run once retried; the retried run's record is written
-    # before Prefect's engine sets its state, so that last row may trail the file by a moment
+    # the pipeline, its two trainings, the crashed run once retried, and the SFT → GRPO pipeline with its training
+    # and its tuning; the retried run's record is written before Prefect's engine sets its state, so that last row
+    # may trail the file by a moment
     deadline = time.time() + 60
     while True:
         with psycopg.connect(f"{url}/prefect") as conn:
             completed = conn.execute("SELECT count(*) FROM flow_run WHERE state_type = 'COMPLETED'").fetchone()[0]
-        if completed == 4 or time.time() > deadline:
+        if completed == 7 or time.time() > deadline:
             break
         time.sleep(1)
-    assert completed == 4, completed
+    assert completed == 7, completed
     with psycopg.connect(f"{url}/mlflow") as conn:
         runs = conn.execute("SELECT count(*) FROM runs").fetchone()[0]
         losses = conn.execute("SELECT count(*) FROM metrics WHERE key = 'train/loss'").fetchone()[0]
-    assert runs == 4 and losses == 60, (runs, losses)  # two pipelines' parents + two trainings; 30 steps each
+    # two smoke pipelines' parents + two trainings (30 steps each), the GRPO pipeline's parent, SFT and GRPO runs
+    assert runs == 7 and losses == 60 + sft_losses, (runs, losses, sft_losses)
