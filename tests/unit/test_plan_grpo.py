@@ -46,3 +46,9 @@ def test_spg_scores_its_draws_and_needs_no_old_policy_pass():
     # a second inner update adds one update's cost and no forward of the drawing policy (SPG has no ratio)
     rollouts_and_one = 2 * spg.step_flops - mu.step_flops
     assert 0 < rollouts_and_one < spg.step_flops
+
+
+def test_under_lora_the_reference_costs_no_copy():
+    _, full = _plans()
+    _, lora = _plans("grpo.peft={r: 4}")
+    assert full.reference > 0 and lora.reference == 0

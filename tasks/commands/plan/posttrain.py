@@ -66,7 +66,7 @@ def plan_grpo(spec: PipelineSpec, trained: StrategyPlan, cluster: Cluster) -> GR
     passes = old + (g.inner_updates if g.beta else 0)
     per_group = g.sample_steps * one.flops + passes * views(g) * one.flops + g.inner_updates * step.flops
     res = trained.resident
-    reference = res.weights if g.beta else 0
+    reference = res.weights if g.beta and g.peft is None else 0  # under LoRA: the adapter-off policy
     resident = res.weights + res.gradients + res.optimizer + res.update + reference
     flops = cluster.flops or DEFAULT_FLOPS[spec.train.precision]
     return GRPOPlan(
