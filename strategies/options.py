@@ -112,6 +112,18 @@ def _check_grpo(spec: PipelineSpec) -> None:
             "the section and train.nnodes: 1 (the layout is not in the train stage's key, so the trained model is "
             'reused; docs/post-training.md, "The GRPO stage")'
         )
+    if spec.train.parallel == "fsdp2" and spec.train.world_size > 1:
+        if spec.grpo.prompts_per_step % spec.train.world_size:
+            raise ConfigError(
+                f"grpo.prompts_per_step ({spec.grpo.prompts_per_step}) must be a multiple of the processes "
+                f"(train.nproc_per_node: {spec.train.nproc_per_node}) under train.parallel: fsdp2, whose ranks run "
+                "every update's forwards and backwards together; change one, or use train.parallel: ddp"
+            )
+        if spec.grpo.peft is not None:
+            raise ConfigError(
+                "grpo.peft under train.parallel: fsdp2: the adapter-off reference switches adapters inside sharded "
+                "units, which is not supported; use train.parallel: ddp (LoRA's memory need is small) or drop grpo.peft"
+            )
     for name in spec.pipeline.strategies:
         supported = REGISTRY[name].estimators
         if spec.grpo.estimator not in supported:

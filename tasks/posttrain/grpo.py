@@ -33,7 +33,7 @@ from tasks.posttrain.rewards import Rewards
 from tasks.posttrain.update import Policy, load_policy, one_step_of_grpo, step_prompts
 from tasks.stages import Stage
 from tasks.train import model_dir, run_on_deployment, write_adapter
-from tasks.training.distributed import DistInfo, barrier, launch, rank_device
+from tasks.training.distributed import DistInfo, barrier, launch, rank_device, shard_fsdp2
 from tasks.training.resume import Checkpointer
 from tasks.training.runtime import OptimSettings, make_optimizer
 
@@ -139,8 +139,14 @@ def run_grpo(job: GRPOJob, out: Path, info: DistInfo | None = None) -> dict | No
     settings = OptimSettings(
         steps=g.steps * g.inner_updates, lr=g.lr, warmup_steps=0, schedule="constant", weight_decay=g.weight_decay
     )
+    sharded = info.world > 1 and spec.train.parallel == "fsdp2"
+    checkpointer = Checkpointer(job.work / "checkpoint", info, sharded=sharded)
+    if sharded:  # the policy (and a reference copy) sharded as the train stage shards; rank 0 keeps the structure
+        checkpointer.keep_skeleton(policy.model)
+        shard_fsdp2(policy.model)
+        if policy.reference is not None:
+            shard_fsdp2(policy.reference)
     opt, sched = make_optimizer(policy.model, settings)
-    checkpointer = Checkpointer(job.work / "checkpoint", info, sharded=False)
     start, run_id = checkpointer.restore(policy.model, opt, sched) if checkpointer.exists else (0, None)
     tracker = (
         _open_run(spec, strategy, job.trained, job.workdir, job.key, job.parent_run_id, run_id)
@@ -165,7 +171,8 @@ def run_grpo(job: GRPOJob, out: Path, info: DistInfo | None = None) -> dict | No
         if (step + 1) % g.checkpoint_every == 0 and step + 1 < g.steps:
             meta = {**policy.meta, "step": step + 1, "mlflow_run_id": tracker.run_id if tracker else None}
             checkpointer.save(policy.model, opt, sched, policy.tokenizer, meta)
-    fields = _publish(spec, strategy, policy, tracker, job.trained, job.key, out, shown_file) if info.is_main else None
+    model = checkpointer.full_model(policy.model)  # a collective under FSDP2: the full weights on rank 0
+    fields = _publish(spec, strategy, policy, model, tracker, job, out, shown_file) if info.is_main else None
     barrier()
     return fields
 
@@ -195,10 +202,11 @@ def _build(job: GRPOJob, out: Path) -> dict:
     return json.loads(job.manifest_file.read_text())
 
 
-def _publish(spec: PipelineSpec, strategy: str, policy: Policy, tracker, trained: StageRef, key: str, out, shown):
-    """The tuned model (the train stage's checkpoint format, recording where it came from) and the rollouts kept, into
-    `out`; logged, and registered as `<pipeline>-<strategy>-grpo`; the manifest fields."""
-    g = spec.grpo
+def _publish(spec: PipelineSpec, strategy: str, policy: Policy, model, tracker, job: GRPOJob, out, shown):
+    """The tuned model (`model`: the policy, or its full weights gathered from FSDP2's shards; the train stage's
+    checkpoint format, recording where it came from) and the rollouts kept, into `out`; logged, and registered as
+    `<pipeline>-<strategy>-grpo`; the manifest fields."""
+    g, key, trained = spec.grpo, job.key, job.trained
     meta = {
         **policy.meta,
         "stage_key": key,
@@ -207,11 +215,11 @@ def _publish(spec: PipelineSpec, strategy: str, policy: Policy, tracker, trained
         "grpo": {"from": trained.key, **g.model_dump(mode="json")},
     }
     if g.peft is not None:  # the adapter alone too, small enough to ship without the weights it was trained on
-        write_adapter(out / "adapter", policy.model, g.peft)
+        write_adapter(out / "adapter", model, g.peft)
         meta["peft"] = {**g.peft.model_dump(mode="json"), "merged": g.peft.merge}
         if g.peft.merge:
-            merge_lora(policy.model)
-    write_checkpoint(out / "model", policy.model, policy.tokenizer, meta)
+            merge_lora(model)
+    write_checkpoint(out / "model", model, policy.tokenizer, meta)
     (out / "rollouts.jsonl").write_text(shown.read_text() if shown.is_file() else "")
     if spec.tracking.log_checkpoints:
         tracker.log_artifact(out / "model", "model")

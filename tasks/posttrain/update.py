@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from dllm_common.config import PipelineSpec, TrainingDiverged
 from strategies.base_evaluation import SampleRequest
@@ -89,6 +90,24 @@ class Group:
     lengths: list[int]
 
 
+@contextlib.contextmanager
+def gathered(model):
+    """Under FSDP2, the weights stay gathered for the rollouts: a sampler stops once every row has ended, so ranks
+    run different numbers of forwards, which per-forward all-gathers cannot survive. Each unit gathers on the first
+    forward (every rank runs at least one) and keeps its weights until the rollouts are done — what DeepSpeed's
+    ZeRO-3 does for generation (TRL's `ds3_gather_for_generation`)."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+            unit.reshard()
+        model.set_reshard_after_forward(True)
+
+
 def rollouts(policy: Policy, spec: PipelineSpec, rewards: Rewards, row: PromptRow, prompt_ids, seed: int) -> Group:
     """G completions of one prompt by the strategy's sampler, scored and turned into advantages."""
     g, tok = spec.grpo, policy.tokenizer
@@ -102,7 +121,8 @@ def rollouts(policy: Policy, spec: PipelineSpec, rewards: Rewards, row: PromptRo
     )
     gen = torch.Generator(device=policy.device).manual_seed(seed)
     request = SampleRequest([prompt_ids] * g.group_size, policy.mask_id, tok.pad_token_id or 0, cfg, gen, policy.device)
-    result = policy.strategy.sample(policy.model.eval(), request)
+    with gathered(policy.model):
+        result = policy.strategy.sample(policy.model.eval(), request)
     raw = [result.generated(i) for i in range(g.group_size)]
     completion = torch.stack([r[: g.completion_length] for r in raw]).to(policy.device)
     ended = [bool((r == tok.eos_token_id).any()) for r in completion]
@@ -159,6 +179,9 @@ def grpo_step(
     indices = list(range(len(groups))) if indices is None else indices
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     total = g.prompts_per_step if world > 1 else len(groups)
+    # FSDP2 averages the gradients it reduce-scatters over the ranks: scaled by W, that average is the sum
+    sharded = isinstance(policy.model, FSDPModule)
+    scale = world if sharded else 1
     seeds = [[_seed(g.seed, "corrupt", step, k, i) for i in indices] for k in range(g.inner_updates)]
     with torch.no_grad():  # the policy that drew the rollouts and the reference, at every update's corruption
         # with one update the policy that drew them is the current one at the same draw: its values are the
@@ -178,11 +201,11 @@ def grpo_step(
         opt.zero_grad(set_to_none=False)
         for i, (group, seed) in enumerate(zip(groups, seeds[k])):
             terms = update_terms(policy, group, seed, spec, old[k][i] if old else None, ref[k][i] if ref else None)
-            (terms.loss / total).backward()
+            (terms.loss * scale / total).backward()
             losses.append(float(terms.loss.detach()))
             kls.append(terms.kl)
             clips.append(terms.clip_fraction)
-        if world > 1:
+        if world > 1 and not sharded:
             for p in params:
                 if p.grad is None:  # a parameter no group reached on this rank
                     p.grad = torch.zeros_like(p)

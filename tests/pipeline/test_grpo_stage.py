@@ -168,21 +168,24 @@ def test_a_killed_stage_resumes_to_the_weights_of_an_uninterrupted_one(piped, tm
 
 
 @pytest.mark.slow
-def test_two_processes_under_torchrun_tune_to_the_one_process_weights(piped, tmp_path, capsys):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_two_processes_under_torchrun_tune_to_the_one_process_weights(piped, tmp_path, capsys, parallel):
     """`train.nproc_per_node: 2` runs the stage under torchrun (gloo): each rank rolls out half of every step's
-    problems and the gradients are summed over both, so the tuned weights, the logged metrics and the rollouts kept
-    are the one-process run's; the step-2 checkpoint is written by both ranks (DCP) on the way."""
+    problems and the gradients are summed over both (by an all-reduce, or by FSDP2's reduce-scatter of sharded
+    weights, gathered for the rollouts), so the tuned weights, the logged metrics and the rollouts kept are the
+    one-process run's; the step-2 checkpoint is written by both ranks (DCP) on the way."""
     workdir, _ = piped
     trained = _refs(workdir)
     tiny = {**TINY, "grpo": {**TINY["grpo"], "steps": 3, "checkpoint_every": 2}}
     alone = grpo(validate_config(tiny), "mdlm", trained, str(tmp_path / "one"))
-    spread = {**tiny, "train": {**TINY["train"], "nproc_per_node": 2, "micro_batch_size": 8}}
+    spread = {**tiny, "train": {**TINY["train"], "nproc_per_node": 2, "micro_batch_size": 8, "parallel": parallel}}
     shared = grpo(validate_config(spread), "mdlm", trained, str(tmp_path / "two"))
     assert "grpo[mdlm]: launching torchrun with 2 processes" in capsys.readouterr().out
     a = load_file(str(Path(alone.path) / "model" / "model.safetensors"))
     b = load_file(str(Path(shared.path) / "model" / "model.safetensors"))
     sft = load_file(str(Path(trained.path) / "model" / "model.safetensors"))
     assert any(not torch.equal(a[k], sft[k]) for k in a)  # the stage moved the weights
+    assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)
     clients = [Tracking(tmp_path / w, None, "grpo-tiny").client for w in ("one", "two")]

@@ -156,3 +156,21 @@ def test_exact_ar_reads_each_completion_token_from_the_row_before_it():
         want = torch.log_softmax(table[p - 1] + row[p - 1], -1)[row[p]]
         assert got[0, k].item() == pytest.approx(float(want), abs=1e-6)
     assert torch.equal(shown[0], torch.tensor([row]))
+
+
+@pytest.mark.parametrize(
+    "train, grpo, said",
+    [
+        ({"nnodes": 2, "rdzv_endpoint": "h:1"}, {}, "the grpo stage runs on one node's processes"),
+        ({"nproc_per_node": 3, "parallel": "fsdp2"}, {"prompts_per_step": 8}, r"must be a multiple of the processes"),
+        ({"nproc_per_node": 2, "parallel": "fsdp2"}, {"peft": {"r": 4}}, "grpo.peft under train.parallel: fsdp2"),
+    ],
+)
+def test_layouts_the_stage_cannot_run_are_refused_at_load(train, grpo, said):
+    raw = _spec(**grpo)
+    raw["train"] = {**raw["train"], **train, "global_batch_size": 96, "micro_batch_size": 16}
+    with pytest.raises(ConfigError, match=said):
+        validate_config(raw)
+    raw["train"] = {**raw["train"], "parallel": "ddp", "nnodes": 1, "nproc_per_node": 2}
+    raw["train"].pop("rdzv_endpoint", None)
+    validate_config(raw)  # the same grpo settings on one node's DDP-style processes
