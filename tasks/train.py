@@ -25,11 +25,12 @@ from dllm_common.config import PipelineSpec, flatten
 from dllm_common.store import stage_key
 from strategies import strategy_class
 from strategies.models import lora_state_dict, merge_lora
-from strategies.options import resolve_options, validate_config
+from strategies.options import resolve_options
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for, tracking_for
 from tasks.devices import stage_device
 from tasks.stages import Roles, Stage
 from tasks.training import distributed
+from tasks.training.job import StageJob
 from tasks.training.loop import LoopRun, LoopSettings, train_loop
 from tasks.training.resume import Checkpointer, layout
 from tasks.training.runtime import OptimSettings, Split, make_optimizer
@@ -96,57 +97,22 @@ def check_inputs(spec: PipelineSpec, strategy: str, inputs: dict | None) -> dict
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainJob:
-    """What one training needs, as small descriptors (what crosses to torchrun ranks and workers)."""
+class TrainJob(StageJob):
+    """What one training needs: the data stage's descriptor and the strategy's further upstream stages."""
 
-    spec: PipelineSpec
-    strategy: str
+    stage = STAGE
     data: StageRef
-    workdir: str
-    parent_run_id: str | None
-    key: str
     inputs: dict
 
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "spec": self.spec.model_dump(mode="json"),
-                "strategy": self.strategy,
-                "data": asdict(self.data),
-                "workdir": str(self.workdir),
-                "parent_run_id": self.parent_run_id,
-                "key": self.key,
-                "inputs": {name: asdict(ref) for name, ref in self.inputs.items()},
-            }
-        )
+    def _upstream(self) -> dict:
+        return {"data": asdict(self.data), "inputs": {name: asdict(ref) for name, ref in self.inputs.items()}}
 
     @classmethod
-    def from_dict(cls, raw: dict) -> TrainJob:
-        """The job `to_json` wrote, its config validated again (strategy options included)."""
-        inputs = {name: StageRef(**ref) for name, ref in raw["inputs"].items()}
-        spec = validate_config(raw["spec"], "torchrun args")
-        return cls(
-            spec=spec,
-            strategy=raw["strategy"],
-            data=StageRef(**raw["data"]),
-            workdir=raw["workdir"],
-            parent_run_id=raw["parent_run_id"],
-            key=raw["key"],
-            inputs=inputs,
-        )
-
-    @property
-    def work(self) -> Path:
-        return store_for(self.workdir).work_dir(STAGE, self.key)
-
-    @property
-    def manifest_file(self) -> Path:
-        """Where rank 0 leaves the published entry's manifest fields for the launching process."""
-        return self.work / "manifest-fields.json"
-
-    @property
-    def label(self) -> str:
-        return f"train[{self.strategy}]"
+    def _upstream_from(cls, raw: dict) -> dict:
+        return {
+            "data": StageRef(**raw["data"]),
+            "inputs": {name: StageRef(**ref) for name, ref in raw["inputs"].items()},
+        }
 
     def run(self, out: Path, info: distributed.DistInfo) -> dict | None:
         """What each rank runs under torchrun (`tasks.training.torchrun_entry`)."""

@@ -23,7 +23,6 @@ from dllm_common.checkpoint import checkpoint_digest, recover_checkpoint, write_
 from dllm_common.config import ConfigError, PipelineSpec, context_overflow, flatten
 from dllm_common.store import stage_key
 from strategies.models import merge_lora
-from strategies.options import validate_config
 from tasks.common import StageRef, prefect_task, stage_code_version, store_for, tracking_for
 from tasks.data.tokenizer import load_tokenizer
 from tasks.devices import resolve_device
@@ -34,6 +33,7 @@ from tasks.posttrain.update import Policy, load_policy, one_step_of_grpo, step_p
 from tasks.stages import Stage
 from tasks.train import model_dir, run_on_deployment, write_adapter
 from tasks.training.distributed import DistInfo, barrier, launch, rank_device, shard_fsdp2
+from tasks.training.job import StageJob
 from tasks.training.resume import Checkpointer
 from tasks.training.runtime import OptimSettings, make_optimizer
 
@@ -80,45 +80,19 @@ def _open_run(spec: PipelineSpec, strategy: str, trained: StageRef, workdir: str
     return tracker
 
 
-@dataclass(frozen=True)
-class GRPOJob:
-    """What the stage's processes need, as small descriptors (what crosses to torchrun's ranks)."""
+@dataclass(frozen=True, kw_only=True)
+class GRPOJob(StageJob):
+    """What the stage's processes need: the trained model's descriptor besides the common ones."""
 
-    spec: PipelineSpec
-    strategy: str
+    stage = STAGE
     trained: StageRef
-    workdir: str
-    parent_run_id: str | None
-    key: str
 
-    @property
-    def label(self) -> str:
-        return f"grpo[{self.strategy}]"
-
-    @property
-    def work(self) -> Path:
-        return store_for(self.workdir).work_dir(STAGE, self.key)
-
-    @property
-    def manifest_file(self) -> Path:
-        return self.work / "manifest-fields.json"
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "spec": self.spec.model_dump(mode="json"),
-                "strategy": self.strategy,
-                "trained": asdict(self.trained),
-                "workdir": str(self.workdir),
-                "parent_run_id": self.parent_run_id,
-                "key": self.key,
-            }
-        )
+    def _upstream(self) -> dict:
+        return {"trained": asdict(self.trained)}
 
     @classmethod
-    def from_dict(cls, raw: dict) -> GRPOJob:
-        spec = validate_config(raw["spec"], "torchrun args")
-        return cls(spec, raw["strategy"], StageRef(**raw["trained"]), raw["workdir"], raw["parent_run_id"], raw["key"])
+    def _upstream_from(cls, raw: dict) -> dict:
+        return {"trained": StageRef(**raw["trained"])}
 
     def run(self, out: Path, info: DistInfo) -> dict | None:
         """What each rank runs under torchrun (`tasks.training.torchrun_entry`)."""
@@ -244,7 +218,7 @@ def grpo(
 ) -> StageRef:
     """Tune the trained model with GRPO (or reuse or resume the tuned one)."""
     stage, key = stage_of(spec, strategy, trained, workdir)
-    job = GRPOJob(spec, strategy, trained, workdir, parent_run_id, key)
+    job = GRPOJob(spec=spec, strategy=strategy, trained=trained, workdir=workdir, parent_run_id=parent_run_id, key=key)
     entry, reused = store_for(workdir).reuse_or_build(stage, key, lambda out: _build(job, Path(out)))
     return StageRef.of(entry, reused, f"grpo[{strategy}]")
 
