@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT
+from grpokit import TINY_GRPO as TINY
 from safetensors.torch import load_file
 
 from dllm_common.config import ConfigError
@@ -21,54 +22,6 @@ from strategies.options import validate_config
 from tasks.common import StageRef, store_for
 from tasks.posttrain.grpo import check_prompts_fit, check_rewards, grpo, stage_of
 from tasks.posttrain.rewards import RewardError
-
-TINY = {
-    "pipeline": {"name": "grpo-tiny", "strategies": ["mdlm"]},
-    "data": {
-        "source": "task",
-        "shape": "dialogue",
-        "task": {"family": "arithmetic", "problems": 200, "max_operand": 20},
-        "seq_len": 20,
-        "max_val_rows": 32,
-    },
-    "tokenizer": {"vocab_size": 300, "min_frequency": 1000000},
-    "model": {"family": "llama", "hidden_size": 32, "num_layers": 1, "num_heads": 2},
-    "train": {
-        "steps": 30,
-        "global_batch_size": 16,
-        "micro_batch_size": 16,
-        "lr": 3.0e-3,
-        "warmup_steps": 2,
-        "val_every": 30,
-        "val_rows": 16,
-        "log_every": 10,
-        "checkpoint_every": 30,
-    },
-    "eval": {
-        "val_rows": 16,
-        "t_samples": 1,
-        "num_samples": 1,
-        "prompts": ["3+4="],
-        "sample_length": 4,
-        "sample_steps": 4,
-        "sample_block_size": 4,
-        "task_problems": 16,
-    },
-    "grpo": {
-        "steps": 4,
-        "prompts_per_step": 2,
-        "group_size": 4,
-        "completion_length": 4,
-        "sample_steps": 4,
-        "inner_updates": 2,
-        "lr": 1.0e-3,
-        # a tiny model answers almost nothing right: a reward that tells completions apart keeps the groups informative
-        "rewards": ["task_answer", "task_format", "tests.pipeline.grpo_rewards:shorter"],
-        "reward_weights": [1.0, 0.5, 0.1],
-        "checkpoint_every": 2,
-    },
-}
-
 
 RUN_TWICE = """
 import json, sys
