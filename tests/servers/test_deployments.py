@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import ROOT, free_port, stack_env, stop_group, wait_http
+from grpokit import TINY_GRPO
 from stagekit import expected_statuses
 
 from dllm_common import credentials
@@ -97,16 +98,7 @@ async def trainings():
                  "end": r.end_time.timestamp(), "state": r.state.type.value}} for r in runs]
 print(json.dumps({{"state": run.state.type.value, "id": str(run.id), "trainings": asyncio.run(trainings())}}))
 """
-        out = subprocess.run(
-            [sys.executable, "-c", trigger],
-            cwd=ROOT,
-            env={**env, "PREFECT_API_URL": api},
-            capture_output=True,
-            text=True,
-            timeout=1000,
-        )
-        assert out.returncode == 0, out.stderr[-4000:]
-        result = json.loads(out.stdout.strip().splitlines()[-1])
+        result = client_script(trigger, {**env, "PREFECT_API_URL": api}, 1000)
         worker_logs = {n: tmp_path / f"worker-{n}.log" for n in ("cpu", "gpu-a", "gpu-b")}
         logs = "".join(log.read_text()[-3000:] for log in worker_logs.values())
         assert result["state"] == "COMPLETED", logs
@@ -137,7 +129,10 @@ print(json.dumps({{"state": run.state.type.value, "id": str(run.id), "trainings"
         # SFT then GRPO, both on the gpu pool: the grpo stage is a `dllm-grpo` deployment run a gpu worker takes
         grpo_work = tmp_path / "grpo-work"
         grpo_config = tmp_path / "grpo-tiny.yaml"
-        grpo_config.write_text(yaml.safe_dump(GRPO_TINY))
+        # the stage tests' tiny SFT → GRPO, two steps, built-in rewards (the workers import nothing of tests/)
+        deployed = {"steps": 2, "rewards": ["task_answer", "task_format"], "reward_weights": None}
+        raw = {**TINY_GRPO, "pipeline": {**TINY_GRPO["pipeline"], "name": "grpo-deployed"}}
+        grpo_config.write_text(yaml.safe_dump({**raw, "grpo": {**TINY_GRPO["grpo"], **deployed}}))
         grpo_overrides = [
             "pipeline.train_deployment=dllm-train/train-gpu",
             "pipeline.grpo_deployment=dllm-grpo/grpo-gpu",
@@ -156,16 +151,7 @@ async def tunings():
         return [{{"name": r.name, "state": r.state.type.value}} for r in runs]
 print(json.dumps({{"state": run.state.type.value, "tunings": asyncio.run(tunings())}}))
 """
-        out = subprocess.run(
-            [sys.executable, "-c", grpo_trigger],
-            cwd=ROOT,
-            env={**env, "PREFECT_API_URL": api},
-            capture_output=True,
-            text=True,
-            timeout=1000,
-        )
-        assert out.returncode == 0, out.stderr[-4000:]
-        tuned = json.loads(out.stdout.strip().splitlines()[-1])
+        tuned = client_script(grpo_trigger, {**env, "PREFECT_API_URL": api}, 1000)
         logs = "".join(log.read_text()[-3000:] for log in worker_logs.values())
         assert tuned["state"] == "COMPLETED", logs
         (tuning,) = tuned["tunings"]
@@ -210,16 +196,7 @@ while time.time() - t0 < 120 and asyncio.run(state(rid)).type.value == "RUNNING"
 short.delete()  # the 10 s window would also crash the healthy retry below
 print(json.dumps({{"id": str(rid), "state": asyncio.run(state(rid)).type.value}}))
 """
-        out = subprocess.run(
-            [sys.executable, "-c", zombie],
-            cwd=ROOT,
-            env={**env, "PREFECT_API_URL": api},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr[-4000:]
-        crashed = json.loads(out.stdout.strip().splitlines()[-1])
+        crashed = client_script(zombie, {**env, "PREFECT_API_URL": api}, 300)
         assert crashed["state"] == "CRASHED"
         retry = subprocess.run(
             [str(VENV / "bin" / "prefect"), "flow-run", "retry", crashed["id"]],
@@ -244,49 +221,13 @@ print(json.dumps({{"id": str(rid), "state": asyncio.run(state(rid)).type.value}}
         shutil.rmtree(pg_data, ignore_errors=True)
 
 
-# a tiny chat SFT on the arithmetic task, then two GRPO steps (built-in rewards: the workers import nothing of tests/)
-GRPO_TINY = {
-    "pipeline": {"name": "grpo-deployed", "strategies": ["mdlm"]},
-    "data": {
-        "source": "task",
-        "shape": "dialogue",
-        "task": {"family": "arithmetic", "problems": 120, "max_operand": 20},
-        "seq_len": 20,
-        "max_val_rows": 16,
-    },
-    "tokenizer": {"vocab_size": 300, "min_frequency": 1000000},
-    "model": {"family": "llama", "hidden_size": 32, "num_layers": 1, "num_heads": 2},
-    "train": {
-        "steps": 10,
-        "global_batch_size": 16,
-        "micro_batch_size": 16,
-        "lr": 3.0e-3,
-        "warmup_steps": 2,
-        "val_every": 10,
-        "val_rows": 16,
-        "log_every": 5,
-        "checkpoint_every": 10,
-    },
-    "eval": {
-        "val_rows": 16,
-        "t_samples": 1,
-        "num_samples": 1,
-        "prompts": ["3+4="],
-        "sample_length": 4,
-        "sample_steps": 4,
-        "sample_block_size": 4,
-        "task_problems": 8,
-    },
-    "grpo": {
-        "steps": 2,
-        "prompts_per_step": 2,
-        "group_size": 4,
-        "completion_length": 4,
-        "sample_steps": 4,
-        "rewards": ["task_answer", "task_format"],
-        "checkpoint_every": 10,
-    },
-}
+def client_script(script: str, env: dict, timeout: int) -> dict:
+    """Run a Prefect client script in its own process (as a user's would be) and read the JSON its last line prints."""
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def assert_login_required(api: str, mlflow_url: str, user: str, password: str) -> None:
