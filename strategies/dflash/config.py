@@ -26,18 +26,23 @@ from typing import Any, NamedTuple
 
 from strategies.dflash.dflash2_config import (
     ARCHITECTURE2,
+    ARCHITECTURE_DSPARK,
     DFLASH,
     DFLASH2,
     DOMINO,
     DOMINO_DEFAULTS,
+    DSPARK,
+    DSPARK_DEFAULTS,
     JETSPEC,
     SHAPE_DEFAULTS,
     dflash2_config_fields,
     dflash2_keys,
     dflash2_problem,
     domino_config_fields,
+    dspark_config_fields,
     parse_dflash2_fields,
     parse_domino_fields,
+    parse_dspark_fields,
 )
 from strategies.dflash.window_config import (
     SLIDING,
@@ -49,6 +54,11 @@ from strategies.dflash.window_config import (
 )
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURES = {
+    ARCHITECTURE,
+    ARCHITECTURE2,
+    ARCHITECTURE_DSPARK,
+}  # a config.json naming one holds a DFlash-family draft
 CONFIG = "config.json"
 LEGACY_CONFIG = "dflash_draft.json"  # dllm-flow's own draft before the engines' layout: no longer read
 ZLAB, SPECULATORS = "zlab", "speculators"
@@ -111,6 +121,11 @@ class DFlashDraftConfig:
     # "domino": a serial GRU correction head (`strategies.dflash.domino`) of these sizes
     gru_hidden_dim: int = DOMINO_DEFAULTS["gru_hidden_dim"]
     emb_dim: int = DOMINO_DEFAULTS["emb_dim"]
+    # "dspark": a Markov logit-bias head of rank `markov_rank` and a confidence head (`strategies.dflash.dspark`)
+    markov_rank: int = DSPARK_DEFAULTS["markov_rank"]
+    markov_head_type: str = DSPARK_DEFAULTS["markov_head_type"]
+    enable_confidence_head: bool = DSPARK_DEFAULTS["enable_confidence_head"]
+    confidence_head_with_markov: bool = DSPARK_DEFAULTS["confidence_head_with_markov"]
     # each layer's attention, "full_attention" or "sliding_attention" (None: all sliding when `sliding_window` is set,
     # else all full), and the sliding layers' window over the context (docs/strategies.md §10.12)
     layer_types: list[str] | None = None
@@ -214,12 +229,13 @@ class DFlashDraftConfig:
         own copy-hint flag is added only for a copy-hint draft, which the serving layouts refuse anyway."""
         self._require_target_facts("num_target_layers", "vocab_size")
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
-        dflash2 = self.variant == DFLASH2
+        architecture = {DFLASH2: ARCHITECTURE2, DSPARK: ARCHITECTURE_DSPARK}.get(self.variant, ARCHITECTURE)
+        variant_fields = {**dflash2_config_fields(self), **domino_config_fields(self), **dspark_config_fields(self)}
         out = {
             **self._decoder_fields(),
-            "architectures": [ARCHITECTURE2 if dflash2 else ARCHITECTURE],
+            "architectures": [architecture],
             "block_size": self.block_size,
-            "dflash_config": {**dflash, **dflash2_config_fields(self), **domino_config_fields(self)},
+            "dflash_config": {**dflash, **variant_fields},
             "dtype": dtype,
             "num_target_layers": self.num_target_layers,
             "rope_scaling": None,
@@ -256,10 +272,12 @@ class DFlashDraftConfig:
             **self._decoder_fields(),
             "rope_parameters": {"rope_theta": float(self.rope_theta), "rope_type": "default"},
         }
-        kind = "dflash2" if self.variant == DFLASH2 else "dflash"  # speculators' DFlash2SpeculatorConfig
+        # speculators' DFlash2SpeculatorConfig / DSparkSpeculatorConfig: the variant's fields at the top level
+        kind = self.variant if self.variant in (DFLASH2, DSPARK) else "dflash"
+        own = {DFLASH2: {k: getattr(self, k) for k in SHAPE_DEFAULTS}, DSPARK: dspark_config_fields(self)}
         return {
-            **({k: getattr(self, k) for k in SHAPE_DEFAULTS} if kind == "dflash2" else {}),
-            "architectures": [ARCHITECTURE2 if kind == "dflash2" else ARCHITECTURE],
+            **own.get(kind, {}),
+            "architectures": [{DFLASH2: ARCHITECTURE2, DSPARK: ARCHITECTURE_DSPARK}.get(kind, ARCHITECTURE)],
             "aux_hidden_state_layer_ids": [i + 1 for i in self.target_layer_ids],
             "block_size": self.block_size,
             "draft_vocab_size": self.vocab_size,
@@ -329,7 +347,7 @@ def is_draft_dir(path: str | Path) -> bool:
         raw = json.loads((path / CONFIG).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(raw, dict) and bool({ARCHITECTURE, ARCHITECTURE2} & set(raw.get("architectures") or []))
+    return isinstance(raw, dict) and bool(ARCHITECTURES & set(raw.get("architectures") or []))
 
 
 def read_draft_config(path: str | Path) -> DraftConfig:
@@ -345,11 +363,12 @@ def read_draft_config(path: str | Path) -> DraftConfig:
 
 def parse_draft_config(raw: dict, where: str) -> DraftConfig:
     """`raw` (a config.json) as a `DFlashDraftConfig`, whichever layout wrote it."""
-    if not isinstance(raw, dict) or not {ARCHITECTURE, ARCHITECTURE2} & set(raw.get("architectures") or []):
+    if not isinstance(raw, dict) or not ARCHITECTURES & set(raw.get("architectures") or []):
         found = raw.get("architectures") if isinstance(raw, dict) else None
         raise ValueError(
-            f'{where} is not a DFlash draft: its config.json names architectures {found}, not ["{ARCHITECTURE}"] '
-            f'or ["{ARCHITECTURE2}"] (a DFlash draft in the z-lab / SpecForge or speculators layout)'
+            f'{where} is not a DFlash draft: its config.json names architectures {found}, not ["{ARCHITECTURE}"], '
+            f'["{ARCHITECTURE2}"] or ["{ARCHITECTURE_DSPARK}"] (a DFlash-family draft in the z-lab / SpecForge or '
+            "speculators layout)"
         )
     if "speculators_model_type" in raw:
         return _parse_speculators(raw, where)
@@ -385,10 +404,12 @@ def _parse_zlab(raw: dict, where: str) -> DFlashDraftConfig:
         if num_target_layers is None:
             raise ValueError(f"{where}: the draft's config.json has neither target_layer_ids nor num_target_layers")
         ids = default_layer_ids(int(num_target_layers), int(raw["num_hidden_layers"]))
-    variant = parse_dflash2_fields(raw, get, where) or parse_domino_fields(dflash, where)  # their errors name `where`
+    # their errors name `where`
+    variant = parse_dflash2_fields(raw, get, where) or parse_domino_fields(dflash, where)
+    variant = variant or parse_dspark_fields(raw, get, where)
     if raw.get("is_causal"):  # z-lab's reader: every layer causal inside the block, as JetSpec trains it
         if variant:
-            name = "DFlash 2" if variant["variant"] == DFLASH2 else "Domino"
+            name = {DFLASH2: "DFlash 2", DOMINO: "Domino", DSPARK: "DSpark"}[variant["variant"]]
             raise _refuse(where, f"it is a {name} draft with is_causal true")
         variant = {"variant": JETSPEC}
     try:
@@ -421,10 +442,10 @@ def _parse_zlab(raw: dict, where: str) -> DFlashDraftConfig:
 
 def _parse_speculators(raw: dict, where: str) -> DraftConfig:
     kind = raw.get("speculators_model_type")
-    if kind not in ("dflash", "dflash2"):
+    if kind not in ("dflash", "dflash2", "dspark"):
         raise ValueError(f"{where}: a speculators {raw.get('speculators_model_type')!r} model, not a DFlash draft")
     layer = dict(raw.get("transformer_layer_config") or {})
-    if raw.get("sample_from_anchor"):
+    if raw.get("sample_from_anchor") and kind != "dspark":  # (a DSpark one is refused naming DSpark, below)
         raise _refuse(where, "it also predicts the anchor's token (sample_from_anchor)")
     vocab = layer.get("vocab_size")
     if raw.get("draft_vocab_size") not in (None, vocab):
@@ -442,12 +463,14 @@ def _parse_speculators(raw: dict, where: str) -> DraftConfig:
         raise ValueError(f"{where}: the speculators config has no aux_hidden_state_layer_ids")
     flat = {
         **layer,
-        "architectures": [ARCHITECTURE2 if kind == "dflash2" else ARCHITECTURE],
+        "architectures": [{"dflash2": ARCHITECTURE2, "dspark": ARCHITECTURE_DSPARK}.get(kind, ARCHITECTURE)],
         "block_size": raw.get("block_size"),
         "dflash_config": {"mask_token_id": raw.get("mask_token_id"), "target_layer_ids": [i - 1 for i in aux]},
     }
     if kind == "dflash2":  # the shapes sit at the top level of speculators' config, as z-lab's reader also takes them
         flat["dflash_config"].update({k: raw.get(k) for k in SHAPE_DEFAULTS})
+    if kind == "dspark":  # so do DSpark's heads (absent: speculators' defaults)
+        flat["dflash_config"].update({k: raw[k] for k in (*DSPARK_DEFAULTS, "sample_from_anchor") if k in raw})
     verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     return DraftConfig(_parse_zlab(flat, where), SPECULATORS, verifier)
 

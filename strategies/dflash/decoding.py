@@ -14,8 +14,9 @@ from transformers import DynamicCache
 
 from strategies.dflash.blocks import copy_hints
 from strategies.dflash.config import DFlashDraftConfig
-from strategies.dflash.dflash2_config import DFLASH2, DOMINO, SAMPLED_DEFAULT, WALK
+from strategies.dflash.dflash2_config import DSPARK, SAMPLED_DEFAULT, SERIAL, WALK
 from strategies.dflash.domino import serial_walk
+from strategies.dflash.dspark import confident_length, dspark_walk
 from strategies.dflash.draft import (
     DFlashDraftModel,
     draft_block_hidden,
@@ -34,6 +35,15 @@ class SpeculativeResult:
     acceptance: list[int]  # a_c + 1 per cycle
     target_forwards: int
     lookups: int = 0  # cycles whose first proposals came from the context lookup (`lookup_ngram`)
+    verified: list[int] | None = None  # proposals the target verified per cycle (fewer than bs − 1 when cut by θ)
+    confidences: list[list[float]] | None = None  # a DSpark draft's predicted acceptance of each verified proposal
+
+    @property
+    def verified_per_token(self) -> float:
+        """Tokens through the target's verifying forwards (the anchor and the verified proposals, per cycle) per
+        token committed: 1 when every verified proposal stands, up to bs when none does."""
+        verified = self.verified or []
+        return sum(v + 1 for v in verified) / max(sum(self.acceptance), 1)
 
     @property
     def tau(self) -> float:
@@ -105,6 +115,7 @@ def speculative_generate(
     lookup_ngram: int = 0,
     sampled_proposals: str | None = None,
     tree: DraftTree | None = None,
+    confidence_threshold: float = 0.0,
 ) -> SpeculativeResult:
     """DFlash decoding (docs/strategies.md §10.8): the draft proposes bs − 1 tokens after the anchor in one forward
     (`_propose`: lookup, copy hints, a DFlash 2 / Domino walk), the target verifies them in one forward
@@ -114,29 +125,36 @@ def speculative_generate(
     the target's own samples. `lookup_ngram` n > 0: where the last n…4 tokens occurred earlier, what followed them
     replaces the draft's first proposals (the output is unchanged, only the acceptance moves). `sampled_proposals`
     (T > 0, DFlash 2 / Domino): `walk` or `backbone` (unset: `SAMPLED_DEFAULT`, §10.13). `tree` (greedy only): the
-    target verifies the proposal and the tree's branches in one forward, the longest accepted is committed (§10.16)."""
+    target verifies the proposal and the tree's branches in one forward, the longest accepted is committed (§10.16).
+    `confidence_threshold` θ > 0 (a DSpark draft, §10.17): the block is cut before the first proposal whose running
+    product of predicted acceptances falls below θ (at least one proposal is verified), so the target verifies fewer
+    proposals that would be rejected; the output is unchanged (greedy: the target's own)."""
     cfg = draft.config
     if tree is not None:
         tree.check(cfg, temperature)
+    check_threshold(cfg, confidence_threshold, tree)
     bs, device = cfg.block_size, next(draft.parameters()).device
     ids = torch.tensor([prompt], device=device)
     feats, logits, cache = target_features(target, ids, cfg.target_layer_ids, past_key_values=_new_cache(target))
     out: list[int] = [int(draw(logits[:, -1], temperature, generator))]  # the prefill's token: the first anchor
     committed = len(prompt)  # tokens the target has processed (and whose features we hold)
     ctx, start = trim_context(cfg, feats, 0, committed)  # `start`: the position of ctx's first feature (§10.12)
-    acceptance, forwards, lookups = [], 1, 0
-    drawing = (temperature, generator)
+    acceptance, forwards, lookups, verified, confidences = [], 1, 0, [], []
+    drawing = (temperature, generator, confidence_threshold)
     while len(out) < max_new_tokens and not (eos_token_id is not None and out[-1] == eos_token_id):
         found = context_lookup(list(prompt) + out, lookup_ngram, bs - 1) if lookup_ngram else []
         trimmed = {"offset": start} if start else {}  # a windowed draft's context starts at `start`
         anchor = torch.tensor([[committed - start]], device=device)
-        block, proposal, d_logits = _propose(
+        block, proposal, d_logits, conf = _propose(
             target, draft, (ctx, anchor, trimmed), list(prompt) + out, found, drawing, sampled_proposals
         )
-        d_logits, proposal, looked_up = _with_lookup(found, d_logits, proposal)
+        d_logits, proposal, looked_up = _with_lookup(found[: len(proposal)], d_logits, proposal)
+        verified.append(len(proposal))
+        if conf is not None:
+            confidences.append(conf.tolist())
         lookups += looked_up
         rows = proposal[None] if tree is None else tree.rows(target, ctx, anchor, block, proposal, d_logits, **trimmed)
-        v_feats, cache, branch, accepted, nxt = _verify(target, cfg, cache, block, rows, d_logits, drawing)
+        v_feats, cache, branch, accepted, nxt = _verify(target, cfg, cache, block, rows, d_logits, drawing[:2])
         forwards += 1
         new = rows[branch, :accepted].tolist() + [nxt]
         acceptance.append(accepted + 1)
@@ -150,7 +168,24 @@ def speculative_generate(
             cache.crop(-surplus)
         if eos_token_id is not None and eos_token_id in new:
             break
-    return SpeculativeResult(_up_to_eos(out[:max_new_tokens], eos_token_id), acceptance, forwards, lookups)
+    tokens = _up_to_eos(out[:max_new_tokens], eos_token_id)
+    return SpeculativeResult(tokens, acceptance, forwards, lookups, verified, confidences if confidences else None)
+
+
+def check_threshold(cfg: DFlashDraftConfig, threshold: float, tree: DraftTree | None = None) -> None:
+    """Refuse a confidence threshold a draft cannot apply, naming what to change."""
+    if not threshold:
+        return
+    if not 0 < threshold < 1:
+        raise ValueError(f"the confidence threshold θ must be in (0, 1) (0: verify whole blocks); got {threshold}")
+    if cfg.variant != DSPARK or not cfg.enable_confidence_head:
+        raise ValueError(
+            f"a confidence threshold cuts a block by a DSpark draft's confidence head, and this is a {cfg.variant} "
+            "draft without one: drop the threshold (--confidence-threshold, dflash.eval_confidence_thresholds), or "
+            "train a draft with dflash.draft_variant: dspark"
+        )
+    if tree is not None and tree.branches:
+        raise ValueError("a confidence threshold and tree branches do not combine: the tree verifies whole blocks")
 
 
 def _up_to_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:
@@ -159,11 +194,12 @@ def _up_to_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:
 
 def _propose(target, draft, at, history: list[int], found: list[int], drawing, sampled_proposals):
     """One cycle's proposal after the anchor (the history's last token; `at`: the context features, the anchor's
-    position in them, a windowed draft's offset): the block, the bs − 1 proposed tokens and the distributions they
-    were drawn from. A DFlash 2 / Domino draft walks serially after its backbone (sampled: its backbone's
-    distribution unless it samples its walk, §10.13), after the looked-up tokens `found`, which lead the block; a
-    copy-hint draft reads the history's copy hints."""
-    (ctx, anchor, trimmed), (temperature, generator) = at, drawing
+    position in them, a windowed draft's offset): the block, the proposed tokens (bs − 1, fewer when a DSpark draft's
+    confidence cuts the block below θ), the distributions they were drawn from and (DSpark) their confidences. A
+    DFlash 2 / Domino / DSpark draft walks serially after its backbone (sampled: its backbone's distribution unless it
+    samples its walk, §10.13), after the looked-up tokens `found`, which lead the block; a copy-hint draft reads the
+    history's copy hints."""
+    (ctx, anchor, trimmed), (temperature, generator, threshold) = at, drawing
     cfg, device = draft.config, anchor.device
     bs = cfg.block_size
     block = torch.full((1, bs), cfg.mask_token_id, device=device)
@@ -173,14 +209,22 @@ def _propose(target, draft, at, history: list[int], found: list[int], drawing, s
     if cfg.copy_hint:  # the history's last token is the anchor
         seen = torch.tensor([history], device=device)
         hints = copy_hints(seen, torch.tensor([[seen.shape[1] - 1]], device=device), bs, cfg.mask_token_id)
-    if cfg.variant in (DFLASH2, DOMINO) and (temperature <= 0 or sampled_from(cfg, sampled_proposals) == WALK):
+    walks = cfg.variant in SERIAL and (temperature <= 0 or sampled_from(cfg, sampled_proposals) == WALK)
+    if walks and cfg.variant == DSPARK:  # (its heads read the anchor position too)
+        emb, head = embed_and_head(target)
+        hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block, **trimmed)[0]
+        walk = dspark_walk(draft, hidden, head(hidden[1:]), history[-1], temperature, generator, found)
+        proposal, d_logits, conf = walk
+        k = confident_length(conf, threshold)
+        return block, proposal[:k], d_logits[:k], None if conf is None else conf[:k]
+    if walks:
         emb, head = embed_and_head(target)  # (walked after the looked-up tokens, which lead the block)
         hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block, **trimmed)[0, 1:]
         proposal, d_logits = serial_walk(draft, emb, hidden, head(hidden), history[-1], temperature, generator, found)
     else:
         d_logits = draft_block_logits(draft, target, ctx, anchor, keep, block, hints=hints, **trimmed)[0, 1:]
         proposal = draw(d_logits, temperature, generator)
-    return block, proposal, d_logits
+    return block, proposal, d_logits, None
 
 
 def _verify(target, cfg, cache, block, rows, d_logits, drawing):

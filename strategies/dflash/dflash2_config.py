@@ -13,16 +13,28 @@ from __future__ import annotations
 DFLASH, DFLASH2 = "dflash", "dflash2"  # `DFlashDraftConfig.variant` / the `dflash.draft_variant` option
 JETSPEC = "jetspec"  # the DFlash draft with causal attention inside the block (docs/strategies.md §10.14)
 DOMINO = "domino"  # the DFlash draft with a serial GRU correction head (docs/strategies.md §10.15)
+DSPARK = "dspark"  # the DFlash draft with a Markov logit-bias head and a confidence head (docs/strategies.md §10.17)
 # what a serial draft proposes from when speculative decoding samples (T > 0; docs/strategies.md §10.13): its walk
 # (the selector's path, the GRU's chain: what z-lab's decoder and the engines sample) or its backbone's one-pass
 # distribution. Unset: DFlash 2 its backbone (trained alone throughout, and accepted more often than its walk in
 # every measurement), Domino its walk (its backbone trains alone only during the curriculum)
 WALK, BACKBONE = "walk", "backbone"
-SAMPLED_DEFAULT = {DFLASH2: BACKBONE, DOMINO: WALK}
+SAMPLED_DEFAULT = {DFLASH2: BACKBONE, DOMINO: WALK, DSPARK: WALK}
+SERIAL = (DFLASH2, DOMINO, DSPARK)  # drafts that walk their block after the backbone, one position after another
 # Domino's head: the GRU's state size and the projection's inner width (`dflash_config` keys, as NeMo Automodel's)
 DOMINO_DEFAULTS = {"gru_hidden_dim": 256, "emb_dim": 128}
 DOMINO_KEYS = ["embed_proj.0.weight", "embed_proj.2.weight", "prefix_gru.weight_hh_l0", "prefix_gru.weight_ih_l0"]
 ARCHITECTURE2 = "DFlash2DraftModel"
+# DSpark's heads, named and defaulted as speculators 0.9.0's `DSparkSpeculatorConfig` (its `markov_rank` 0: no Markov
+# head; `confidence_head_with_markov`: the confidence head also reads the previous token's Markov embedding)
+DSPARK_DEFAULTS = {
+    "markov_rank": 256,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": True,
+    "confidence_head_with_markov": True,
+}
+MARKOV_HEADS = ("vanilla", "gated", "rnn")
+ARCHITECTURE_DSPARK = "DSparkSpeculator"  # what speculators' DSpark config names
 # the shapes of the convolutions and the selector: the reference's defaults (Automodel's qwen3_dflash2.yaml)
 SHAPE_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 # why a kernel is no longer than the block (docs/strategies.md §10.11: the taps never reach across a block)
@@ -34,8 +46,10 @@ KERNEL_WHY = (
 
 def dflash2_problem(cfg) -> str | None:
     """What is wrong with a DFlash 2 draft config's shapes (`cfg`: a `DFlashDraftConfig`), or None."""
-    if cfg.variant not in (DFLASH, DFLASH2, JETSPEC, DOMINO):
-        return f"variant {cfg.variant!r} is not one of {DFLASH!r}, {DFLASH2!r}, {JETSPEC!r}, {DOMINO!r}"
+    if cfg.variant not in (DFLASH, DFLASH2, JETSPEC, DOMINO, DSPARK):
+        return f"variant {cfg.variant!r} is not one of {DFLASH!r}, {DFLASH2!r}, {JETSPEC!r}, {DOMINO!r}, {DSPARK!r}"
+    if cfg.variant == DSPARK:
+        return dspark_problem(cfg)
     if cfg.variant not in (DFLASH2, DOMINO):
         return None
     shapes = SHAPE_DEFAULTS if cfg.variant == DFLASH2 else DOMINO_DEFAULTS
@@ -119,6 +133,8 @@ def dflash2_keys(cfg) -> list[str]:
     Domino's head."""
     if cfg.variant == DOMINO:
         return list(DOMINO_KEYS)
+    if cfg.variant == DSPARK:
+        return dspark_keys(cfg)
     if cfg.variant != DFLASH2:
         return []
     keys = [f"candidate_selector.{k}" for k in ("hidden_projection.weight", "predecessor_codebook")]
@@ -132,8 +148,68 @@ def dflash2_keys(cfg) -> list[str]:
 def variant_fields(options) -> dict:
     """The `DFlashDraftConfig` keywords of a new draft under the `dflash` options `options` ({} for DFlash)."""
     variant = getattr(options, "draft_variant", DFLASH)
+    if variant == DSPARK:
+        return {"variant": DSPARK, **{k: getattr(options, f"dspark_{k}") for k in DSPARK_DEFAULTS}}
     if variant == DOMINO:
         return {"variant": DOMINO, **{k: getattr(options, f"domino_{k}") for k in DOMINO_DEFAULTS}}
     if variant != DFLASH2:
         return {} if variant == DFLASH else {"variant": variant}
     return {"variant": DFLASH2, **{k: getattr(options, k) for k in SHAPE_DEFAULTS}}
+
+
+# ---------------------------------------------------------------------------------------- DSpark (§10.17)
+
+
+def dspark_problem(cfg) -> str | None:
+    """What is wrong with a DSpark draft config's heads, or None."""
+    rank = cfg.markov_rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        return f"markov_rank ({rank}) must be a non-negative integer (0: no Markov head)"
+    if cfg.markov_head_type not in MARKOV_HEADS:
+        return f"markov_head_type {cfg.markov_head_type!r} is not one of {', '.join(MARKOV_HEADS)}"
+    if cfg.confidence_head_with_markov and cfg.enable_confidence_head and rank == 0:
+        return "confidence_head_with_markov reads the Markov head's embedding: it needs markov_rank > 0"
+    if cfg.copy_hint:
+        return "a DSpark draft reads no copy hint (copy_hint)"
+    return None
+
+
+def dspark_config_fields(cfg) -> dict:
+    """The `dflash_config` entries of a DSpark draft (its heads; the anchor is the target's token, as in DFlash)."""
+    if cfg.variant != DSPARK:
+        return {}
+    return {**{k: getattr(cfg, k) for k in DSPARK_DEFAULTS}, "sample_from_anchor": False}
+
+
+def parse_dspark_fields(raw: dict, get, where: str) -> dict:
+    """`DFlashDraftConfig` keywords of a config.json naming DSpark ({} otherwise); `get` reads `dflash_config` then the
+    top level (speculators writes the heads at the top level). An anchor-first draft (`sample_from_anchor`) is
+    refused: its block position k predicts the token after k, which dllm-flow's decoder does not draft."""
+    if not {ARCHITECTURE_DSPARK, "DSparkDraftModel"} & set(raw.get("architectures") or []):
+        return {}
+    if get("sample_from_anchor"):
+        raise ValueError(
+            f"{where}: this DSpark draft predicts from the anchor position too (sample_from_anchor true: block position "
+            "k proposes the token after it); dllm-flow's DSpark keeps the anchor as the target's token and proposes "
+            "block_size − 1 tokens (sample_from_anchor false), so it can't run this one"
+        )
+    out = {"variant": DSPARK}
+    for key, default in DSPARK_DEFAULTS.items():
+        value = get(key)
+        out[key] = default if value is None else (value if isinstance(default, str) else type(default)(value))
+    return out
+
+
+def dspark_keys(cfg) -> list[str]:
+    """The weight names DSpark adds (speculators' `markov_head.*` and `confidence_head.proj.*`)."""
+    if cfg.variant != DSPARK:
+        return []
+    keys = []
+    if cfg.markov_rank:
+        keys += ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
+        extra = {"gated": "gate_proj", "rnn": "joint_proj"}.get(cfg.markov_head_type)
+        if extra:
+            keys += [f"markov_head.{extra}.weight", f"markov_head.{extra}.bias"]
+    if cfg.enable_confidence_head:
+        keys += ["confidence_head.proj.weight", "confidence_head.proj.bias"]
+    return keys

@@ -19,8 +19,9 @@ from dllm_common.checkpoint import DIGESTS, check_weights_fit, read_weights, ver
 from strategies.dflash.blocks import CopyHints, block_position_ids
 from strategies.dflash.config import DFlashDraftConfig, is_draft_dir
 from strategies.dflash.dflash2 import CandidateSelector, InBlockConv, conv_sublayer
-from strategies.dflash.dflash2_config import DFLASH2, DOMINO
+from strategies.dflash.dflash2_config import DFLASH2, DOMINO, DSPARK
 from strategies.dflash.domino import attach_domino_head
+from strategies.dflash.dspark import attach_dspark_heads
 from strategies.dflash.window import draft_masks, layer_mask
 from strategies.drawing import LOOKUP_MAX_NGRAM
 
@@ -139,7 +140,8 @@ class DFlashDraftModel(nn.Module):
     embeddings and outputs go through the target's LM head. Parameter names are the engines' (no `model.`
     prefix); a `copy_hint` draft adds dllm-flow's `hint_proj` and `hint_length` inputs, a DFlash 2 draft (config
     `variant: dflash2`, `architectures: ["DFlash2DraftModel"]`) its in-block convolutions and path selector, a Domino
-    draft (`variant: domino`) its serial correction head (`prefix_gru`, `embed_proj`)."""
+    draft (`variant: domino`) its serial correction head (`prefix_gru`, `embed_proj`), a DSpark draft (`variant:
+    dspark`) its `markov_head` and `confidence_head`."""
 
     WEIGHTS = "model.safetensors"
 
@@ -157,6 +159,10 @@ class DFlashDraftModel(nn.Module):
             self.candidate_selector = CandidateSelector(cfg.vocab_size, h, cfg.selector_rank, cfg.selector_top_k)
         if cfg.variant == DOMINO:  # Domino's serial correction head (docs/strategies.md §10.15), after the backbone
             attach_domino_head(self, cfg)
+        if (
+            cfg.variant == DSPARK
+        ):  # DSpark's Markov and confidence heads (docs/strategies.md §10.17), after the backbone
+            attach_dspark_heads(self, cfg)
         if cfg.copy_hint:  # zero at initialization: training starts from the plain draft and learns when to copy
             self.hint_proj = nn.Linear(h, h, bias=False)
             self.hint_length = nn.Embedding(LOOKUP_MAX_NGRAM + 1, h)

@@ -17,6 +17,8 @@ from strategies.dflash.dflash2_config import (
     DFLASH2,
     DOMINO,
     DOMINO_DEFAULTS,
+    DSPARK,
+    DSPARK_DEFAULTS,
     JETSPEC,
     KERNEL_WHY,
     SHAPE_DEFAULTS,
@@ -64,7 +66,11 @@ class DFlashOptions(StrategyOptions):
     # JetSpec (§10.14): the DFlash draft with causal attention inside the block (`is_causal: true` in its config.json)
     # Domino (§10.15): a GRU correction head of these sizes, the backbone's own loss weighing `domino_lambda_start`
     # at first and 0 after the first `domino_decay_ratio` of train.steps
-    draft_variant: Literal["dflash", "dflash2", "jetspec", "domino"] = DFLASH
+    # DSpark (§10.17): a Markov logit-bias head (rank `dspark_markov_rank`, 0: none; vanilla, gated or rnn) and a
+    # confidence head, trained by `dspark_ce_weight`·CE + `dspark_tv_weight`·TV + `dspark_confidence_weight`·BCE of
+    # the confidence against the acceptance the proposal gets (`dspark_confidence_target`: overlap Σ min(p, q), what
+    # speculative sampling accepts, or greedy 1[argmax = label], what greedy verification accepts)
+    draft_variant: Literal["dflash", "dflash2", "jetspec", "domino", "dspark"] = DFLASH
     conv_kernel_size: int = Field(SHAPE_DEFAULTS["conv_kernel_size"], ge=1)
     conv_group_size: int = Field(SHAPE_DEFAULTS["conv_group_size"], ge=1)
     selector_rank: int = Field(SHAPE_DEFAULTS["selector_rank"], ge=1)
@@ -74,6 +80,18 @@ class DFlashOptions(StrategyOptions):
     domino_emb_dim: int = Field(DOMINO_DEFAULTS["emb_dim"], ge=1)
     domino_lambda_start: float = Field(1.0, ge=0, le=1)
     domino_decay_ratio: float = Field(0.5, ge=0, le=1)
+    dspark_markov_rank: int = Field(DSPARK_DEFAULTS["markov_rank"], ge=0)
+    dspark_markov_head_type: Literal["vanilla", "gated", "rnn"] = DSPARK_DEFAULTS["markov_head_type"]
+    dspark_enable_confidence_head: bool = DSPARK_DEFAULTS["enable_confidence_head"]
+    dspark_confidence_head_with_markov: bool = DSPARK_DEFAULTS["confidence_head_with_markov"]
+    dspark_ce_weight: float = Field(1.0, ge=0)
+    dspark_tv_weight: float = Field(1.0, ge=0)
+    dspark_confidence_weight: float = Field(1.0, ge=0)
+    dspark_confidence_target: Literal["overlap", "greedy"] = "overlap"
+    # > 0: the train stage decodes `eval_every_prompts` held-out prompts speculatively every this many steps and logs
+    # τ (`dflash/train_tau`) beside the loss (docs/evaluation.md §4.7.3); 0: only the evaluate stage measures τ
+    eval_every: int = Field(0, ge=0)
+    eval_every_prompts: int = Field(8, ge=1)
     # a new draft's attention (docs/strategies.md §10.12): every layer a sliding window of this many positions over
     # the context (None: full attention), and its heads, key/value heads and head width, independent of the target's
     # (None: model.num_heads, model.num_kv_heads, hidden ÷ heads); an imported draft must already be so
@@ -116,13 +134,14 @@ class DFlashOptions(StrategyOptions):
         why = {
             DFLASH2: "the selector's term weighs positions like the block loss",
             DOMINO: "its curriculum mixes two decay-weighted losses",
+            DSPARK: "its TV and confidence terms weigh positions like the block loss",
         }
         if value in why and info.data.get("loss_type") in ("dpace", FORWARD_KL):
             raise ValueError(
                 f"dflash.draft_variant {value} trains with loss_type decay or variable_prefix, not "
                 f"{info.data['loss_type']} ({why[value]})"
             )
-        if value in (DFLASH2, DOMINO) and info.data.get("copy_hint"):
+        if value in (DFLASH2, DOMINO, DSPARK) and info.data.get("copy_hint"):
             raise ValueError(f"dflash.draft_variant {value} has no copy hint: set dflash.copy_hint: false")
         return value
 
@@ -142,6 +161,22 @@ class DFlashOptions(StrategyOptions):
                 "dflash.loss_type forward_kl (JetSpec's objective, the default of draft_variant jetspec) distills the "
                 "target's next-token distribution: set dflash.distill_top_k to how many of its most probable tokens "
                 "to keep as the teacher (e.g. 32), or set dflash.loss_type: decay"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dspark_heads(self):
+        """The confidence head reading the Markov embedding needs a Markov head."""
+        if (
+            self.draft_variant == DSPARK
+            and self.dspark_enable_confidence_head
+            and self.dspark_confidence_head_with_markov
+            and not self.dspark_markov_rank
+        ):
+            raise ValueError(
+                "dflash.dspark_markov_rank is 0 (no Markov head) but dflash.dspark_confidence_head_with_markov reads "
+                "the Markov head's embedding of the previous token: set dspark_confidence_head_with_markov: false, or "
+                "a rank > 0"
             )
         return self
 
@@ -180,6 +215,12 @@ class DFlashOptions(StrategyOptions):
             raise ConfigError(
                 f"{where(only_domino[0])} shapes or trains a Domino draft and does nothing with draft_variant "
                 f"{self.draft_variant}: drop it, or set draft_variant: domino"
+            )
+        only_dspark = sorted(k for k in self.model_fields_set if k.startswith("dspark_"))
+        if self.draft_variant != DSPARK and only_dspark:
+            raise ConfigError(
+                f"{where(only_dspark[0])} shapes or trains a DSpark draft and does nothing with draft_variant "
+                f"{self.draft_variant}: drop it, or set draft_variant: dspark"
             )
         if self.loss_type != FORWARD_KL and "kd_temperature" in self.model_fields_set:
             raise ConfigError(

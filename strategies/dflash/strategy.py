@@ -30,8 +30,9 @@ from strategies.dflash.dflash2 import (
     selector_loss,
     selector_scores,
 )
-from strategies.dflash.dflash2_config import DFLASH, DFLASH2, DOMINO
+from strategies.dflash.dflash2_config import DFLASH, DFLASH2, DOMINO, DSPARK
 from strategies.dflash.domino import correction, lambda_base, prefix_states
+from strategies.dflash.dspark import block_predecessors_all, dspark_terms, teacher_forced
 from strategies.dflash.draft import draft_block_hidden, embed_and_head
 from strategies.dflash.loss import (
     DPACE_ALPHA,
@@ -304,6 +305,8 @@ class DFlashStrategy(DLLMStrategy):
         pred = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)
         if self.options.draft_variant == DOMINO:  # final and backbone logits both (docs/strategies.md §10.15)
             out = self._domino(ctx, e, pred, head, emb, num_diffusion_tokens)
+        elif self.options.draft_variant == DSPARK:  # the Markov-biased logits, TV and confidence (§10.17)
+            out = self._dspark(ctx, e, h.view(b, n, bs, -1), pred, head, num_diffusion_tokens)
         elif self.options.use_fused_linear_ce:
             out = ctx.loss_fn.forward_fused(
                 pred,
@@ -360,6 +363,26 @@ class DFlashStrategy(DLLMStrategy):
         if base is None:
             return out
         total = (1.0 - weight) * out.total_loss + weight * base.total_loss
+        return DLLMLossOutput(total, total.detach(), out.draft_correct_per_pos, out.draft_count_per_pos)
+
+    def _dspark(self, ctx: StepContext, e: DFlashBlocks, hidden, pred, head, num_tokens) -> DLLMLossOutput:
+        """DSpark's objective (docs/strategies.md §10.17): `w_ce`·(the block loss of the Markov-biased logits, each
+        bias after the true predecessor) + `w_tv`·TV + `w_conf`·BCE(confidence, acceptance), the last two weighed per
+        position like the block loss and divided by its denominator. The logits are materialized once (`[B, N·(bs −
+        1), V]`; `use_fused_linear_ce` does not chunk them here). Per-offset accuracies are the biased logits'."""
+        bs, o = self.block_size, self.options
+        draft = getattr(ctx.model, "module", ctx.model)  # DDP holds `.module`
+        heads = teacher_forced(draft, hidden, block_predecessors_all(e.block_ids, e.targets, bs))
+        b, n = e.anchors.shape
+        logits = head(pred)
+        if heads.bias is not None:
+            logits = logits + heads.bias[:, :, 1:].reshape(b, n * (bs - 1), -1).to(logits.dtype)
+        kw = {"num_tokens": num_tokens, "block_size": bs, "soft": e.soft, "prefix": e.prefix}
+        out = ctx.loss_fn(logits, e.targets, e.block_mask, **kw)
+        confidence = None if heads.confidence is None else heads.confidence[:, :, 1:].reshape(b, -1)
+        weights = ctx.loss_fn.position_weights(e.block_mask, e.block_mask, bs, e.prefix) * e.block_mask
+        tv, bce = dspark_terms(logits, e.targets, e.soft, confidence, weights, num_tokens, o.dspark_confidence_target)
+        total = o.dspark_ce_weight * out.total_loss + o.dspark_tv_weight * tv + o.dspark_confidence_weight * bce
         return DLLMLossOutput(total, total.detach(), out.draft_correct_per_pos, out.draft_count_per_pos)
 
     def _with_selector(self, ctx: StepContext, e: DFlashBlocks, pred, head, out, num_tokens) -> DLLMLossOutput:

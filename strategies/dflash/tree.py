@@ -26,14 +26,13 @@ import torch
 from torch import Tensor, nn
 
 from dllm_common.config.dflash import tree_branches_problem
-from strategies.dflash.dflash2_config import DFLASH2, DOMINO
+from strategies.dflash.dflash2_config import SERIAL
 from strategies.dflash.draft import DFlashDraftModel, draft_block_logits
 from strategies.dflash.window import trims
 
 MARGINAL, REDRAFT = "marginal", "redraft"
 # what the second draft shares with the first: the target (width, layers, vocabulary), its features and the blocks
 SAME_FIELDS = ("hidden_size", "vocab_size", "num_target_layers", "target_layer_ids", "block_size", "mask_token_id")
-SERIAL = (DFLASH2, DOMINO)
 
 
 def rejection_positions(confidence: Tensor, count: int) -> list[int]:

@@ -18,8 +18,9 @@ from dllm_common.config import EvalConfig
 from strategies import Microbatch, StepContext
 from strategies.dflash.decoding import greedy_generate, speculative_generate
 from strategies.dflash.dflash2 import block_predecessors, candidate_recall, selector_scores
-from strategies.dflash.dflash2_config import BACKBONE, DFLASH2, DOMINO, SAMPLED_DEFAULT, WALK
+from strategies.dflash.dflash2_config import BACKBONE, DFLASH2, DOMINO, DSPARK, SAMPLED_DEFAULT, WALK
 from strategies.dflash.domino import corrected_logits
+from strategies.dflash.dspark import block_predecessors_all, teacher_forced
 from strategies.dflash.draft import draft_block_hidden, draft_block_logits, embed_and_head
 from strategies.dflash.loss import acceptance_from_correct
 from strategies.dflash.tree import DraftTree
@@ -39,7 +40,7 @@ def teacher_forced_acceptance(
     A DFlash 2 draft's prediction is its selector's pick after the true predecessor (what the walk picks while
     everything before is accepted), and `recall` (a list) receives Σ true tokens among the candidates and Σ
     supervised predictions (docs/strategies.md §10.11); a Domino draft's, the argmax of its corrected logits after
-    the true predecessors (§10.15)."""
+    the true predecessors (§10.15), a DSpark draft's the argmax of its Markov-biased logits after them (§10.17)."""
     (ids, loss_mask, attn), batch_size, seed = val, settings.batch_size, settings.seed
     bs = strat.block_size
     ctx = StepContext(model=draft, loss_fn=None, mask_token_id=mask_id, step=0, base_seed=seed)
@@ -52,7 +53,16 @@ def teacher_forced_acceptance(
             (batch,), _, _ = strat.pre_step(ctx, [Microbatch(ids[sl], loss_mask[sl], attn[sl], rows, "val", docs)])
             e = batch.extras
             b, n = e.anchors.shape
-            if draft.config.variant in (DFLASH2, DOMINO):  # drafted serially: after the true predecessors
+            if draft.config.variant == DSPARK:  # the Markov bias after the true predecessors
+                emb, head = embed_and_head(strat.target)
+                h4 = draft_block_hidden(draft, bs, emb, e.features, e.anchors, e.keep, e.block_ids, e.documents)
+                h4 = h4.view(b, n, bs, -1)
+                logits = head(h4[:, :, 1:])
+                bias = teacher_forced(draft, h4, block_predecessors_all(e.block_ids, e.targets, bs)).bias
+                if bias is not None:
+                    logits = logits + bias[:, :, 1:].to(logits.dtype)
+                pred = logits.argmax(-1).reshape(b, -1)
+            elif draft.config.variant in (DFLASH2, DOMINO):  # drafted serially: after the true predecessors
                 emb, head = embed_and_head(strat.target)
                 h = draft_block_hidden(draft, bs, emb, e.features, e.anchors, e.keep, e.block_ids, e.documents)
                 h = h.view(b, n, bs, -1)[:, :, 1:].reshape(b, n * (bs - 1), -1)

@@ -38,3 +38,28 @@ def _loss(built, draft, mb, step=0):
     batches, n, _ = built.strategy.pre_step(ctx, [mb])
     out = built.strategy.forward_backward(ctx, batches[0], num_diffusion_tokens=n, num_ar_tokens=n, is_train=False)
     return out, batches
+
+
+def trained_dspark(target, head_type: str = "vanilla", steps: int = 40, **options):
+    """A tiny DSpark draft (rank 8, the given Markov head) trained `steps` steps on the target's greedy text, and that
+    text: what the DSpark tests decode with and export."""
+    from stagekit import tiny_draft_config
+
+    from strategies.dflash.decoding import sample_continuations
+    from strategies.dflash.draft import DFlashDraftModel
+
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(tiny_draft_config(variant="dspark", markov_rank=8, markov_head_type=head_type))
+    prompts = torch.randint(0, 60, (16, 4), generator=torch.Generator().manual_seed(1))
+    rows = sample_continuations(target, prompts, 28, temperature=0.0)
+    cfg = {"draft_variant": "dspark", "dspark_markov_rank": 8, "dspark_markov_head_type": head_type, **options}
+    built = _strategy(target, draft, **cfg)
+    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    mb = Microbatch(rows, torch.ones_like(rows, dtype=torch.float32), torch.ones_like(rows), torch.arange(len(rows)))
+    for i in range(steps):
+        ctx = StepContext(model=draft, loss_fn=built.loss_fn, mask_token_id=MASK, step=i, base_seed=0)
+        (batch,), n, _ = built.strategy.pre_step(ctx, [mb])
+        built.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n, num_ar_tokens=n, is_train=True)
+        opt.step()
+        opt.zero_grad()
+    return draft.eval(), rows, built
