@@ -16,7 +16,6 @@ from strategies.dflash.blocks import copy_hints
 from strategies.dflash.config import DFlashDraftConfig
 from strategies.dflash.dflash2_config import DSPARK, SAMPLED_DEFAULT, SERIAL, WALK
 from strategies.dflash.domino import serial_walk
-from strategies.dflash.dspark import confident_length, dspark_walk
 from strategies.dflash.draft import (
     DFlashDraftModel,
     draft_block_hidden,
@@ -24,6 +23,7 @@ from strategies.dflash.draft import (
     embed_and_head,
     target_features,
 )
+from strategies.dflash.dspark import confident_length, dspark_walk
 from strategies.dflash.tree import DraftTree, select_branch
 from strategies.dflash.window import trim_context
 from strategies.sampling import LOOKUP_MAX_NGRAM, draw

@@ -32,8 +32,8 @@ from strategies.dflash.dflash2 import (
 )
 from strategies.dflash.dflash2_config import DFLASH, DFLASH2, DOMINO, DSPARK
 from strategies.dflash.domino import correction, lambda_base, prefix_states
-from strategies.dflash.dspark import block_predecessors_all, dspark_terms, teacher_forced
 from strategies.dflash.draft import draft_block_hidden, embed_and_head
+from strategies.dflash.dspark import block_predecessors_all, dspark_terms, teacher_forced
 from strategies.dflash.loss import (
     DPACE_ALPHA,
     DFlashDecayLoss,

@@ -20,8 +20,8 @@ from strategies.dflash.decoding import greedy_generate, speculative_generate
 from strategies.dflash.dflash2 import block_predecessors, candidate_recall, selector_scores
 from strategies.dflash.dflash2_config import BACKBONE, DFLASH2, DOMINO, DSPARK, SAMPLED_DEFAULT, WALK
 from strategies.dflash.domino import corrected_logits
-from strategies.dflash.dspark import block_predecessors_all, teacher_forced
 from strategies.dflash.draft import draft_block_hidden, draft_block_logits, embed_and_head
+from strategies.dflash.dspark import block_predecessors_all, teacher_forced
 from strategies.dflash.loss import acceptance_from_correct
 from strategies.dflash.tree import DraftTree
 from strategies.seeding import seeded_generator
