@@ -190,8 +190,8 @@ def parse_dspark_fields(raw: dict, get, where: str) -> dict:
     if get("sample_from_anchor"):
         raise ValueError(
             f"{where}: this DSpark draft predicts from the anchor position too (sample_from_anchor true: block "
-            "position k proposes the token after it); dllm-flow's DSpark keeps the anchor as the target's token and proposes "
-            "block_size − 1 tokens (sample_from_anchor false), so it can't run this one"
+            "position k proposes the token after it); dllm-flow's DSpark keeps the anchor as the target's token and "
+            "proposes block_size − 1 tokens (sample_from_anchor false), so it can't run this one"
         )
     out = {"variant": DSPARK}
     for key, default in DSPARK_DEFAULTS.items():
