@@ -34,7 +34,7 @@ from strategies.dflash.config import (
     parse_draft_config,
     write_json,
 )
-from strategies.dflash.dflash2_config import DFLASH2, DOMINO, DOMINO_DEFAULTS, SHAPE_DEFAULTS
+from strategies.dflash.dflash2_config import DFLASH2, DOMINO, DOMINO_DEFAULTS, DSPARK, DSPARK_DEFAULTS, SHAPE_DEFAULTS
 from strategies.dflash.serving_layout import verifier_name, write_serving_layout
 from strategies.models import tokenizer_token_ids
 
@@ -109,6 +109,9 @@ def draft_rows(config: dict, parameters: int, dtypes: str) -> list[tuple[str, ob
     if c.variant == DOMINO:  # docs/strategies.md §10.15
         rows[0] = ("model", "Domino draft (`DFlashDraftModel` + `prefix_gru` / `embed_proj`: a serial correction head)")
         rows += [(k, getattr(c, k)) for k in DOMINO_DEFAULTS]
+    if c.variant == DSPARK:  # docs/strategies.md §10.17
+        rows[0] = ("model", "DSpark draft (the DFlash backbone + `markov_head` and `confidence_head`)")
+        rows += [(k, getattr(c, k)) for k in DSPARK_DEFAULTS]
     if c.causal:  # docs/strategies.md §10.14
         rows[0] = ("model", "JetSpec draft (`DFlashDraftModel` with `is_causal: true`: causal inside the block)")
     return [*rows, ("parameters", f"{parameters:,}"), ("dtype", dtypes)]
@@ -146,6 +149,15 @@ def draft_files_lines(config: dict, weights: str, target: dict, name: str) -> li
                 "a Domino draft in NeMo Automodel's layout (`dflash_config.projector_type: domino`; no engine or "
                 "package that runs Domino is checked here: z-lab's `dflash` 0.1.0 and speculators 0.9.0 have none)"
             )
+        if c.variant == DSPARK:  # docs/strategies.md §10.17
+            what = (
+                "a DSpark draft in the speculators layout (`DSparkSpeculatorConfig`, `speculators_model_type: dspark`, "
+                "`sample_from_anchor: false`; speculators' own `DSparkDraftModel` loads it and computes the same block "
+                "logits, checked by dllm-flow's tests; serving it on an engine is not checked here)"
+                if read.layout != ZLAB
+                else "a DSpark draft in dllm-flow's z-lab-style layout (`dflash_config` holds the heads; no engine "
+                "loads DSpark from it: export it with `--format speculators`)"
+            )
         head = (
             f"`config.json` + {weights} are {what}. The draft reads the hidden states of a frozen causal target and "
             "uses its embedding and LM head, so it is not a model to load on its own."
@@ -158,7 +170,7 @@ def draft_files_lines(config: dict, weights: str, target: dict, name: str) -> li
         "safetensors): with them the folder is a dllm-flow checkpoint too.",
         "",
     ]
-    engine_checked = not (c.copy_hint or c.variant in (DFLASH2, DOMINO) or c.causal)
+    engine_checked = not (c.copy_hint or c.variant in (DFLASH2, DOMINO, DSPARK) or c.causal)
     return lines + (serve_commands(c, read.layout, name, target) if engine_checked else [])
 
 

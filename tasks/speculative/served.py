@@ -27,7 +27,7 @@ import torch
 
 from strategies.dflash.config import CONFIG, ZLAB
 from strategies.dflash.decoding import speculative_generate
-from strategies.dflash.dflash2_config import DFLASH2, DOMINO
+from strategies.dflash.dflash2_config import DFLASH2, DOMINO, DSPARK
 from strategies.dflash.served_checks import (
     CAUSES,
     chat_prompt,
@@ -160,7 +160,7 @@ def served_acceptance(ev, target, draft, mask_id: int, raw_prompts: list[list[in
     """The `dflash/*served*` metrics and the `served` part of speculative.json (docs/evaluation.md §4.7.1)."""
     d, tokenizer = ev.spec.dflash, ev.tokenizer
     skipped = 3 if not getattr(d, "eval_served", True) else 2 if draft.config.copy_hint else 0
-    skipped = skipped or (5 if draft.config.variant == DOMINO else 0)
+    skipped = skipped or (5 if draft.config.variant in (DOMINO, DSPARK) else 0)  # no package decodes these
     zlab = zlab_module() if not skipped else None
     if not skipped and zlab is None:
         skipped = 1
