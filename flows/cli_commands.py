@@ -113,6 +113,7 @@ def cmd_generate(args) -> int:
         lookup_ngram=args.lookup_ngram,
         sampled_proposals=args.sampled_proposals,
         tree_branches=args.tree_branches,
+        confidence_threshold=args.confidence_threshold,
         **({"cache": args.cache} if args.cache else {}),
     )
     redraft = None

@@ -153,6 +153,14 @@ def _add_speculative_options(gen) -> None:
         "and < the draft's block size (docs/strategies.md §10.16)",
     )
     gen.add_argument(
+        "--confidence-threshold",
+        type=float,
+        default=0.0,
+        metavar="THETA",
+        help="speculative sampler, a DSpark draft: verify a block only up to where the running product of its "
+        "confidence head's predicted acceptances falls below THETA (0: whole blocks; docs/strategies.md §10.17)",
+    )
+    gen.add_argument(
         "--redraft",
         default=None,
         help="with --tree-branches: a second draft (path or models:/NAME@ALIAS, trained with dflash.loss_type: "

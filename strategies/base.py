@@ -404,6 +404,16 @@ class DLLMStrategy:
     def validate_data(self, loss_mask: Tensor, attention_mask: Tensor) -> None:
         """Reject a dataset the strategy cannot train on (before any step runs). Default: anything goes."""
 
+    def probe_due(self, step: int, last: bool) -> bool:
+        """Whether the train stage calls `training_probe` after `step` (0-based; `last`: the last step). Default: no."""
+        return False
+
+    def training_probe(self, model: nn.Module, val_ids: Tensor, val_attention: Tensor) -> dict:
+        """Metrics the train stage logs beside the loss where `probe_due`, measured on the validation rows with the
+        model as it stands, in eval mode (every rank calls it, so a sharded model can run). DFlash decodes a few
+        held-out prompts speculatively (`dflash.eval_every`)."""
+        return {}
+
     # ------------------------------------------------------------------ evaluation hooks (the evaluator's)
 
     @property

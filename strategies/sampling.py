@@ -47,6 +47,8 @@ class SamplerConfig:
     sampled_proposals: str | None = None
     # speculative decoding at T = 0 only: tree branches verified beside each block (0: one path; §10.16)
     tree_branches: int = 0
+    # speculative decoding, a DSpark draft: cut each block where its predicted acceptance falls below θ (0: off; §10.17)
+    confidence_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         # each message names the field and its `dllm-flow generate` flag, so it reads right from either
@@ -62,6 +64,11 @@ class SamplerConfig:
         if self.sampled_proposals not in (None, "walk", "backbone"):
             raise ValueError(
                 f"sampled_proposals (--sampled-proposals) must be walk or backbone; got {self.sampled_proposals!r}"
+            )
+        if not 0 <= self.confidence_threshold < 1:
+            raise ValueError(
+                "confidence_threshold (--confidence-threshold) must be in [0, 1) (0: verify whole blocks); got "
+                f"{self.confidence_threshold}"
             )
         if self.tree_branches < 0:
             raise ValueError(f"tree_branches (--tree-branches) must be ≥ 0 (0: one path); got {self.tree_branches}")

@@ -84,6 +84,7 @@ UNWRITTEN_DEFAULTS = {
     "eval_enable_thinking": None,
     "eval_temperature": 0.0,
     "eval_tree_branches": 0,
+    "eval_confidence_thresholds": None,
 }
 
 
@@ -122,6 +123,10 @@ class DFlashConfig(ConfigSection):
     # runner-up at its likeliest rejection positions (docs/strategies.md §10.16): what a tree verifier would gain
     # (≤ MAX_TREE_BRANCHES, and at most the block's bs − 1 proposed positions: refused at load where the block is known)
     eval_tree_branches: int = Field(0, ge=0, le=MAX_TREE_BRANCHES)
+    # a DSpark draft: the same prompts also decoded with confidence-scheduled verification at each θ (each block cut
+    # where its predicted acceptance falls below θ; docs/strategies.md §10.17), against whole blocks (docs/evaluation.md
+    # §4.7.4). Unwritten when unset
+    eval_confidence_thresholds: tuple[float, ...] | None = None
     # speculative decoding: when the last n…4 tokens recur in the prompt or output, the tokens that followed
     # them there are proposed before the draft's (0: the draft alone); docs/strategies.md §10.8
     lookup_ngram: int = Field(0, ge=0, le=4)  # ≤ strategies.sampling.LOOKUP_MAX_NGRAM
@@ -143,6 +148,18 @@ class DFlashConfig(ConfigSection):
                 f"speculative sampling as a server runs it, at 0–{MAX_EVAL_TEMPERATURE:g}; hotter, target and draft "
                 "both flatten toward uniform and τ climbs to the block size whatever the draft. Set it to at most "
                 f"{MAX_EVAL_TEMPERATURE:g} (0: greedy τ only)"
+            )
+        return value
+
+    @field_validator("eval_confidence_thresholds")
+    @classmethod
+    def _thresholds_in_range(cls, value):
+        bad = [t for t in value or () if not 0 < t < 1]
+        if bad:
+            raise ValueError(
+                f"dflash.eval_confidence_thresholds {list(value)}: {bad} are not in (0, 1); each θ cuts a block where "
+                "the running product of predicted acceptances (probabilities) falls below it (whole blocks are "
+                "measured anyway)"
             )
         return value
 

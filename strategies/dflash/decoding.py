@@ -246,6 +246,15 @@ def _verify(target, cfg, cache, block, rows, d_logits, drawing):
     return v_feats, cache, branch, accepted, nxt
 
 
+def speculative_prompts(ids, attn, count: int, length: int) -> list[list[int]]:
+    """Held-out prompts: the first `length` tokens of `count` validation rows spread over the split."""
+    rows = [r for r in range(len(ids)) if int(attn[r].sum()) >= length + 1]
+    if not rows:
+        raise ValueError(f"no validation row has more than the prompt length={length} tokens; lower it")
+    stride = max(len(rows) // count, 1)
+    return [ids[r, :length].tolist() for r in rows[::stride][:count]]
+
+
 def _new_cache(target: nn.Module):
     return DynamicCache(config=target.config)
 

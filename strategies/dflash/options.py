@@ -92,6 +92,8 @@ class DFlashOptions(StrategyOptions):
     # τ (`dflash/train_tau`) beside the loss (docs/evaluation.md §4.7.3); 0: only the evaluate stage measures τ
     eval_every: int = Field(0, ge=0)
     eval_every_prompts: int = Field(8, ge=1)
+    eval_every_prompt_len: int = Field(16, ge=1)
+    eval_every_max_new_tokens: int = Field(32, ge=1)
     # a new draft's attention (docs/strategies.md §10.12): every layer a sliding window of this many positions over
     # the context (None: full attention), and its heads, key/value heads and head width, independent of the target's
     # (None: model.num_heads, model.num_kv_heads, hidden ÷ heads); an imported draft must already be so
@@ -221,6 +223,17 @@ class DFlashOptions(StrategyOptions):
             raise ConfigError(
                 f"{where(only_dspark[0])} shapes or trains a DSpark draft and does nothing with draft_variant "
                 f"{self.draft_variant}: drop it, or set draft_variant: dspark"
+            )
+        probe = sorted(k for k in self.model_fields_set if k.startswith("eval_every_"))
+        if probe and not self.eval_every:
+            raise ConfigError(
+                f"{where(probe[0])} shapes the train stage's τ probe, which runs only with {where('eval_every')} > 0: "
+                "drop it, or set eval_every"
+            )
+        if self.eval_every and self.eval_every_prompt_len >= spec.data.seq_len:
+            raise ConfigError(
+                f"{where('eval_every_prompt_len')} ({self.eval_every_prompt_len}) leaves nothing to continue in a row "
+                f"of data.seq_len ({spec.data.seq_len}) tokens: set it to at most {spec.data.seq_len - 1}"
             )
         if self.loss_type != FORWARD_KL and "kd_temperature" in self.model_fields_set:
             raise ConfigError(

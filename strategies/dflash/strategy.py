@@ -24,6 +24,7 @@ from dllm_common.config import DFlashConfig
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, global_sum
 from strategies.corruption import corrupt_uniform
 from strategies.dflash.blocks import CopyHints, copy_hints, sample_anchor_blocks
+from strategies.dflash.decoding import speculative_generate, speculative_prompts
 from strategies.dflash.dflash2 import (
     block_predecessors,
     per_offset_correct,
@@ -205,6 +206,22 @@ class DFlashStrategy(DLLMStrategy):
     def check_mask_token(self, mask_token_id: int, model: nn.Module) -> None:
         """The draft has no embedding of its own: its [MASK] row is the target's, checked against the target
         when it is loaded (`tasks/speculative/setup.py`)."""
+
+    def probe_due(self, step: int, last: bool) -> bool:
+        """Every `dflash.eval_every` steps and at the last (0: never)."""
+        every = self.options.eval_every
+        return bool(every) and ((step + 1) % every == 0 or last)
+
+    def training_probe(self, model: nn.Module, val_ids: Tensor, val_attention: Tensor) -> dict:
+        """`dflash/train_tau`: τ of greedy speculative decoding of `eval_every_prompts` held-out prompts (the first
+        `eval_every_prompt_len` tokens of validation rows spread over the split, `eval_every_max_new_tokens` new tokens
+        each) with the draft as it stands, so a curve beside the loss shows when the draft stops improving."""
+        o = self.options
+        prompts = speculative_prompts(val_ids, val_attention, o.eval_every_prompts, o.eval_every_prompt_len)
+        draft = getattr(model, "module", model)
+        runs = [speculative_generate(self.target, draft, p, o.eval_every_max_new_tokens) for p in prompts]
+        cycles = [a for r in runs for a in r.acceptance]
+        return {"dflash/train_tau": sum(cycles) / max(len(cycles), 1)}
 
     # ------------------------------------------------------------------ interface-only hooks (docs/strategies.md §8.5)
 

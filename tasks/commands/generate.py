@@ -25,7 +25,7 @@ from dllm_common.tracking import check_tracking_server, default_tracking_uri, qu
 from strategies import strategy_class
 from strategies.absorbing import infill_sample
 from strategies.base_evaluation import SampleRequest
-from strategies.dflash.decoding import speculative_generate
+from strategies.dflash.decoding import check_threshold, speculative_generate
 from strategies.dflash.options import SPECULATIVE
 from strategies.dflash.tree import DraftTree
 from strategies.registry import SAMPLERS
@@ -120,6 +120,7 @@ def settings_line(sampler: str, config: SamplerConfig, seed: int) -> str:
         "top-k": ("top_k" in info.settings, config.top_k),
         "cache": ("cache" in info.decoding, config.cache),
         "tree-branches": (config.tree_branches > 0, config.tree_branches),  # speculative only (check_request)
+        "confidence-threshold": (config.confidence_threshold > 0, config.confidence_threshold),
     }
     return ", ".join([f"sampler {sampler}", *(f"{k} {v}" for k, (read, v) in shown.items() if read), f"seed {seed}"])
 
@@ -153,6 +154,8 @@ def check_request(loaded: Loaded, request: Request) -> list[int]:
     check_tree_branches(loaded.model, request.config.tree_branches)
     if request.config.tree_branches:  # the second draft must read what the first reads (refused before any decoding)
         speculation_tree(request).check(loaded.model.config, request.config.temperature)
+    if request.config.confidence_threshold:  # a DSpark draft's confidence head cuts the blocks (§10.17)
+        check_threshold(loaded.model.config, request.config.confidence_threshold, speculation_tree(request))
     context = model_context(loaded.model)
     if context is None:
         return ids
@@ -171,6 +174,7 @@ def check_speculative_flags(sampler: str, config: SamplerConfig, redraft: bool) 
         ("--lookup-ngram", config.lookup_ngram),
         ("--sampled-proposals", config.sampled_proposals),
         ("--tree-branches", config.tree_branches),
+        ("--confidence-threshold", config.confidence_threshold),
         ("--redraft", redraft),
     ):
         if given and sampler not in readers:
@@ -304,6 +308,7 @@ def _speculative(loaded: Loaded, prompt_ids: list[int], config: SamplerConfig, s
         lookup_ngram=config.lookup_ngram,
         sampled_proposals=config.sampled_proposals,
         tree=tree,
+        confidence_threshold=config.confidence_threshold,
     )
     seconds = time.perf_counter() - t0
     text = loaded.tokenizer.decode(res.tokens)

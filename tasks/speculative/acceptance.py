@@ -16,7 +16,7 @@ import torch
 from dllm_common.checkpoint import read_meta
 from dllm_common.config import EvalConfig
 from strategies import Microbatch, StepContext
-from strategies.dflash.decoding import greedy_generate, speculative_generate
+from strategies.dflash.decoding import greedy_generate, speculative_generate, speculative_prompts
 from strategies.dflash.dflash2 import block_predecessors, candidate_recall, selector_scores
 from strategies.dflash.dflash2_config import BACKBONE, DFLASH2, DOMINO, DSPARK, SAMPLED_DEFAULT, WALK
 from strategies.dflash.domino import corrected_logits
@@ -27,6 +27,7 @@ from strategies.dflash.tree import DraftTree
 from strategies.seeding import seeded_generator
 from tasks.evaluation.likelihood import CausalLM, EvalResult, Evaluation, ar_nll_metrics, encode_prompts, exact_ar_nll
 from tasks.evaluation.scoring import generative_perplexity, mean_entropy
+from tasks.speculative.confidence import calibration, theta_metrics, threshold_curve
 from tasks.speculative.served import paired_bootstrap, ratio, served_acceptance
 from tasks.speculative.setup import draft_strategy, load_spec_target
 
@@ -87,15 +88,6 @@ def teacher_forced_acceptance(
     return tau, acc, int((block_mask.reshape(-1, bs - 1)[:, 0] > 0).sum())
 
 
-def speculative_prompts(ids, attn, count: int, length: int) -> list[list[int]]:
-    """Held-out prompts: the first `length` tokens of `count` validation rows spread over the split."""
-    rows = [r for r in range(len(ids)) if int(attn[r].sum()) >= length + 1]
-    if not rows:
-        raise ValueError(f"no validation row has more than dflash.eval_prompt_len={length} tokens; lower it")
-    stride = max(len(rows) // count, 1)
-    return [ids[r, :length].tolist() for r in rows[::stride][:count]]
-
-
 def speculative_benchmark(
     target, draft, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None, lookup_ngram: int = 0
 ) -> dict:
@@ -137,6 +129,7 @@ def speculative_benchmark(
         "histogram": dict(sorted(Counter(acceptance).items())),
         "outputs": [r.tokens for r in spec],
         "acceptance": [r.acceptance for r in spec],  # per prompt: what a paired comparison of two drafts reads
+        **({"confidences": [r.confidences for r in spec]} if spec[0].confidences is not None else {}),
     }
 
 
@@ -224,6 +217,19 @@ def _at_temperature(spec, target, draft, prompts, eos_id: int | None) -> dict:
     return sampled
 
 
+def _confidence(spec, target, draft, prompts, eos_id: int | None, bench: dict) -> dict:
+    """A DSpark draft's confidence head (docs/evaluation.md §4.7.4): its calibration on the greedy decode's realised
+    acceptance, and with `dflash.eval_confidence_thresholds` the θ trade-off curve on the same prompts ({} for a draft
+    without a confidence head)."""
+    if "confidences" not in bench:
+        return {}
+    thresholds = spec.dflash.eval_confidence_thresholds
+    if thresholds:
+        args = (target, draft, prompts, spec.dflash.eval_max_new_tokens, eos_id, thresholds, spec.eval.seed)
+        return threshold_curve(*args)
+    return {"rows": [], "calibration": calibration(bench["confidences"], bench["acceptance"])}
+
+
 def _shown_samples(spec, target, draft, tokenizer) -> tuple[list[str], list[list[int]]]:
     """The report's text prompts and their speculative continuations (greedy: equal to the target's own)."""
     texts = list(spec.eval.prompts[: spec.eval.num_samples]) or ["O"]
@@ -257,6 +263,7 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     if d.eval_tree_branches:
         args = (target, draft, prompts, d.eval_max_new_tokens, tokenizer.eos_token_id, d.eval_tree_branches)
         tree = tree_acceptance(*args, d.lookup_ngram, bench, spec.eval.seed)
+    confidence = _confidence(spec, target, draft, prompts, tokenizer.eos_token_id, bench)
     # the same prompts through z-lab's decoder, chat-rendered with the target's template (docs/evaluation.md §4.7.1)
     served, served_report = served_acceptance(ev, target, draft, mask_id, prompts, meta)
     # the report's shared columns, from speculative decoding of the report's text prompts (no timing
@@ -275,6 +282,7 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
         **{f"dflash/{k}_{how}": r[k] for how, r in sampled.items() for k in ("tau", "tau_draft") if k in r},
         **{f"dflash/{name}": tree[k] for name, k in TREE_METRICS.items() if tree},
         **served,
+        **(theta_metrics(confidence) if confidence else {}),
         **ar_nll_metrics(nll, se, n_tokens),
         "eval/nfe": bench["target_forwards"] / len(bench["outputs"]),
         "eval/tokens_per_forward": bench["tokens"] / max(bench["target_forwards"], 1),
@@ -284,7 +292,9 @@ def dflash_evaluation(ev: Evaluation) -> EvalResult:
     if scorer is not None:
         metrics["eval/gen_ppl"], _ = generative_perplexity(*scorer, list(zip(texts, decoded)))
     text = "\n\n".join(f"### prompt: {p!r}\n{t}" for p, t in zip(texts, decoded))
-    report = {**{k: v for k, v in bench.items() if k != "outputs"}, "served": served_report}
+    report = {**{k: v for k, v in bench.items() if k not in ("outputs", "confidences")}, "served": served_report}
+    if confidence:
+        report["confidence"] = confidence
     report.update(sampled)
     if tree:
         report["tree"] = tree

@@ -154,6 +154,16 @@ def validation_loss(run: LoopRun, settings: LoopSettings) -> float:
     return value
 
 
+def training_probe(run: LoopRun) -> dict:
+    """The strategy's own metrics of the model as it stands (`DLLMStrategy.training_probe`), in eval mode."""
+    model = run.trainee.model
+    model.eval()
+    with torch.no_grad():
+        out = run.trainee.strategy.training_probe(model, run.val.ids, run.val.attention_mask)
+    model.train()
+    return out
+
+
 def train_step(run: LoopRun, settings: LoopSettings, ctx: StepContext, mbs) -> dict:
     """One optimizer step: corrupt + forward/backward every micro-batch, clip, step, schedule.
 
@@ -346,6 +356,8 @@ def _one_step(run: LoopRun, settings: LoopSettings, step: int, state: _LoopState
     metrics["train/tokens_per_s"] = tps = state.tokens_per_step / (time.perf_counter() - t0)
     if _due(step, settings.val_every) or step + 1 == settings.steps:
         state.val_loss = metrics["val/loss"] = validation_loss(run, settings)
+    if run.trainee.strategy.probe_due(step, step + 1 == settings.steps):
+        metrics.update(training_probe(run))
     state.log.add(step, metrics)
     state.bar.set_postfix(
         loss=f"{metrics['train/loss']:.3f}",
