@@ -431,3 +431,48 @@ def test_chat_regeneration_renders_each_prompt_as_a_user_turn_and_supervises_the
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template.*tokenizer.path the target's folder"):
         _sample_chat(chat, tgt, tok, orig, rows)
+
+
+def test_a_dspark_draft_trains_with_a_tau_curve_evaluates_its_confidence_and_generates(dflash_run, capsys):
+    """`dflash.draft_variant: dspark` through the stages: `dflash.eval_every` logs τ beside the loss at the steps it
+    names (and the last); the checkpoint names DSpark with its heads; the evaluation reports the confidence head's
+    calibration and the θ curve, every θ keeping the target's greedy text; `dllm-flow generate --confidence-threshold`
+    decodes the same text, and refuses the flag for a plain DFlash draft."""
+    spec, data, workdir, tgt, feats, plain = dflash_run
+    steps = spec.train.steps
+    dspark = _dflash_spec_from(
+        spec,
+        draft_variant="dspark",
+        dspark_markov_rank=8,
+        eval_every=max(steps // 3, 1),
+        eval_every_prompts=2,
+        eval_confidence_thresholds=[0.3, 0.7],
+    )
+    trained = train(dspark, "dflash", data, workdir, inputs={"target": tgt, "features": feats})
+    curve = metric_history(workdir, trained.mlflow_run_id, "dflash/train_tau")
+    every = max(steps // 3, 1)
+    due = sorted({s for s in range(steps) if (s + 1) % every == 0} | {steps - 1})
+    assert [s for s, _ in curve] == due and all(1.0 <= v <= 4.0 for _, v in curve)
+    config = json.loads((model_dir(trained) / "config.json").read_text())
+    assert config["architectures"] == ["DSparkSpeculator"] and config["dflash_config"]["markov_rank"] == 8
+    ev = evaluate(dspark, "dflash", trained, data, workdir)
+    m = ev.info["metrics"]
+    assert m["dflash/exact_match"] == 1.0 and m["dflash/served_skipped"] == 5
+    assert 0.0 <= m["dflash/confidence_ece"] <= 1.0 and m["dflash/confidence_judged"] > 0
+    for theta in ("0.3", "0.7"):
+        assert m[f"dflash/theta{theta}_exact_match"] == 1.0
+        assert m[f"dflash/theta{theta}_verified_per_token"] <= 4.0
+    bench = json.loads((Path(ev.path) / "speculative.json").read_text())
+    rows = bench["confidence"]["rows"]
+    assert [r["theta"] for r in rows] == [0.0, 0.3, 0.7] and rows[0]["verified_ratio"] == 1.0
+    from flows.cli import main
+
+    capsys.readouterr()
+    argv = ["generate", "--prompt", "O", "--max-new-tokens", "8", "--workdir", workdir]
+    assert main([*argv, "--checkpoint", str(model_dir(trained))]) == 0
+    whole = capsys.readouterr().out
+    assert main([*argv, "--checkpoint", str(model_dir(trained)), "--confidence-threshold", "0.5"]) == 0
+    cut = capsys.readouterr()
+    assert cut.out == whole and "confidence-threshold 0.5" in cut.err
+    assert main([*argv, "--checkpoint", str(model_dir(plain)), "--confidence-threshold", "0.5"]) != 0
+    assert "a confidence threshold cuts a block by a DSpark draft's confidence head" in capsys.readouterr().err
