@@ -70,6 +70,8 @@ def make_spec(args, draft: bool = False) -> object:
     `--layers` deep."""
     names = [n for n in REGISTRY if (strategy_class(n).trains == "draft") == draft]
     shape = {"block_size": args.dflash_block, "num_blocks_per_sample": args.dflash_blocks}  # blocks share a row's keys
+    if getattr(args, "dflash_variant", "dflash") != "dflash":  # the draft's variant (docs/strategies.md §10.11-§10.17)
+        shape["draft_variant"] = args.dflash_variant
     overrides = {n: shape for n in names if draft}
     return validate_config(
         {
@@ -361,6 +363,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--draft-layers", type=int, default=1, help="DFlash draft depth (its target is --layers deep)")
     ap.add_argument("--dflash-block", type=int, default=8)
     ap.add_argument("--dflash-blocks", type=int, default=1, help="dflash.num_blocks_per_sample")
+    ap.add_argument(
+        "--dflash-variant",
+        default="dflash",
+        choices=("dflash", "dflash2", "jetspec", "domino", "dspark"),
+        help="dflash.draft_variant of the DFlash draft timed",
+    )
     ap.add_argument(
         "--attn", default="sdpa", choices=("sdpa", "flex_attention", "eager"), help="model.attn_implementation"
     )

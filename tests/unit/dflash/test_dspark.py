@@ -235,3 +235,21 @@ def test_the_zlab_config_round_trips(head_type):
     raw["dflash_config"]["sample_from_anchor"] = True
     with pytest.raises(ValueError, match="sample_from_anchor true"):
         parse_draft_config(raw, "here")
+
+
+def test_the_planner_counts_the_heads_and_their_flops():
+    """`dllm-flow plan` traces the DSpark step itself: the trained parameters are the plain draft's plus both heads'
+    (`dspark_parameters`), and the step counts more FLOPs (the bias's projection to the vocabulary, the TV term)."""
+    from strategies.dflash.dspark import dspark_parameters
+    from strategies.options import load_config
+    from tasks.commands.plan import Cluster, plan_strategy
+
+    cluster = Cluster(gpus=1, device="cuda", memory=None)
+    plans = {}
+    for variant in ("dflash", "dspark"):
+        spec = load_config("configs/dflash.yaml", [f"dflash.draft_variant={variant}"], note=False)
+        plans[variant] = plan_strategy(spec, "dflash", cluster, variants=False, sizing=False)
+    cfg = tiny_draft_config(variant="dspark", hidden_size=128, vocab_size=2048, markov_rank=256)
+    added = plans["dspark"].resident.trainable - plans["dflash"].resident.trainable
+    assert added == dspark_parameters(cfg) == 2 * 2048 * 256 + 128 + 256 + 1
+    assert plans["dspark"].flops_per_token > plans["dflash"].flops_per_token
