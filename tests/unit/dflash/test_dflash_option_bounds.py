@@ -23,6 +23,7 @@ VARIANTS = {
     "dflash2": ["dflash.draft_variant=dflash2"],
     "jetspec": ["dflash.draft_variant=jetspec", "dflash.distill_top_k=32"],
     "domino": ["dflash.draft_variant=domino"],
+    "dspark": ["dflash.draft_variant=dspark"],
     "variable_prefix": ["dflash.loss_type=variable_prefix"],
     "sliding_window": ["dflash.draft_sliding_window=16"],
 }
@@ -53,6 +54,14 @@ OUT_OF_RANGE = [
     ("dflash", "eval_prompts", 17, ["eval.val_rows=16"]),
     ("dflash", "eval_max_new_tokens", 49, []),  # 16 + 49 > the embedded target's 64 positions
     ("dflash", "eval_max_new_tokens", 1 << 21, []),
+    ("dspark", "eval_tree_branches", 8, []),
+    ("dspark", "eval_confidence_thresholds", [0.5, 1.2], []),  # θ bounds a product of probabilities
+    ("dspark", "eval_confidence_thresholds", [0.0], []),
+    ("dspark", "dspark_markov_rank", 0, []),  # the confidence head reads the Markov embedding
+    ("dflash", "dspark_markov_rank", 8, []),  # a DSpark key on a DFlash draft
+    ("dflash2", "dspark_tv_weight", 0.5, []),
+    ("dflash", "eval_every_prompts", 4, []),  # the probe runs only with eval_every
+    ("dflash", "eval_every_prompt_len", 64, ["dflash.eval_every=10"]),  # nothing left to continue in a row of 64
 ]
 # (variant, key, the bound itself, sets beside it): loads
 IN_RANGE = [
@@ -72,6 +81,9 @@ IN_RANGE = [
     ("dflash", "eval_prompt_len", 63, ["dflash.eval_max_new_tokens=1"]),
     ("dflash", "eval_prompts", 128, []),
     ("dflash", "eval_max_new_tokens", 48, []),
+    ("dspark", "eval_confidence_thresholds", [0.1, 0.9], []),
+    ("dspark", "dspark_markov_rank", 0, ["dflash.dspark_confidence_head_with_markov=false"]),
+    ("dflash", "eval_every_prompt_len", 63, ["dflash.eval_every=10"]),
 ]
 
 
