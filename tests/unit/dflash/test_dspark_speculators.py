@@ -4,7 +4,8 @@ unexpected weight (the verifier's embedding, head and norm come from the target'
 logits after its Markov bias and the same confidences (≤ 1e-5, fp32) for every Markov head; walked greedily through
 speculators' own heads (its `block_bias` over the block, one position at a time after the tokens picked so far), its
 proposals are ours token for token; the folder imports back into dllm-flow as the same draft. speculators has no
-decoding loop for DSpark, so the walk around its modules is written here; everything it computes is its own."""
+decoding loop for DSpark, so the walk around its modules is ours (`tasks.speculative.speculators_check`); everything
+it computes is its own."""
 
 import json
 import sys
@@ -18,6 +19,7 @@ from strategies.dflash.config import read_draft_config
 from strategies.dflash.draft import DFlashDraftModel, draft_block_hidden, target_features
 from strategies.dflash.dspark import block_predecessors_all, dspark_walk, teacher_forced
 from strategies.dflash.serving_layout import write_serving_layout
+from tasks.speculative.speculators_check import load_theirs, their_block, their_walk
 
 pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="the speculators package needs Python 3.11+")
 BS = 4
@@ -26,58 +28,6 @@ BS = 4
 @pytest.fixture(scope="module")
 def target():
     return tiny_dflash_target()
-
-
-def _theirs(out):
-    from speculators.models.attention import create_float_mask
-    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
-
-    config = DSparkSpeculatorConfig.from_pretrained(str(out))
-    config.transformer_layer_config._attn_implementation = "eager"
-    model, info = DSparkDraftModel.from_pretrained(str(out), config=config, output_loading_info=True)
-    model.load_verifier_weights()  # (its from_pretrained does this itself unless asked for the loading info)
-    model._attn_impl = "eager"  # its default flex attention needs torch.compile
-    model._create_mask_fn = lambda *a, **kw: create_float_mask(*a, **kw, dtype=torch.float32)
-    return model.eval(), info
-
-
-def _their_block(model, ids, feats, last_hidden, anchors):
-    """speculators' backbone over the blocks at `anchors` ([anchor, MASK …]), then its heads after the true
-    predecessors (sample_from_anchor false: position k after the token at k − 1, the anchor position after itself)."""
-    loss_mask = torch.zeros_like(ids)
-    loss_mask[0, anchors[0]] = 1  # exactly these anchors (speculators draws every marked one, sorted)
-    hidden, logits, _, _, idx = model._backbone_forward(
-        hidden_states=feats,
-        input_ids=ids,
-        loss_mask=loss_mask,
-        verifier_last_hidden_states=last_hidden,
-        document_ids=torch.zeros_like(ids),
-        position_ids=torch.arange(ids.shape[1])[None],
-        max_anchors=anchors.shape[1],
-    )
-    tokens = ids[0, idx].view(-1, BS)
-    prev = torch.cat([tokens[:, :1], tokens[:, :-1]], dim=1)
-    blocks = hidden.view(-1, BS, hidden.shape[-1])
-    emb = model.markov_head.prev_embeddings(prev)
-    biased = logits.view(-1, BS, logits.shape[-1]) + model.markov_head.block_bias(
-        prev_token_ids=prev, hidden_states=blocks, prev_emb=emb
-    )
-    confidence = model.confidence_head(torch.cat([blocks, emb], dim=-1))
-    return blocks, biased, confidence
-
-
-def _their_walk(model, blocks_hidden, base_logits, anchor):
-    """Greedy proposals through speculators' heads: position k's bias from its `block_bias` over the block with the
-    tokens picked so far as predecessors (a position's bias reads only the positions up to it)."""
-    prev = torch.full((1, BS), anchor)
-    picks = []
-    for k in range(1, BS):
-        bias = model.markov_head.block_bias(prev_token_ids=prev, hidden_states=blocks_hidden[None])
-        pick = int((base_logits[k] + bias[0, k]).argmax())
-        picks.append(pick)
-        if k + 1 < BS:
-            prev[0, k + 1] = pick
-    return picks
 
 
 @pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
@@ -100,7 +50,7 @@ def test_speculators_loads_a_trained_dspark_export_and_computes_the_same_block(t
     back = DFlashDraftModel.load(out)
     assert all(torch.equal(back.state_dict()[k], v) for k, v in tensors.items())
 
-    model, info = _theirs(out)
+    model, info = load_theirs(out)
     assert not info["unexpected_keys"] and not info["mismatched_keys"]
     # what it does not read from the export is the verifier's, loaded from the target's folder
     assert not info["missing_keys"]  # (the verifier-owned weights are declared as loaded from the verifier)
@@ -113,7 +63,7 @@ def test_speculators_loads_a_trained_dspark_export_and_computes_the_same_block(t
     with torch.no_grad():
         feats, _, _ = target_features(target, ids, draft.config.target_layer_ids)
         last = target(ids, output_hidden_states=True).hidden_states[-1]
-        blocks, biased, confidence = _their_block(model, ids, feats, last, anchors)
+        blocks, biased, confidence = their_block(model, ids, feats, last, anchors, BS)
         block = torch.full((1, anchors.shape[1] * BS), MASK)
         block[0, ::BS] = ids[0, anchors[0]]
         keep = torch.ones_like(anchors, dtype=torch.bool)
@@ -128,5 +78,4 @@ def test_speculators_loads_a_trained_dspark_export_and_computes_the_same_block(t
         assert float((heads.bias[0, :, 1:]).abs().max()) > 0.05  # the trained head does move the logits
         for i, a in enumerate(anchors[0].tolist()):  # a block drafted alone after each anchor: the same proposals
             ours_walk, _, _ = dspark_walk(draft, h[0, i], target.lm_head(h[0, i, 1:]), int(ids[0, a]), 0.0, None)
-            their_base = model.lm_head(blocks[i]) if hasattr(model, "lm_head") else target.lm_head(blocks[i])
-            assert ours_walk.tolist() == _their_walk(model, blocks[i], their_base, int(ids[0, a]))
+            assert ours_walk.tolist() == their_walk(model, blocks[i], int(ids[0, a]))
