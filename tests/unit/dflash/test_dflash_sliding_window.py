@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from dflashkit import greedy_rows, train_draft
 from safetensors.torch import save_file
 from torch.nn.attention.flex_attention import create_mask
 
@@ -230,19 +231,9 @@ def _trained(target, cfg, steps=60) -> DFlashDraftModel:
     """A sliding-window draft trained a little (under the windowed training masks) on the target's greedy text."""
     torch.manual_seed(0)
     draft = DFlashDraftModel(cfg)
-    prompts = torch.randint(0, 60, (16, 4), generator=torch.Generator().manual_seed(1))
-    rows = sample_continuations(target, prompts, 28, temperature=0.0)
     options = {"block_size": BS, "num_blocks_per_sample": 4, "draft_sliding_window": cfg.sliding_window}
     built = draft_strategy("dflash", options, draft, target, mask_token_id=MASK)
-    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
-    mb = Microbatch(rows, torch.ones_like(rows, dtype=torch.float32), torch.ones_like(rows), torch.arange(len(rows)))
-    for step in range(steps):
-        ctx = StepContext(model=draft, loss_fn=built.loss_fn, mask_token_id=MASK, step=step, base_seed=0)
-        (batch,), n, _ = built.strategy.pre_step(ctx, [mb])
-        built.strategy.forward_backward(ctx, batch, num_diffusion_tokens=n, num_ar_tokens=n, is_train=True)
-        opt.step()
-        opt.zero_grad()
-    return draft.eval()
+    return train_draft(built, draft, greedy_rows(target), steps)
 
 
 @NEEDS_ZLAB
