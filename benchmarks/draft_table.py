@@ -110,9 +110,7 @@ def main() -> None:
         if not curve:
             continue
         print(f"\nθ curve ({r['variant']}):")
-        print(
-            "| θ | τ | τ gain [95 %] | verified per token | ÷ θ=0 [95 %] | time ÷ θ=0 [95 %] | target forwards | exact |"
-        )
+        print("| θ | τ | τ gain [95 %] | verified per token | ÷ θ=0 [95 %] | time ÷ θ=0 [95 %] | target fwd | exact |")
         print("|---|---|---|---|---|---|---|---|")
         for c in curve:
             print(
