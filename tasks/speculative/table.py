@@ -88,6 +88,11 @@ def _sampled_and_tree_lines(spec_rows: list[dict]) -> list[str]:
     trees = [tree_cell(r["strategy"], r["metrics"]) for r in spec_rows if "dflash/tau_tree" in r["metrics"]]
     if trees:
         lines += ["", f"τ with tree branches (docs/strategies.md §10.16; gain over τ paired, 95 %): {', '.join(trees)}"]
+    confident = [
+        confidence_cell(r["strategy"], r["metrics"]) for r in spec_rows if "dflash/confidence_ece" in r["metrics"]
+    ]
+    if confident:
+        lines += ["", "A DSpark draft's confidence head (docs/evaluation.md §4.7.4): " + "; ".join(confident)]
     for r in spec_rows:  # served τ (docs/evaluation.md §4.7.1): what was measured, the interval, the causes found
         notes = served_notes(r["metrics"])
         lines += ["", f"**{r['strategy']}**, as served: " + notes[0], *notes[1:]] if notes else []
@@ -119,3 +124,16 @@ def tree_cell(strategy: str, m: dict) -> str:
     low, high = m["dflash/tau_tree_gain_low"], m["dflash/tau_tree_gain_high"]
     gain = f"{m['dflash/tau_tree_gain']:+.3f} [{low:+.3f}, {high:+.3f}]"
     return f"{strategy} {m['dflash/tau_tree']:.3f} with {int(m['dflash/tree_branches'])} branches ({gain})"
+
+
+def confidence_cell(strategy: str, m: dict) -> str:
+    """The confidence head's calibration and, per θ measured, τ and the target tokens verified per committed token."""
+    auroc = m.get("dflash/confidence_auroc")
+    cell = f"{strategy}: AUROC {'–' if auroc is None else f'{auroc:.3f}'}, ECE {m['dflash/confidence_ece']:.3f}"
+    thetas = sorted({k.split("_")[0][len("dflash/theta") :] for k in m if k.startswith("dflash/theta")}, key=float)
+    cuts = [
+        f"θ {t}: τ {m[f'dflash/theta{t}_tau']:.2f}, {m[f'dflash/theta{t}_verified_per_token']:.2f} verified per token, "
+        f"time × {m[f'dflash/theta{t}_time_ratio']:.2f}"
+        for t in thetas
+    ]
+    return cell + (f" (whole blocks: {m['dflash/tau']:.2f}; " + "; ".join(cuts) + ")" if cuts else "")

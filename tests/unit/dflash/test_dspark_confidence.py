@@ -42,3 +42,20 @@ def test_the_theta_curve_keeps_the_targets_text_and_verifies_less():
     assert strict["verified_ratio_low"] <= strict["verified_ratio"] <= strict["verified_ratio_high"]
     logged = theta_metrics(curve)
     assert logged["dflash/theta0.5_tau"] == half["tau"] and "dflash/confidence_ece" in logged
+
+
+def test_the_reports_confidence_line():
+    from tasks.speculative.table import confidence_cell
+
+    m = {
+        "dflash/tau": 5.0,
+        "dflash/confidence_auroc": 0.8,
+        "dflash/confidence_ece": 0.05,
+        **{f"dflash/theta0.5_{k}": v for k, v in {"tau": 4.5, "verified_per_token": 1.25, "time_ratio": 0.9}.items()},
+        **{f"dflash/theta0.1_{k}": v for k, v in {"tau": 4.9, "verified_per_token": 1.5, "time_ratio": 0.95}.items()},
+    }
+    assert confidence_cell("dflash", m) == (
+        "dflash: AUROC 0.800, ECE 0.050 (whole blocks: 5.00; θ 0.1: τ 4.90, 1.50 verified per token, time × 0.95; "
+        "θ 0.5: τ 4.50, 1.25 verified per token, time × 0.90)"
+    )
+    assert confidence_cell("dflash", {"dflash/confidence_ece": 0.1}) == "dflash: AUROC –, ECE 0.100"
