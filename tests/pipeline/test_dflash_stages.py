@@ -476,3 +476,17 @@ def test_a_dspark_draft_trains_with_a_tau_curve_evaluates_its_confidence_and_gen
     assert cut.out == whole and "confidence-threshold 0.5" in cut.err
     assert main([*argv, "--checkpoint", str(model_dir(plain)), "--confidence-threshold", "0.5"]) != 0
     assert "a confidence threshold cuts a block by a DSpark draft's confidence head" in capsys.readouterr().err
+    # `dllm-flow export`: the speculators layout speculators' DSpark reads, which imports back as the same draft
+    from strategies.dflash.config import read_draft_config
+    from strategies.dflash.draft import DFlashDraftModel
+    from tasks.commands.export import export_checkpoint
+
+    folder = export_checkpoint(str(model_dir(trained)), Path(workdir) / "dspark-export", workdir, fmt="speculators")
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["speculators_model_type"] == "dspark" and raw["sample_from_anchor"] is False
+    # (a speculators config does not record the target's layer count)
+    recorded = read_draft_config(model_dir(trained)).config
+    assert read_draft_config(folder).config == dataclasses.replace(recorded, num_target_layers=None)
+    ours, back = DFlashDraftModel.load(model_dir(trained)).state_dict(), DFlashDraftModel.load(folder).state_dict()
+    assert ours.keys() == back.keys() and all(torch.equal(ours[k], back[k]) for k in ours)
+    assert "speculators' own `DSparkDraftModel` loads it" in (folder / "README.md").read_text()
