@@ -19,7 +19,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dllm_common.checkpoint import read_meta  # noqa: E402
 from strategies.dflash.decoding import sample_continuations  # noqa: E402
 from strategies.dflash.draft import draft_block_hidden, target_features  # noqa: E402
 from strategies.dflash.dspark import block_predecessors_all, dspark_walk, teacher_forced  # noqa: E402
@@ -39,14 +38,17 @@ def main() -> None:
     target, cfg, bs = strat.target, draft.config, draft.config.block_size
     if cfg.variant != "dspark":
         raise SystemExit(f"{args.checkpoint} holds a {cfg.variant} draft, not a DSpark one")
-    meta = read_meta(Path(args.checkpoint))
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, cfg.vocab_size, (args.rows, 4), generator=g)
     rows = sample_continuations(target, prompts, args.length - 4, temperature=0.0)
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
+        out, verifier = Path(tmp) / "draft", Path(tmp) / "verifier"
+        out.mkdir()
+        # the verifier as transformers writes it (a target saved with tied weights under `lm_head.weight` only, as
+        # the embedded default's is, has no `embed_tokens.weight` for speculators' verifier loader to find)
+        target.save_pretrained(verifier)
         tensors = {k: v.detach().clone() for k, v in draft.state_dict().items()}
-        write_serving_layout(out, cfg, tensors, "speculators", meta["target"])
+        write_serving_layout(out, cfg, tensors, "speculators", {"path": str(verifier)})
         raw = json.loads((out / "config.json").read_text())
         shown = {k: raw[k] for k in sorted(raw) if k not in ("transformer_layer_config", "speculators_config")}
         print("config.json (less transformer_layer_config):", json.dumps(shown, indent=1))
