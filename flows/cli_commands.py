@@ -114,6 +114,7 @@ def cmd_generate(args) -> int:
         sampled_proposals=args.sampled_proposals,
         tree_branches=args.tree_branches,
         confidence_threshold=args.confidence_threshold,
+        confidence_rule=args.confidence_rule,
         **({"cache": args.cache} if args.cache else {}),
     )
     redraft = None

@@ -161,6 +161,13 @@ def _add_speculative_options(gen) -> None:
         "confidence head's predicted acceptances falls below THETA (0: whole blocks; docs/strategies.md §10.17)",
     )
     gen.add_argument(
+        "--confidence-rule",
+        default="product",
+        choices=["product", "position"],
+        help="with --confidence-threshold: cut where the running product of predicted acceptances falls below THETA "
+        "(product, the default) or where one position's own does (position, DeepSpec's rule; may verify none)",
+    )
+    gen.add_argument(
         "--redraft",
         default=None,
         help="with --tree-branches: a second draft (path or models:/NAME@ALIAS, trained with dflash.loss_type: "

@@ -49,6 +49,8 @@ class SamplerConfig:
     tree_branches: int = 0
     # speculative decoding, a DSpark draft: cut each block where its predicted acceptance falls below θ (0: off; §10.17)
     confidence_threshold: float = 0.0
+    # how θ cuts: "product" (the running product of predicted acceptances) or "position" (each one's own, DeepSpec's)
+    confidence_rule: str = "product"
 
     def __post_init__(self) -> None:
         # each message names the field and its `dllm-flow generate` flag, so it reads right from either
@@ -69,6 +71,10 @@ class SamplerConfig:
             raise ValueError(
                 "confidence_threshold (--confidence-threshold) must be in [0, 1) (0: verify whole blocks); got "
                 f"{self.confidence_threshold}"
+            )
+        if self.confidence_rule not in ("product", "position"):
+            raise ValueError(
+                f"confidence_rule (--confidence-rule) must be product or position; got {self.confidence_rule!r}"
             )
         if self.tree_branches < 0:
             raise ValueError(f"tree_branches (--tree-branches) must be ≥ 0 (0: one path); got {self.tree_branches}")

@@ -23,7 +23,7 @@ from strategies.dflash.draft import (
     embed_and_head,
     target_features,
 )
-from strategies.dflash.dspark import confident_length, dspark_walk
+from strategies.dflash.dspark import CONFIDENCE_RULES, confident_length, dspark_walk
 from strategies.dflash.tree import DraftTree, select_branch
 from strategies.dflash.window import trim_context
 from strategies.sampling import LOOKUP_MAX_NGRAM, draw
@@ -116,6 +116,7 @@ def speculative_generate(
     sampled_proposals: str | None = None,
     tree: DraftTree | None = None,
     confidence_threshold: float = 0.0,
+    confidence_rule: str = "product",
 ) -> SpeculativeResult:
     """DFlash decoding (docs/strategies.md §10.8): the draft proposes bs − 1 tokens after the anchor in one forward
     (`_propose`: lookup, copy hints, a DFlash 2 / Domino walk), the target verifies them in one forward
@@ -127,12 +128,13 @@ def speculative_generate(
     (T > 0, DFlash 2 / Domino): `walk` or `backbone` (unset: `SAMPLED_DEFAULT`, §10.13). `tree` (greedy only): the
     target verifies the proposal and the tree's branches in one forward, the longest accepted is committed (§10.16).
     `confidence_threshold` θ > 0 (a DSpark draft, §10.17): the block is cut before the first proposal whose running
-    product of predicted acceptances falls below θ (at least one proposal is verified), so the target verifies fewer
-    proposals that would be rejected; the output is unchanged (greedy: the target's own)."""
+    product of predicted acceptances falls below θ (at least one proposal is verified; `confidence_rule: position`,
+    DeepSpec's: whose own predicted acceptance does, possibly the first), so the target verifies fewer proposals that
+    would be rejected; the output is unchanged (greedy: the target's own)."""
     cfg = draft.config
     if tree is not None:
         tree.check(cfg, temperature)
-    check_threshold(cfg, confidence_threshold, tree)
+    check_threshold(cfg, confidence_threshold, tree, confidence_rule)
     bs, device = cfg.block_size, next(draft.parameters()).device
     ids = torch.tensor([prompt], device=device)
     feats, logits, cache = target_features(target, ids, cfg.target_layer_ids, past_key_values=_new_cache(target))
@@ -140,7 +142,7 @@ def speculative_generate(
     committed = len(prompt)  # tokens the target has processed (and whose features we hold)
     ctx, start = trim_context(cfg, feats, 0, committed)  # `start`: the position of ctx's first feature (§10.12)
     acceptance, forwards, lookups, verified, confidences = [], 1, 0, [], []
-    drawing = (temperature, generator, confidence_threshold)
+    drawing = (temperature, generator, (confidence_threshold, confidence_rule))
     while len(out) < max_new_tokens and not (eos_token_id is not None and out[-1] == eos_token_id):
         found = context_lookup(list(prompt) + out, lookup_ngram, bs - 1) if lookup_ngram else []
         trimmed = {"offset": start} if start else {}  # a windowed draft's context starts at `start`
@@ -172,8 +174,10 @@ def speculative_generate(
     return SpeculativeResult(tokens, acceptance, forwards, lookups, verified, confidences if confidences else None)
 
 
-def check_threshold(cfg: DFlashDraftConfig, threshold: float, tree: DraftTree | None = None) -> None:
+def check_threshold(cfg: DFlashDraftConfig, threshold: float, tree: DraftTree | None = None, rule="product") -> None:
     """Refuse a confidence threshold a draft cannot apply, naming what to change."""
+    if rule not in CONFIDENCE_RULES:
+        raise ValueError(f"the confidence rule must be one of {', '.join(CONFIDENCE_RULES)}; got {rule!r}")
     if not threshold:
         return
     if not 0 < threshold < 1:
@@ -215,7 +219,7 @@ def _propose(target, draft, at, history: list[int], found: list[int], drawing, s
         hidden = draft_block_hidden(draft, bs, emb, ctx, anchor, keep, block, **trimmed)[0]
         walk = dspark_walk(draft, hidden, head(hidden[1:]), history[-1], temperature, generator, found)
         proposal, d_logits, conf = walk
-        k = confident_length(conf, threshold)
+        k = confident_length(conf, *threshold)
         return block, proposal[:k], d_logits[:k], None if conf is None else conf[:k]
     if walks:
         emb, head = embed_and_head(target)  # (walked after the looked-up tokens, which lead the block)

@@ -170,13 +170,24 @@ def dspark_walk(
     return torch.tensor(path, device=device), torch.stack(rows), confidence
 
 
-def confident_length(confidence: Tensor | None, threshold: float) -> int | None:
-    """How many of a block's proposals to verify: up to (not including) the first position whose running product of
-    confidences falls below `threshold`, at least one; None (all of them) at θ ≤ 0 or without a confidence head."""
+CONFIDENCE_RULES = ("product", "position")
+
+
+def confident_length(confidence: Tensor | None, threshold: float, rule: str = "product") -> int | None:
+    """How many of a block's proposals to verify; None (all of them) at θ ≤ 0 or without a confidence head.
+    `product` (dllm-flow's default): up to, not including, the first position where the running product of
+    confidences (the predicted chance that every proposal so far stands) falls below θ, at least one. `position`
+    (DeepSpec's rule): up to the first position whose own confidence falls below θ, possibly none (the cycle is then
+    a plain decoding step)."""
     if confidence is None or threshold <= 0:
         return None
-    below = (torch.cumprod(confidence.float(), dim=0) < threshold).nonzero()
-    return max(1, int(below[0, 0])) if len(below) else len(confidence)
+    if rule not in CONFIDENCE_RULES:
+        raise ValueError(f"confidence rule {rule!r} is not one of {', '.join(CONFIDENCE_RULES)}")
+    score = torch.cumprod(confidence.float(), dim=0) if rule == "product" else confidence.float()
+    below = (score < threshold).nonzero()
+    if not len(below):
+        return len(confidence)
+    return max(1, int(below[0, 0])) if rule == "product" else int(below[0, 0])
 
 
 # ---------------------------------------------------------------------------------------- the objective

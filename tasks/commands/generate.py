@@ -121,6 +121,7 @@ def settings_line(sampler: str, config: SamplerConfig, seed: int) -> str:
         "cache": ("cache" in info.decoding, config.cache),
         "tree-branches": (config.tree_branches > 0, config.tree_branches),  # speculative only (check_request)
         "confidence-threshold": (config.confidence_threshold > 0, config.confidence_threshold),
+        "confidence-rule": (config.confidence_threshold > 0, config.confidence_rule),
     }
     return ", ".join([f"sampler {sampler}", *(f"{k} {v}" for k, (read, v) in shown.items() if read), f"seed {seed}"])
 
@@ -155,7 +156,10 @@ def check_request(loaded: Loaded, request: Request) -> list[int]:
     if request.config.tree_branches:  # the second draft must read what the first reads (refused before any decoding)
         speculation_tree(request).check(loaded.model.config, request.config.temperature)
     if request.config.confidence_threshold:  # a DSpark draft's confidence head cuts the blocks (§10.17)
-        check_threshold(loaded.model.config, request.config.confidence_threshold, speculation_tree(request))
+        config = request.config
+        check_threshold(
+            loaded.model.config, config.confidence_threshold, speculation_tree(request), config.confidence_rule
+        )
     context = model_context(loaded.model)
     if context is None:
         return ids
@@ -309,6 +313,7 @@ def _speculative(loaded: Loaded, prompt_ids: list[int], config: SamplerConfig, s
         sampled_proposals=config.sampled_proposals,
         tree=tree,
         confidence_threshold=config.confidence_threshold,
+        confidence_rule=config.confidence_rule,
     )
     seconds = time.perf_counter() - t0
     text = loaded.tokenizer.decode(res.tokens)

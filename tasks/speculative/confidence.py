@@ -11,6 +11,7 @@ import time
 import torch
 
 from strategies.dflash.decoding import speculative_generate
+from strategies.dflash.dspark import CONFIDENCE_RULES
 from tasks.speculative.served import RESAMPLES, paired_bootstrap, ratio
 
 ECE_BINS = 10
@@ -81,63 +82,72 @@ def _bootstrap_ratio(num_a, den_a, num_b, den_b, seed: int) -> tuple[float, floa
 
 
 def threshold_curve(target, draft, prompts, max_new_tokens: int, eos_token_id, thresholds, seed: int) -> dict:
-    """Whole-block verification (θ = 0) and each θ on the same prompts, greedy, the decoders alternating prompt by
-    prompt so machine drift hits them alike (one warm-up call each first): per θ, τ and its paired gain, target tokens
-    verified per committed token and decode time as ratios to θ = 0 (paired bootstrap 95 %), and whether the outputs
-    are θ = 0's token for token (they must be: both are the target's greedy text)."""
-    thetas = [0.0, *[float(t) for t in thresholds]]
-    for t in thetas:
-        speculative_generate(target, draft, prompts[0], 4, eos_token_id, confidence_threshold=t)
-    runs = {t: [] for t in thetas}
-    seconds = {t: [] for t in thetas}
+    """Whole-block verification (θ = 0) and each θ under both cut rules (`product`, dllm-flow's; `position`,
+    DeepSpec's) on the same prompts, greedy, the decoders alternating prompt by prompt so machine drift hits them
+    alike (one warm-up call each first): per (rule, θ), τ and its paired gain, target tokens verified per committed
+    token and decode time as ratios to θ = 0 (paired bootstrap 95 %), and whether the outputs are θ = 0's token for
+    token (they must be: both are the target's greedy text)."""
+    settings = [("whole", 0.0), *[(rule, float(t)) for rule in CONFIDENCE_RULES for t in thresholds]]
+
+    def decode(p, n, setting):
+        rule, t = setting
+        rule = "product" if rule == "whole" else rule
+        return speculative_generate(target, draft, p, n, eos_token_id, confidence_threshold=t, confidence_rule=rule)
+
+    for setting in settings:
+        decode(prompts[0], 4, setting)
+    runs = {s: [] for s in settings}
+    seconds = {s: [] for s in settings}
     for p in prompts:
-        for t in thetas:
+        for setting in settings:
             t0 = time.perf_counter()
-            runs[t].append(speculative_generate(target, draft, p, max_new_tokens, eos_token_id, confidence_threshold=t))
-            seconds[t].append(time.perf_counter() - t0)
-    whole = runs[0.0]
-    committed = [sum(r.acceptance) for r in whole]
-    rows = []
-    for t in thetas:
-        res = runs[t]
-        acc = [r.acceptance for r in res]
-        gain, low, high, _ = paired_bootstrap([r.acceptance for r in whole], acc, seed)
-        verified = [sum(v + 1 for v in r.verified) for r in res]
-        base_verified = [sum(v + 1 for v in r.verified) for r in whole]
-        mine = [sum(r.acceptance) for r in res]
-        v_ratio = _bootstrap_ratio(base_verified, committed, verified, mine, seed)
-        t_ratio = _bootstrap_ratio(seconds[0.0], committed, seconds[t], mine, seed)
-        rows.append(
-            {
-                "theta": t,
-                "tau": ratio(acc),
-                "tau_gain": gain,
-                "tau_gain_low": low,
-                "tau_gain_high": high,
-                "verified_per_token": sum(verified) / max(sum(mine), 1),
-                "verified_ratio": v_ratio[0],
-                "verified_ratio_low": v_ratio[1],
-                "verified_ratio_high": v_ratio[2],
-                "seconds": sum(seconds[t]),
-                "time_ratio": t_ratio[0],
-                "time_ratio_low": t_ratio[1],
-                "time_ratio_high": t_ratio[2],
-                "target_forwards": sum(r.target_forwards for r in res),
-                "exact_match": sum(r.tokens == w.tokens for r, w in zip(res, whole)) / len(prompts),
-            }
-        )
+            runs[setting].append(decode(p, max_new_tokens, setting))
+            seconds[setting].append(time.perf_counter() - t0)
+    whole = runs[settings[0]]
+    rows = [
+        _curve_row(setting, runs[setting], seconds[setting], whole, seconds[settings[0]], seed) for setting in settings
+    ]
     return {
         "rows": rows,
         "calibration": calibration([r.confidences or [] for r in whole], [r.acceptance for r in whole]),
     }
 
 
+def _curve_row(setting, res, seconds, whole, whole_seconds, seed: int) -> dict:
+    """One (rule, θ) of the curve against whole blocks on the same prompts."""
+    acc = [r.acceptance for r in res]
+    gain, low, high, _ = paired_bootstrap([r.acceptance for r in whole], acc, seed)
+    committed, mine = [sum(r.acceptance) for r in whole], [sum(r.acceptance) for r in res]
+    verified = [sum(v + 1 for v in r.verified) for r in res]
+    v_ratio = _bootstrap_ratio([sum(v + 1 for v in r.verified) for r in whole], committed, verified, mine, seed)
+    t_ratio = _bootstrap_ratio(whole_seconds, committed, seconds, mine, seed)
+    return {
+        "rule": setting[0],
+        "theta": setting[1],
+        "tau": ratio(acc),
+        "tau_gain": gain,
+        "tau_gain_low": low,
+        "tau_gain_high": high,
+        "verified_per_token": sum(verified) / max(sum(mine), 1),
+        "verified_ratio": v_ratio[0],
+        "verified_ratio_low": v_ratio[1],
+        "verified_ratio_high": v_ratio[2],
+        "seconds": sum(seconds),
+        "time_ratio": t_ratio[0],
+        "time_ratio_low": t_ratio[1],
+        "time_ratio_high": t_ratio[2],
+        "target_forwards": sum(r.target_forwards for r in res),
+        "exact_match": sum(r.tokens == w.tokens for r, w in zip(res, whole)) / len(res),
+    }
+
+
 def theta_metrics(curve: dict) -> dict:
     """The logged `dflash/*` metrics of a threshold curve: the calibration, and per θ > 0 its τ, verified-per-token and
-    time ratios (θ written with its digits, e.g. `theta0.5_tau`)."""
+    time ratios (θ written with its digits: `theta0.5_tau` under the product rule, `theta0.5_position_tau` under
+    DeepSpec's per-position rule)."""
     cal = curve["calibration"]
     out = {f"dflash/confidence_{k}": v for k, v in cal.items() if v is not None}
     for row in curve["rows"][1:]:
-        name = f"dflash/theta{row['theta']:g}"
+        name = f"dflash/theta{row['theta']:g}" + ("_position" if row["rule"] == "position" else "")
         out.update({f"{name}_{k}": row[k] for k in ("tau", "verified_per_token", "time_ratio", "exact_match")})
     return out

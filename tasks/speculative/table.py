@@ -130,7 +130,10 @@ def confidence_cell(strategy: str, m: dict) -> str:
     """The confidence head's calibration and, per θ measured, τ and the target tokens verified per committed token."""
     auroc = m.get("dflash/confidence_auroc")
     cell = f"{strategy}: AUROC {'–' if auroc is None else f'{auroc:.3f}'}, ECE {m['dflash/confidence_ece']:.3f}"
-    thetas = sorted({k.split("_")[0][len("dflash/theta") :] for k in m if k.startswith("dflash/theta")}, key=float)
+    thetas = sorted(
+        {k.split("_")[0][len("dflash/theta") :] for k in m if k.startswith("dflash/theta") and "_position_" not in k},
+        key=float,
+    )
     cuts = [
         f"θ {t}: τ {m[f'dflash/theta{t}_tau']:.2f}, {m[f'dflash/theta{t}_verified_per_token']:.2f} verified per token, "
         f"time × {m[f'dflash/theta{t}_time_ratio']:.2f}"

@@ -464,7 +464,14 @@ def test_a_dspark_draft_trains_with_a_tau_curve_evaluates_its_confidence_and_gen
         assert m[f"dflash/theta{theta}_verified_per_token"] <= 4.0
     bench = json.loads((Path(ev.path) / "speculative.json").read_text())
     rows = bench["confidence"]["rows"]
-    assert [r["theta"] for r in rows] == [0.0, 0.3, 0.7] and rows[0]["verified_ratio"] == 1.0
+    assert [(r["rule"], r["theta"]) for r in rows] == [
+        ("whole", 0.0),
+        ("product", 0.3),
+        ("product", 0.7),
+        ("position", 0.3),
+        ("position", 0.7),
+    ]
+    assert rows[0]["verified_ratio"] == 1.0 and all(r["exact_match"] == 1.0 for r in rows)
     from flows.cli import main
 
     capsys.readouterr()
@@ -473,7 +480,10 @@ def test_a_dspark_draft_trains_with_a_tau_curve_evaluates_its_confidence_and_gen
     whole = capsys.readouterr().out
     assert main([*argv, "--checkpoint", str(model_dir(trained)), "--confidence-threshold", "0.5"]) == 0
     cut = capsys.readouterr()
-    assert cut.out == whole and "confidence-threshold 0.5" in cut.err
+    assert cut.out == whole and "confidence-threshold 0.5, confidence-rule product" in cut.err
+    rule = ["--confidence-threshold", "0.5", "--confidence-rule", "position"]
+    assert main([*argv, "--checkpoint", str(model_dir(trained)), *rule]) == 0
+    assert capsys.readouterr().out == whole
     assert main([*argv, "--checkpoint", str(model_dir(plain)), "--confidence-threshold", "0.5"]) != 0
     assert "a confidence threshold cuts a block by a DSpark draft's confidence head" in capsys.readouterr().err
     # `dllm-flow export`: the speculators layout speculators' DSpark reads, which imports back as the same draft

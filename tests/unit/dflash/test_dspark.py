@@ -195,6 +195,8 @@ def test_confidence_scheduled_verification_cuts_blocks_and_keeps_the_targets_tex
     draft, rows, _ = trained_dspark(target)
     conf = torch.tensor([0.9, 0.8, 0.3])  # running product 0.9, 0.72, 0.216
     assert [confident_length(conf, t) for t in (0.0, 0.5, 0.8, 0.95)] == [None, 2, 1, 1]
+    # DeepSpec's rule: each position's own confidence, and a block may verify nothing
+    assert [confident_length(conf, t, "position") for t in (0.0, 0.5, 0.85, 0.95, 0.2)] == [None, 2, 1, 0, 3]
     whole_verified = cut_verified = 0
     for prompt in ([1, 2, 3], rows[1, :5].tolist(), rows[2, :8].tolist()):
         whole = speculative_generate(target, draft, prompt, 24)
@@ -205,12 +207,17 @@ def test_confidence_scheduled_verification_cuts_blocks_and_keeps_the_targets_tex
             assert len(c) == v and (v == 1 or math.prod(c) >= 0.6)
         whole_verified += sum(whole.verified)
         cut_verified += sum(cut.verified)
+        none = speculative_generate(target, draft, prompt, 24, confidence_threshold=0.99, confidence_rule="position")
+        assert none.tokens == whole.tokens and set(none.verified) == {0}  # every cycle a plain decoding step
+        assert none.acceptance == [1] * len(none.acceptance)
     assert cut_verified < whole_verified
 
 
 def test_what_is_refused(target):
     with pytest.raises(ValueError, match="confidence head"):
         check_threshold(tiny_draft_config(), 0.5)
+    with pytest.raises(ValueError, match="must be one of product, position"):
+        check_threshold(tiny_draft_config(variant="dspark", markov_rank=8), 0.5, rule="prefix")
     with pytest.raises(ValueError, match=r"in \(0, 1\)"):
         check_threshold(tiny_draft_config(variant="dspark", markov_rank=8), 1.5)
     with pytest.raises(ValueError, match="dspark_confidence_head_with_markov: false"):
@@ -255,8 +262,8 @@ def test_the_planner_counts_the_heads_and_their_flops():
     assert plans["dspark"].flops_per_token > plans["dflash"].flops_per_token
 
 
-@pytest.mark.parametrize("theta", [0.0, 0.6])
-def test_speculative_sampling_through_the_markov_chain_matches_target_sampling(target, theta):
+@pytest.mark.parametrize(("theta", "rule"), [(0.0, "product"), (0.6, "product"), (0.6, "position")])
+def test_speculative_sampling_through_the_markov_chain_matches_target_sampling(target, theta, rule):
     """T = 1, whole blocks and blocks cut by θ: the second generated token (the first the draft proposes, drawn from
     the Markov-biased logits) follows the target's own marginal (chi-square, 200 runs)."""
-    assert second_token_pvalue(target, _dspark(), confidence_threshold=theta) > 1e-4
+    assert second_token_pvalue(target, _dspark(), confidence_threshold=theta, confidence_rule=rule) > 1e-4

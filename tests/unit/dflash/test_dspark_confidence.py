@@ -34,7 +34,8 @@ def test_the_theta_curve_keeps_the_targets_text_and_verifies_less():
     draft, rows, _ = trained_dspark(target)
     prompts = speculative_prompts(rows, rows.new_ones(rows.shape), 4, 6)
     curve = threshold_curve(target, draft, prompts, 20, None, [0.5, 0.9], seed=0)
-    whole, half, strict = curve["rows"]
+    whole, half, strict, *position = curve["rows"]
+    assert [(r["rule"], r["theta"]) for r in position] == [("position", 0.5), ("position", 0.9)]
     assert whole["theta"] == 0.0 and whole["verified_ratio"] == 1.0 and whole["tau_gain"] == 0.0
     assert all(r["exact_match"] == 1.0 for r in curve["rows"])
     assert strict["verified_per_token"] <= half["verified_per_token"] <= whole["verified_per_token"]
@@ -42,6 +43,7 @@ def test_the_theta_curve_keeps_the_targets_text_and_verifies_less():
     assert strict["verified_ratio_low"] <= strict["verified_ratio"] <= strict["verified_ratio_high"]
     logged = theta_metrics(curve)
     assert logged["dflash/theta0.5_tau"] == half["tau"] and "dflash/confidence_ece" in logged
+    assert logged["dflash/theta0.9_position_tau"] == position[1]["tau"]
 
 
 def test_the_reports_confidence_line():
