@@ -118,19 +118,10 @@ def speculative_generate(
     confidence_threshold: float = 0.0,
     confidence_rule: str = "product",
 ) -> SpeculativeResult:
-    """DFlash decoding (docs/strategies.md §10.8): the draft proposes bs − 1 tokens after the anchor in one forward
-    (`_propose`: lookup, copy hints, a DFlash 2 / Domino walk), the target verifies them in one forward
-    (`_verify`), the proposals that stand plus the target's next token are committed, and the target cache is
-    cropped to what was committed. At temperature 0 the output is target-only greedy; above it, proposals are
-    drawn at `temperature` and verified by speculative sampling's rejection step, so the output is distributed as
-    the target's own samples. `lookup_ngram` n > 0: where the last n…4 tokens occurred earlier, what followed them
-    replaces the draft's first proposals (the output is unchanged, only the acceptance moves). `sampled_proposals`
-    (T > 0, DFlash 2 / Domino): `walk` or `backbone` (unset: `SAMPLED_DEFAULT`, §10.13). `tree` (greedy only): the
-    target verifies the proposal and the tree's branches in one forward, the longest accepted is committed (§10.16).
-    `confidence_threshold` θ > 0 (a DSpark draft, §10.17): the block is cut before the first proposal whose running
-    product of predicted acceptances falls below θ (at least one proposal is verified; `confidence_rule: position`,
-    DeepSpec's: whose own predicted acceptance does, possibly the first), so the target verifies fewer proposals that
-    would be rejected; the output is unchanged (greedy: the target's own)."""
+    """DFlash decoding (docs/strategies.md §10.8): the draft proposes after the anchor (`_propose`), the target verifies
+    in one forward (`_verify`) and what stands plus its next token is committed. Greedy at temperature 0, speculative
+    sampling above it. Options, none of which changes the output: `lookup_ngram` (§10.8), `sampled_proposals` (§10.13),
+    `tree` (§10.16), `confidence_threshold` / `confidence_rule` (§10.17)."""
     cfg = draft.config
     if tree is not None:
         tree.check(cfg, temperature)
@@ -152,8 +143,7 @@ def speculative_generate(
         )
         d_logits, proposal, looked_up = _with_lookup(found[: len(proposal)], d_logits, proposal)
         verified.append(len(proposal))
-        if conf is not None:
-            confidences.append(conf.tolist())
+        confidences.extend([] if conf is None else [conf.tolist()])
         lookups += looked_up
         rows = proposal[None] if tree is None else tree.rows(target, ctx, anchor, block, proposal, d_logits, **trimmed)
         v_feats, cache, branch, accepted, nxt = _verify(target, cfg, cache, block, rows, d_logits, drawing[:2])

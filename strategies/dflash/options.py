@@ -206,35 +206,7 @@ class DFlashOptions(StrategyOptions):
         shape = attention_shape_problem(self, spec.model)
         if shape is not None and spec.model.kind != "pretrained":  # an imported draft: checked against it at setup
             raise ConfigError(f"{where(shape[0])} {shape[1]}")
-        only2 = sorted({*SHAPE_DEFAULTS, "selector_loss_weight"} & self.model_fields_set)
-        if self.draft_variant != DFLASH2 and only2:
-            raise ConfigError(
-                f"{where(only2[0])} shapes or trains a DFlash 2 draft and does nothing with draft_variant "
-                f"{self.draft_variant}: drop it, or set draft_variant: dflash2"
-            )
-        only_domino = sorted(k for k in self.model_fields_set if k.startswith("domino_"))
-        if self.draft_variant != DOMINO and only_domino:
-            raise ConfigError(
-                f"{where(only_domino[0])} shapes or trains a Domino draft and does nothing with draft_variant "
-                f"{self.draft_variant}: drop it, or set draft_variant: domino"
-            )
-        only_dspark = sorted(k for k in self.model_fields_set if k.startswith("dspark_"))
-        if self.draft_variant != DSPARK and only_dspark:
-            raise ConfigError(
-                f"{where(only_dspark[0])} shapes or trains a DSpark draft and does nothing with draft_variant "
-                f"{self.draft_variant}: drop it, or set draft_variant: dspark"
-            )
-        probe = sorted(k for k in self.model_fields_set if k.startswith("eval_every_"))
-        if probe and not self.eval_every:
-            raise ConfigError(
-                f"{where(probe[0])} shapes the train stage's τ probe, which runs only with {where('eval_every')} > 0: "
-                "drop it, or set eval_every"
-            )
-        if self.eval_every and self.eval_every_prompt_len >= spec.data.seq_len:
-            raise ConfigError(
-                f"{where('eval_every_prompt_len')} ({self.eval_every_prompt_len}) leaves nothing to continue in a row "
-                f"of data.seq_len ({spec.data.seq_len}) tokens: set it to at most {spec.data.seq_len - 1}"
-            )
+        self._check_variant_keys(spec, where)
         if self.loss_type != FORWARD_KL and "kd_temperature" in self.model_fields_set:
             raise ConfigError(
                 f"{where('kd_temperature')} is the temperature of loss_type forward_kl and does nothing with loss_type "
@@ -268,6 +240,33 @@ class DFlashOptions(StrategyOptions):
         if self.block_size:
             self._check_block_size(spec, where)
         self._check_tree_branches(spec, where)
+
+    def _check_variant_keys(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
+        """A key that shapes or trains another variant (DFlash 2, Domino, DSpark) than `draft_variant`, and the τ
+        probe's keys without `eval_every`, each refused in one line naming it."""
+        given = self.model_fields_set
+        owned = {  # the keys that shape or train one variant's draft
+            DFLASH2: ("DFlash 2", sorted({*SHAPE_DEFAULTS, "selector_loss_weight"} & given)),
+            DOMINO: ("Domino", sorted(k for k in given if k.startswith("domino_"))),
+            DSPARK: ("DSpark", sorted(k for k in given if k.startswith("dspark_"))),
+        }
+        for variant, (name, keys) in owned.items():
+            if self.draft_variant != variant and keys:
+                raise ConfigError(
+                    f"{where(keys[0])} shapes or trains a {name} draft and does nothing with draft_variant "
+                    f"{self.draft_variant}: drop it, or set draft_variant: {variant}"
+                )
+        probe = sorted(k for k in self.model_fields_set if k.startswith("eval_every_"))
+        if probe and not self.eval_every:
+            raise ConfigError(
+                f"{where(probe[0])} shapes the train stage's τ probe, which runs only with {where('eval_every')} > 0: "
+                "drop it, or set eval_every"
+            )
+        if self.eval_every and self.eval_every_prompt_len >= spec.data.seq_len:
+            raise ConfigError(
+                f"{where('eval_every_prompt_len')} ({self.eval_every_prompt_len}) leaves nothing to continue in a row "
+                f"of data.seq_len ({spec.data.seq_len}) tokens: set it to at most {spec.data.seq_len - 1}"
+            )
 
     def _check_tree_branches(self, spec: PipelineSpec, where: Callable[[str], str]) -> None:
         """`dflash.eval_tree_branches` against the positions a block proposes, where the block size is known: the
