@@ -110,12 +110,14 @@ def main() -> None:
         if not curve:
             continue
         print(f"\nθ curve ({r['variant']}):")
-        print("| θ | τ | τ gain [95 %] | verified per token | ÷ θ=0 [95 %] | time ÷ θ=0 [95 %] | target fwd | exact |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(
+            "| rule | θ | τ | τ gain [95 %] | verified/token | ÷ θ=0 [95 %] | time ÷ θ=0 [95 %] | target fwd | exact |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
         for c in curve:
             print(
-                f"| {c['theta']:g} | {c['tau']:.2f} | {c['tau_gain']:+.2f} [{c['tau_gain_low']:+.2f}, "
-                f"{c['tau_gain_high']:+.2f}] | {c['verified_per_token']:.3f} | {c['verified_ratio']:.3f} "
+                f"| {c.get('rule', 'product')} | {c['theta']:g} | {c['tau']:.2f} | {c['tau_gain']:+.2f} "
+                f"[{c['tau_gain_low']:+.2f}, {c['tau_gain_high']:+.2f}] | {c['verified_per_token']:.3f} | {c['verified_ratio']:.3f} "
                 f"[{c['verified_ratio_low']:.3f}, {c['verified_ratio_high']:.3f}] | {c['time_ratio']:.3f} "
                 f"[{c['time_ratio_low']:.3f}, {c['time_ratio_high']:.3f}] | {c['target_forwards']} | "
                 f"{c['exact_match']:.2f} |"
