@@ -119,8 +119,8 @@ def main() -> None:
                 f"| {c.get('rule', 'product')} | {c['theta']:g} | {c['tau']:.2f} | {c['tau_gain']:+.2f} "
                 f"[{c['tau_gain_low']:+.2f}, {c['tau_gain_high']:+.2f}] | {c['verified_per_token']:.3f} | "
                 f"{c['verified_ratio']:.3f} [{c['verified_ratio_low']:.3f}, {c['verified_ratio_high']:.3f}] | "
-                f"{c['time_ratio']:.3f} [{c['time_ratio_low']:.3f}, {c['time_ratio_high']:.3f}] | {c['target_forwards']} | "
-                f"{c['exact_match']:.2f} |"
+                f"{c['time_ratio']:.3f} [{c['time_ratio_low']:.3f}, {c['time_ratio_high']:.3f}] | "
+                f"{c['target_forwards']} | {c['exact_match']:.2f} |"
             )
 
 
