@@ -26,7 +26,7 @@ from strategies.dflash.draft import (
 from strategies.dflash.dspark import CONFIDENCE_RULES, confident_length, dspark_walk
 from strategies.dflash.tree import DraftTree, select_branch
 from strategies.dflash.window import trim_context
-from strategies.sampling import LOOKUP_MAX_NGRAM, draw
+from strategies.drawing import LOOKUP_MAX_NGRAM, draw
 
 
 @dataclass
@@ -247,6 +247,17 @@ def speculative_prompts(ids, attn, count: int, length: int) -> list[list[int]]:
         raise ValueError(f"no validation row has more than the prompt length={length} tokens; lower it")
     stride = max(len(rows) // count, 1)
     return [ids[r, :length].tolist() for r in rows[::stride][:count]]
+
+
+@torch.no_grad()
+def probe_tau(target, draft, ids, attn, count: int, length: int, max_new_tokens: int) -> float:
+    """τ of greedy speculative decoding of `count` held-out prompts (`speculative_prompts`), `max_new_tokens` each:
+    the train stage's `dflash/train_tau` (docs/evaluation.md §4.7.3)."""
+    runs = [
+        speculative_generate(target, draft, p, max_new_tokens) for p in speculative_prompts(ids, attn, count, length)
+    ]
+    cycles = [a for r in runs for a in r.acceptance]
+    return sum(cycles) / max(len(cycles), 1)
 
 
 def _new_cache(target: nn.Module):

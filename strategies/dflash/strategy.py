@@ -24,7 +24,6 @@ from dllm_common.config import DFlashConfig
 from strategies.base import CorruptedBatch, DLLMStrategy, Microbatch, SetupContext, StepContext, global_sum
 from strategies.corruption import corrupt_uniform
 from strategies.dflash.blocks import CopyHints, copy_hints, sample_anchor_blocks
-from strategies.dflash.decoding import speculative_generate, speculative_prompts
 from strategies.dflash.dflash2 import (
     block_predecessors,
     per_offset_correct,
@@ -55,11 +54,15 @@ from strategies.dflash.options import (
 from strategies.dflash.prefix import draw_prefix_lengths, prefix_generator, reveal_prefix
 from strategies.dflash.window_config import options_mismatch
 from strategies.losses import DLLMLossOutput
-from strategies.registration import StrategyOptions
+from strategies.registration import StrategyOptions, load_object
 from strategies.seeding import seeded_generator
 
 # the `dflash` keys only the evaluation reads (every `eval_*` one): out of the training's key, in the evaluation's
 EVAL_ONLY = {name for name in DFlashConfig.model_fields if name.startswith("eval_")}
+# the decoder the τ probe runs, spelled "module:function" so the train stage's key does not hold it
+# (docs/architecture.md, "Stage keys"): the probe only logs a metric, the weights never depend on it, so editing the
+# decoder re-evaluates and never retrains (tests/pipeline/test_eval_lineage.py)
+PROBE = "strategies.dflash.decoding:probe_tau"
 
 
 @dataclass(frozen=True)
@@ -217,11 +220,9 @@ class DFlashStrategy(DLLMStrategy):
         `eval_every_prompt_len` tokens of validation rows spread over the split, `eval_every_max_new_tokens` new tokens
         each) with the draft as it stands, so a curve beside the loss shows when the draft stops improving."""
         o = self.options
-        prompts = speculative_prompts(val_ids, val_attention, o.eval_every_prompts, o.eval_every_prompt_len)
         draft = getattr(model, "module", model)
-        runs = [speculative_generate(self.target, draft, p, o.eval_every_max_new_tokens) for p in prompts]
-        cycles = [a for r in runs for a in r.acceptance]
-        return {"dflash/train_tau": sum(cycles) / max(len(cycles), 1)}
+        shape = (o.eval_every_prompts, o.eval_every_prompt_len, o.eval_every_max_new_tokens)
+        return {"dflash/train_tau": load_object(PROBE)(self.target, draft, val_ids, val_attention, *shape)}
 
     # ------------------------------------------------------------------ interface-only hooks (docs/strategies.md §8.5)
 
